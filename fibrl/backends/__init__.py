@@ -1,0 +1,41 @@
+"""Backends start, watch, stop and log jobs; they know nothing of pools or queues.
+
+A backend is chosen by name and imported only when first used, so ``import
+fibrl`` never imports docker or kubernetes.
+"""
+from __future__ import annotations
+
+import importlib
+import threading
+
+from ..config import Config
+from ..errors import ConfigError
+from .base import Backend, Job, JobSpec, JobStatus
+
+__all__ = ["Backend", "Job", "JobSpec", "JobStatus", "get_backend", "REGISTRY"]
+
+REGISTRY = {
+    "local": "fibrl.backends.local:LocalBackend",
+    "docker": "fibrl.backends.docker:DockerBackend",
+    "kubernetes": "fibrl.backends.kubernetes:KubernetesBackend",
+}
+
+_instances: dict = {}
+_lock = threading.Lock()
+
+
+def get_backend(config: Config) -> Backend:
+    """The backend instance for ``config`` (one per backend name and config)."""
+    key = (config.backend, config)
+    with _lock:
+        backend = _instances.get(key)
+        if backend is None:
+            try:
+                path = REGISTRY[config.backend]
+            except KeyError:
+                raise ConfigError(f"unknown backend {config.backend!r}; "
+                                  f"choose one of {', '.join(REGISTRY)}") from None
+            module, _, name = path.partition(":")
+            cls = getattr(importlib.import_module(module), name)
+            backend = _instances[key] = cls(config)
+    return backend

@@ -1,0 +1,122 @@
+"""The backend interface: what every place that runs workers must provide.
+
+A backend turns a :class:`JobSpec` (command, image, env, resources, labels,
+name) into a running :class:`Job` and reports on it. Everything above the
+backends talks to workers over ``transport``; backends only start, watch,
+stop and log.
+"""
+from __future__ import annotations
+
+import abc
+import enum
+from dataclasses import dataclass, field
+from typing import Mapping, Optional
+
+from ..config import Config
+
+__all__ = ["Backend", "Job", "JobSpec", "JobStatus"]
+
+
+class JobStatus(enum.Enum):
+    PENDING = "pending"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """What to run and with which resources.
+
+    Attributes:
+        command: argv of the worker, e.g. ``("python", "-m", "fibrl.bootstrap", addr)``.
+        image: container image (ignored by the local backend).
+        env: extra environment variables (the run's secret among them).
+        cpu, memory, gpu: resource limits (0 / "" / 0: none).
+        volumes: ``(host_path, container_path, read_only)`` triples.
+        labels: key/value tags that identify the run, parent and role.
+        name: a human-readable job name (backends sanitize it).
+        workdir: working directory of the worker ("": backend default).
+    """
+
+    command: tuple
+    image: str = ""
+    env: Mapping[str, str] = field(default_factory=dict)
+    cpu: float = 0.0
+    memory: str = ""
+    gpu: int = 0
+    volumes: tuple = ()
+    labels: Mapping[str, str] = field(default_factory=dict)
+    name: str = "fibrl-worker"
+    workdir: str = ""
+
+
+class Job(abc.ABC):
+    """One started worker, as its backend sees it."""
+
+    spec: JobSpec
+
+    @property
+    @abc.abstractmethod
+    def id(self) -> str:
+        """Backend identifier (pid, container id, pod name)."""
+
+    @property
+    def pid(self) -> Optional[int]:
+        """Process id when it is meaningful on this machine, else None."""
+        return None
+
+    @abc.abstractmethod
+    def status(self) -> JobStatus:
+        """Current state, without blocking long."""
+
+    @abc.abstractmethod
+    def wait(self, timeout: Optional[float] = None) -> Optional[int]:
+        """Block until the job ends; return its exit code (negative: killed by
+        that signal), or None when ``timeout`` passed first."""
+
+    @abc.abstractmethod
+    def terminate(self) -> None:
+        """Ask the job to stop (SIGTERM)."""
+
+    @abc.abstractmethod
+    def kill(self) -> None:
+        """Stop the job now (SIGKILL)."""
+
+    def logs(self) -> str:
+        """Whatever the job printed, when the backend keeps it ("" otherwise)."""
+        return ""
+
+    def failure_reason(self) -> str:
+        """Why the job ended badly in the backend's words (e.g. "OOMKilled"), or ""."""
+        return ""
+
+    def remove(self) -> None:
+        """Free what the backend keeps for an ended job."""
+
+
+class Backend(abc.ABC):
+    """Starts jobs. One instance per process and config."""
+
+    name: str = ""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+
+    @abc.abstractmethod
+    def create_job(self, spec: JobSpec) -> Job:
+        """Start ``spec``; raise :class:`fibrl.errors.BackendError` with the fix if impossible."""
+
+    def cpu_count(self) -> int:
+        """How many CPUs this backend offers a Pool (``Pool(processes=None)``)."""
+        import os
+
+        return os.cpu_count() or 1
+
+    def python(self) -> str:
+        """The interpreter command that workers of this backend run."""
+        return "python"
+
+    def listen_host(self) -> str:
+        """Address the parent must listen on so workers can reach it."""
+        return self.config.listen_host

@@ -1,0 +1,79 @@
+"""The worker entry point: ``python -m fibrl.bootstrap <parent address> <handover id>``.
+
+Owns the worker's side of a start (see DESIGN.md, "How a worker starts"):
+connect back to the parent's hub, prove knowledge of the run's secret (from
+``FIBRL_SECRET``), receive the pickled process object with the parent's
+config and what spawn needs to rebuild ``__main__``, run it, and exit with its
+exit code. The worker also exits by itself when the parent goes away: the
+connection drops, or heartbeats stop being answered for ``parent_timeout``.
+
+It imports as little as possible before connecting: start latency matters.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import threading
+
+
+def _parent_lost(reason: str) -> None:
+    try:
+        sys.stderr.write(f"fibrl worker {os.getpid()}: {reason}; exiting.\n")
+        sys.stderr.flush()
+    finally:
+        os._exit(255)
+
+
+def _heartbeat(client, interval: float, limit: float, stop: threading.Event) -> None:
+    while not stop.wait(interval):
+        handle = client.call("hub", "ping", ())
+        if not handle.wait(limit) and not stop.is_set():
+            _parent_lost(f"the parent did not answer a heartbeat within {limit:.0f} s")
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 3:
+        sys.stderr.write("usage: python -m fibrl.bootstrap <parent address> <handover id>\n")
+        return 2
+    address, oid = argv[1], argv[2]
+    secret_hex = os.environ.pop("FIBRL_SECRET", "")
+    if not secret_hex:
+        sys.stderr.write("fibrl worker: FIBRL_SECRET is not set; refusing to start.\n")
+        return 2
+
+    from multiprocessing import process as mp_process
+    from multiprocessing import spawn as mp_spawn
+
+    from . import context, hub as hub_module, serialization
+    from .config import Config
+
+    secret = bytes.fromhex(secret_hex)
+    mp_process.current_process().authkey = secret
+    hub = hub_module.Hub(secret, connect_timeout=Config().start_timeout)
+    hub_module.install_hub(hub)
+    client = hub.client(address)
+    exiting = threading.Event()
+    client.on_lost(lambda: exiting.is_set() or _parent_lost("lost the connection to the parent"))
+    start = client.call(oid, "payload", (os.getpid(),)).get(Config().start_timeout)
+    context.install_config(start.config)
+    hub.host = start.config.listen_host
+    hub.auth_timeout = start.config.auth_timeout
+    threading.Thread(target=_heartbeat, daemon=True, name="fibrl-heartbeat",
+                     args=(client, start.config.heartbeat_interval,
+                           start.config.parent_timeout, exiting)).start()
+
+    mp_process.current_process()._inheriting = True
+    try:
+        mp_spawn.prepare(start.preparation)
+        process_obj = serialization.loads(start.process)
+    finally:
+        del mp_process.current_process()._inheriting
+    parent_r, parent_w = os.pipe()  # the parent "sentinel": closed only when we exit
+    exitcode = process_obj._bootstrap(parent_sentinel=parent_r)
+    exiting.set()
+    hub.flush(10.0)
+    return exitcode
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

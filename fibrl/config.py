@@ -1,0 +1,184 @@
+"""Configuration: one frozen object, resolved from four sources.
+
+Precedence, strongest first: keyword arguments (``fibrl.init(**kw)``),
+``FIBRL_<KEY>`` environment variables, a ``.fibrlconfig`` file (``key = value``
+lines, optionally under a ``[fibrl]`` header) in the current directory, and the
+defaults below. Unknown keys are rejected with the list of valid ones; values
+from text sources are parsed to the field's type (``FIBRL_DEBUG=false`` is
+``False``).
+
+This module owns parsing and validation only. The config in force belongs to a
+context (``fibrl.context``), never to a module global; the parent hands its
+config to every worker it starts.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import typing
+from pathlib import Path
+from typing import Any, Mapping
+
+from .errors import ConfigError
+
+__all__ = ["Config", "resolve", "BACKENDS"]
+
+BACKENDS = ("local", "docker", "kubernetes")
+CONFIG_FILE = ".fibrlconfig"
+ENV_PREFIX = "FIBRL_"
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Settings of a fibrl run. Build one with :func:`resolve` or ``fibrl.init``.
+
+    Example:
+        >>> Config(backend="local").backend
+        'local'
+    """
+
+    backend: str = "local"
+    """Where workers run: ``local`` processes, ``docker`` containers or ``kubernetes`` pods."""
+    listen_host: str = "127.0.0.1"
+    """Address this process listens on for its workers; must be reachable by them."""
+    debug: bool = False
+    """Log transport and lifecycle events at DEBUG level."""
+    start_timeout: float = 120.0
+    """Seconds a new worker has to connect back before its start is reported failed."""
+    auth_timeout: float = 10.0
+    """Seconds a connecting peer has to finish the authentication handshake."""
+    heartbeat_interval: float = 5.0
+    """Seconds between liveness pings from a worker to its parent."""
+    parent_timeout: float = 30.0
+    """A worker that hears nothing from its parent for this long exits by itself."""
+    max_task_retries: int = 3
+    """Pool: how many times a task is resubmitted after its worker was lost."""
+    image: str = "fibrl:latest"
+    """Container image of docker and kubernetes workers."""
+    cpu: float = 0.0
+    """Default CPU limit per container worker (0: none)."""
+    memory: str = ""
+    """Default memory limit per container worker, e.g. ``512m`` (empty: none)."""
+    gpu: int = 0
+    """Default number of GPUs per container worker."""
+    docker_network: str = "host"
+    """Docker network mode of worker containers."""
+    docker_mount_cwd: bool = True
+    """Mount the parent's working directory into docker workers."""
+    docker_mount_readonly: bool = True
+    """Mount that directory read-only."""
+    docker_workdir: str = ""
+    """Working directory inside docker workers (empty: the parent's path)."""
+    kubernetes_namespace: str = "default"
+    """Namespace of worker pods."""
+    kubernetes_service_account: str = ""
+    """Service account of worker pods (empty: the namespace default)."""
+    kubernetes_kubeconfig: str = ""
+    """Path of a kubeconfig (empty: in-cluster config, then ``~/.kube/config``)."""
+
+    def replace(self, **changes: Any) -> "Config":
+        """Return a copy with ``changes`` applied and validated."""
+        return resolve(changes, base=self, environ={}, cwd=None)
+
+
+def _fields() -> dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(Config)}
+
+
+def _check_keys(keys, source: str) -> None:
+    valid = _fields()
+    unknown = sorted(k for k in keys if k not in valid)
+    if unknown:
+        raise ConfigError(
+            f"unknown fibrl config key(s) {unknown} in {source}. "
+            f"Valid keys: {', '.join(sorted(valid))}. Fix the spelling or remove the key.")
+
+
+def _parse(name: str, value: Any, source: str) -> Any:
+    kind = typing.get_type_hints(Config)[name]
+    try:
+        if kind is bool:
+            return _parse_bool(value)
+        if kind in (int, float):
+            return kind(value)
+        return str(value)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(
+            f"config key {name!r} from {source} must be {kind.__name__}, got {value!r}. "
+            f"Fix the value (for example {name}={getattr(Config(), name)!r}).") from exc
+
+
+def _parse_bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"not a boolean: {value!r}")
+
+
+def _from_env(environ: Mapping[str, str]) -> dict[str, str]:
+    found = {k[len(ENV_PREFIX):].lower(): v for k, v in environ.items()
+             if k.startswith(ENV_PREFIX) and k not in _ENV_NOT_CONFIG}
+    _check_keys(found, "environment variables FIBRL_*")
+    return found
+
+
+# Variables the runtime itself passes to workers; they are not config keys.
+_ENV_NOT_CONFIG = frozenset({"FIBRL_SECRET", "FIBRL_RUN_ID", "FIBRL_TOKEN", "FIBRL_PARENT"})
+
+
+def _from_file(path: Path) -> dict[str, str]:
+    if not path.is_file():
+        return {}
+    found: dict[str, str] = {}
+    for lineno, raw in enumerate(path.read_text().splitlines(), 1):
+        line = raw.split("#", 1)[0].strip()
+        if not line or line.lower() == "[fibrl]":
+            continue
+        if "=" not in line:
+            raise ConfigError(f"{path}:{lineno}: expected 'key = value', got {raw!r}.")
+        key, value = (part.strip() for part in line.split("=", 1))
+        found[key] = value.strip("'\"")
+    _check_keys(found, str(path))
+    return found
+
+
+def resolve(overrides: Mapping[str, Any] | None = None, *, base: Config | None = None,
+            environ: Mapping[str, str] | None = None, cwd: str | None = ".") -> Config:
+    """Build a :class:`Config` from overrides, ``FIBRL_*`` variables, the file and defaults.
+
+    Args:
+        overrides: explicit settings (strongest).
+        base: start from this config instead of the defaults (then file and
+            environment are skipped unless given).
+        environ: environment to read (default ``os.environ``).
+        cwd: directory holding ``.fibrlconfig``; ``None`` skips the file.
+    """
+    overrides = dict(overrides or {})
+    _check_keys(overrides, "fibrl.init() arguments")
+    merged: dict[str, tuple[Any, str]] = {}
+    if cwd is not None:
+        path = Path(cwd) / CONFIG_FILE
+        merged.update({k: (v, str(path)) for k, v in _from_file(path).items()})
+    env = os.environ if environ is None else environ
+    merged.update({k: (v, f"FIBRL_{k.upper()}") for k, v in _from_env(env).items()})
+    merged.update({k: (v, "fibrl.init()") for k, v in overrides.items()})
+    values = {k: _parse(k, v, src) for k, (v, src) in merged.items()}
+    config = dataclasses.replace(base or Config(), **values)
+    _validate(config)
+    return config
+
+
+def _validate(config: Config) -> None:
+    if config.backend not in BACKENDS:
+        raise ConfigError(
+            f"backend {config.backend!r} is not known. Choose one of {', '.join(BACKENDS)} "
+            f"(fibrl.init(backend=...) or FIBRL_BACKEND).")
+    for name in ("start_timeout", "auth_timeout", "heartbeat_interval", "parent_timeout"):
+        if getattr(config, name) <= 0:
+            raise ConfigError(f"config {name} must be > 0 seconds, got {getattr(config, name)}.")
+    if config.max_task_retries < 0:
+        raise ConfigError(f"config max_task_retries must be >= 0, got {config.max_task_retries}.")

@@ -1,0 +1,649 @@
+"""Hosting objects for other processes, and calling objects they host.
+
+Every fibrl process owns at most one :class:`Hub`. It hosts *services*
+(queues, pipe ends, locks, a job's hand-over, a pool's dispatcher...) under an
+object id, and reaches services hosted by other processes through one
+:class:`Client` per remote hub. A service's methods never block the thread that
+calls them: an operation that must wait (``get`` on an empty queue) *parks*
+its reply and answers later, from whichever thread makes it possible, or from
+the timer thread when its deadline passes. The service, not the caller, owns
+every deadline, so an item is handed out exactly once.
+
+Data flow::
+
+    caller thread                  remote hub process
+    hub.call(addr, oid, m, args)
+      |  local oid? --> service.dispatch(m, args, _LocalReply) --> Event
+      v
+    Client ---- feeder thread batches one-way Calls ----> Listener peer thread
+      ^         (a synchronous call is sent inline)         | loads(frame)
+      |                                                     v
+    reader thread <------- Reply(rid) -------------- service.dispatch(m, args, _PeerReply)
+      | resolves the Handle with that rid                   | parks or answers now
+      v                                                     v
+    Handle.get(timeout)                             Timers: deadlines of parked replies
+
+This module owns the dispatching and waiting. It does not own the meaning of
+any service (``queues``, ``connection``, ``synchronize``, ``pool``,
+``managers``) nor the wire (``transport``, ``serialization``).
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import os
+import threading
+import time
+import traceback
+from collections import deque
+from typing import Any, Callable, Optional
+
+from . import serialization
+from .errors import ChannelClosed, RemoteObjectError, RemoteTraceback, TransportError
+from .messages import Call, RemoteError, Reply, blob
+
+__all__ = ["Hub", "Handle", "Service", "Client", "get_hub", "raise_remote"]
+
+log = logging.getLogger(__name__)
+
+_ids = itertools.count(1)
+
+
+def new_oid(kind: str) -> str:
+    """A process-unique object id such as ``queue-7``."""
+    return f"{kind}-{next(_ids)}"
+
+
+def raise_remote(err: RemoteError) -> None:
+    """Raise a remote exception with its own type and its traceback as ``__cause__``."""
+    exc = err.exc
+    if err.tb:
+        raise exc from RemoteTraceback(err.tb)
+    raise exc
+
+
+def _as_remote(exc: BaseException) -> RemoteError:
+    tb = ""
+    if exc.__traceback__ is not None:
+        text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        tb = f'\n"""\n{text}"""'
+    try:
+        serialization.dumps(exc)
+    except Exception:
+        exc = RemoteObjectError(f"{type(exc).__name__}: {exc}")
+    exc.__traceback__ = None
+    exc.__context__ = exc.__cause__ = None
+    return RemoteError(exc, tb)
+
+
+class Handle:
+    """The pending result of a call: ``get(timeout)``, ``ready()``, ``wait(timeout)``.
+
+    Example:
+        >>> h = Handle(); h._resolve(True, 3); h.get(1)
+        3
+    """
+
+    __slots__ = ("_event", "_ok", "_value", "_callbacks", "__weakref__")
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self._ok = True
+        self._value: Any = None
+        self._callbacks: list[Callable[["Handle"], None]] = []
+
+    def _resolve(self, ok: bool, value: Any) -> None:
+        if self._event.is_set():
+            return
+        self._ok, self._value = ok, value
+        self._event.set()
+        for cb in self._callbacks:
+            cb(self)
+
+    def add_done_callback(self, fn: Callable[["Handle"], None]) -> None:
+        """Run ``fn(handle)`` when the result arrives (at once if it has)."""
+        self._callbacks.append(fn)
+        if self._event.is_set():
+            fn(self)
+
+    def ready(self) -> bool:
+        return self._event.is_set()
+
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        return self._event.wait(timeout)
+
+    def successful(self) -> bool:
+        if not self.ready():
+            raise ValueError(f"{self!r} not ready")
+        return self._ok
+
+    def get(self, timeout: Optional[float] = None) -> Any:
+        """Return the result, raise the remote error, or raise ``TimeoutError``."""
+        if not self._event.wait(timeout):
+            raise TimeoutError(f"no result within {timeout} s")
+        if not self._ok:
+            if isinstance(self._value, RemoteError):
+                raise_remote(self._value)
+            raise self._value
+        return self._value
+
+
+class ReplySink:
+    """Where a service sends the answer to one call (the caller's handle, or a peer)."""
+
+    __slots__ = ("peer",)
+    wanted = True
+
+    def __call__(self, value: Any = None) -> bool:
+        """Answer with ``value``; False when the caller is gone (re-queue what you gave)."""
+        raise NotImplementedError
+
+    def fail(self, exc: BaseException) -> bool:
+        raise NotImplementedError
+
+
+class _LocalReply(ReplySink):
+    __slots__ = ("handle",)
+
+    def __init__(self, handle: Handle) -> None:
+        self.peer = None
+        self.handle = handle
+
+    def __call__(self, value: Any = None) -> bool:
+        self.handle._resolve(True, value)
+        return True
+
+    def fail(self, exc: BaseException) -> bool:
+        self.handle._resolve(False, _as_remote(exc) if exc.__traceback__ else exc)
+        return True
+
+
+class _PeerReply(ReplySink):
+    __slots__ = ("rid",)
+
+    def __init__(self, peer, rid: int) -> None:
+        self.peer = peer
+        self.rid = rid
+
+    @property
+    def wanted(self) -> bool:  # type: ignore[override]
+        return self.rid != 0
+
+    def _send(self, reply: Reply) -> bool:
+        if self.rid == 0 or self.peer.closed:
+            return self.rid == 0
+        try:
+            self.peer.send(serialization.dumps(reply))
+            return True
+        except ChannelClosed:
+            return False
+
+    def __call__(self, value: Any = None) -> bool:
+        if type(value) is bytes:
+            value = blob(value)
+        return self._send(Reply(self.rid, True, value))
+
+    def fail(self, exc: BaseException) -> bool:
+        if self.rid == 0:
+            log.error("one-way call failed: %r", exc, exc_info=exc)
+            return True
+        return self._send(Reply(self.rid, False, _as_remote(exc)))
+
+
+class Service:
+    """An object hosted by a hub. Subclasses define ``op_<name>(reply, *args)``.
+
+    An ``op_`` method either answers at once (``reply(value)``), raises (the
+    caller gets the exception), or keeps ``reply`` to answer later. It must not
+    block. ``peer_lost`` lets a service drop what it parked for a dead peer.
+    """
+
+    oid: str = ""
+    hub: "Hub"
+
+    def dispatch(self, method: str, args: tuple, reply: ReplySink) -> None:
+        try:
+            op = getattr(self, "op_" + method)
+        except AttributeError:
+            reply.fail(RemoteObjectError(
+                f"{type(self).__name__} {self.oid!r} has no operation {method!r}"))
+            return
+        try:
+            op(reply, *args)
+        except BaseException as exc:  # the caller gets it, with its traceback
+            reply.fail(exc)
+
+    def peer_lost(self, peer) -> None:
+        """A connected process went away; drop replies parked for it."""
+
+    def closed(self) -> None:
+        """The service was unregistered; fail whatever is still parked."""
+
+
+class Timers:
+    """One thread that runs callbacks at deadlines (for parked replies)."""
+
+    def __init__(self) -> None:
+        self._heap: list = []
+        self._cond = threading.Condition()
+        self._seq = itertools.count()
+        self._thread: Optional[threading.Thread] = None
+
+    def call_at(self, deadline: float, fn: Callable[[], None]) -> list:
+        """Run ``fn`` at ``time.monotonic() >= deadline``; returns a cancellable entry."""
+        entry = [deadline, next(self._seq), fn]
+        with self._cond:
+            heapq.heappush(self._heap, entry)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, daemon=True,
+                                                 name="fibrl-timers")
+                self._thread.start()
+            if self._heap[0] is entry:
+                self._cond.notify()
+        return entry
+
+    @staticmethod
+    def cancel(entry: list) -> None:
+        entry[2] = None
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._heap or self._heap[0][0] > time.monotonic():
+                    delay = self._heap[0][0] - time.monotonic() if self._heap else None
+                    self._cond.wait(delay)
+                fn = heapq.heappop(self._heap)[2]
+            if fn is not None:
+                try:
+                    fn()
+                except Exception:
+                    log.exception("timer callback failed")
+
+
+class Client:
+    """A connection to another process's hub, shared by all threads of this process."""
+
+    def __init__(self, hub: "Hub", address: str, timeout: float) -> None:
+        from .transport import Channel
+
+        self.address = address
+        self._hub = hub
+        self._channel = Channel.connect(address, hub.secret, timeout)
+        self._pending: dict[int, Handle] = {}
+        self._rids = itertools.count(1)
+        self._lock = threading.Lock()
+        self._outbox: deque = deque()
+        self._sending = False
+        self._idle = threading.Condition(self._lock)
+        self._feeder: Optional[threading.Thread] = None
+        self._wake = threading.Event()
+        self.lost = False
+        self._lost_callbacks: list[Callable[[], None]] = []
+        self._reader = threading.Thread(target=self._read, daemon=True,
+                                        name=f"fibrl-client-{address}")
+        self._reader.start()
+        self._channel.on_lost(self._on_lost)
+
+    # -- sending -------------------------------------------------------------
+    def call(self, oid: str, method: str, args: tuple) -> Handle:
+        """Send a call whose reply resolves the returned :class:`Handle`."""
+        handle = Handle()
+        with self._lock:
+            if self.lost:
+                handle._resolve(False, self._lost_error())
+                return handle
+            rid = next(self._rids)
+            self._pending[rid] = handle
+        self._submit(Call(rid, oid, method, _wrap(args)), inline=True)
+        return handle
+
+    def send(self, oid: str, method: str, args: tuple) -> None:
+        """Send a one-way call (no reply); batched with others by the feeder thread."""
+        if self.lost:
+            raise self._lost_error()
+        self._submit(Call(0, oid, method, _wrap(args)), inline=False)
+
+    def _submit(self, call: Call, inline: bool) -> None:
+        with self._lock:
+            if inline and not self._outbox and not self._sending:
+                self._sending = True
+            else:
+                self._outbox.append(call)
+                self._start_feeder()
+                return
+        try:
+            self._transmit([call])
+        finally:
+            with self._lock:
+                self._sending = False
+                if self._outbox:
+                    self._wake.set()
+                else:
+                    self._idle.notify_all()
+
+    def _start_feeder(self) -> None:
+        if self._feeder is None:
+            self._feeder = threading.Thread(target=self._feed, daemon=True,
+                                            name=f"fibrl-feeder-{self.address}")
+            self._feeder.start()
+        self._wake.set()
+
+    def _feed(self) -> None:
+        while not self.lost:
+            self._wake.wait()
+            with self._lock:
+                self._wake.clear()
+                if self._sending or not self._outbox:
+                    continue
+                batch = list(self._outbox)
+                self._outbox.clear()
+                self._sending = True
+            try:
+                self._transmit(batch)
+            finally:
+                with self._lock:
+                    self._sending = False
+                    if self._outbox:
+                        self._wake.set()
+                    else:
+                        self._idle.notify_all()
+
+    def _transmit(self, calls: list) -> None:
+        try:
+            self._channel.send(serialization.dumps(calls[0] if len(calls) == 1 else calls))
+        except ChannelClosed:
+            self._on_lost()
+
+    def flush(self, timeout: Optional[float] = None) -> bool:
+        """Wait until every queued one-way call was handed to the connection."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            while (self._outbox or self._sending) and not self.lost:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._idle.wait(left)
+        return True
+
+    # -- receiving -----------------------------------------------------------
+    def _read(self) -> None:
+        while True:
+            try:
+                data = self._channel.recv()
+            except (ChannelClosed, TransportError):
+                self._on_lost()
+                return
+            msg = serialization.loads(data)
+            for reply in (msg if isinstance(msg, list) else (msg,)):
+                with self._lock:
+                    handle = self._pending.pop(reply.rid, None)
+                if handle is not None:
+                    handle._resolve(reply.ok, reply.value)
+
+    def _lost_error(self) -> RemoteObjectError:
+        return RemoteObjectError(
+            f"lost the connection to the fibrl process at {self.address}: it exited or was "
+            f"killed, so the objects it hosted (queues, locks, managers...) are gone.")
+
+    def _on_lost(self) -> None:
+        with self._lock:
+            if self.lost:
+                return
+            self.lost = True
+            pending, self._pending = self._pending, {}
+            self._outbox.clear()
+            self._idle.notify_all()
+        self._wake.set()
+        err = self._lost_error()
+        for handle in pending.values():
+            handle._resolve(False, err)
+        self._hub._client_lost(self)
+        for cb in self._lost_callbacks:
+            cb()
+
+    def on_lost(self, callback: Callable[[], None]) -> None:
+        """Run ``callback`` once when the connection drops."""
+        self._lost_callbacks.append(callback)
+        if self.lost:
+            callback()
+
+    def close(self) -> None:
+        self.flush(5.0)
+        self._channel.close()
+
+
+def _wrap(args: tuple) -> tuple:
+    return tuple(blob(a) if type(a) is bytes else a for a in args)
+
+
+class Hub:
+    """This process's host of services and its connections to other hubs."""
+
+    def __init__(self, secret: bytes, host: str = "127.0.0.1", auth_timeout: float = 10.0,
+                 connect_timeout: float = 30.0) -> None:
+        self.secret = secret
+        self.host = host
+        self.auth_timeout = auth_timeout
+        self.connect_timeout = connect_timeout
+        self.timers = Timers()
+        self._services: dict[str, Service] = {}
+        self._clients: dict[str, Client] = {}
+        self._lock = threading.RLock()
+        self._listener = None
+        self._peer_lost_hooks: list[Callable[[Any], None]] = []
+        self.pid = os.getpid()
+
+    # -- hosting -------------------------------------------------------------
+    @property
+    def address(self) -> str:
+        """The address other processes connect to (starts listening on first use)."""
+        with self._lock:
+            if self._listener is None:
+                from .transport import Listener
+
+                self._listener = Listener(self.host, self.secret, on_frame=self._on_frame,
+                                          on_lost=self._on_peer_lost,
+                                          auth_timeout=self.auth_timeout)
+            return self._listener.address
+
+    def register(self, service: Service, oid: Optional[str] = None) -> str:
+        """Host ``service``; returns its object id."""
+        service.oid = oid or service.oid or new_oid(type(service).__name__.lower())
+        service.hub = self
+        with self._lock:
+            self._services[service.oid] = service
+        return service.oid
+
+    def unregister(self, oid: str) -> None:
+        with self._lock:
+            service = self._services.pop(oid, None)
+        if service is not None:
+            service.closed()
+
+    def service(self, oid: str) -> Optional[Service]:
+        return self._services.get(oid)
+
+    def _on_frame(self, peer, data: bytes) -> None:
+        msg = serialization.loads(data)
+        for call in (msg if isinstance(msg, list) else (msg,)):
+            reply = _PeerReply(peer, call.rid)
+            service = self._services.get(call.oid)
+            if service is None:
+                reply.fail(RemoteObjectError(
+                    f"object {call.oid!r} no longer exists in process {self.pid}: it was "
+                    f"closed or garbage-collected by its owner."))
+            else:
+                service.dispatch(call.method, call.args, reply)
+
+    def _on_peer_lost(self, peer) -> None:
+        for service in list(self._services.values()):
+            try:
+                service.peer_lost(peer)
+            except Exception:
+                log.exception("peer_lost of %s failed", service.oid)
+
+    # -- calling -------------------------------------------------------------
+    def is_local(self, address: Optional[str]) -> bool:
+        return address is None or (self._listener is not None
+                                   and address == self._listener.address)
+
+    def client(self, address: str) -> Client:
+        """The shared connection to the hub at ``address`` (connects on first use)."""
+        with self._lock:
+            client = self._clients.get(address)
+        if client is None or client.lost:
+            new = Client(self, address, self.connect_timeout)
+            with self._lock:
+                client = self._clients.get(address)
+                if client is None or client.lost:
+                    self._clients[address] = client = new
+                else:
+                    new.close()
+        return client
+
+    def _client_lost(self, client: Client) -> None:
+        with self._lock:
+            if self._clients.get(client.address) is client:
+                del self._clients[client.address]
+
+    def call_async(self, address: Optional[str], oid: str, method: str, *args: Any) -> Handle:
+        """Call ``method`` of object ``oid`` hosted at ``address``; returns a :class:`Handle`."""
+        if self.is_local(address):
+            handle = Handle()
+            service = self._services.get(oid)
+            if service is None:
+                handle._resolve(False, RemoteObjectError(f"object {oid!r} no longer exists"))
+            else:
+                service.dispatch(method, args, _LocalReply(handle))
+            return handle
+        return self.client(address).call(oid, method, args)
+
+    def call(self, address: Optional[str], oid: str, method: str, *args: Any,
+             timeout: Optional[float] = None) -> Any:
+        """Call and wait for the result (``timeout``: seconds, None for no limit)."""
+        return self.call_async(address, oid, method, *args).get(timeout)
+
+    def send(self, address: Optional[str], oid: str, method: str, *args: Any) -> None:
+        """One-way call: no reply, errors are only logged by the receiver."""
+        if self.is_local(address):
+            service = self._services.get(oid)
+            if service is None:
+                raise RemoteObjectError(f"object {oid!r} no longer exists")
+            service.dispatch(method, args, _NO_REPLY)
+            return
+        self.client(address).send(oid, method, args)
+
+    def flush(self, timeout: Optional[float] = 10.0) -> None:
+        """Make sure every one-way call sent so far was processed by its receiver."""
+        with self._lock:
+            clients = list(self._clients.values())
+        for client in clients:
+            if client.flush(timeout) and not client.lost:
+                try:
+                    client.call("hub", "ping", ()).get(timeout)
+                except Exception:
+                    pass
+
+    def close(self) -> None:
+        """Flush, close every connection and the listener, and wait for their threads.
+
+        Runs at interpreter exit (before pynng's own exit handler, which must
+        not find a thread still inside nng).
+        """
+        self.flush(5.0)
+        with self._lock:
+            clients, self._clients = list(self._clients.values()), {}
+            services, self._services = list(self._services.values()), {}
+            listener, self._listener = self._listener, None
+        for service in services:
+            service.closed()
+        for client in clients:
+            client._channel.close()
+        if listener is not None:
+            listener.close(join=1.0)
+        for client in clients:
+            client._reader.join(1.0)
+
+
+class _NoReply(ReplySink):
+    __slots__ = ()
+    wanted = False
+
+    def __init__(self) -> None:
+        self.peer = None
+
+    def __call__(self, value: Any = None) -> bool:
+        return True
+
+    def fail(self, exc: BaseException) -> bool:
+        log.error("one-way call failed: %r", exc, exc_info=exc)
+        return True
+
+
+_NO_REPLY = _NoReply()
+
+
+class _HubService(Service):
+    """Operations on the hub itself (liveness ping)."""
+
+    def op_ping(self, reply: ReplySink) -> None:
+        reply(os.getpid())
+
+
+_hub: Optional[Hub] = None
+_hub_lock = threading.Lock()
+
+
+def get_hub() -> Hub:
+    """This process's hub, created on first use with the process's authkey as secret."""
+    global _hub
+    if _hub is None or _hub.pid != os.getpid():
+        with _hub_lock:
+            if _hub is None or _hub.pid != os.getpid():
+                from .context import current_config
+                from .process import current_process
+
+                config = current_config()
+                hub = Hub(bytes(current_process().authkey), config.listen_host,
+                          config.auth_timeout, config.start_timeout)
+                hub.register(_HubService(), "hub")
+                _register_exit()
+                _hub = hub
+    return _hub
+
+
+def install_hub(hub: Hub) -> None:
+    """Make ``hub`` this process's hub (a worker builds its own from FIBRL_SECRET)."""
+    global _hub
+    with _hub_lock:
+        if hub.service("hub") is None:
+            hub.register(_HubService(), "hub")
+        _register_exit()
+        _hub = hub
+
+
+_exit_registered = False
+
+
+def _register_exit() -> None:
+    global _exit_registered
+    if _exit_registered:
+        return
+    import atexit
+
+    from . import transport  # noqa: F401  (pynng registers its exit handler first)
+
+    atexit.register(_shutdown_hub)
+    _exit_registered = True
+
+
+def _shutdown_hub() -> None:
+    """At exit: end children as multiprocessing does, then close the hub."""
+    from multiprocessing import util
+
+    util._exit_function()  # joins non-daemonic children, which may still use our hub
+    if _hub is not None and _hub.pid == os.getpid():
+        _hub.close()
+
+

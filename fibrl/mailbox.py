@@ -1,0 +1,246 @@
+"""The hosted FIFO behind queues and pipe ends.
+
+A :class:`Mailbox` lives in the hub of the process that created it and holds
+serialized items (never unpickled here). ``get`` requests that cannot be
+answered are parked in arrival order, so an item goes to whichever consumer
+asked first and no consumer prefetches more than it asked for. Deadlines are
+the mailbox's: when a parked ``get`` times out the mailbox answers ``Empty``
+itself, which is what makes a handed-out item exactly-once. When an answer
+cannot be delivered (the asking process vanished), the item goes back to the
+front of the queue.
+
+Besides the queue operations it counts the open *writer* handles of a pipe
+end (per peer, so a dead process's handles close with it) to raise
+``EOFError`` like a closed pipe.
+"""
+from __future__ import annotations
+
+import queue
+import time
+from collections import deque
+from typing import Any, Optional
+
+from .hub import ReplySink, Service
+
+__all__ = ["Mailbox"]
+
+
+class _Parked:
+    __slots__ = ("reply", "payload", "timer", "token")
+
+    def __init__(self, reply: ReplySink, payload: Any = None, token: Any = None) -> None:
+        self.reply = reply
+        self.payload = payload
+        self.timer = None
+        self.token = token
+
+
+class Mailbox(Service):
+    """A FIFO of serialized items with parked getters, putters, joiners and pollers."""
+
+    def __init__(self, maxsize: int = 0, joinable: bool = False, pipe_end: bool = False) -> None:
+        import threading
+
+        self.maxsize = maxsize if maxsize > 0 else 0
+        self._items: deque = deque()
+        self._getters: deque[_Parked] = deque()
+        self._putters: deque[_Parked] = deque()
+        self._pollers: list[_Parked] = []
+        self._joiners: list[ReplySink] = []
+        self._unfinished = 0 if joinable else None
+        self._lock = threading.RLock()
+        self._writers: Optional[dict] = {} if pipe_end else None  # peer key -> count
+        self._eof = False
+
+    # -- helpers ---------------------------------------------------------------
+    def _park(self, where, parked: _Parked, timeout: Optional[float], on_timeout) -> None:
+        where.append(parked)
+        if timeout is not None:
+            parked.timer = self.hub.timers.call_at(
+                time.monotonic() + max(timeout, 0.0), lambda: self._expire(where, parked,
+                                                                            on_timeout))
+
+    def _expire(self, where, parked: _Parked, on_timeout) -> None:
+        with self._lock:
+            try:
+                where.remove(parked)
+            except ValueError:
+                return  # answered meanwhile
+        on_timeout(parked.reply)
+
+    def _unpark(self, parked: _Parked) -> None:
+        if parked.timer is not None:
+            self.hub.timers.cancel(parked.timer)
+
+    def _full(self) -> bool:
+        return self.maxsize > 0 and len(self._items) >= self.maxsize
+
+    def _deliver(self, payload: Any) -> None:
+        """Give ``payload`` to the oldest live getter, or store it (lock held)."""
+        while self._getters:
+            parked = self._getters.popleft()
+            self._unpark(parked)
+            if parked.reply(payload):
+                return
+        self._items.append(payload)
+        self._wake_pollers(True)
+
+    def _wake_pollers(self, value: bool) -> None:
+        pollers, self._pollers = self._pollers, []
+        for parked in pollers:
+            self._unpark(parked)
+            parked.reply(value)
+
+    def _admit_putters(self) -> None:
+        while self._putters and not self._full():
+            parked = self._putters.popleft()
+            self._unpark(parked)
+            self._accept(parked.payload)
+            parked.reply(None)
+
+    def _accept(self, payload: Any) -> None:
+        if self._unfinished is not None:
+            self._unfinished += 1
+        self._deliver(payload)
+
+    # -- queue operations ----------------------------------------------------------
+    def op_put(self, reply: ReplySink, payload: Any, timeout: Optional[float] = None) -> None:
+        with self._lock:
+            if not self._full():
+                self._accept(payload)
+                reply(None)
+            elif timeout is not None and timeout <= 0:
+                raise queue.Full
+            else:
+                self._park(self._putters, _Parked(reply, payload), timeout,
+                           lambda r: r.fail(queue.Full()))
+
+    def op_get(self, reply: ReplySink, timeout: Optional[float] = None) -> None:
+        with self._lock:
+            if self._items:
+                payload = self._items.popleft()
+                if not reply(payload):
+                    self._items.appendleft(payload)
+                    return
+                self._admit_putters()
+            elif self._eof:
+                raise EOFError("the other end of the pipe was closed")
+            elif timeout is not None and timeout <= 0:
+                raise queue.Empty
+            else:
+                self._park(self._getters, _Parked(reply), timeout,
+                           lambda r: r.fail(queue.Empty()))
+
+    def op_poll(self, reply: ReplySink, timeout: Optional[float] = 0.0, token: Any = None) -> None:
+        with self._lock:
+            if self._items or self._eof:
+                reply(True)
+            elif timeout is not None and timeout <= 0:
+                reply(False)
+            else:
+                self._park(self._pollers, _Parked(reply, token=token), timeout,
+                           lambda r: r(False))
+
+    def op_unpoll(self, reply: ReplySink, token: Any) -> None:
+        with self._lock:
+            keep = [p for p in self._pollers if p.token != token or p.reply.peer != reply.peer]
+            dropped = [p for p in self._pollers if p not in keep]
+            self._pollers = keep
+        for parked in dropped:
+            self._unpark(parked)
+            parked.reply(False)
+        reply(None)
+
+    def op_qsize(self, reply: ReplySink) -> None:
+        reply(len(self._items))
+
+    def op_empty(self, reply: ReplySink) -> None:
+        reply(not self._items)
+
+    def op_full(self, reply: ReplySink) -> None:
+        reply(self._full())
+
+    def op_task_done(self, reply: ReplySink) -> None:
+        with self._lock:
+            if not self._unfinished:
+                raise ValueError("task_done() called too many times")
+            self._unfinished -= 1
+            if self._unfinished == 0:
+                joiners, self._joiners = self._joiners, []
+                for joiner in joiners:
+                    joiner(None)
+        reply(None)
+
+    def op_join(self, reply: ReplySink) -> None:
+        with self._lock:
+            if not self._unfinished:
+                reply(None)
+            else:
+                self._joiners.append(reply)
+
+    # -- pipe end bookkeeping ------------------------------------------------------
+    def op_attach(self, reply: ReplySink, key: Any = "inflight") -> None:
+        """Count one more open writer handle, owned by ``key`` or the calling peer."""
+        with self._lock:
+            owner = _owner(reply, key)
+            self._writers[owner] = self._writers.get(owner, 0) + 1
+        reply(None)
+
+    def op_adopt(self, reply: ReplySink) -> None:
+        """Move one in-flight handle (pickled, now unpickled) to the calling peer."""
+        with self._lock:
+            self._take("inflight")
+            owner = _owner(reply, None)
+            self._writers[owner] = self._writers.get(owner, 0) + 1
+        reply(None)
+
+    def op_detach(self, reply: ReplySink) -> None:
+        with self._lock:
+            self._take(_owner(reply, None))
+            self._check_eof()
+        reply(None)
+
+    def _take(self, owner: Any) -> None:
+        count = self._writers.get(owner, 0)
+        if count <= 1:
+            self._writers.pop(owner, None)
+        else:
+            self._writers[owner] = count - 1
+
+    def _check_eof(self) -> None:
+        if self._writers or self._eof:
+            return
+        self._eof = True
+        getters, self._getters = self._getters, deque()
+        for parked in getters:
+            self._unpark(parked)
+            parked.reply.fail(EOFError("the other end of the pipe was closed"))
+        self._wake_pollers(True)
+
+    # -- lifecycle -------------------------------------------------------------------
+    def peer_lost(self, peer) -> None:
+        with self._lock:
+            for where in (self._getters, self._putters, self._pollers):
+                for parked in [p for p in where if p.reply.peer is peer]:
+                    where.remove(parked)
+                    self._unpark(parked)
+            self._joiners = [j for j in self._joiners if j.peer is not peer]
+            if self._writers is not None and self._writers.pop(("peer", peer.id), None):
+                self._check_eof()
+
+    def closed(self) -> None:
+        from .errors import RemoteObjectError
+
+        err = RemoteObjectError(f"{self.oid} was closed by its owner")
+        with self._lock:
+            parked = list(self._getters) + list(self._putters) + self._pollers
+            self._getters.clear(), self._putters.clear(), self._pollers.clear()
+        for p in parked:
+            self._unpark(p)
+            p.reply.fail(err)
+
+
+def _owner(reply: ReplySink, key: Any) -> Any:
+    if key is not None and key != "peer":
+        return key
+    return ("peer", reply.peer.id) if reply.peer is not None else "local"

@@ -1,0 +1,48 @@
+"""The messages processes exchange: small frozen dataclasses, never tuples.
+
+Owns the vocabulary of the runtime protocol. Encoding is ``serialization``;
+moving bytes is ``transport``; acting on messages is ``hub``.
+"""
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass
+from typing import Any
+
+from .serialization import OOB_THRESHOLD
+
+__all__ = ["Call", "Reply", "RemoteError", "blob"]
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    """Invoke ``method`` of the hosted object ``oid``. ``rid`` 0 means no reply is wanted."""
+
+    rid: int
+    oid: str
+    method: str
+    args: tuple = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """The answer to the :class:`Call` with the same ``rid``."""
+
+    rid: int
+    ok: bool
+    value: Any = None
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteError:
+    """An exception raised by a hosted object, with its formatted traceback."""
+
+    exc: BaseException
+    tb: str
+
+
+def blob(data: bytes | memoryview) -> Any:
+    """Wrap an already serialized payload so a large one travels out of band."""
+    if len(data) >= OOB_THRESHOLD:
+        return pickle.PickleBuffer(data)
+    return data

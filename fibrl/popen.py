@@ -1,0 +1,205 @@
+"""One Popen over every backend: start a worker, hand it its process, watch it.
+
+Owns the parent's side of a worker's life. Data flow::
+
+    Process.start()
+      -> Popen(process_obj, config)
+           pickles the process (spawn rules: AuthenticationString allowed)
+           hosts a _Handover service on this process's hub
+           backend.create_job(JobSpec(python -m fibrl.bootstrap <hub address> <oid>))
+           watcher thread: job.wait() -> returncode, closes the sentinel's write end
+      worker (fibrl.bootstrap) connects, authenticates, calls _Handover.payload,
+      runs the process and exits; the backend reports the exit code.
+
+It has the surface of ``multiprocessing``'s Popen objects: ``pid``,
+``sentinel``, ``returncode``, ``poll``, ``wait``, ``terminate``, ``kill``,
+``close``. The backend owns how jobs run; ``bootstrap`` owns the worker side.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from multiprocessing import context as mp_context
+from multiprocessing import spawn as mp_spawn
+from typing import Any, Optional
+
+from . import serialization
+from .backends import JobSpec, get_backend
+from .config import Config
+from .errors import BackendError
+from .hub import ReplySink, Service, get_hub
+
+__all__ = ["Popen", "WorkerStart", "run_id"]
+
+log = logging.getLogger(__name__)
+
+_run_id: Optional[str] = None
+
+
+def run_id() -> str:
+    """Identifier shared by every process of this program run (labels its jobs)."""
+    global _run_id
+    if _run_id is None:
+        _run_id = os.environ.get("FIBRL_RUN_ID") or secrets.token_hex(6)
+    return _run_id
+
+
+@dataclass(frozen=True)
+class WorkerStart:
+    """What a worker needs to become the process object: sent after authentication."""
+
+    process: bytes
+    config: Config
+    preparation: dict
+    parent_address: str
+
+
+class _Handover(Service):
+    """Gives the pickled process to the worker that connects for it, once."""
+
+    def __init__(self, popen: "Popen", start: WorkerStart) -> None:
+        self._popen = popen
+        self._start: Optional[WorkerStart] = start
+
+    def op_payload(self, reply: ReplySink, pid: Optional[int] = None) -> None:
+        start, self._start = self._start, None
+        if start is None:
+            raise BackendError("this worker's process object was already handed over")
+        self._popen._connected(pid)
+        reply(start)
+
+
+class Popen:
+    """Starts ``process_obj`` as a job of the configured backend."""
+
+    method = "fibrl"
+
+    def __init__(self, process_obj: Any, config: Config) -> None:
+        self.returncode: Optional[int] = None
+        self.config = config
+        self._done = threading.Event()
+        self._closed = False
+        self._backend = get_backend(config)
+        hub = get_hub()
+        start = WorkerStart(self._pickle(process_obj), config, _preparation(process_obj),
+                            hub.address)
+        self._oid = hub.register(_Handover(self, start))
+        self._read_fd, self._write_fd = os.pipe()
+        self.sentinel = self._read_fd
+        self._started = threading.Event()
+        try:
+            self._job = self._backend.create_job(self._spec(process_obj, hub.address))
+        except BaseException:
+            self._release()
+            os.close(self._read_fd)
+            raise
+        self.pid = self._job.pid
+        self._deadline = hub.timers.call_at(time.monotonic() + config.start_timeout,
+                                            self._start_timed_out)
+        threading.Thread(target=self._watch, daemon=True,
+                         name=f"fibrl-watch-{process_obj.name}").start()
+
+    def _pickle(self, process_obj: Any) -> bytes:
+        mp_context.set_spawning_popen(self)  # lets the authkey travel, as spawn does
+        try:
+            return serialization.dumps(process_obj)
+        finally:
+            mp_context.set_spawning_popen(None)
+
+    def duplicate_for_child(self, fd: int) -> int:
+        # Called by multiprocessing objects pickled under set_spawning_popen.
+        raise BackendError(
+            "a multiprocessing object that holds a file descriptor (a stdlib Queue, Pipe "
+            "or Lock) was passed to a fibrl process; use fibrl.Queue / fibrl.Pipe / "
+            "fibrl.Lock instead, which work across machines.")
+
+    def _spec(self, process_obj: Any, address: str) -> JobSpec:
+        config = self.config
+        meta = getattr(process_obj, "_fibrl_meta", None) or {}
+        return JobSpec(
+            command=(self._backend.python(), "-m", "fibrl.bootstrap", address, self._oid),
+            image=config.image,
+            env={"FIBRL_SECRET": bytes(process_obj.authkey).hex(), "FIBRL_RUN_ID": run_id()},
+            cpu=meta.get("cpu", config.cpu), memory=meta.get("memory", config.memory),
+            gpu=meta.get("gpu", config.gpu),
+            labels={"fibrl.run": run_id(), "fibrl.parent": str(os.getpid()),
+                    "fibrl.role": getattr(process_obj, "_fibrl_role", "process")},
+            name=process_obj.name, workdir=os.getcwd())
+
+    def _connected(self, pid: Optional[int]) -> None:
+        self._started.set()
+        if self.pid is None:
+            self.pid = pid
+        self._backend_timers_cancel()
+
+    def _backend_timers_cancel(self) -> None:
+        get_hub().timers.cancel(self._deadline)
+
+    def _start_timed_out(self) -> None:
+        if self._started.is_set() or self._done.is_set():
+            return
+        log.error("worker %s did not connect back within %.0f s (start_timeout); killing it. "
+                  "Backend logs:\n%s", self._job.id, self.config.start_timeout,
+                  self._job.logs()[-4000:])
+        self._job.kill()
+
+    def _watch(self) -> None:
+        code = self._job.wait()
+        self.returncode = code if code is not None else 1
+        self._release()
+        os.close(self._write_fd)
+        self._done.set()
+        self._job.remove()
+
+    def _release(self) -> None:
+        hub = get_hub()
+        hub.unregister(self._oid)
+        if hasattr(self, "_deadline"):
+            hub.timers.cancel(self._deadline)
+
+    # -- the multiprocessing Popen surface ----------------------------------------
+    def poll(self, flag: int = os.WNOHANG) -> Optional[int]:
+        if flag == 0:
+            return self.wait()
+        return self.returncode
+
+    def wait(self, timeout: Optional[float] = None) -> Optional[int]:
+        self._done.wait(timeout)
+        return self.returncode
+
+    def terminate(self) -> None:
+        if self.returncode is None:
+            self._job.terminate()
+
+    def kill(self) -> None:
+        if self.returncode is None:
+            self._job.kill()
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            os.close(self._read_fd)
+
+    @property
+    def job(self):
+        """The backend's :class:`~fibrl.backends.Job` of this worker."""
+        return self._job
+
+
+def _preparation(process_obj: Any) -> dict:
+    data = mp_spawn.get_preparation_data(process_obj._name)
+    data.pop("start_method", None)  # the stdlib's own start method is not ours to change
+    data.pop("log_to_stderr", None)
+    data.pop("log_level", None)
+    data["authkey"] = bytes(data["authkey"])
+    path = data.get("init_main_from_path")
+    if path and not os.path.isfile(path):
+        data.pop("init_main_from_path")
+    if sys.flags.interactive:
+        data.pop("init_main_from_path", None)
+    return data

@@ -1,0 +1,169 @@
+"""``Queue``, ``JoinableQueue`` and ``SimpleQueue`` that work between any processes.
+
+A queue is a :class:`~fibrl.mailbox.Mailbox` hosted by the hub of the process
+that created it; the queue object is a small handle (address + object id) that
+pickles to any process of the run, including processes on other machines.
+
+Data flow::
+
+    producer process                    owner process (hub)            consumer process
+    put(obj) -> dumps(obj) -> feeder ==> Mailbox.op_put -> deque  <== get(): parked request,
+             (unbounded: one-way,               |                     answered when an item
+              batched; bounded: waits           +-> oldest parked get arrives or the deadline
+              for room)                                               passes (queue.Empty)
+
+Semantics follow ``multiprocessing.Queue``: ``put``/``get`` with ``block`` and
+``timeout``, ``*_nowait``, ``qsize``, ``empty``, ``full``, ``close``,
+``join_thread``, ``cancel_join_thread``; ``JoinableQueue`` adds ``task_done``
+and ``join``. Differences: ``qsize`` is exact (it asks the owner); a queue
+lives as long as its owner process holds a reference to it.
+"""
+from __future__ import annotations
+
+import queue
+import weakref
+from typing import Any, Optional
+
+from . import serialization
+from .hub import get_hub
+from .mailbox import Mailbox
+
+__all__ = ["Queue", "JoinableQueue", "SimpleQueue"]
+
+
+def _timeout(block: bool, timeout: Optional[float]) -> Optional[float]:
+    if not block:
+        return 0.0
+    if timeout is not None and timeout < 0:
+        raise ValueError("'timeout' must be a non-negative number")
+    return timeout
+
+
+class Queue:
+    """A FIFO queue shared by any number of producers and consumers.
+
+    Example:
+        >>> q = Queue()
+        >>> q.put("x"); q.get(timeout=5)
+        'x'
+    """
+
+    _joinable = False
+
+    def __init__(self, maxsize: int = 0, *, ctx: Any = None) -> None:
+        if maxsize <= 0:
+            maxsize = 0
+        hub = get_hub()
+        self._maxsize = maxsize
+        self._oid = hub.register(Mailbox(maxsize, joinable=self._joinable))
+        self._address = hub.address
+        self._closed = False
+        self._finalizer = weakref.finalize(self, hub.unregister, self._oid)
+
+    def __reduce__(self):
+        return (_rebuild, (type(self), self._address, self._oid, self._maxsize))
+
+    def __repr__(self) -> str:
+        return f"<fibrl.{type(self).__name__} {self._oid} at {self._address}>"
+
+    def _call(self, method: str, *args: Any) -> Any:
+        return get_hub().call(self._address, self._oid, method, *args)
+
+    def _check_closed(self) -> None:
+        if self._closed:
+            raise ValueError(f"Queue {self!r} is closed")
+
+    def put(self, obj: Any, block: bool = True, timeout: Optional[float] = None) -> None:
+        """Put ``obj`` on the queue; waits for room when the queue has a ``maxsize``."""
+        self._check_closed()
+        payload = serialization.dumps(obj)
+        if self._maxsize == 0:
+            get_hub().send(self._address, self._oid, "put", payload, None)
+            return
+        try:
+            self._call("put", payload, _timeout(block, timeout))
+        except queue.Full:
+            raise queue.Full from None
+
+    def get(self, block: bool = True, timeout: Optional[float] = None) -> Any:
+        """Remove and return an item; raises ``queue.Empty`` after ``timeout`` seconds."""
+        self._check_closed()
+        try:
+            payload = self._call("get", _timeout(block, timeout))
+        except queue.Empty:
+            raise queue.Empty from None
+        return serialization.loads(payload)
+
+    def put_nowait(self, obj: Any) -> None:
+        self.put(obj, False)
+
+    def get_nowait(self) -> Any:
+        return self.get(False)
+
+    def qsize(self) -> int:
+        return self._call("qsize")
+
+    def empty(self) -> bool:
+        return self._call("empty")
+
+    def full(self) -> bool:
+        return self._call("full")
+
+    def close(self) -> None:
+        """This process will put no more; pending puts are still delivered."""
+        self._closed = True
+
+    def join_thread(self) -> None:
+        """Wait until every item this process put has reached the queue."""
+        if not self._closed:
+            raise AssertionError("Queue.join_thread() requires close() first")
+        get_hub().flush(None)
+
+    def cancel_join_thread(self) -> None:
+        """Accepted for compatibility: puts are delivered before the process exits."""
+
+
+class JoinableQueue(Queue):
+    """A :class:`Queue` with ``task_done()`` and ``join()``."""
+
+    _joinable = True
+
+    def task_done(self) -> None:
+        """Mark one item taken with ``get()`` as processed."""
+        self._call("task_done")
+
+    def join(self, timeout: Optional[float] = None) -> None:
+        """Block until every item put has been marked done.
+
+        Args:
+            timeout: keyword extra (seconds); raises ``TimeoutError`` when it passes.
+        """
+        get_hub().call_async(self._address, self._oid, "join").get(timeout)
+
+
+class SimpleQueue:
+    """A minimal queue: ``put``, ``get``, ``empty``, ``close``."""
+
+    def __init__(self, *, ctx: Any = None) -> None:
+        self._queue = Queue(ctx=ctx)
+
+    def put(self, obj: Any) -> None:
+        self._queue.put(obj)
+
+    def get(self) -> Any:
+        return self._queue.get()
+
+    def empty(self) -> bool:
+        return self._queue.empty()
+
+    def close(self) -> None:
+        self._queue.close()
+
+    def __repr__(self) -> str:
+        return f"<fibrl.SimpleQueue {self._queue._oid}>"
+
+
+def _rebuild(cls: type, address: str, oid: str, maxsize: int) -> Queue:
+    q = cls.__new__(cls)
+    q._address, q._oid, q._maxsize, q._closed = address, oid, maxsize, False
+    return q

@@ -1,0 +1,137 @@
+"""Turning objects into frames and back.
+
+Owns the wire format of a *payload*: a pickle (protocol 5) whose large buffers
+(bytes, numpy arrays, torch tensors) travel out of band, appended after the
+pickle stream instead of being copied into it. It does not own connections or
+authentication (``transport``) nor message types (``messages``).
+
+Frame layout (little endian)::
+
+    b"FB\\x01" | nbuf:u32 | len(pickle):u64 | len(buf_i):u64 ... | pickle | buf_0 | buf_1 ...
+
+Plain ``pickle`` is tried first (fast, by-reference, like multiprocessing);
+objects it cannot handle (lambdas, closures, interactively defined classes)
+fall back to cloudpickle, which pickles them by value.
+"""
+from __future__ import annotations
+
+import io
+import pickle
+import struct
+import sys
+from typing import Any
+
+from .errors import FrameError, SerializationError
+
+__all__ = ["dumps", "loads", "dumps_parts", "MAGIC", "OOB_THRESHOLD"]
+
+MAGIC = b"FB\x01"
+OOB_THRESHOLD = 64 * 1024  # smaller buffers are cheaper inline than out of band
+_HEAD = struct.Struct("<3sI")
+_LEN = struct.Struct("<Q")
+
+
+def _pickle(obj: Any, buffers: list, by_value: bool) -> bytes:
+    def keep(buf: pickle.PickleBuffer) -> bool:
+        if buf.raw().nbytes < OOB_THRESHOLD:
+            return True  # serialize in band
+        buffers.append(buf)
+        return False
+
+    if not by_value:
+        try:
+            return pickle.dumps(obj, protocol=5, buffer_callback=keep)
+        except (pickle.PicklingError, AttributeError, TypeError) as exc:
+            if _is_plain_unpicklable(exc):
+                raise _unpicklable(obj, exc) from exc
+            buffers.clear()
+    import cloudpickle  # slower; only for what pickle refuses
+
+    try:
+        return cloudpickle.dumps(obj, protocol=5, buffer_callback=keep)
+    except Exception as exc:  # cloudpickle raises many kinds
+        raise _unpicklable(obj, exc) from exc
+
+
+def _is_plain_unpicklable(exc: Exception) -> bool:
+    # "cannot pickle '_thread.lock' object": cloudpickle cannot do better.
+    return isinstance(exc, TypeError) and "cannot pickle" in str(exc)
+
+
+def _unpicklable(obj: Any, exc: Exception) -> SerializationError:
+    text = repr(obj)
+    if len(text) > 200:
+        text = text[:200] + "..."
+    return SerializationError(
+        f"cannot pickle {text} ({type(exc).__name__}: {exc}). Objects sent to another "
+        f"process (targets, arguments, queue items, results) must be picklable; "
+        f"pass the data needed to rebuild it instead (for example a path rather than "
+        f"an open file, or create the lock/socket inside the worker).")
+
+
+def dumps_parts(obj: Any, *, by_value: bool = False) -> list:
+    """Serialize ``obj`` into a list of byte-like parts that concatenate to one frame."""
+    buffers: list[pickle.PickleBuffer] = []
+    data = _pickle(obj, buffers, by_value or _main_is_interactive())
+    raws = [b.raw() for b in buffers]
+    head = [_HEAD.pack(MAGIC, len(raws)), _LEN.pack(len(data))]
+    head += [_LEN.pack(r.nbytes) for r in raws]
+    return [b"".join(head), data, *raws]
+
+
+def dumps(obj: Any, *, by_value: bool = False) -> bytes:
+    """Serialize ``obj`` into one frame (``bytes``).
+
+    Example:
+        >>> loads(dumps({"a": 1}))
+        {'a': 1}
+    """
+    parts = dumps_parts(obj, by_value=by_value)
+    return b"".join(parts)
+
+
+def loads(frame: bytes | bytearray | memoryview) -> Any:
+    """Rebuild the object of a frame made by :func:`dumps`.
+
+    Raises:
+        FrameError: ``frame`` is not a fibrl frame (wrong magic, truncated).
+    """
+    view = memoryview(frame)
+    if view.nbytes < _HEAD.size or bytes(view[:3]) != MAGIC:
+        raise FrameError(
+            f"received {view.nbytes} bytes that do not start with a fibrl frame header; "
+            f"the peer is not a fibrl process of a compatible version.")
+    _, nbuf = _HEAD.unpack_from(view)
+    offset = _HEAD.size
+    need = offset + _LEN.size * (nbuf + 1)
+    if view.nbytes < need:
+        raise FrameError(f"truncated fibrl frame: {view.nbytes} bytes, header needs {need}.")
+    sizes = [_LEN.unpack_from(view, offset + i * _LEN.size)[0] for i in range(nbuf + 1)]
+    offset = need
+    if view.nbytes != offset + sum(sizes):
+        raise FrameError(
+            f"fibrl frame length mismatch: header announces {offset + sum(sizes)} bytes, "
+            f"got {view.nbytes}; the message was truncated or corrupted in transit.")
+    if nbuf and view.readonly:
+        view = memoryview(bytearray(view))  # receivers expect writable arrays, as in mp
+    data = view[offset:offset + sizes[0]]
+    offset += sizes[0]
+    bufs = []
+    for size in sizes[1:]:
+        bufs.append(view[offset:offset + size])
+        offset += size
+    try:
+        return pickle.loads(data, buffers=bufs)
+    except Exception as exc:
+        raise SerializationError(
+            f"cannot unpickle a received object ({type(exc).__name__}: {exc}). The "
+            f"receiving process must be able to import every module and class the sender "
+            f"used; check that both run the same code and that it is on sys.path.") from exc
+
+
+def _main_is_interactive() -> bool:
+    # Objects defined in an interactive __main__ cannot be found by name in a
+    # worker, so they must travel by value.
+    main = sys.modules.get("__main__")
+    return main is not None and getattr(main, "__file__", None) is None \
+        and getattr(main, "__spec__", None) is None
