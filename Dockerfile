@@ -1,0 +1,27 @@
+# Worker image for fibrl: workers started in containers/pods run
+#   python -m fibrl.bootstrap
+# Build it with docker/build-image.sh (or plainly: docker build -t fibrl:latest .).
+FROM python:3.11-slim
+
+# fibrl extras installed in the image (comma-separated; e.g. "rl,torch").
+ARG EXTRAS=rl
+# Empty by default, so pip installs from PyPI as usual.  For an offline build,
+# point pip at wheels shipped in the build context, e.g.
+#   --build-arg PIP_NO_INDEX=1 --build-arg PIP_FIND_LINKS=/tmp/fibrl-src/docker/wheels
+# (docker/build-image.sh --offline does this).
+ARG PIP_NO_INDEX=
+ARG PIP_FIND_LINKS=
+
+ENV PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_ROOT_USER_ACTION=ignore
+
+COPY . /tmp/fibrl-src
+RUN pip install "/tmp/fibrl-src[${EXTRAS}]" \
+ && rm -rf /tmp/fibrl-src \
+ && python -c "import fibrl"
+
+WORKDIR /app
+CMD ["python", "-m", "fibrl.bootstrap"]

@@ -1,0 +1,19 @@
+# Image targets only (see docker/build-image.sh --help).
+IMAGE ?= fibrl:latest
+EXTRAS ?= rl
+
+.PHONY: image image-offline base-image wheels
+
+# Worker image, pulling python:3.11-slim and installing from PyPI.
+image:
+	IMAGE_EXTRAS='$(EXTRAS)' docker/build-image.sh --tag '$(IMAGE)'
+
+# Worker image without a registry: debootstrapped base + host-built wheels.
+image-offline:
+	IMAGE_EXTRAS='$(EXTRAS)' docker/build-image.sh --offline --tag '$(IMAGE)'
+
+base-image:
+	docker/build-base.sh
+
+wheels:
+	IMAGE_EXTRAS='$(EXTRAS)' docker/build-wheels.sh

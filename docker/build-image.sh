@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Build the fibrl worker image (default tag fibrl:latest) from the top-level
+# Dockerfile.
+#
+# Usage: docker/build-image.sh [--offline] [--tag TAG] [-- DOCKER_BUILD_ARGS...]
+#
+#   (default)   plain `docker build`: the base image python:3.11-slim is pulled
+#               from your registry and pip installs from PyPI.
+#   --offline   for machines that reach PyPI and a Debian mirror but no container
+#               registry, and whose containers have no network (CI):
+#               builds python:3.11-slim locally with debootstrap if it is
+#               missing (docker/build-base.sh), prepares wheels on the host
+#               (docker/build-wheels.sh) and installs only from them.
+#
+# Environment: FIBRL_IMAGE (tag, default fibrl:latest), IMAGE_EXTRAS (extras
+# installed in the image, default rl), IMAGE_OFFLINE=1 (same as --offline).
+set -euo pipefail
+
+cd "$(dirname "$0")/.."
+FIBRL_IMAGE="${FIBRL_IMAGE:-fibrl:latest}"
+IMAGE_EXTRAS="${IMAGE_EXTRAS:-rl}"
+OFFLINE="${IMAGE_OFFLINE:-0}"
+extra=()
+while [[ $# -gt 0 ]]; do
+    case "$1" in
+        --offline) OFFLINE=1 ;;
+        -t|--tag) FIBRL_IMAGE="$2"; shift ;;
+        --tag=*) FIBRL_IMAGE="${1#--tag=}" ;;
+        -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
+        --) shift; extra=("$@"); break ;;
+        *) echo "unknown argument: $1 (see --help)" >&2; exit 2 ;;
+    esac
+    shift
+done
+log() { echo "[build-image] $*" >&2; }
+
+args=(--tag "$FIBRL_IMAGE" --build-arg "EXTRAS=$IMAGE_EXTRAS")
+if [[ "$OFFLINE" == 1 ]]; then
+    docker/build-base.sh
+    IMAGE_EXTRAS="$IMAGE_EXTRAS" docker/build-wheels.sh docker/wheels
+    # The Dockerfile copies the context to /tmp/fibrl-src.
+    args+=(--build-arg PIP_NO_INDEX=1
+           --build-arg PIP_FIND_LINKS=/tmp/fibrl-src/docker/wheels)
+fi
+
+# Newer docker CLIs without the buildx plugin need the legacy builder.
+if [[ -z "${DOCKER_BUILDKIT:-}" ]] && ! docker buildx version >/dev/null 2>&1; then
+    export DOCKER_BUILDKIT=0
+fi
+
+log "docker build ${args[*]} ${extra[*]} ."
+docker build "${args[@]}" "${extra[@]}" .
+docker image ls "$FIBRL_IMAGE" >&2

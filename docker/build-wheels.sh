@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Prepare, on the host, every wheel the worker image needs so that
+# `docker build` can install offline (pip --no-index --find-links).
+# The wheels are for the host's Python/platform, so run it with a CPython 3.11
+# on linux x86_64 (the image is Debian bookworm, CPython 3.11, glibc 2.36).
+#
+# Usage: docker/build-wheels.sh [WHEEL_DIR]        (default: docker/wheels)
+# Environment: IMAGE_EXTRAS  extras for the image (default: rl)
+#              PYTHON        interpreter to use   (default: python3)
+set -euo pipefail
+
+cd "$(dirname "$0")/.."
+WHEEL_DIR="${1:-${WHEEL_DIR:-docker/wheels}}"
+IMAGE_EXTRAS="${IMAGE_EXTRAS:-rl}"
+PYTHON="${PYTHON:-python3}"
+log() { echo "[build-wheels] $*" >&2; }
+
+pyver=$("$PYTHON" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+if [[ "$pyver" != 3.11 ]]; then
+    log "WARNING: host Python is $pyver but the image has 3.11; binary wheels may not match"
+fi
+mkdir -p "$WHEEL_DIR"
+
+# 1. The project's own wheel plus all its runtime deps (and the extras).
+#    Built from a scratch copy so no build/ or *.egg-info lands in the tree.
+src=$(mktemp -d "${TMPDIR:-/tmp}/fibrl-src.XXXXXX")
+trap 'rm -rf "$src"' EXIT
+tar -c --exclude=./.git --exclude=./build --exclude=./dist --exclude='*.egg-info' \
+    --exclude=./docker/wheels --exclude=__pycache__ . | tar -x -C "$src"
+log "pip wheel .[$IMAGE_EXTRAS] -> $WHEEL_DIR"
+WHEEL_DIR=$(cd "$WHEEL_DIR" && pwd)
+(cd "$src" && "$PYTHON" -m pip wheel --quiet --wheel-dir "$WHEEL_DIR" ".[$IMAGE_EXTRAS]")
+
+# 2. The build backend, so the image can build fibrl from source offline.
+mapfile -t build_reqs < <("$PYTHON" - <<'PY'
+import tomllib, pathlib
+p = pathlib.Path("pyproject.toml")
+reqs = []
+if p.exists():
+    reqs = tomllib.loads(p.read_text()).get("build-system", {}).get("requires", [])
+for r in reqs or ["setuptools>=40.8.0", "wheel"]:
+    print(r)
+PY
+)
+log "build requirements: ${build_reqs[*]}"
+"$PYTHON" -m pip wheel --quiet --wheel-dir "$WHEEL_DIR" "${build_reqs[@]}"
+
+log "$(ls "$WHEEL_DIR" | wc -l) wheels, $(du -sh "$WHEEL_DIR" | cut -f1) in $WHEEL_DIR"
