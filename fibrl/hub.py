@@ -298,11 +298,16 @@ class Client:
         self._submit(Call(rid, oid, method, _wrap(args)), inline=True)
         return handle
 
-    def send(self, oid: str, method: str, args: tuple) -> None:
-        """Send a one-way call (no reply); batched with others by the feeder thread."""
+    def send(self, oid: str, method: str, args: tuple, inline: bool = False) -> None:
+        """Send a one-way call (no reply).
+
+        By default it is queued for the feeder thread, which batches calls
+        (throughput); ``inline`` sends it from this thread when nothing is
+        queued (latency).
+        """
         if self.lost:
             raise self._lost_error()
-        self._submit(Call(0, oid, method, _wrap(args)), inline=False)
+        self._submit(Call(0, oid, method, _wrap(args)), inline=inline)
 
     def _submit(self, call: Call, inline: bool) -> None:
         with self._lock:
@@ -524,15 +529,19 @@ class Hub:
         """Call and wait for the result (``timeout``: seconds, None for no limit)."""
         return self.call_async(address, oid, method, *args).get(timeout)
 
-    def send(self, address: Optional[str], oid: str, method: str, *args: Any) -> None:
-        """One-way call: no reply, errors are only logged by the receiver."""
+    def send(self, address: Optional[str], oid: str, method: str, *args: Any,
+             inline: bool = False) -> None:
+        """One-way call: no reply, errors are only logged by the receiver.
+
+        ``inline`` trades batching for latency (see :meth:`Client.send`).
+        """
         if self.is_local(address):
             service = self._services.get(oid)
             if service is None:
                 raise RemoteObjectError(f"object {oid!r} no longer exists")
             service.dispatch(method, args, _NO_REPLY)
             return
-        self.client(address).send(oid, method, args)
+        self.client(address).send(oid, method, args, inline)
 
     def flush(self, timeout: Optional[float] = 10.0) -> None:
         """Make sure every one-way call sent so far was processed by its receiver."""

@@ -179,7 +179,7 @@ class Mailbox(Service):
                 self._joiners.append(reply)
 
     # -- pipe end bookkeeping ------------------------------------------------------
-    def op_attach(self, reply: ReplySink, key: Any = "inflight") -> None:
+    def op_attach(self, reply: ReplySink, key: Any = None) -> None:
         """Count one more open writer handle, owned by ``key`` or the calling peer."""
         with self._lock:
             owner = _owner(reply, key)

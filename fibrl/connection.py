@@ -1,0 +1,293 @@
+"""``Pipe()``, ``Connection`` and ``wait()`` that work between any processes.
+
+A pipe is two :class:`~fibrl.mailbox.Mailbox` objects hosted by the process
+that called ``Pipe()``: one per direction. A :class:`Connection` is a handle
+on them (address, the mailbox it reads, the one it writes) and pickles to any
+process of the run. Each process holding the write side of a direction counts
+as one open writer (a pickled handle counts from the moment it is pickled);
+when the last one closes or its process dies, a reader gets ``EOFError`` once
+the buffered messages are read, as with an OS pipe.
+
+::
+
+    process A                owner of the pipe (hub)               process B
+    a.send(obj) ==dumps==>  Mailbox a->b  ==parked recv/poll==>   b.recv()
+    a.recv()    <=========  Mailbox b->a  <=====================  b.send(obj)
+
+``wait()`` mixes connections, process sentinels and any object with
+``fileno()``: connections are watched with parked ``poll`` requests that
+write to a self-pipe, and everything is waited on with one ``select``.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import selectors
+import time
+import weakref
+from multiprocessing import BufferTooShort
+from typing import Any, Iterable, Optional
+
+from . import serialization
+from .hub import get_hub
+from .mailbox import Mailbox
+
+__all__ = ["Connection", "Pipe", "wait"]
+
+_tokens = itertools.count(1)
+
+
+class Connection:
+    """One end of a :func:`Pipe`, usable from any process of the run."""
+
+    def __init__(self, address: str, inbox: Optional[str], outbox: Optional[str]) -> None:
+        self._address = address
+        self._inbox = inbox      # mailbox this end reads (None: write-only)
+        self._outbox = outbox    # mailbox this end writes (None: read-only)
+        self._closed = False
+        self._finalizer = None
+
+    # -- lifetime ----------------------------------------------------------------
+    def _attach(self, method: str = "attach") -> None:
+        if self._outbox is not None:
+            get_hub().call(self._address, self._outbox, method)
+            self._finalizer = weakref.finalize(self, _detach, self._address, self._outbox)
+
+    def __reduce__(self):
+        self._check_closed()
+        if self._outbox is not None:
+            get_hub().call(self._address, self._outbox, "attach", "inflight")
+        return (_rebuild, (self._address, self._inbox, self._outbox))
+
+    def close(self) -> None:
+        """Close this handle; the other end sees EOF once every writer handle is closed."""
+        if not self._closed:
+            self._closed = True
+            if self._finalizer is not None:
+                self._finalizer()
+
+    def __enter__(self) -> "Connection":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def readable(self) -> bool:
+        return self._inbox is not None
+
+    @property
+    def writable(self) -> bool:
+        return self._outbox is not None
+
+    def fileno(self) -> int:
+        raise OSError("a fibrl Connection has no file descriptor (it may live on another "
+                      "machine); wait on it with fibrl.connection.wait()")
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"{self._inbox}<->{self._outbox}"
+        return f"<fibrl.connection.Connection {state} at {self._address}>"
+
+    def _check_closed(self) -> None:
+        if self._closed:
+            raise OSError("handle is closed")
+
+    def _check_readable(self) -> None:
+        self._check_closed()
+        if self._inbox is None:
+            raise OSError("connection is write-only")
+
+    def _check_writable(self) -> None:
+        self._check_closed()
+        if self._outbox is None:
+            raise OSError("connection is read-only")
+
+    # -- sending -------------------------------------------------------------------
+    def send(self, obj: Any) -> None:
+        """Send a picklable object to the other end."""
+        self._check_writable()
+        self._put(serialization.dumps(obj))
+
+    def send_bytes(self, buf: Any, offset: int = 0, size: Optional[int] = None) -> None:
+        """Send bytes from a bytes-like object (``offset``/``size`` in items of ``buf``)."""
+        self._check_writable()
+        view = memoryview(buf).cast("B") if memoryview(buf).ndim else memoryview(buf)
+        itemsize = memoryview(buf).itemsize
+        start, length = offset * itemsize, len(view)
+        if offset < 0 or start > length:
+            raise ValueError("offset is negative or too large")
+        if size is None:
+            size = (length - start) // itemsize
+        if size < 0 or start + size * itemsize > length:
+            raise ValueError("size is negative or too large")
+        self._put(bytes(view[start:start + size * itemsize]))
+
+    def _put(self, payload: bytes) -> None:
+        # inline: a pipe is used for request/response, where latency matters most
+        get_hub().send(self._address, self._outbox, "put", payload, None, inline=True)
+
+    # -- receiving -----------------------------------------------------------------
+    def _get(self) -> Any:
+        return get_hub().call(self._address, self._inbox, "get", None)
+
+    def recv(self) -> Any:
+        """Receive an object sent with :meth:`send`; ``EOFError`` when the other end closed."""
+        self._check_readable()
+        return serialization.loads(self._get())
+
+    def recv_bytes(self, maxlength: Optional[int] = None) -> bytes:
+        """Receive one message as bytes; ``OSError`` if it is longer than ``maxlength``."""
+        self._check_readable()
+        if maxlength is not None and maxlength < 0:
+            raise ValueError("negative maxlength")
+        data = bytes(self._get())
+        if maxlength is not None and len(data) > maxlength:
+            self.close()
+            raise OSError("bad message length")
+        return data
+
+    def recv_bytes_into(self, buf: Any, offset: int = 0) -> int:
+        """Receive into a writable buffer; ``BufferTooShort`` (holding the message) if it
+        does not fit."""
+        self._check_readable()
+        view = memoryview(buf).cast("B")
+        if offset < 0 or offset > len(view):
+            raise ValueError("offset out of bounds")
+        data = memoryview(self._get())
+        if len(data) > len(view) - offset:
+            raise BufferTooShort(bytes(data))
+        view[offset:offset + len(data)] = data
+        return len(data)
+
+    def poll(self, timeout: Optional[float] = 0.0) -> bool:
+        """Whether there is data to read (or EOF), waiting up to ``timeout`` seconds."""
+        self._check_readable()
+        return get_hub().call(self._address, self._inbox, "poll", timeout)
+
+
+def _detach(address: str, oid: str) -> None:
+    try:
+        get_hub().call(address, oid, "detach", timeout=5.0)
+    except Exception:
+        pass  # the owner is gone: so is the pipe
+
+
+def _rebuild(address: str, inbox: Optional[str], outbox: Optional[str]) -> Connection:
+    conn = Connection(address, inbox, outbox)
+    conn._attach("adopt")
+    return conn
+
+
+def Pipe(duplex: bool = True) -> tuple[Connection, Connection]:
+    """Return two connected ends ``(conn1, conn2)``.
+
+    With ``duplex=False`` ``conn1`` can only receive and ``conn2`` only send.
+
+    Example:
+        >>> a, b = Pipe()
+        >>> a.send([1, 2]); b.recv()
+        [1, 2]
+    """
+    hub = get_hub()
+    to_1 = hub.register(Mailbox(pipe_end=True))
+    to_2 = hub.register(Mailbox(pipe_end=True)) if duplex else None
+    address = hub.address
+    conn1 = Connection(address, to_1, to_2)
+    conn2 = Connection(address, to_2, to_1)
+    for conn in (conn1, conn2):
+        conn._attach()
+    for oid in (to_1, to_2):
+        if oid is not None:
+            # the pipe lives as long as a handle on it lives in this process
+            weakref.finalize(conn1, _unregister_when_unused, hub, oid, weakref.ref(conn2))
+    return conn1, conn2
+
+
+def _unregister_when_unused(hub, oid: str, other: "weakref.ref") -> None:
+    if other() is None:
+        hub.unregister(oid)
+    else:
+        weakref.finalize(other(), hub.unregister, oid)
+
+
+# -- wait ---------------------------------------------------------------------------------
+def wait(object_list: Iterable[Any], timeout: Optional[float] = None) -> list:
+    """Wait until one or more objects are ready; return the ready ones.
+
+    Objects may be :class:`Connection` objects (ready when readable or at
+    EOF), integer file descriptors such as ``Process.sentinel``, or objects
+    with a ``fileno()`` method.
+
+    Example:
+        >>> a, b = Pipe(); b.send(1)
+        >>> wait([a], timeout=5) == [a]
+        True
+    """
+    objects = list(object_list)
+    conns = [o for o in objects if isinstance(o, Connection)]
+    others = [o for o in objects if not isinstance(o, Connection)]
+    ready = [c for c in conns if c.poll(0)]
+    if ready or timeout is not None and timeout <= 0:
+        return ready + _ready_fds(others, 0)
+    return _wait_blocking(conns, others, timeout)
+
+
+def _ready_fds(objects: list, timeout: Optional[float]) -> list:
+    if not objects:
+        return []
+    with selectors.DefaultSelector() as sel:
+        for obj in objects:
+            sel.register(obj, selectors.EVENT_READ)
+        return [key.fileobj for key, _ in sel.select(timeout)]
+
+
+def _wait_blocking(conns: list, others: list, timeout: Optional[float]) -> list:
+    hub = get_hub()
+    read_fd, write_fd = os.pipe()
+    token = (os.getpid(), next(_tokens))
+    handles = []
+    try:
+        for conn in conns:
+            handle = hub.call_async(conn._address, conn._inbox, "poll", timeout, token)
+            handle.add_done_callback(lambda h: _poke(write_fd))
+            handles.append(handle)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with selectors.DefaultSelector() as sel:
+            sel.register(read_fd, selectors.EVENT_READ)
+            for obj in others:
+                sel.register(obj, selectors.EVENT_READ)
+            while True:
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                keys = [k.fileobj for k, _ in sel.select(left)]
+                fds = [o for o in keys if o is not read_fd]
+                conns_ready = [c for c, h in zip(conns, handles) if h.ready() and _true(h)]
+                if fds or conns_ready or left == 0:
+                    return conns_ready + fds
+                if all(h.ready() for h in handles) and not others and read_fd in keys:
+                    return []
+                if read_fd in keys:
+                    os.read(read_fd, 4096)
+    finally:
+        for conn, handle in zip(conns, handles):
+            if not handle.ready():
+                hub.call_async(conn._address, conn._inbox, "unpoll", token)
+        os.close(read_fd)
+        os.close(write_fd)
+
+
+def _poke(fd: int) -> None:
+    try:
+        os.write(fd, b"x")
+    except OSError:
+        pass  # wait() already returned and closed the pipe
+
+
+def _true(handle) -> bool:
+    try:
+        return bool(handle.get(0))
+    except Exception:
+        return True  # an error (owner gone) is "ready": the next recv() reports it
