@@ -31,6 +31,15 @@ def _heartbeat(client, interval: float, limit: float, stop: threading.Event) -> 
             _parent_lost(f"the parent did not answer a heartbeat within {limit:.0f} s")
 
 
+def _keep_own_sys_path(preparation: dict) -> dict:
+    # spawn replaces sys.path with the parent's; a container's interpreter has its
+    # standard library elsewhere, so its own entries follow the parent's.
+    parent = preparation.get("sys_path")
+    if parent is None:
+        return preparation
+    return dict(preparation, sys_path=list(parent) + [p for p in sys.path if p not in parent])
+
+
 def main(argv: list[str]) -> int:
     if len(argv) != 3:
         sys.stderr.write("usage: python -m fibrl.bootstrap <parent address> <handover id>\n")
@@ -64,7 +73,7 @@ def main(argv: list[str]) -> int:
 
     mp_process.current_process()._inheriting = True
     try:
-        mp_spawn.prepare(start.preparation)
+        mp_spawn.prepare(_keep_own_sys_path(start.preparation))
         process_obj = serialization.loads(start.process)
     finally:
         del mp_process.current_process()._inheriting

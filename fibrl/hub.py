@@ -436,8 +436,8 @@ class Hub:
         self._clients: dict[str, Client] = {}
         self._lock = threading.RLock()
         self._listener = None
-        self._peer_lost_hooks: list[Callable[[Any], None]] = []
         self.pid = os.getpid()
+        self.register(_HubService(), "hub")
 
     # -- hosting -------------------------------------------------------------
     @property
@@ -470,7 +470,12 @@ class Hub:
         return self._services.get(oid)
 
     def _on_frame(self, peer, data: bytes) -> None:
-        msg = serialization.loads(data)
+        try:
+            msg = serialization.loads(data)
+        except Exception as exc:  # an authenticated peer that sends garbage is broken
+            log.error("dropping peer %s of process %s: %s", peer.id, self.pid, exc)
+            peer.close()
+            return
         for call in (msg if isinstance(msg, list) else (msg,)):
             reply = _PeerReply(peer, call.rid)
             service = self._services.get(call.oid)
@@ -616,7 +621,6 @@ def get_hub() -> Hub:
                 config = current_config()
                 hub = Hub(bytes(current_process().authkey), config.listen_host,
                           config.auth_timeout, config.start_timeout)
-                hub.register(_HubService(), "hub")
                 _register_exit()
                 _hub = hub
     return _hub
@@ -626,8 +630,6 @@ def install_hub(hub: Hub) -> None:
     """Make ``hub`` this process's hub (a worker builds its own from FIBRL_SECRET)."""
     global _hub
     with _hub_lock:
-        if hub.service("hub") is None:
-            hub.register(_HubService(), "hub")
         _register_exit()
         _hub = hub
 

@@ -1,0 +1,608 @@
+"""The docker backend: each worker is a container of the engine ``DOCKER_HOST`` names.
+
+Owns turning a :class:`JobSpec` into a container (image, command, env, labels,
+limits, the mounted working directory), watching it, relaying its output,
+stopping it and removing it, plus label-based listing and cleanup for tests
+and the command line. It does not own what runs inside (``fibrl.bootstrap``)
+nor how the parent talks to it (``transport``). The docker SDK is imported
+only here, when the backend is first used.
+
+Data flow of one job::
+
+    create_job(spec)
+      check once: engine reachable, image present, image runs
+                  ``python -c "import fibrl.bootstrap"`` (a probe container)
+      containers.create(host network, cwd mounted, limits, labels)
+      attach(stream, demux)  <- before start, so no output is lost
+      start
+      follower thread:  frames --> parent's stdout / stderr
+                        EOF (container stopped) --> wait API --> inspect
+                        --> exit code (128+N -> -N), OOMKilled --> _ended.set()
+    Job.wait(timeout) blocks on _ended; Job.remove() keeps a bounded tail of the
+    logs, then removes the container (auto-remove is off so logs survive exit).
+
+Workers exit by themselves when their parent goes away; a SIGKILLed parent
+leaves *stopped* containers behind, which :func:`remove_containers` (``python
+-m fibrl.backends.docker rm``) removes, as does the next docker backend
+started on this host for containers whose parent process is gone.
+"""
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import re
+import secrets
+import socket
+import sys
+import threading
+from typing import Any, Optional
+
+from ..config import Config
+from ..errors import BackendError, describe_exitcode
+from .base import Backend, Job, JobSpec, JobStatus
+
+__all__ = ["DockerBackend", "DockerJob", "connect", "container_name", "exit_code",
+           "list_containers", "remove_containers", "main"]
+
+log = logging.getLogger(__name__)
+
+LABEL_BACKEND = "fibrl.backend"
+LABEL_HOST = "fibrl.host"
+LABEL_RUN = "fibrl.run"
+LABEL_PARENT = "fibrl.parent"
+LOG_TAIL_LINES = 500  # what logs() keeps of a removed container, and shows in errors
+_MAX_SIGNAL = 64
+_LOOPBACK = ("127.", "localhost", "::1")
+
+
+# -- the SDK and the engine ------------------------------------------------------------
+
+def _sdk():
+    try:
+        import docker
+    except ImportError as exc:
+        raise BackendError(
+            "the docker backend needs the docker SDK, which is not installed. "
+            "Fix: pip install 'fibrl[docker]' (or choose fibrl.init(backend='local')).") from exc
+    return docker
+
+
+def _sdk_errors() -> tuple:
+    import requests
+
+    return (_sdk().errors.DockerException, requests.RequestException)
+
+
+def _engine_address() -> str:
+    return os.environ.get("DOCKER_HOST") or "unix:///var/run/docker.sock"
+
+
+def connect(timeout: float = 60.0, pool_size: int = 64):
+    """A docker SDK client of the engine in ``DOCKER_HOST``, or a :class:`BackendError`.
+
+    Example:
+        >>> client = connect()               # doctest: +SKIP
+        >>> client.info()["NCPU"] > 0        # doctest: +SKIP
+        True
+    """
+    docker = _sdk()
+    try:
+        return docker.from_env(timeout=int(timeout), max_pool_size=pool_size)
+    except _sdk_errors() as exc:
+        raise BackendError(
+            f"cannot reach the docker engine at {_engine_address()} ({exc}). Likely cause: "
+            f"dockerd is not running, DOCKER_HOST points to the wrong place, or this user "
+            f"may not use the socket. Fix: start dockerd (e.g. `sudo systemctl start "
+            f"docker`), check DOCKER_HOST and `docker info`, or run with "
+            f"fibrl.init(backend='local').") from exc
+
+
+# -- names, exit codes, labels ---------------------------------------------------------
+
+def container_name(name: str, suffix: Optional[str] = None) -> str:
+    """A valid, unique docker container name derived from a process name.
+
+    Example:
+        >>> container_name("Process-1:2", suffix="ab12cd")
+        'fibrl-process-1-2-ab12cd'
+    """
+    base = re.sub(r"[^a-z0-9_.-]+", "-", name.lower()).strip("-_.")
+    base = base[:40].rstrip("-_.") or "worker"
+    if not base.startswith("fibrl"):
+        base = f"fibrl-{base}"
+    return f"{base}-{suffix or secrets.token_hex(3)}"
+
+
+def exit_code(status: int) -> int:
+    """Map a container's exit status to a process exit code: ``128+N`` becomes ``-N``.
+
+    A container whose main process was killed by signal N exits with 128+N
+    (``docker kill`` gives 137); ``multiprocessing`` reports that as ``-N``.
+
+    Example:
+        >>> exit_code(137), exit_code(0), exit_code(255)
+        (-9, 0, 255)
+    """
+    if 128 < status <= 128 + _MAX_SIGNAL:
+        return 128 - status
+    return status
+
+
+def _label_filters(run: Optional[str] = None, parent: Optional[int] = None) -> list:
+    found = [f"{LABEL_BACKEND}=docker"]
+    if run:
+        found.append(f"{LABEL_RUN}={run}")
+    if parent is not None:
+        found.append(f"{LABEL_PARENT}={parent}")
+    return found
+
+
+def list_containers(run: Optional[str] = None, *, running_only: bool = False,
+                    parent: Optional[int] = None, client: Any = None) -> list:
+    """The fibrl worker containers of the engine (SDK ``Container`` objects).
+
+    Args:
+        run: only those of this run id (label ``fibrl.run``).
+        running_only: leave out stopped containers.
+        parent: only those started by this parent pid (label ``fibrl.parent``).
+        client: a docker SDK client (default: :func:`connect`).
+    """
+    client = client or connect()
+    filters = {"label": _label_filters(run, parent)}
+    return client.containers.list(all=not running_only, filters=filters)
+
+
+def remove_containers(run: Optional[str] = None, *, force: bool = False,
+                      client: Any = None) -> list:
+    """Remove fibrl worker containers; return the names removed.
+
+    Stopped ones are removed; running ones only with ``force=True`` (killed first).
+
+    Example:
+        >>> remove_containers(run="3f2a9c01be77", force=True)   # doctest: +SKIP
+        ['fibrl-process-1-ab12cd']
+    """
+    client = client or connect()
+    removed = []
+    for container in list_containers(run, client=client):
+        if container.status == "running" and not force:
+            continue
+        if _remove_quietly(container.client.api, container.id):
+            removed.append(container.name)
+    return removed
+
+
+def _remove_quietly(api: Any, container_id: str) -> bool:
+    try:
+        api.remove_container(container_id, force=True)
+        return True
+    except _sdk_errors() as exc:
+        if getattr(exc, "status_code", None) == 404:
+            return False
+        log.warning("could not remove container %s: %s", container_id[:12], exc)
+        return False
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _collect_orphans(client: Any) -> None:
+    """Remove stopped containers left here by parents that no longer exist (SIGKILL)."""
+    filters = {"label": _label_filters() + [f"{LABEL_HOST}={socket.gethostname()}"],
+               "status": "exited"}
+    try:
+        for container in client.containers.list(all=True, filters=filters):
+            parent = container.labels.get(LABEL_PARENT, "")
+            if parent.isdigit() and not _pid_alive(int(parent)):
+                _remove_quietly(client.api, container.id)
+    except _sdk_errors() as exc:
+        log.debug("orphan container cleanup skipped: %s", exc)
+
+
+# -- one container ---------------------------------------------------------------------
+
+class DockerJob(Job):
+    """A worker running as a docker container."""
+
+    def __init__(self, spec: JobSpec, api: Any, container_id: str, name: str,
+                 stream: Any) -> None:
+        self.spec = spec
+        self.name = name
+        self._api = api
+        self._id = container_id
+        self._ended = threading.Event()
+        self._code: Optional[int] = None
+        self._state: dict = {}
+        self._lock = threading.Lock()
+        self._removed = False
+        self._final_logs = ""
+        self._follower = threading.Thread(target=self._follow, args=(stream,), daemon=True,
+                                          name=f"fibrl-docker-{name}")
+
+    def _begin(self) -> None:
+        self._follower.start()
+
+    @property
+    def id(self) -> str:
+        return self._id
+
+    # The follower: relay output until the container stops, then collect its end.
+    def _follow(self, stream: Any) -> None:
+        try:
+            _relay(stream)
+        except Exception as exc:  # a broken stream must not hide the exit code
+            log.debug("output stream of %s ended: %s", self.name, exc)
+        finally:
+            _close_quietly(stream)
+        self._collect_end()
+
+    def _collect_end(self) -> None:
+        try:
+            status = self._api.wait(self._id)["StatusCode"]
+            self._state = self._api.inspect_container(self._id)["State"]
+        except _sdk_errors() as exc:
+            status = 255
+            self._state = {"Error": f"lost track of the container: {exc}"}
+        self._code = exit_code(status)
+        self._report_end()
+        self._ended.set()
+
+    def _report_end(self) -> None:
+        if self._state.get("OOMKilled"):
+            log.warning(
+                "worker container %s was killed by the kernel's OOM killer (%s, memory "
+                "limit %s). Fix: raise the limit with @fibrl.meta(memory=...) or "
+                "fibrl.init(memory=...), or make the worker use less memory.",
+                self.name, describe_exitcode(self._code), self.spec.memory or "none")
+
+    def status(self) -> JobStatus:
+        if self._ended.is_set():
+            return JobStatus.SUCCEEDED if self._code == 0 else JobStatus.FAILED
+        try:
+            state = self._api.inspect_container(self._id)["State"]
+        except _sdk_errors():
+            return JobStatus.FAILED
+        if state.get("Status") == "created":
+            return JobStatus.PENDING
+        if state.get("Running"):
+            return JobStatus.RUNNING
+        return JobStatus.SUCCEEDED if state.get("ExitCode") == 0 else JobStatus.FAILED
+
+    def wait(self, timeout: Optional[float] = None) -> Optional[int]:
+        self._ended.wait(timeout)
+        return self._code
+
+    def _signal(self, sig: str) -> None:
+        if self._ended.is_set():
+            return
+        try:
+            self._api.kill(self._id, signal=sig)
+        except _sdk_errors() as exc:  # 404 gone, 409 not running: nothing to stop
+            if getattr(exc, "status_code", None) not in (404, 409):
+                raise BackendError(f"cannot send {sig} to container {self.name}: {exc}. "
+                                   f"Check `docker info` and `docker ps -a`.") from exc
+
+    def terminate(self) -> None:
+        self._signal("SIGTERM")
+
+    def kill(self) -> None:
+        self._signal("SIGKILL")
+
+    def logs(self) -> str:
+        """The last ``LOG_TAIL_LINES`` lines the container printed (stdout and stderr)."""
+        with self._lock:
+            if self._removed:
+                return self._final_logs
+            return self._fetch_logs()
+
+    def _fetch_logs(self) -> str:
+        try:
+            raw = self._api.logs(self._id, stdout=True, stderr=True, tail=LOG_TAIL_LINES)
+        except _sdk_errors() as exc:
+            return f"<logs of container {self.name} unavailable: {exc}>"
+        return raw.decode("utf-8", "replace")
+
+    def failure_reason(self) -> str:
+        if self._state.get("OOMKilled"):
+            return "OOMKilled"
+        return self._state.get("Error", "")
+
+    def remove(self) -> None:
+        """Keep the logs' tail, then remove the container (waits for it to end)."""
+        self._ended.wait()
+        self._follower.join(5.0)
+        with self._lock:
+            if self._removed:
+                return
+            self._final_logs = self._fetch_logs()
+            self._removed = True
+        _remove_quietly(self._api, self._id)
+
+
+def _relay(stream: Any) -> None:
+    for out, err in stream:
+        _write(sys.stdout, out)
+        _write(sys.stderr, err)
+
+
+def _write(target: Any, data: Optional[bytes]) -> None:
+    if not data or target is None:
+        return
+    try:
+        target.write(data.decode("utf-8", "replace"))
+        target.flush()
+    except (ValueError, OSError):  # closed at interpreter exit: drop the output
+        pass
+
+
+def _close_quietly(stream: Any) -> None:
+    try:
+        stream.close()
+    except Exception:  # closing a finished stream may fail in many SDK ways
+        pass
+
+
+# -- the backend -----------------------------------------------------------------------
+
+class DockerBackend(Backend):
+    """Runs each job as a container of the local (or ``DOCKER_HOST``) docker engine.
+
+    Containers use host networking (workers reach the parent on 127.0.0.1),
+    see the parent's working directory at the same path (read-only unless
+    ``docker_mount_readonly=False``) and nothing else of the host, run as the
+    parent's uid:gid with ``no-new-privileges``, and carry the labels of
+    their run plus ``fibrl.backend=docker``.
+
+    Example:
+        >>> import fibrl
+        >>> fibrl.init(backend="docker", image="fibrl:latest")   # doctest: +SKIP
+        >>> p = fibrl.Process(target=print, args=("hi",)); p.start(); p.join()  # doctest: +SKIP
+    """
+
+    name = "docker"
+
+    def __init__(self, config: Config) -> None:
+        super().__init__(config)
+        self._client: Any = None
+        self._lock = threading.Lock()
+        self._probed: set = set()
+        self._jobs: set = set()
+        self._ncpu: Optional[int] = None
+
+    @property
+    def client(self) -> Any:
+        """The docker SDK client (connects, and cleans up orphans, on first use)."""
+        with self._lock:
+            if self._client is None:
+                self._client = connect()
+                threading.Thread(target=_collect_orphans, args=(self._client,), daemon=True,
+                                 name="fibrl-docker-orphans").start()
+                atexit.register(self._remove_ended)
+        return self._client
+
+    def cpu_count(self) -> int:
+        if self._ncpu is None:
+            try:
+                self._ncpu = int(self.client.info()["NCPU"])
+            except _sdk_errors() as exc:
+                raise BackendError(f"cannot ask the docker engine at {_engine_address()} "
+                                   f"for its CPU count: {exc}. Check `docker info`.") from exc
+        return self._ncpu
+
+    def create_job(self, spec: JobSpec) -> Job:
+        self._check_network()
+        image = spec.image or self.config.image
+        kwargs = self._container_kwargs(spec, image)
+        self._check_image(image, spec, kwargs)
+        job = self._start(spec, image, kwargs)
+        with self._lock:
+            self._jobs.add(job)
+        return job
+
+    def cleanup(self, run_id: Optional[str] = None, *, force: bool = True) -> list:
+        """Remove the containers of ``run_id`` (default: this program's run); return names."""
+        if run_id is None:
+            from ..popen import run_id as current_run
+
+            run_id = current_run()
+        return remove_containers(run_id, force=force, client=self.client)
+
+    # -- building the container ------------------------------------------------------
+    def _check_network(self) -> None:
+        network, host = self.config.docker_network, self.listen_host()
+        if network != "host" and host.startswith(_LOOPBACK):
+            raise BackendError(
+                f"docker_network={network!r} but the parent listens on {host}, which "
+                f"containers on that network cannot reach. Fix: keep docker_network='host' "
+                f"(the default), or set listen_host to an address of this machine that the "
+                f"network reaches (e.g. the docker0 bridge address).")
+
+    def _container_kwargs(self, spec: JobSpec, image: str) -> dict:
+        labels = dict(spec.labels)
+        labels.update({LABEL_BACKEND: "docker", LABEL_HOST: socket.gethostname()})
+        kwargs = dict(
+            image=image, command=list(spec.command), environment=dict(spec.env),
+            labels=labels, network_mode=self.config.docker_network, init=True,
+            working_dir=self._workdir(spec), volumes=self._volumes(spec),
+            user=f"{os.getuid()}:{os.getgid()}", security_opt=["no-new-privileges"],
+            stdin_open=False, tty=False, auto_remove=False)
+        kwargs.update(_resources(spec))
+        return kwargs
+
+    def _workdir(self, spec: JobSpec) -> Optional[str]:
+        if self.config.docker_workdir:
+            return self.config.docker_workdir
+        return spec.workdir if self.config.docker_mount_cwd and spec.workdir else None
+
+    def _volumes(self, spec: JobSpec) -> dict:
+        volumes = {}
+        if self.config.docker_mount_cwd and spec.workdir:
+            if os.path.abspath(spec.workdir) == "/":
+                raise BackendError(
+                    "refusing to mount the host's root directory into worker containers: "
+                    "the parent's working directory is '/'. Fix: run from your project "
+                    "directory, or set docker_mount_cwd=False.")
+            mode = "ro" if self.config.docker_mount_readonly else "rw"
+            volumes[spec.workdir] = {"bind": spec.workdir, "mode": mode}
+        for host_path, container_path, read_only in spec.volumes:
+            volumes[host_path] = {"bind": container_path, "mode": "ro" if read_only else "rw"}
+        return volumes
+
+    # -- checks done once per image and working directory ----------------------------
+    def _check_image(self, image: str, spec: JobSpec, kwargs: dict) -> None:
+        key = (image, kwargs["working_dir"], repr(kwargs["volumes"]))
+        with self._lock:
+            if key in self._probed:
+                return
+        self._require_image(image)
+        self._probe(image, spec, kwargs)
+        with self._lock:
+            self._probed.add(key)
+
+    def _require_image(self, image: str) -> None:
+        docker = _sdk()
+        try:
+            self.client.images.get(image)
+        except docker.errors.ImageNotFound as exc:
+            raise BackendError(
+                f"the worker image {image!r} does not exist on the docker engine at "
+                f"{_engine_address()}. Fix: build it with docker/build-image.sh (or "
+                f"`docker build -t {image} .` in the fibrl source tree), pull it, or set "
+                f"image=... (fibrl.init(image=...) or FIBRL_IMAGE).") from exc
+        except _sdk_errors() as exc:
+            raise BackendError(f"cannot look up image {image!r} on the docker engine at "
+                               f"{_engine_address()}: {exc}. Check `docker info`.") from exc
+
+    def _probe(self, image: str, spec: JobSpec, kwargs: dict) -> None:
+        """Run ``python -c "import fibrl.bootstrap"`` in the worker's set-up, once."""
+        probe = dict(kwargs, command=[spec.command[0], "-c", "import fibrl.bootstrap"],
+                     environment={}, name=container_name("probe"))
+        probe["labels"] = dict(kwargs["labels"], **{"fibrl.role": "probe"})
+        for key in ("nano_cpus", "mem_limit", "memswap_limit", "device_requests"):
+            probe.pop(key, None)
+        container = self._create(probe, image)
+        try:
+            container.start()
+            status = container.wait()["StatusCode"]
+            output = container.logs(tail=LOG_TAIL_LINES).decode("utf-8", "replace")
+        except _sdk_errors() as exc:
+            raise _start_error(image, exc) from exc
+        finally:
+            _remove_quietly(self.client.api, container.id)
+        if status != 0:
+            raise _unusable_image(image, kwargs["working_dir"], status, output)
+
+    # -- starting ---------------------------------------------------------------------
+    def _create(self, kwargs: dict, image: str) -> Any:
+        try:
+            return self.client.containers.create(**kwargs)
+        except _sdk().errors.ImageNotFound as exc:
+            self._require_image(image)
+            raise _start_error(image, exc) from exc
+        except _sdk_errors() as exc:
+            raise _start_error(image, exc) from exc
+
+    def _start(self, spec: JobSpec, image: str, kwargs: dict) -> DockerJob:
+        name = container_name(spec.name)
+        container = self._create(dict(kwargs, name=name), image)
+        api = self.client.api
+        try:
+            stream = api.attach(container.id, stdout=True, stderr=True, stream=True,
+                                logs=True, demux=True)
+            api.start(container.id)
+        except _sdk_errors() as exc:
+            _remove_quietly(api, container.id)
+            raise _start_error(image, exc) from exc
+        job = DockerJob(spec, api, container.id, name, stream)
+        job._begin()
+        return job
+
+    def _remove_ended(self) -> None:
+        """At exit: remove the containers of jobs that ended but were not removed yet."""
+        with self._lock:
+            jobs = [job for job in self._jobs if job._ended.is_set()]
+            self._jobs.clear()
+        for job in jobs:
+            job.remove()
+
+    def python(self) -> str:
+        return "python"
+
+
+def _resources(spec: JobSpec) -> dict:
+    limits: dict = {}
+    if spec.cpu:
+        limits["nano_cpus"] = int(float(spec.cpu) * 1e9)
+    if spec.memory:
+        limits["mem_limit"] = limits["memswap_limit"] = spec.memory  # no swap: OOM kills
+    if spec.gpu:
+        docker = _sdk()
+        limits["device_requests"] = [docker.types.DeviceRequest(count=int(spec.gpu),
+                                                                capabilities=[["gpu"]])]
+    return limits
+
+
+def _start_error(image: str, exc: Exception) -> BackendError:
+    text = str(exc)
+    if "device driver" in text or "nvidia" in text.lower():
+        fix = ("GPUs were requested but the engine has no GPU runtime: install the NVIDIA "
+               "container toolkit, or request gpu=0.")
+    elif "memory" in text.lower() or "parse" in text.lower():
+        fix = "check the memory limit: a size such as memory='512m' or '2g'."
+    else:
+        fix = "check the image, the limits and `docker info`; try `docker run` with the image."
+    return BackendError(f"cannot start a worker container from image {image!r} on the docker "
+                        f"engine at {_engine_address()}: {text}. Fix: {fix}")
+
+
+def _unusable_image(image: str, workdir: Optional[str], status: int,
+                    output: str) -> BackendError:
+    if status == 127 or ("exec" in output and "failed" in output):
+        cause = "the image has no `python` on its PATH"
+    elif "No module named" in output:
+        cause = "fibrl is not installed in the image (nor importable from the mounted directory)"
+    else:
+        cause = "python or fibrl is broken in the image"
+    return BackendError(
+        f"the worker image {image!r} cannot run fibrl workers: `python -c \"import "
+        f"fibrl.bootstrap\"` exited with {describe_exitcode(exit_code(status))} in it "
+        f"(working directory {workdir or 'the image default'}). Likely cause: {cause}. "
+        f"Fix: build the image with docker/build-image.sh (it installs fibrl), or pip "
+        f"install fibrl in your image, or set image=... Container output:\n{output.strip()}")
+
+
+# -- command line ------------------------------------------------------------------------
+
+def main(argv: Optional[list] = None) -> int:
+    """``python -m fibrl.backends.docker {ls,rm} [RUN] [--force]``: list or remove workers.
+
+    ``rm`` removes stopped worker containers (all of them, or those of RUN);
+    ``--force`` also kills and removes running ones.
+    """
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m fibrl.backends.docker",
+                                     description="List or remove fibrl worker containers.")
+    parser.add_argument("action", choices=("ls", "rm"))
+    parser.add_argument("run", nargs="?", help="only the containers of this run id")
+    parser.add_argument("--force", action="store_true", help="rm: also running containers")
+    args = parser.parse_args(argv)
+    if args.action == "rm":
+        names = remove_containers(args.run, force=args.force)
+    else:
+        names = [f"{c.name}\t{c.status}\t{c.labels.get(LABEL_RUN, '')}"
+                 for c in list_containers(args.run)]
+    sys.stdout.write("".join(f"{name}\n" for name in names))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

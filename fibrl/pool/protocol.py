@@ -1,0 +1,122 @@
+"""The messages between a pool's service (parent) and its workers.
+
+Owns the vocabulary only: small frozen dataclasses that pickle compactly
+(``__reduce__`` to the constructor, which is several times faster than the
+default for frozen slotted dataclasses: thousands of them cross per second).
+Acting on them is ``service`` (parent side) and ``worker`` (worker side).
+
+One worker's conversation::
+
+    worker                                       PoolService (parent hub)
+    next(wid, [Report...])  ------------------>  records results, then answers at once
+                            <------------------  Batch(tasks, funcs, refill) or parks
+    report(wid, [Report...])  (one-way) ------>  results while a next() is parked
+    report(wid, [Report])     (careful: waits)   one item at a time for retried tasks
+    func(fid)               ------------------>  a callable the worker no longer caches
+    init_failed(wid, RemoteError) ------------>  the initializer raised: the pool breaks
+                            <------------------  Batch(stop=True): exit now
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, fields
+from operator import attrgetter
+from typing import Any, Optional
+
+from ..messages import RemoteError
+
+__all__ = ["Kind", "TaskSpec", "Batch", "Report", "Raised", "WorkerArgs", "message"]
+
+
+def message(cls: type) -> type:
+    """Make ``cls`` a frozen slotted dataclass that pickles as a constructor call."""
+    cls = dataclass(frozen=True, slots=True)(cls)
+    names = [f.name for f in fields(cls)]
+    getter = attrgetter(*names)
+    if len(names) == 1:
+        cls.__reduce__ = lambda self: (cls, (getter(self),))
+    else:
+        cls.__reduce__ = lambda self: (cls, getter(self))
+    return cls
+
+
+class Kind(enum.IntEnum):
+    """How a task's payload is applied to its function."""
+
+    APPLY = 0    # payload: (args, kwds), one item
+    MAP = 1      # payload: [x, ...], func(x) per item
+    STARMAP = 2  # payload: [args, ...], func(*args) per item
+
+
+@message
+class TaskSpec:
+    """One chunk of work as a worker sees it: run items ``lo`` .. end of ``payload``.
+
+    ``careful``: the chunk was held by a lost worker; run it alone and report
+    each item before starting the next, so the item that kills a worker is known.
+    """
+
+    tid: int
+    fid: int
+    kind: int
+    payload: bytes
+    lo: int
+    careful: bool
+
+
+@message
+class Batch:
+    """The answer to ``next``: tasks to run, callables not yet sent, when to ask again.
+
+    ``refill``: ask for more once this many tasks are left locally.
+    ``stop``: no more work for this worker; it exits.
+    """
+
+    tasks: tuple
+    funcs: dict
+    refill: int
+    stop: bool
+
+
+STOP = Batch((), {}, 0, True)
+
+
+@message
+class Report:
+    """Outcomes of items ``lo`` .. ``lo + count`` of task ``tid``.
+
+    ``payload`` pickles a list with one entry per item: the return value, or
+    a :class:`Raised`. ``seconds``: time the worker spent running them.
+    """
+
+    tid: int
+    lo: int
+    count: int
+    payload: bytes
+    seconds: float
+
+
+@message
+class Raised:
+    """An item's outcome when the call raised (or its result could not be pickled)."""
+
+    error: RemoteError
+
+
+@message
+class WorkerArgs:
+    """What a pool worker process is started with."""
+
+    address: str
+    oid: str
+    wid: int
+    init: Optional[bytes]  # pickled (initializer, initargs), or None
+
+
+def describe(value: Any, limit: int = 120) -> str:
+    """A short ``repr`` for error messages."""
+    try:
+        text = repr(value)
+    except Exception as exc:  # a broken __repr__ must not hide the real error
+        text = f"<unprintable {type(value).__name__}: {exc}>"
+    return text if len(text) <= limit else text[:limit - 3] + "..."

@@ -1,0 +1,135 @@
+"""Pipe and Connection conformance across processes. Runs on every backend."""
+import array
+
+import pytest
+
+import fibrl
+from fibrl.connection import wait
+
+TIMEOUT = 60
+
+
+def echo(conn):
+    while True:
+        try:
+            msg = conn.recv()
+        except EOFError:
+            return
+        if msg == "stop":
+            conn.close()
+            return
+        conn.send(msg)
+
+
+def write_and_exit(conn, items):
+    for item in items:
+        conn.send(item)
+
+
+def bytes_echo(conn):
+    conn.send_bytes(conn.recv_bytes())
+
+
+def test_duplex_round_trip_with_child(ctx):
+    a, b = ctx.Pipe()
+    p = ctx.Process(target=echo, args=(b,))
+    p.start()
+    for obj in (1, "two", [3.0], {"four": 4}, None):
+        a.send(obj)
+        assert a.recv() == obj
+    a.send("stop")
+    p.join(TIMEOUT)
+    assert p.exitcode == 0
+
+
+def test_eof_when_the_writer_closes_everywhere(ctx):
+    r, w = ctx.Pipe(duplex=False)
+    p = ctx.Process(target=write_and_exit, args=(w, [1, 2, 3]))
+    p.start()
+    w.close()               # the parent's handle; the child still holds one
+    got = []
+    with pytest.raises(EOFError):
+        while True:
+            got.append(r.recv())
+    assert got == [1, 2, 3]
+    p.join(TIMEOUT)
+
+
+def test_one_way_pipe_rejects_wrong_direction():
+    r, w = fibrl.Pipe(duplex=False)
+    assert r.readable and not r.writable and w.writable and not w.readable
+    with pytest.raises(OSError, match="read-only"):
+        r.send(1)
+    with pytest.raises(OSError, match="write-only"):
+        w.recv()
+
+
+def test_bytes_api_offsets_and_buffers(ctx):
+    a, b = ctx.Pipe()
+    p = ctx.Process(target=bytes_echo, args=(b,))
+    p.start()
+    a.send_bytes(b"0123456789", 2, 5)
+    assert a.recv_bytes() == b"23456"
+    p.join(TIMEOUT)
+    arr = array.array("i", [1, 2, 3, 4])
+    a.send_bytes(arr, 1, 2)
+    assert b.recv_bytes() == array.array("i", [2, 3]).tobytes()
+    a.send_bytes(b"abcdef")
+    buf = bytearray(10)
+    assert b.recv_bytes_into(buf, 2) == 6 and buf[2:8] == b"abcdef"
+    a.send_bytes(b"too long for it")
+    with pytest.raises(fibrl.BufferTooShort) as info:
+        b.recv_bytes_into(bytearray(4))
+    assert info.value.args[0] == b"too long for it"
+    with pytest.raises(ValueError):
+        a.send_bytes(b"abc", 5)
+
+
+def test_recv_bytes_maxlength():
+    a, b = fibrl.Pipe()
+    a.send_bytes(b"x" * 100)
+    with pytest.raises(OSError, match="bad message length"):
+        b.recv_bytes(10)
+
+
+def test_poll_with_timeout():
+    a, b = fibrl.Pipe()
+    assert b.poll() is False
+    assert b.poll(0.2) is False
+    a.send("x")
+    assert b.poll(5) is True
+    assert b.recv() == "x"
+
+
+def test_closed_handle_raises():
+    a, b = fibrl.Pipe()
+    a.close()
+    assert a.closed
+    with pytest.raises(OSError, match="closed"):
+        a.send(1)
+    with pytest.raises(OSError, match="closed"):
+        a.recv()
+
+
+def test_wait_on_connections_and_sentinels(ctx):
+    a, b = ctx.Pipe()
+    c, d = ctx.Pipe()
+    assert wait([a, c], timeout=0.2) == []
+    d.send("ready")
+    assert wait([a, c], timeout=TIMEOUT) == [c]
+    p = ctx.Process(target=write_and_exit, args=(b, ["x"]))
+    p.start()
+    ready = wait([a, p.sentinel], timeout=TIMEOUT)
+    assert a in ready or p.sentinel in ready
+    assert a.recv() == "x"
+    p.join(TIMEOUT)
+    assert p.sentinel in wait([p.sentinel], timeout=TIMEOUT)
+
+
+def test_connection_passed_through_a_queue(ctx):
+    a, b = ctx.Pipe()
+    q = ctx.Queue()
+    q.put(b)
+    b2 = q.get(timeout=5)
+    b2.send("via queue")
+    assert a.recv() == "via queue"

@@ -1,0 +1,207 @@
+"""Queue, JoinableQueue and SimpleQueue conformance across processes. Runs on every backend."""
+import queue
+import threading
+import time
+
+import numpy as np
+import pytest
+
+TIMEOUT = 60
+
+
+def produce(q, start, count):
+    for i in range(start, start + count):
+        q.put(i)
+
+
+def consume_until_none(q, out):
+    got = []
+    while True:
+        item = q.get(timeout=TIMEOUT)
+        if item is None:
+            break
+        got.append(item)
+    out.put(got)
+
+
+def echo_back(inq, outq):
+    outq.put(inq.get(timeout=TIMEOUT))
+
+
+def joinable_worker(q):
+    while True:
+        item = q.get(timeout=TIMEOUT)
+        q.task_done()
+        if item is None:
+            break
+
+
+def test_put_get_in_one_process(ctx):
+    q = ctx.Queue()
+    for item in ([1, 2], "s", None, {"k": (1,)}):
+        q.put(item)
+    assert [q.get(timeout=5) for _ in range(4)] == [[1, 2], "s", None, {"k": (1,)}]
+
+
+def test_child_to_parent_and_back(ctx):
+    inq, outq = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=echo_back, args=(inq, outq))
+    p.start()
+    inq.put(("hello", 3))
+    assert outq.get(timeout=TIMEOUT) == ("hello", 3)
+    p.join(TIMEOUT)
+
+
+def test_many_producers_many_consumers_exactly_once(ctx):
+    q, out = ctx.Queue(), ctx.Queue()
+    producers = [ctx.Process(target=produce, args=(q, k * 500, 500)) for k in range(3)]
+    consumers = [ctx.Process(target=consume_until_none, args=(q, out)) for _ in range(3)]
+    for p in producers + consumers:
+        p.start()
+    for p in producers:
+        p.join(TIMEOUT)
+    for _ in consumers:
+        q.put(None)
+    got = [x for _ in consumers for x in out.get(timeout=TIMEOUT)]
+    for p in consumers:
+        p.join(TIMEOUT)
+    assert sorted(got) == list(range(1500))
+
+
+def test_fair_share_without_eager_prefetch(ctx):
+    q, out = ctx.Queue(), ctx.Queue()
+    consumers = [ctx.Process(target=consume_until_none, args=(q, out)) for _ in range(4)]
+    for p in consumers:
+        p.start()
+    for i in range(2400):
+        q.put(i)
+    for _ in consumers:
+        q.put(None)
+    shares = [len(out.get(timeout=TIMEOUT)) for _ in consumers]
+    for p in consumers:
+        p.join(TIMEOUT)
+    assert sum(shares) == 2400
+    assert min(shares) >= 300, f"unfair shares {shares}"
+
+
+def test_order_is_fifo_per_producer(ctx):
+    q = ctx.Queue()
+    p = ctx.Process(target=produce, args=(q, 0, 2000))
+    p.start()
+    assert [q.get(timeout=TIMEOUT) for _ in range(2000)] == list(range(2000))
+    p.join(TIMEOUT)
+
+
+def test_empty_and_timeouts(ctx):
+    q = ctx.Queue()
+    with pytest.raises(queue.Empty):
+        q.get_nowait()
+    with pytest.raises(queue.Empty):
+        q.get(block=False)
+    t0 = time.monotonic()
+    with pytest.raises(queue.Empty):
+        q.get(timeout=0.3)
+    assert 0.25 <= time.monotonic() - t0 < 5
+    assert q.empty() and q.qsize() == 0
+    with pytest.raises(ValueError):
+        q.get(timeout=-1)
+
+
+def test_bounded_queue_full_and_blocking_put(ctx):
+    q = ctx.Queue(maxsize=2)
+    q.put(1)
+    q.put(2)
+    assert q.full() and q.qsize() == 2
+    with pytest.raises(queue.Full):
+        q.put_nowait(3)
+    with pytest.raises(queue.Full):
+        q.put(3, timeout=0.2)
+    threading.Timer(0.3, q.get).start()
+    q.put(3, timeout=10)         # unblocked by the get
+    assert [q.get(timeout=5), q.get(timeout=5)] == [2, 3]
+
+
+def test_blocked_get_is_woken_by_a_child_put(ctx):
+    q = ctx.Queue()
+    p = ctx.Process(target=produce, args=(q, 7, 1))
+    p.start()
+    assert q.get(timeout=TIMEOUT) == 7
+    p.join(TIMEOUT)
+
+
+def test_close_forbids_put_and_join_thread(ctx):
+    q = ctx.Queue()
+    q.put(1)
+    q.close()
+    with pytest.raises(ValueError, match="closed"):
+        q.put(2)
+    q.join_thread()
+    q.cancel_join_thread()
+
+
+def test_unpicklable_item_fails_at_put():
+    import fibrl
+
+    q = fibrl.Queue()
+    with pytest.raises(TypeError, match="cannot pickle.*lock"):
+        q.put(threading.Lock())
+    q.put("still works")
+    assert q.get(timeout=5) == "still works"
+
+
+def test_joinable_queue(ctx):
+    q = ctx.JoinableQueue()
+    p = ctx.Process(target=joinable_worker, args=(q,))
+    p.start()
+    for i in range(50):
+        q.put(i)
+    q.put(None)
+    q.join(timeout=TIMEOUT)
+    p.join(TIMEOUT)
+    with pytest.raises(ValueError, match="too many"):
+        q.task_done()
+
+
+def test_simple_queue(ctx):
+    q = ctx.SimpleQueue()
+    assert q.empty()
+    p = ctx.Process(target=produce, args=(q, 0, 3))
+    p.start()
+    assert [q.get() for _ in range(3)] == [0, 1, 2]
+    p.join(TIMEOUT)
+    q.close()
+
+
+def test_large_numpy_array_arrives_whole(ctx):
+    inq, outq = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=echo_back, args=(inq, outq))
+    p.start()
+    arr = np.random.default_rng(0).random(8 * 1024 * 1024 // 8 * 8)   # 64 MiB
+    inq.put(arr)
+    back = outq.get(timeout=TIMEOUT)
+    p.join(TIMEOUT)
+    assert back.dtype == arr.dtype and np.array_equal(back, arr) and back.flags.writeable
+
+
+@pytest.mark.slow
+def test_one_gib_message_arrives_whole():
+    import fibrl
+
+    inq, outq = fibrl.Queue(), fibrl.Queue()
+    p = fibrl.Process(target=echo_back, args=(inq, outq))
+    p.start()
+    big = np.ones(1 << 30, dtype=np.uint8)
+    big[-1] = 7
+    inq.put(big)
+    del big
+    back = outq.get(timeout=240)
+    p.join(TIMEOUT)
+    assert back.nbytes == 1 << 30 and back[-1] == 7 and back[0] == 1
+
+
+def test_queue_pickled_to_grandchild_via_queue(ctx):
+    carrier, q = ctx.Queue(), ctx.Queue()
+    carrier.put(q)
+    inner = carrier.get(timeout=5)
+    inner.put("through a pickled handle")
+    assert q.get(timeout=5) == "through a pickled handle"

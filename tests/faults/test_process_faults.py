@@ -1,0 +1,67 @@
+"""Workers never outlive their parent: SIGKILLed parent, normal exit with daemons."""
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import psutil
+import pytest
+
+PARENT = textwrap.dedent("""
+    import sys, time, fibrl
+    def sleep():
+        time.sleep(3600)
+    if __name__ == "__main__":
+        fibrl.init(backend=sys.argv[1], heartbeat_interval=0.5, parent_timeout=3)
+        kids = [fibrl.Process(target=sleep, daemon=d) for d in (True, False)]
+        for k in kids:
+            k.start()
+        print(" ".join(str(k.pid) for k in kids), flush=True)
+        if sys.argv[2] == "exit":
+            for k in kids:
+                if not k.daemon:
+                    k.terminate()
+            sys.exit(0)          # the daemonic child must be ended at exit
+        time.sleep(3600)
+""")
+
+
+def _start_parent(tmp_path, mode):
+    script = tmp_path / "parent.py"
+    script.write_text(PARENT)
+    proc = subprocess.Popen([sys.executable, str(script), "local", mode],
+                            stdout=subprocess.PIPE, text=True, cwd=tmp_path)
+    line = proc.stdout.readline()
+    pids = [int(x) for x in line.split()]
+    assert len(pids) == 2, line
+    return proc, pids
+
+
+def _gone_within(pids, seconds):
+    procs = []
+    for pid in pids:
+        try:
+            procs.append(psutil.Process(pid))
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=seconds)
+    for p in alive:
+        p.kill()
+    return not alive
+
+
+def test_workers_exit_when_parent_is_sigkilled(tmp_path):
+    proc, pids = _start_parent(tmp_path, "sleep")
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(10)
+    t0 = time.monotonic()
+    assert _gone_within(pids, 10), "workers outlived their SIGKILLed parent"
+    assert time.monotonic() - t0 < 10
+
+
+def test_daemonic_children_end_when_parent_exits(tmp_path):
+    proc, pids = _start_parent(tmp_path, "exit")
+    assert proc.wait(30) == 0
+    assert _gone_within(pids, 10)

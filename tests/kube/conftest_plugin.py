@@ -1,0 +1,75 @@
+"""pytest fixtures for tests that talk to the fake Kubernetes API server.
+
+Use them either by importing into a test module::
+
+    from tests.kube.conftest_plugin import fake_kube, kube_api_client, kube_namespace  # noqa: F401
+
+or for a whole tree with ``pytest_plugins = ["tests.kube.conftest_plugin"]`` in a
+top-level conftest.py.
+
+* ``fake_apiserver`` (session): a started :class:`FakeApiServer` running pods as local processes;
+* ``fake_kube``: the same server, with its test hooks (forbidden rules, injected
+  errors, failing images, scheduling predicate) reset after the test;
+* ``fake_kubeconfig`` (session): path of a kubeconfig pointing at it;
+* ``fake_kubeconfig_env``: that path exported as ``$KUBECONFIG`` for the test;
+* ``kube_api_client``: a ``kubernetes.client.ApiClient`` for it (global config untouched);
+* ``kube_namespace``: a fresh namespace name; its objects are deleted afterwards;
+* ``fake_apiserver_docker`` (session): a server running pods as docker containers;
+  skipped when no docker engine answers.
+"""
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+from .fake_apiserver import FakeApiServer, docker_available
+
+
+@pytest.fixture(scope="session")
+def fake_apiserver():
+    server = FakeApiServer(runtime="process").start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def fake_kube(fake_apiserver):
+    yield fake_apiserver
+    fake_apiserver.reset_hooks()
+
+
+@pytest.fixture(scope="session")
+def fake_kubeconfig(fake_apiserver) -> str:
+    return fake_apiserver.write_kubeconfig()
+
+
+@pytest.fixture
+def fake_kubeconfig_env(fake_kubeconfig, monkeypatch) -> str:
+    monkeypatch.setenv("KUBECONFIG", fake_kubeconfig)
+    return fake_kubeconfig
+
+
+@pytest.fixture
+def kube_api_client(fake_apiserver):
+    client = fake_apiserver.api_client()
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def kube_namespace(fake_apiserver) -> str:
+    namespace = f"t-{uuid.uuid4().hex[:10]}"
+    yield namespace
+    from kubernetes import client
+    with fake_apiserver.api_client() as api:
+        client.CoreV1Api(api).delete_namespace(namespace, _request_timeout=10)
+
+
+@pytest.fixture(scope="session")
+def fake_apiserver_docker():
+    if not docker_available():
+        pytest.skip("no docker engine answers")
+    server = FakeApiServer(runtime="docker").start()
+    yield server
+    server.stop()

@@ -1,0 +1,67 @@
+"""Config precedence, parsing and validation."""
+import pytest
+
+from fibrl.config import Config, resolve
+from fibrl.errors import ConfigError
+
+
+def test_defaults():
+    config = resolve(environ={}, cwd=None)
+    assert config == Config()
+    assert config.backend == "local"
+
+
+def test_precedence_kwargs_over_env_over_file(tmp_path):
+    (tmp_path / ".fibrlconfig").write_text("[fibrl]\nbackend = docker\nimage = fromfile\ncpu = 2\n")
+    env = {"FIBRL_IMAGE": "fromenv", "FIBRL_DEBUG": "false"}
+    config = resolve({"backend": "local"}, environ=env, cwd=str(tmp_path))
+    assert config.backend == "local"      # kwargs beat the file
+    assert config.image == "fromenv"      # env beats the file
+    assert config.cpu == 2.0              # the file beats defaults, parsed to float
+    assert config.debug is False
+
+
+@pytest.mark.parametrize("text,value", [("false", False), ("0", False), ("no", False),
+                                        ("true", True), ("1", True), ("On", True)])
+def test_bool_parsing(text, value):
+    assert resolve(environ={"FIBRL_DEBUG": text}, cwd=None).debug is value
+
+
+def test_unknown_keys_list_valid_ones(tmp_path):
+    with pytest.raises(ConfigError, match="unknown.*bakend.*Valid keys:.*backend"):
+        resolve({"bakend": "local"}, environ={}, cwd=None)
+    with pytest.raises(ConfigError, match="FIBRL_"):
+        resolve(environ={"FIBRL_NOPE": "1"}, cwd=None)
+    (tmp_path / ".fibrlconfig").write_text("colour = red\n")
+    with pytest.raises(ConfigError, match="colour"):
+        resolve(environ={}, cwd=str(tmp_path))
+
+
+def test_bad_values_are_explained():
+    with pytest.raises(ConfigError, match="must be float"):
+        resolve(environ={"FIBRL_CPU": "lots"}, cwd=None)
+    with pytest.raises(ConfigError, match="backend 'mesos' is not known"):
+        resolve({"backend": "mesos"}, environ={}, cwd=None)
+    with pytest.raises(ConfigError, match="start_timeout must be > 0"):
+        resolve({"start_timeout": 0}, environ={}, cwd=None)
+
+
+def test_config_is_frozen_and_replace_validates():
+    config = Config()
+    with pytest.raises(Exception):
+        config.backend = "docker"
+    assert config.replace(backend="docker").backend == "docker"
+    with pytest.raises(ConfigError):
+        config.replace(backend="nope")
+
+
+def test_init_sets_the_default_context():
+    import fibrl
+
+    before = fibrl.get_context().config
+    try:
+        assert fibrl.init(image="x:1").image == "x:1"
+        assert fibrl.get_context().config.image == "x:1"
+        assert fibrl.get_start_method() == "local"
+    finally:
+        fibrl.init(**{k: getattr(before, k) for k in before.__dataclass_fields__})

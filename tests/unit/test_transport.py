@@ -1,0 +1,134 @@
+"""The authenticated transport: handshake, refusal of strangers, no unpickling before auth."""
+import pickle
+import threading
+import time
+
+import pynng
+import pytest
+
+from fibrl import serialization
+from fibrl.errors import AuthenticationError, TransportError
+from fibrl.hub import Hub
+from fibrl.transport import HELLO, Channel, Listener
+
+SECRET = b"s" * 32
+
+
+class _CreatesFile:
+    """Unpickling this creates a file: the canary of the security tests."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+@pytest.fixture
+def echo():
+    received = []
+    lost = threading.Event()
+
+    def on_frame(peer, data):
+        received.append(data)
+        peer.send(data)
+
+    listener = Listener("127.0.0.1", SECRET, on_frame=on_frame, on_lost=lambda p: lost.set(),
+                        auth_timeout=1.0)
+    yield listener, received, lost
+    listener.close(join=1.0)
+
+
+def test_round_trip_and_loss_notification(echo):
+    listener, _, lost = echo
+    channel = Channel.connect(listener.address, SECRET, timeout=5)
+    channel.send(b"ping")
+    assert channel.recv(5) == b"ping"
+    channel.close()
+    assert lost.wait(5)
+
+
+def test_wrong_secret_is_rejected_and_listener_keeps_serving(echo):
+    listener, received, _ = echo
+    with pytest.raises(AuthenticationError):
+        Channel.connect(listener.address, b"wrong", timeout=5)
+    assert received == []
+    good = Channel.connect(listener.address, SECRET, timeout=5)
+    good.send(b"ok")
+    assert good.recv(5) == b"ok"
+    good.close()
+
+
+def test_client_refuses_listener_with_other_secret(echo):
+    listener, _, _ = echo
+    with pytest.raises(AuthenticationError, match="did not prove"):
+        Channel.connect(listener.address, b"other", timeout=5)
+
+
+def _raw_pair_for(address):
+    req = pynng.Req0(recv_timeout=5000, send_timeout=5000)
+    req.dial(address, block=True)
+    req.send(HELLO)
+    data_address = req.recv()[len(b"FBADDR1"):].decode()
+    req.close()
+    sock = pynng.Pair1(recv_timeout=3000, send_timeout=3000)
+    sock.dial(data_address, block=True)
+    return sock
+
+
+def test_malicious_pickle_from_unauthenticated_peer_is_never_unpickled(tmp_path):
+    canary = tmp_path / "pwned"
+    hub = Hub(SECRET)
+    hub_address = hub.address
+    try:
+        evil = pickle.dumps(_CreatesFile(str(canary)))
+        framed = serialization.dumps(_CreatesFile(str(canary)))
+        # 1. straight at the accept socket
+        req = pynng.Req0(recv_timeout=3000, send_timeout=3000)
+        req.dial(hub_address, block=True)
+        req.send(evil)
+        assert req.recv() == b"FBNO"
+        req.close()
+        # 2. on a data socket, instead of the handshake, raw and framed
+        for payload in (evil, framed):
+            sock = _raw_pair_for(hub_address)
+            sock.send(payload)
+            with pytest.raises(pynng.NNGException):
+                sock.recv()   # dropped: no answer, the pipe is closed
+            sock.close()
+        assert not canary.exists()
+        # 3. the hub still serves real peers
+        other = Hub(SECRET)
+        assert other.call(hub_address, "hub", "ping", timeout=5) > 0
+        other.close()
+    finally:
+        hub.close()
+    assert not canary.exists()
+
+
+def test_garbage_after_authentication_does_not_kill_the_listener():
+    hub = Hub(SECRET)
+    try:
+        channel = Channel.connect(hub.address, SECRET, timeout=5)
+        channel.send(b"\x00garbage")          # not a frame: dropped with an error log
+        other = Hub(SECRET)
+        assert other.call(hub.address, "hub", "ping", timeout=5) > 0
+        other.close()
+        channel.close()
+    finally:
+        hub.close()
+
+
+def test_silent_peer_is_dropped_after_auth_timeout(echo):
+    listener, _, _ = echo
+    sock = _raw_pair_for(listener.address)   # connects, never says hello
+    start = time.monotonic()
+    with pytest.raises(pynng.NNGException):
+        sock.recv()                            # closed by the listener after auth_timeout
+    assert time.monotonic() - start < 3.5
+    sock.close()
+
+
+def test_nothing_listening_is_a_clear_error():
+    with pytest.raises(TransportError, match="nothing listens|did not answer"):
+        Channel.connect("tcp://127.0.0.1:9", SECRET, timeout=2)
