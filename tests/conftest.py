@@ -3,7 +3,7 @@
 ``ctx`` is the fibrl context of the backend under test. Conformance tests take
 ``ctx`` and use ``ctx.Process``, ``ctx.Queue``, ``ctx.Pool``... so one suite
 runs on every backend. Backends other than ``local`` are skipped only when
-their engine is truly absent; CI sets ``FIBRL_REQUIRE_DOCKER=1`` so that a
+their engine is truly absent; CI sets ``CI_REQUIRE_DOCKER=1`` so that a
 broken docker set-up fails instead of skipping.
 """
 from __future__ import annotations
@@ -55,7 +55,7 @@ def ctx(request):
     if name == "docker":
         reason = docker_available()
         if reason:
-            _skip_or_fail(reason, "FIBRL_REQUIRE_DOCKER")
+            _skip_or_fail(reason, "CI_REQUIRE_DOCKER")
     elif name == "kubernetes":
         settings.update(request.getfixturevalue("kube_settings"))
     previous = fibrl.get_context().config
