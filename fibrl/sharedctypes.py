@@ -1,0 +1,409 @@
+"""``Value``, ``Array``, ``RawValue`` and ``RawArray`` shared by any processes of a run.
+
+``multiprocessing`` puts these ctypes objects in shared memory, which a
+container or a pod on another machine cannot map. fibrl *hosts* the ctypes
+object in the hub of the process that created it, and every access
+(``v.value``, ``a[i]``, ``a[2:5] = ...``) is one atomic operation on it::
+
+    any process                                owner process (hub)
+    v.value += 1   -> call get(tid) ---------> _CTypesService: ctypes object
+                   -> call set(tid, x) ------>   when the value's lock is held by
+                                                 another thread, the access waits
+    with v.get_lock(): ...  (a fibrl.RLock hosted next to it: same owner)
+
+Semantics kept: ``Value``/``Array`` with ``lock=True`` (an ``RLock``, the
+default), a given ``Lock``/``RLock`` or ``lock=False``; ``get_lock()``,
+``get_obj()``, ``acquire``/``release``, ``with``; ``.value``/``.raw`` of
+char arrays; fields of ``ctypes.Structure`` values. An access from a thread
+that does not hold the lock waits while another thread holds it, as with
+``multiprocessing`` (so a multi-step update under the lock is seen whole).
+
+Not kept, because no memory is shared across machines: ``RawValue`` and
+``RawArray`` (and ``get_obj()``) are hosted objects too, not ctypes
+instances, so ``memoryview()``, ``numpy.frombuffer()``, ``ctypes.addressof()``
+and ``ctypes.byref()`` raise ``TypeError`` (use a ``Queue`` or
+``fibrl.rl`` stores for bulk arrays); every access is a round trip to the
+owner. Everything else reads and writes as ``multiprocessing`` does, and the
+objects pickle to any process (not only at process start).
+"""
+from __future__ import annotations
+
+import ctypes
+import threading
+from multiprocessing.sharedctypes import typecode_to_type
+from typing import Any, Callable, Optional
+
+from .hub import ReplySink, get_hub
+from .synchronize import RLock, HostedService, LockService, _Hosted, _LockBase, owner_of
+
+__all__ = ["RawValue", "RawArray", "Value", "Array", "synchronized", "copy",
+           "HostedValue", "HostedArray", "Synchronized", "SynchronizedArray",
+           "SynchronizedString"]
+
+
+_CTYPES = (ctypes._SimpleCData, ctypes.Structure, ctypes.Union, ctypes.Array)
+
+
+def _ctype(typecode_or_type: Any) -> type:
+    ctype = typecode_to_type.get(typecode_or_type, typecode_or_type)
+    if not (isinstance(ctype, type) and issubclass(ctype, _CTYPES)):
+        raise TypeError(
+            f"{typecode_or_type!r} is neither an array typecode ({''.join(typecode_to_type)}) "
+            f"nor a ctypes type; pass for example 'i', 'd' or ctypes.c_double.")
+    return ctype
+
+
+def _fields(ctype: type) -> tuple:
+    return tuple(name for name, *_ in getattr(ctype, "_fields_", ()))
+
+
+def _plain(value: Any) -> Any:
+    """A picklable Python value for what ctypes returned (a Structure stays a ctypes copy)."""
+    if isinstance(value, ctypes.Array):
+        return value[:]
+    return value
+
+
+class _CTypesService(HostedService):
+    """A ctypes object with atomic get/set operations, lock-aware when its lock is local."""
+
+    def __init__(self, obj: Any, lock: Optional[LockService]) -> None:
+        super().__init__()
+        self.obj = obj
+        self.lock = lock
+        self.names = frozenset(("value", "raw") + _fields(type(obj)))
+
+    def _run(self, reply: ReplySink, tid: int, fn: Callable[[], Any]) -> None:
+        if self.lock is None:
+            reply(fn())
+        else:
+            self.lock.run_unlocked(owner_of(reply, tid), reply, fn)
+
+    def _name(self, name: str) -> str:
+        if name not in self.names or not hasattr(self.obj, name):
+            raise AttributeError(f"{type(self.obj).__name__} object has no attribute {name!r}")
+        return name
+
+    def op_getattr(self, reply: ReplySink, tid: int, name: str) -> None:
+        self._run(reply, tid, lambda: _plain(getattr(self.obj, self._name(name))))
+
+    def op_setattr(self, reply: ReplySink, tid: int, name: str, value: Any) -> None:
+        self._run(reply, tid, lambda: setattr(self.obj, self._name(name), value))
+
+    def op_getitem(self, reply: ReplySink, tid: int, index: Any) -> None:
+        self._run(reply, tid, lambda: _plain(self.obj[index]))
+
+    def op_setitem(self, reply: ReplySink, tid: int, index: Any, value: Any) -> None:
+        self._run(reply, tid, lambda: self.obj.__setitem__(index, value))
+
+    def op_repr(self, reply: ReplySink) -> None:
+        reply(repr(self.obj))
+
+    def op_snapshot(self, reply: ReplySink, tid: int) -> None:
+        self._run(reply, tid, lambda: type(self.obj).from_buffer_copy(self.obj))
+
+
+# -- raw (lock-free) hosted objects ------------------------------------------------------------
+class _CTypesHandle(_Hosted):
+    """Client side of a hosted ctypes object."""
+
+    _ctype: type
+
+    def _state(self) -> dict:
+        return {"_ctype": self._ctype}
+
+    def _get(self, name: str) -> Any:
+        return self._call("getattr", threading.get_ident(), name)
+
+    def _set(self, name: str, value: Any) -> None:
+        self._call("setattr", threading.get_ident(), name, value)
+
+    def __repr__(self) -> str:
+        try:
+            text = self._call("repr")
+        except Exception:
+            text = f"{self._ctype.__name__} at {self._address}"
+        return f"<hosted {text}>"
+
+
+class HostedValue(_CTypesHandle):
+    """What ``RawValue`` returns: a hosted ctypes scalar (or Structure) with ``.value``."""
+
+    @property
+    def value(self) -> Any:
+        return self._get("value")
+
+    @value.setter
+    def value(self, value: Any) -> None:
+        self._set("value", value)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_") or name not in _fields(self.__dict__.get("_ctype", object)):
+            raise AttributeError(name)
+        return self._get(name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _fields(self.__dict__.get("_ctype", object)):
+            self._set(name, value)
+        else:
+            object.__setattr__(self, name, value)
+
+
+class HostedArray(_CTypesHandle):
+    """What ``RawArray`` returns: a hosted ctypes array with ``len``, indexing and slicing."""
+
+    _length: int
+    _elem: type
+
+    def _state(self) -> dict:
+        return {"_elem": self._elem, "_length": self._length}  # array types do not pickle
+
+    @property
+    def _ctype(self) -> type:  # type: ignore[override]
+        return self._elem * self._length
+
+    @property
+    def _type_(self) -> type:
+        return self._elem
+
+    def __len__(self) -> int:
+        return self._length
+
+    def __getitem__(self, index: Any) -> Any:
+        return self._call("getitem", threading.get_ident(), index)
+
+    def __setitem__(self, index: Any, value: Any) -> None:
+        self._call("setitem", threading.get_ident(), index, value)
+
+    def __iter__(self):
+        return iter(self[:])
+
+    @property
+    def value(self) -> Any:
+        """For char arrays: the bytes up to the first NUL."""
+        return self._get("value")
+
+    @value.setter
+    def value(self, value: Any) -> None:
+        self._set("value", value)
+
+    @property
+    def raw(self) -> bytes:
+        """For char arrays: all the bytes."""
+        return self._get("raw")
+
+    @raw.setter
+    def raw(self, value: bytes) -> None:
+        self._set("raw", value)
+
+
+def _host_raw(obj: Any, lock: Optional[LockService], cls: type) -> Any:
+    handle = cls.__new__(cls)
+    if cls is HostedArray:
+        handle._elem, handle._length = obj._type_, len(obj)
+    else:
+        object.__setattr__(handle, "_ctype", type(obj))
+    handle._host(_CTypesService(obj, lock))
+    return handle
+
+
+def _new_array(typecode_or_type: Any, size_or_initializer: Any) -> Any:
+    ctype = _ctype(typecode_or_type)
+    if isinstance(size_or_initializer, int):
+        return (ctype * size_or_initializer)()
+    items = list(size_or_initializer)
+    return (ctype * len(items))(*items)
+
+
+def RawValue(typecode_or_type: Any, *args: Any) -> HostedValue:
+    """A hosted ctypes value without a lock (each access is atomic by itself).
+
+    Example:
+        >>> v = RawValue("i", 7); v.value += 1; v.value
+        8
+    """
+    return _host_raw(_ctype(typecode_or_type)(*args), None, HostedValue)
+
+
+def RawArray(typecode_or_type: Any, size_or_initializer: Any) -> HostedArray:
+    """A hosted ctypes array without a lock: zeros of a size, or a copy of a sequence.
+
+    Example:
+        >>> a = RawArray("d", [1.0, 2.0]); a[1] = 5; a[:]
+        [1.0, 5.0]
+    """
+    return _host_raw(_new_array(typecode_or_type, size_or_initializer), None, HostedArray)
+
+
+# -- synchronized wrappers ----------------------------------------------------------------------
+class _SynchronizedBase:
+    """``multiprocessing.sharedctypes`` wrapper surface over a hosted object and its lock."""
+
+    def __init__(self, obj: _CTypesHandle, lock: _LockBase) -> None:
+        self._obj = obj
+        self._lock = lock
+        self.acquire = lock.acquire
+        self.release = lock.release
+
+    def __reduce__(self):
+        return (_rebuild_synchronized, (type(self), self._obj, self._lock))
+
+    def __enter__(self) -> bool:
+        return self._lock.__enter__()
+
+    def __exit__(self, *args: Any) -> None:
+        self._lock.__exit__(*args)
+
+    def get_obj(self) -> _CTypesHandle:
+        """The hosted object itself (not a ctypes instance: see the module docstring)."""
+        return self._obj
+
+    def get_lock(self) -> _LockBase:
+        return self._lock
+
+    def __repr__(self) -> str:
+        try:
+            text = self._obj._call("repr")
+        except Exception:
+            text = "unknown"
+        return f"<{type(self).__name__} wrapper for {text}>"
+
+
+def _rebuild_synchronized(cls: type, obj: _CTypesHandle, lock: _LockBase) -> Any:
+    return cls(obj, lock)
+
+
+class Synchronized(_SynchronizedBase):
+    """A ``Value`` with a lock: ``.value``, ``get_lock()``, ``with v: ...``."""
+
+    @property
+    def value(self) -> Any:
+        return self._obj._get("value")
+
+    @value.setter
+    def value(self, value: Any) -> None:
+        self._obj._set("value", value)
+
+
+class SynchronizedArray(_SynchronizedBase):
+    """An ``Array`` with a lock: ``len``, indexing, slicing, iteration."""
+
+    def __len__(self) -> int:
+        return len(self._obj)
+
+    def __getitem__(self, index: Any) -> Any:
+        return self._obj[index]
+
+    def __setitem__(self, index: Any, value: Any) -> None:
+        self._obj[index] = value
+
+    def __iter__(self):
+        return iter(self._obj[:])
+
+
+class SynchronizedString(SynchronizedArray):
+    """A char ``Array`` with a lock, adding ``.value`` and ``.raw``."""
+
+    value = property(lambda self: self._obj.value, lambda self, v: setattr(self._obj, "value", v))
+    raw = property(lambda self: self._obj.raw, lambda self, v: setattr(self._obj, "raw", v))
+
+
+_struct_classes: dict = {}
+
+
+def _struct_class(ctype: type) -> type:
+    """A Synchronized subclass with one property per field of a ``ctypes.Structure``."""
+    cls = _struct_classes.get(ctype)
+    if cls is None:
+        props = {name: property(lambda self, n=name: self._obj._get(n),
+                                lambda self, v, n=name: self._obj._set(n, v))
+                 for name in _fields(ctype)}
+        cls = type(f"Synchronized{ctype.__name__}", (Synchronized,), props)
+        cls.__reduce__ = lambda self: (_rebuild_struct, (ctype, self._obj, self._lock))
+        _struct_classes[ctype] = cls
+    return cls
+
+
+def _rebuild_struct(ctype: type, obj: _CTypesHandle, lock: _LockBase) -> Any:
+    return _struct_class(ctype)(obj, lock)
+
+
+def _resolve_lock(lock: Any, ctx: Any) -> Optional[_LockBase]:
+    if lock is True or lock is None:
+        return RLock(ctx=ctx)
+    if lock is False:
+        return None
+    if not hasattr(lock, "acquire"):
+        raise AttributeError(f"{lock!r} has no method 'acquire'")
+    if not isinstance(lock, _LockBase):
+        raise TypeError(
+            f"lock must be a fibrl Lock or RLock (or True/False), got {type(lock).__name__}: "
+            f"a threading or multiprocessing lock cannot guard a value shared across machines.")
+    return lock
+
+
+def _local_lock_service(lock: Optional[_LockBase]) -> Optional[LockService]:
+    if lock is None:
+        return None
+    hub = get_hub()
+    service = hub.service(lock._oid) if hub.is_local(lock._address) else None
+    return service if isinstance(service, LockService) else None
+
+
+def _synchronized_class(obj: Any) -> type:
+    if isinstance(obj, ctypes.Array):
+        return SynchronizedString if obj._type_ is ctypes.c_char else SynchronizedArray
+    if _fields(type(obj)):
+        return _struct_class(type(obj))
+    return Synchronized
+
+
+def _wrap(obj: Any, lock: Any, ctx: Any) -> Any:
+    raw_cls = HostedArray if isinstance(obj, ctypes.Array) else HostedValue
+    guard = _resolve_lock(lock, ctx)
+    handle = _host_raw(obj, _local_lock_service(guard), raw_cls)
+    if guard is None:
+        return handle
+    return _synchronized_class(obj)(handle, guard)
+
+
+def Value(typecode_or_type: Any, *args: Any, lock: Any = True, ctx: Any = None) -> Any:
+    """A hosted ctypes value guarded by a lock (a new ``RLock`` unless given).
+
+    Example:
+        >>> v = Value("i", 0)
+        >>> with v.get_lock():
+        ...     v.value += 1
+        >>> v.value
+        1
+    """
+    return _wrap(_ctype(typecode_or_type)(*args), lock, ctx)
+
+
+def Array(typecode_or_type: Any, size_or_initializer: Any, *, lock: Any = True,
+          ctx: Any = None) -> Any:
+    """A hosted ctypes array guarded by a lock (a new ``RLock`` unless given).
+
+    Example:
+        >>> a = Array("i", range(3)); a[0] = 9; a[:]
+        [9, 1, 2]
+    """
+    return _wrap(_new_array(typecode_or_type, size_or_initializer), lock, ctx)
+
+
+def synchronized(obj: Any, lock: Any = None, ctx: Any = None) -> Any:
+    """Wrap a hosted object from ``RawValue``/``RawArray`` with a lock."""
+    if not isinstance(obj, _CTypesHandle):
+        raise TypeError(f"synchronized() takes a fibrl RawValue/RawArray, got {type(obj)!r}")
+    guard = _resolve_lock(lock, ctx) or RLock(ctx=ctx)
+    cls = SynchronizedString if isinstance(obj, HostedArray) and obj._type_ is ctypes.c_char \
+        else SynchronizedArray if isinstance(obj, HostedArray) \
+        else _struct_class(obj._ctype) if _fields(obj._ctype) else Synchronized
+    return cls(obj, guard)
+
+
+def copy(obj: Any) -> Any:
+    """A new hosted object (in this process) with the same contents as ``obj``."""
+    if not isinstance(obj, _CTypesHandle):
+        raise TypeError(f"copy() takes a fibrl RawValue/RawArray, got {type(obj)!r}")
+    return _host_raw(obj._call("snapshot", threading.get_ident()), None, type(obj))
