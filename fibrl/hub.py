@@ -426,9 +426,10 @@ class Hub:
     """This process's host of services and its connections to other hubs."""
 
     def __init__(self, secret: bytes, host: str = "127.0.0.1", auth_timeout: float = 10.0,
-                 connect_timeout: float = 30.0) -> None:
+                 connect_timeout: float = 30.0, port: int = 0) -> None:
         self.secret = secret
         self.host = host
+        self.port = port
         self.auth_timeout = auth_timeout
         self.connect_timeout = connect_timeout
         self.timers = Timers()
@@ -449,7 +450,7 @@ class Hub:
 
                 self._listener = Listener(self.host, self.secret, on_frame=self._on_frame,
                                           on_lost=self._on_peer_lost,
-                                          auth_timeout=self.auth_timeout)
+                                          auth_timeout=self.auth_timeout, port=self.port)
             return self._listener.address
 
     def register(self, service: Service, oid: Optional[str] = None) -> str:

@@ -96,6 +96,7 @@ class Listener:
         on_frame: called in the peer's reader thread with each frame.
         on_lost: called once when an authenticated peer disconnects.
         auth_timeout: seconds a peer has to authenticate.
+        port: port of the accept socket (0: any free port; a manager may fix one).
 
     Example:
         >>> lst = Listener("127.0.0.1", b"k", on_frame=lambda p, d: p.send(d))
@@ -104,7 +105,8 @@ class Listener:
     """
 
     def __init__(self, host: str, secret: bytes, *, on_frame: FrameHandler,
-                 on_lost: Optional[LossHandler] = None, auth_timeout: float = 10.0) -> None:
+                 on_lost: Optional[LossHandler] = None, auth_timeout: float = 10.0,
+                 port: int = 0) -> None:
         self._host = host
         self._secret = secret
         self._on_frame = on_frame
@@ -112,7 +114,7 @@ class Listener:
         self._auth_timeout = auth_timeout
         self._accept = pynng.Rep0()
         try:
-            self._accept.listen(f"tcp://{host}:0")
+            self._accept.listen(f"tcp://{host}:{port}")
         except pynng.NNGException as exc:
             self._accept.close()
             raise TransportError(
