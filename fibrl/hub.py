@@ -180,9 +180,17 @@ class _PeerReply(ReplySink):
             return False
 
     def __call__(self, value: Any = None) -> bool:
+        if self.rid == 0:
+            return True
         if type(value) is bytes:
-            value = blob(value)
-        return self._send(Reply(self.rid, True, value))
+            return self._send(Reply(self.rid, True, blob(value)))
+        if value is None or type(value) in _PLAIN:
+            return self._send(Reply(self.rid, True, value))
+        try:
+            frame = serialization.dumps(value)
+        except Exception as exc:
+            return self.fail(exc)
+        return self._send(Reply(self.rid, True, blob(frame), encoded=True))
 
     def fail(self, exc: BaseException) -> bool:
         if self.rid == 0:
@@ -379,12 +387,17 @@ class Client:
             except (ChannelClosed, TransportError):
                 self._on_lost()
                 return
-            msg = serialization.loads(data)
+            try:
+                msg = serialization.loads(data)
+            except Exception:
+                log.exception("undecodable frame from %s; closing the connection", self.address)
+                self._channel.close()
+                continue
             for reply in (msg if isinstance(msg, list) else (msg,)):
                 with self._lock:
                     handle = self._pending.pop(reply.rid, None)
                 if handle is not None:
-                    handle._resolve(reply.ok, reply.value)
+                    handle._resolve(*_decode(reply))
 
     def _lost_error(self) -> RemoteObjectError:
         return RemoteObjectError(
@@ -416,6 +429,18 @@ class Client:
     def close(self) -> None:
         self.flush(5.0)
         self._channel.close()
+
+
+_PLAIN = frozenset({bool, int, float, str})
+
+
+def _decode(reply: Reply) -> tuple:
+    if not reply.encoded:
+        return reply.ok, reply.value
+    try:
+        return reply.ok, serialization.loads(reply.value)
+    except Exception as exc:
+        return False, exc
 
 
 def _wrap(args: tuple) -> tuple:

@@ -26,11 +26,17 @@ class Call:
 
 @dataclass(frozen=True, slots=True)
 class Reply:
-    """The answer to the :class:`Call` with the same ``rid``."""
+    """The answer to the :class:`Call` with the same ``rid``.
+
+    ``encoded`` values are a frame of their own (see ``serialization``), decoded
+    by the receiver for this reply alone: a value that cannot be unpickled
+    there fails its own call instead of the connection.
+    """
 
     rid: int
     ok: bool
     value: Any = None
+    encoded: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -115,7 +115,7 @@ class Api:
             raise ApiError(500, "InternalError", "Internal error occurred: resourceVersion should not be "
                                                  "set on objects to be created")
         self.check_namespace(namespace)
-        for attempt in range(5):
+        for _ in range(5):   # a generated name may collide
             created = self._try_create(rt, namespace, copy.deepcopy(obj), dry_run)
             if created is not None:
                 return created

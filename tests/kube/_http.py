@@ -104,6 +104,14 @@ class Policy:
         with self._lock:
             return not any(v == verb and r == resource and ns in (None, namespace) for v, r, ns in self.forbidden)
 
+    def forbid(self, verb: str, resource: str, namespace: str | None) -> None:
+        with self._lock:
+            self.forbidden.add((verb, resource, namespace))
+
+    def add_fault(self, fault: Fault) -> None:
+        with self._lock:
+            self.faults.append(fault)
+
     def clear(self) -> None:
         with self._lock:
             self.forbidden.clear()
@@ -247,6 +255,12 @@ class Router:
             return json_response(200, _api_resources("", "v1"))
         if path == "/apis/batch/v1":
             return json_response(200, _api_resources("batch", "v1"))
+        if path == "/apis/authorization.k8s.io/v1":
+            return json_response(200, {"kind": "APIResourceList", "apiVersion": "v1",
+                                       "groupVersion": "authorization.k8s.io/v1", "resources": [
+                                           {"name": "selfsubjectaccessreviews", "singularName": "",
+                                            "namespaced": False, "kind": "SelfSubjectAccessReview",
+                                            "verbs": ["create"]}]})
         return None
 
     def _dispatch(self, method: str, info: RequestInfo, query: dict, headers, body: bytes) -> Response:

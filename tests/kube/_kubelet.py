@@ -624,6 +624,10 @@ class Kubelet:
 
     # ------------------------------------------------------------------ hooks / queries
 
+    def workers(self) -> list[PodWorker]:
+        with self._lock:
+            return list(self._workers.values())
+
     def worker(self, namespace: str, name: str) -> PodWorker:
         pod = self.api.get(PODS, namespace, name)
         with self._lock:

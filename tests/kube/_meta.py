@@ -100,7 +100,7 @@ class ApiError(Exception):
         return body
 
 
-def success_status(rt: ResourceType, name: str, uid: str, code: int = 200) -> dict:
+def success_status(rt: ResourceType, name: str, uid: str) -> dict:
     details = {"name": name, "kind": rt.plural, "uid": uid}
     if rt.group:
         details = {"name": name, "group": rt.group, "kind": rt.plural, "uid": uid}

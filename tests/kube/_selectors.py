@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass
 from typing import Callable
 
-from ._meta import ApiError, ResourceType, bad_request
+from ._meta import ResourceType, bad_request
 
 _KEY = r"(?:[A-Za-z0-9.\-]+/)?[A-Za-z0-9](?:[A-Za-z0-9_.\-]*[A-Za-z0-9])?"
 _VALUE = r"(?:[A-Za-z0-9](?:[A-Za-z0-9_.\-]*[A-Za-z0-9])?)?"
@@ -177,4 +177,4 @@ class Selectors:
         return obj is not None and self.labels.matches(obj) and self.fields.matches(obj)
 
 
-__all__ = ["ApiError", "FieldSelector", "LabelSelector", "Selectors", "selector_from_match_labels"]
+__all__ = ["FieldSelector", "LabelSelector", "Selectors", "selector_from_match_labels"]

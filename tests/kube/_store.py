@@ -15,7 +15,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Callable
 
 Key = tuple  # (resource plural, namespace or "", name)
 
@@ -151,12 +151,6 @@ class Store:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
-
-    def clear(self, resources: Iterable[str]) -> None:
-        """Drop objects without events (used by ``FakeApiServer.reset``)."""
-        with self._cond:
-            for key in [k for k in self._objects if k[0] in set(resources)]:
-                del self._objects[key]
 
 
 def _tail_after(history: deque, rv: int) -> list[WatchEvent]:

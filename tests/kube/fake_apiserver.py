@@ -23,13 +23,24 @@ not enforced by default: any valid namespace name exists (``GET`` of one
 answers an Active Namespace) unless ``strict_namespaces=True``, which then
 404s (``namespaces "x" not found``) outside the built-in and created ones.
 
-Deliberate differences from a real cluster (all documented in the test
-README of :mod:`tests.kube`): one node; pod IP = host IP = 127.0.0.1; the
-effective kill grace is capped by ``max_grace_seconds`` (default 2 s); Job
-pod-replacement backoff is ``job_backoff_seconds`` (default 0, real 10 s);
-no ``managedFields``; lists are served from the latest state (no
-``resourceVersionMatch`` snapshots); server-side apply is a strategic
-merge; no init containers, probes, volumes or service networking.
+Faithful on purpose (clients must cope as with a real server): batch/v1 Jobs
+deleted without ``propagationPolicy`` orphan their pods (with the real
+``Warning`` header); Job pods carry the ``batch.kubernetes.io/job-tracking``
+finalizer; list items have no kind/apiVersion; watches re-shape events to
+the selector (ADDED/DELETED on entering/leaving it); updates of the main
+resource ignore ``status``; a resourceVersion in a create is a 500.
+
+Deliberate differences from a real cluster: one node ("fake-node"); pod IP =
+host IP = 127.0.0.1; the SIGTERM->SIGKILL delay is min(grace period,
+``max_grace_seconds`` = 2 s); Job pod-replacement backoff is
+``job_backoff_seconds`` (default 0; real 10 s doubling); watch errors use
+reason ``Expired``; no ``managedFields``; lists are served from the latest
+state (no ``resourceVersionMatch`` snapshots, continue tokens are keys);
+server-side apply is a strategic merge; no init containers, probes,
+volumes (the service-account volume is only data), services, nodes or
+``timestamps``/``sinceSeconds`` for logs; in process mode resource limits
+are not enforced and a pod's env is the pod's plus ``host_env`` and
+``image_env`` (PATH, PYTHONPATH, ... and PYTHONUNBUFFERED=1).
 """
 from __future__ import annotations
 
@@ -186,14 +197,12 @@ class FakeApiServer:
 
     def forbid(self, verb: str, resource: str, namespace: str | None = None) -> None:
         """Answer 403 Forbidden to ``verb`` on ``resource`` (e.g. "create", "pods" or "get", "pods/log")."""
-        with self.policy._lock:
-            self.policy.forbidden.add((verb, resource, namespace))
+        self.policy.forbid(verb, resource, namespace)
 
     def inject_errors(self, code: int = 429, count: int = 1, verb: str | None = None,
                       resource: str | None = None, retry_after: int | None = 1) -> None:
         """Answer the next ``count`` matching requests with ``code`` (429, 500, 503, 504)."""
-        with self.policy._lock:
-            self.policy.faults.append(Fault(code, count, verb, resource, retry_after))
+        self.policy.add_fault(Fault(code, count, verb, resource, retry_after))
 
     def reset_hooks(self) -> None:
         """Clear forbidden rules, injected faults, failing images and the scheduling predicate."""
@@ -214,7 +223,7 @@ class FakeApiServer:
 
     def running_pods(self) -> list[str]:
         """``namespace/name`` of pods whose worker (and so maybe a process/container) is still alive."""
-        return sorted(f"{w.namespace}/{w.name}" for w in list(self.kubelet._workers.values()) if w.alive())
+        return sorted(f"{w.namespace}/{w.name}" for w in self.kubelet.workers() if w.alive())
 
     @property
     def resource_version(self) -> int:
