@@ -50,7 +50,7 @@ class Kind(enum.IntEnum):
 
 @message
 class TaskSpec:
-    """One chunk of work as a worker sees it: run items ``lo`` .. end of ``payload``.
+    """One chunk of work as a worker sees it: run items ``lo`` .. ``n`` of ``payload``.
 
     ``careful``: the chunk was held by a lost worker; run it alone and report
     each item before starting the next, so the item that kills a worker is known.
@@ -61,6 +61,7 @@ class TaskSpec:
     kind: int
     payload: bytes
     lo: int
+    n: int
     careful: bool
 
 

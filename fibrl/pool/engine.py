@@ -1,0 +1,111 @@
+"""One pool's machinery, shared by :class:`fibrl.pool.Pool` and ``fibrl.futures``.
+
+Owns the wiring and the life cycle: the :class:`~fibrl.pool.service.PoolService`
+hosted on this process's hub, the :class:`~fibrl.pool.supervisor.Supervisor`
+that runs the workers, and the :class:`~fibrl.pool.feeder.Feeder` of lazy
+inputs. The public classes own the API; this module owns how a call becomes
+a job and how the pool ends (close/join, terminate, garbage collection).
+
+Threads per pool, whatever the number of workers: one supervisor, up to eight
+short-lived starters while workers start, and one feeder once ``imap`` is used.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+from typing import Any, Callable, Iterable, Optional
+
+from .. import serialization
+from ..errors import WorkerLostError
+from ..hub import get_hub
+from .feeder import Feeder
+from .protocol import Kind, WorkerArgs
+from .service import PoolService
+from .supervisor import Supervisor
+
+__all__ = ["Engine", "func_name"]
+
+log = logging.getLogger(__name__)
+
+_names = itertools.count(1)
+TERMINATE_WAIT_S = 30.0
+
+
+def func_name(func: Callable) -> str:
+    """How error messages name a task's callable."""
+    name = getattr(func, "__qualname__", None) or getattr(func, "__name__", None)
+    return name if isinstance(name, str) else type(func).__name__
+
+
+class Engine:
+    """Service + supervisor + feeder of one pool.
+
+    Args:
+        ctx: fibrl context that starts the workers.
+        processes: number of workers.
+        initializer, initargs: run in every worker (replacements included) before tasks.
+        maxtasks: chunks a worker runs before it is replaced (None: no limit).
+        max_retries: times an item may be charged with a lost worker.
+        backlog: chunks of a lazy input fed ahead of its consumer.
+    """
+
+    def __init__(self, ctx: Any, processes: int, initializer: Optional[Callable],
+                 initargs: tuple, maxtasks: Optional[int], max_retries: int,
+                 backlog: int) -> None:
+        init = None if initializer is None else serialization.dumps((initializer, initargs))
+        name = f"fibrl-pool-{next(_names)}"
+        self.service = PoolService(processes, max_retries, maxtasks)
+        hub = get_hub()
+        self._hub = hub
+        self._oid = hub.register(self.service)
+        address = hub.address
+        oid = self._oid
+        self.supervisor = Supervisor(ctx, self.service,
+                                     lambda wid: WorkerArgs(address, oid, wid, init), name)
+        self.service.hooks = self.supervisor
+        self.feeder = Feeder(self.service, name, backlog)
+        self._ended = False
+        self.supervisor.start()
+
+    def submit(self, sink: Any, func: Callable, kind: Kind, chunks: list) -> Any:
+        """Queue a job whose chunks are all known (raises if ``func`` cannot be pickled)."""
+        data = serialization.dumps(func)
+        return self.service.submit(sink, data, func_name(func), kind, chunks)
+
+    def submit_lazy(self, sink: Any, func: Callable, kind: Kind, iterable: Iterable,
+                    chunksize: int) -> Any:
+        """Queue a job whose chunks are read from ``iterable`` as the caller consumes."""
+        data = serialization.dumps(func)
+        job = self.service.open_job(sink, data, func_name(func), kind, lazy=True)
+        self.feeder.add(job, sink, iterable, chunksize)
+        return job
+
+    def close(self) -> None:
+        self.service.close()
+        self.feeder.close()
+
+    def terminate(self, wait: float = TERMINATE_WAIT_S) -> bool:
+        """Kill every worker, fail every unfinished task; wait at most ``wait`` s."""
+        self.service.terminate(WorkerLostError(
+            "the pool was terminated before this task finished (terminate() was called, "
+            "the pool's with-block ended, or the pool was garbage-collected)."))
+        self.feeder.stop()
+        self.supervisor.terminate()
+        done = self.supervisor.join(wait)
+        if not done:
+            log.warning("pool workers did not all end within %.0f s of terminate()", wait)
+        self._end()
+        return done
+
+    def join(self, timeout: Optional[float] = None) -> bool:
+        """Wait until every worker exited (after close or terminate)."""
+        done = self.supervisor.join(timeout)
+        if done:
+            self.feeder.join(1.0)
+            self._end()
+        return done
+
+    def _end(self) -> None:
+        if not self._ended:
+            self._ended = True
+            self._hub.unregister(self._oid)

@@ -1,0 +1,700 @@
+"""The policy of a pool: which worker runs which task, and what a lost worker costs.
+
+:class:`PoolService` lives on the parent's hub and owns every task's state:
+pending chunks, which worker holds which chunk, how far each chunk got, the
+attempts and exit codes charged to it. It never starts or kills processes
+(``supervisor`` does) and never waits: workers *pull* work with ``next``,
+whose reply is parked until there is work for them.
+
+Data flow::
+
+    Pool / Executor (caller threads)            workers (one connection each)
+      submit(chunks) --+                          next(wid, reports) / report(...)
+                       v                                |
+                 +------------ PoolService (one lock) <-+
+                 | pending  deque of fresh chunks       |
+                 | careful  deque of chunks a lost      |  replies (Batch) and
+                 |          worker held: run alone,     |  deliveries to result
+                 |          one item at a time          |  objects are made
+                 | tasks    tid -> chunk state          |  *after* the lock is
+                 | workers  wid -> held chunks, parked  |  released (_Effects)
+                 +--------------------------------------+
+                       ^ lose(wid, exitcode)      | wake() / kill(wid)
+                       |                          v
+                 Supervisor thread (sentinels, starts replacements)
+
+Rules that make results right:
+
+* A chunk's ``lo`` is the first item whose result was not recorded; a report
+  for items below ``lo`` is a duplicate and is dropped, so every item is
+  delivered exactly once, whichever worker (a dead one's late report
+  included) answers first.
+* Prefetch is bounded by time, not count: a worker holds at most
+  ``horizon`` seconds of estimated work (at least one chunk), and never more
+  than its fair share of what is pending, so no worker hoards a queue.
+* A lost worker's chunks go to the front, *careful*: from then on they are
+  run alone and report each item before the next starts, so the item that
+  was running when a worker died is known. An item charged more than
+  ``max_task_retries`` times fails with :class:`~fibrl.errors.TaskFailedError`;
+  the other items go on.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import threading
+import time
+from collections import OrderedDict, deque
+from typing import Any, Callable, Optional
+
+from .. import serialization
+from ..errors import SerializationError, TaskFailedError, WorkerLostError, describe_exitcode
+from ..hub import ReplySink, Service
+from .protocol import STOP, Batch, Kind, Report, TaskSpec, describe
+from .results import Failure
+
+__all__ = ["PoolService", "Hooks"]
+
+log = logging.getLogger(__name__)
+
+RUN, CLOSE, TERMINATE = "RUN", "CLOSE", "TERMINATE"
+HORIZON_S = 0.025       # estimated work a worker may hold (hides the round trip)
+LOST_GRACE_S = 2.0      # wait this long for an exit code after a connection drops
+_EWMA = 0.3
+_MAX_FUNCS = 256
+
+
+class Hooks:
+    """What the service asks of the supervisor (no-ops until one is attached)."""
+
+    def wake(self) -> None:
+        """Re-check how many workers are wanted."""
+
+    def kill(self, wid: int) -> None:
+        """Kill worker ``wid`` (its connection dropped but its process may live)."""
+
+
+class _Func:
+    __slots__ = ("fid", "data", "name", "per_item", "jobs")
+
+    def __init__(self, fid: int, data: bytes, name: str) -> None:
+        self.fid, self.data, self.name = fid, data, name
+        self.per_item: Optional[float] = None  # seconds per item, once measured
+        self.jobs = 0
+
+
+class _Job:
+    __slots__ = ("jid", "sink", "func", "kind", "open", "inputs_open", "claimed")
+
+    def __init__(self, jid: int, sink: Any, func: _Func, kind: Kind, lazy: bool) -> None:
+        self.jid, self.sink, self.func, self.kind = jid, sink, func, kind
+        self.open = 0                # chunks not finished
+        self.inputs_open = lazy      # more chunks may come (imap)
+        self.claimed = False
+
+
+class _Task:
+    __slots__ = ("tid", "job", "start", "n", "payload", "lo", "holder", "careful", "cost",
+                 "attempts", "codes", "base_attempts", "base_codes", "done")
+
+    def __init__(self, tid: int, job: _Job, start: int, n: int, payload: bytes) -> None:
+        self.tid, self.job, self.start, self.n, self.payload = tid, job, start, n, payload
+        self.lo = 0
+        self.holder: Optional[int] = None
+        self.careful = False
+        self.cost = 0.0
+        self.attempts, self.codes = 0, []          # charged to item ``lo``
+        self.base_attempts, self.base_codes = 0, []  # charged to every item left
+        self.done = False
+
+    def spec(self) -> TaskSpec:
+        return TaskSpec(self.tid, self.job.func.fid, self.job.kind, self.payload, self.lo,
+                        self.n, self.careful)
+
+
+class _Worker:
+    __slots__ = ("wid", "peer", "parked", "held", "held_cost", "known", "granted", "retiring",
+                 "connected")
+
+    def __init__(self, wid: int) -> None:
+        self.wid = wid
+        self.peer: Any = None
+        self.parked: Optional[ReplySink] = None
+        self.held: dict[int, _Task] = {}
+        self.held_cost = 0.0
+        self.known: set[int] = set()
+        self.granted = 0
+        self.retiring = False   # asked to exit (maxtasksperchild or no more work)
+        self.connected = False
+
+    def holds_careful(self) -> bool:
+        return any(t.careful for t in self.held.values())
+
+
+class _Effects:
+    """What an operation decided under the lock, done after releasing it."""
+
+    __slots__ = ("sends", "deliveries", "failures", "aborts", "lengths", "wake")
+
+    def __init__(self) -> None:
+        self.sends: list = []
+        self.deliveries: list = []
+        self.failures: list = []
+        self.aborts: list = []
+        self.lengths: list = []
+        self.wake = False
+
+    def run(self, service: "PoolService") -> None:
+        for worker, reply, batch in self.sends:
+            if not reply(batch):
+                service._undelivered(worker, batch)
+        for sink, index, payload, skip, count in self.deliveries:
+            sink._deliver(index, _decode(payload, skip, count))
+        for sink, index, exc in self.failures:
+            sink._deliver(index, [Failure(exc)])
+        for sink, exc in self.aborts:
+            sink._abort(exc)
+        for sink, length in self.lengths:
+            sink._set_length(length)
+        if self.wake:
+            service.hooks.wake()
+
+
+def _decode(payload: bytes, skip: int, count: int) -> list:
+    try:
+        values = serialization.loads(payload)
+    except SerializationError as exc:  # e.g. a result class the parent cannot import
+        return [Failure(exc)] * (count - skip)
+    return values[skip:] if skip else values
+
+
+class PoolService(Service):
+    """Task state and dispatch of one pool (hosted on the parent's hub).
+
+    Args:
+        processes: how many workers the pool keeps.
+        max_retries: times an item may be charged with a lost worker before it fails.
+        maxtasks: chunks a worker runs before it is replaced (None: no limit).
+    """
+
+    def __init__(self, processes: int, max_retries: int, maxtasks: Optional[int]) -> None:
+        self.processes = processes
+        self.max_retries = max_retries
+        self.maxtasks = maxtasks
+        self.hooks = Hooks()
+        self._lock = threading.Lock()
+        self._state = RUN
+        self._broken: Optional[BaseException] = None
+        self._pending: deque[_Task] = deque()
+        self._careful: deque[_Task] = deque()
+        self._tasks: dict[int, _Task] = {}
+        self._jobs: dict[int, _Job] = {}
+        self._funcs: OrderedDict[bytes, _Func] = OrderedDict()
+        self._fids: dict[int, _Func] = {}
+        self._workers: dict[int, _Worker] = {}
+        self._by_peer: dict[int, _Worker] = {}
+        self._parked: OrderedDict[int, _Worker] = OrderedDict()
+        self._ids = itertools.count(1)
+        self._failed_starts: list = []   # evidence of consecutive failed starts
+        self.stats = {"lost": 0, "requeued": 0, "failed": 0}
+
+    # == caller side ======================================================================
+    def open_job(self, sink: Any, func: bytes, name: str, kind: Kind, lazy: bool) -> _Job:
+        """Register a job whose chunks come with :meth:`add_chunks`."""
+        with self._lock:
+            self._check_open()
+            return self._open_job(sink, func, name, kind, lazy)
+
+    def submit(self, sink: Any, func: bytes, name: str, kind: Kind, chunks: list) -> _Job:
+        """Register a job and all its chunks (``[(payload, n_items), ...]``) at once."""
+        effects = _Effects()
+        with self._lock:
+            self._check_open()
+            job = self._open_job(sink, func, name, kind, lazy=False)
+            self._add(job, 0, chunks)
+            self._finish_job_if_done(job, effects)
+            self._dispatch(effects)
+        effects.run(self)
+        return job
+
+    def add_chunks(self, job: _Job, start: int, chunks: list) -> None:
+        """More chunks of a lazy job, numbered from item ``start``."""
+        effects = _Effects()
+        with self._lock:
+            if job.jid in self._jobs:
+                self._add(job, start, chunks)
+                self._dispatch(effects)
+        effects.run(self)
+
+    def end_inputs(self, job: _Job, length: int) -> None:
+        """A lazy job has no more chunks; it has ``length`` items in all."""
+        effects = _Effects()
+        with self._lock:
+            job.inputs_open = False
+            effects.lengths.append((job.sink, length))
+            if job.jid in self._jobs:
+                self._finish_job_if_done(job, effects)
+                self._dispatch(effects)
+        effects.run(self)
+
+    def cancel(self, job: _Job) -> None:
+        """Drop the job's chunks that no worker holds (an abandoned ``Executor.map``)."""
+        effects = _Effects()
+        with self._lock:
+            for task in [t for t in self._tasks.values() if t.job is job and t.holder is None]:
+                self._finish_task(task, effects)
+            job.inputs_open = False
+            self._finish_job_if_done(job, effects)
+            self._dispatch(effects)
+        effects.run(self)
+
+    def sinks_waiting(self) -> list:
+        """Result objects of jobs that no worker has started (for ``cancel_futures``)."""
+        with self._lock:
+            return [j.sink for j in self._jobs.values() if not j.claimed]
+
+    def close(self) -> None:
+        """Accept no more jobs; workers exit once every job finished."""
+        effects = _Effects()
+        with self._lock:
+            if self._state == RUN:
+                self._state = CLOSE
+            effects.wake = True
+            self._dispatch(effects)
+        effects.run(self)
+
+    def terminate(self, exc: BaseException) -> None:
+        """Fail every unfinished job with ``exc`` and tell every worker to stop."""
+        effects = _Effects()
+        with self._lock:
+            self._state = TERMINATE
+            self._abort_all(exc, effects)
+            self._dispatch(effects)
+        effects.run(self)
+
+    def _check_open(self) -> None:
+        if self._broken is not None:
+            raise self._broken
+        if self._state != RUN:
+            raise ValueError("Pool not running")
+
+    def _open_job(self, sink: Any, data: bytes, name: str, kind: Kind, lazy: bool) -> _Job:
+        func = self._func(data, name)
+        job = _Job(next(self._ids), sink, func, kind, lazy)
+        func.jobs += 1
+        self._jobs[job.jid] = job
+        return job
+
+    def _func(self, data: bytes, name: str) -> _Func:
+        func = self._funcs.get(data)
+        if func is None:
+            func = _Func(next(self._ids), data, name)
+            self._funcs[data] = func
+            self._fids[func.fid] = func
+            self._evict_funcs()
+        self._funcs.move_to_end(data)
+        return func
+
+    def _evict_funcs(self) -> None:
+        if len(self._funcs) <= _MAX_FUNCS:
+            return
+        for data in [d for d, f in self._funcs.items() if f.jobs == 0][:len(self._funcs) // 4]:
+            func = self._funcs.pop(data)
+            del self._fids[func.fid]
+            for worker in self._workers.values():
+                worker.known.discard(func.fid)
+
+    def _add(self, job: _Job, start: int, chunks: list) -> None:
+        for payload, n in chunks:
+            task = _Task(next(self._ids), job, start, n, payload)
+            self._tasks[task.tid] = task
+            self._pending.append(task)
+            job.open += 1
+            start += n
+
+    # == worker side (hub operations) ======================================================
+    def op_next(self, reply: ReplySink, wid: int, reports: list) -> None:
+        """A worker reports results and asks for work; parked until there is some."""
+        effects = _Effects()
+        with self._lock:
+            worker = self._workers.get(wid)
+            self._record(reports, effects)
+            if worker is None:  # lost already: whatever it held was requeued
+                effects.sends.append((None, reply, STOP))
+            else:
+                self._connected(worker, reply.peer)
+                worker.parked = reply
+                self._parked[wid] = worker
+                self._dispatch(effects)
+        effects.run(self)
+
+    def op_report(self, reply: ReplySink, wid: int, reports: list) -> None:
+        """Results sent while a ``next`` is parked (a careful worker waits for the answer)."""
+        effects = _Effects()
+        with self._lock:
+            self._record(reports, effects)
+            self._dispatch(effects)
+        effects.run(self)
+        reply(None)
+
+    def op_func(self, reply: ReplySink, fid: int) -> None:
+        """The pickled callable ``fid`` (for a worker that evicted it from its cache)."""
+        with self._lock:
+            func = self._fids.get(fid)
+        if func is None:
+            raise KeyError(f"the pool no longer knows callable {fid}")
+        reply(func.data)
+
+    def op_init_failed(self, reply: ReplySink, wid: int, error: Any) -> None:
+        """The initializer raised in worker ``wid``: every task would fail the same way."""
+        exc = error.exc
+        if error.tb:
+            from ..errors import RemoteTraceback
+
+            exc.__cause__ = RemoteTraceback(error.tb)
+        broken = WorkerLostError(
+            f"the pool's initializer raised {type(exc).__name__}: {exc} (in worker {wid}), so "
+            f"no worker can run tasks; the pool is broken and its pending tasks fail. Fix the "
+            f"initializer; its exception is chained below.")
+        broken.__cause__ = exc
+        self._break(broken)
+        reply(None)
+
+    def peer_lost(self, peer: Any) -> None:
+        with self._lock:
+            worker = self._by_peer.pop(peer.id, None)
+            if worker is None:
+                return
+            worker.parked = None
+            self._parked.pop(worker.wid, None)
+        wid = worker.wid
+        self.hub.timers.call_at(time.monotonic() + LOST_GRACE_S, lambda: self._no_exit_code(wid))
+
+    def _no_exit_code(self, wid: int) -> None:
+        with self._lock:
+            alive = wid in self._workers
+        if alive:  # the process did not end (or its backend did not tell): stop waiting
+            self.lose(wid, None)
+            self.hooks.kill(wid)
+
+    def _connected(self, worker: _Worker, peer: Any) -> None:
+        if worker.connected:
+            return
+        worker.connected = True
+        worker.peer = peer
+        if peer is not None:
+            self._by_peer[peer.id] = worker
+        self._failed_starts.clear()
+
+    # == recording results =================================================================
+    def _record(self, reports: list, effects: _Effects) -> None:
+        for report in reports:
+            task = self._tasks.get(report.tid)
+            if task is None:
+                continue  # finished already (a duplicate from a dead worker)
+            self._learn(task.job.func, report)
+            end = report.lo + report.count
+            if end <= task.lo:
+                continue
+            skip = task.lo - report.lo
+            effects.deliveries.append((task.job.sink, task.start + task.lo, report.payload, skip,
+                                       report.count))
+            self._advance(task, end, effects)
+
+    @staticmethod
+    def _learn(func: _Func, report: Report) -> None:
+        sample = report.seconds / max(report.count, 1)
+        old = func.per_item
+        func.per_item = sample if old is None else old + _EWMA * (sample - old)
+
+    def _advance(self, task: _Task, lo: int, effects: _Effects) -> None:
+        task.lo = lo
+        task.attempts, task.codes = task.base_attempts, list(task.base_codes)
+        if task.lo >= task.n:
+            self._finish_task(task, effects)
+
+    def _finish_task(self, task: _Task, effects: _Effects) -> None:
+        if task.done:
+            return
+        task.done = True
+        del self._tasks[task.tid]
+        self._release(task)
+        task.job.open -= 1
+        self._finish_job_if_done(task.job, effects)
+
+    def _release(self, task: _Task) -> None:
+        worker = self._workers.get(task.holder) if task.holder is not None else None
+        task.holder = None
+        if worker is not None and worker.held.pop(task.tid, None) is not None:
+            worker.held_cost -= task.cost
+
+    def _finish_job_if_done(self, job: _Job, effects: _Effects) -> None:
+        if job.open or job.inputs_open or job.jid not in self._jobs:
+            return
+        del self._jobs[job.jid]
+        job.func.jobs -= 1
+        if not self._jobs and self._state != RUN:
+            effects.wake = True
+
+    # == dispatch ==========================================================================
+    def _dispatch(self, effects: _Effects) -> None:
+        """Answer parked workers: with work, or with STOP when they are done."""
+        for worker in list(self._parked.values()):
+            self._answer(worker, effects)
+        if self._parked and self._state != RUN and not self._jobs:
+            for worker in list(self._parked.values()):  # the last job ended during the pass
+                self._answer(worker, effects)
+
+    def _answer(self, worker: _Worker, effects: _Effects) -> None:
+        if (self._pending or self._careful) and not self._should_stop(worker):
+            tasks = self._grant(worker, effects)
+            if tasks:
+                self._send(worker, self._batch(worker, tasks), effects)
+                return
+        if self._should_stop(worker):  # checked after granting: that may end the last job
+            worker.retiring = True
+            self._send(worker, STOP, effects)
+            effects.wake = True
+
+    def _send(self, worker: _Worker, batch: Batch, effects: _Effects) -> None:
+        reply, worker.parked = worker.parked, None
+        del self._parked[worker.wid]
+        effects.sends.append((worker, reply, batch))
+
+    def _should_stop(self, worker: _Worker) -> bool:
+        if self._state == TERMINATE or self._broken is not None:
+            return True
+        if worker.held:
+            return False
+        return worker.retiring or (self._state == CLOSE and not self._jobs)
+
+    def _grant(self, worker: _Worker, effects: _Effects) -> list:
+        if worker.retiring or worker.holds_careful():
+            return []
+        if self._careful and not worker.held:
+            task = self._next_careful()
+            if task is not None:
+                self._hold(worker, task, self._cost(task), effects)
+                return [task]
+        return self._grant_fresh(worker, effects)
+
+    def _next_careful(self) -> Optional[_Task]:
+        while self._careful:
+            task = self._careful.popleft()
+            if not task.done:
+                return task
+        return None
+
+    def _grant_fresh(self, worker: _Worker, effects: _Effects) -> list:
+        tasks: list = []
+        share = self._share()
+        budget = HORIZON_S - worker.held_cost
+        while self._pending and len(tasks) < share and not worker.retiring:
+            task = self._pending[0]
+            if task.done:
+                self._pending.popleft()
+                continue
+            cost = self._cost(task)
+            if worker.held and (cost is None or cost > budget):
+                break
+            self._pending.popleft()
+            if self._claim(task, effects):
+                budget -= self._hold(worker, task, cost, effects)
+                tasks.append(task)
+        return tasks
+
+    def _claim(self, task: _Task, effects: _Effects) -> bool:
+        job = task.job
+        if job.claimed:
+            return True
+        job.claimed = True
+        if job.sink._claim():
+            return True
+        self._finish_task(task, effects)  # a cancelled future: nothing to deliver
+        return False
+
+    def _hold(self, worker: _Worker, task: _Task, cost: Optional[float],
+              effects: _Effects) -> float:
+        task.holder = worker.wid
+        task.cost = HORIZON_S if cost is None else cost
+        worker.held[task.tid] = task
+        worker.held_cost += task.cost
+        worker.granted += 1
+        if self.maxtasks is not None and worker.granted >= self.maxtasks:
+            worker.retiring = True  # its replacement starts now, not when it exits
+            effects.wake = True
+        return task.cost
+
+    def _cost(self, task: _Task) -> Optional[float]:
+        per_item = task.job.func.per_item
+        return None if per_item is None else per_item * (task.n - task.lo)
+
+    def _share(self) -> int:
+        workers = sum(1 for w in self._workers.values() if not w.retiring) or 1
+        return max(1, math.ceil(len(self._pending) / workers))
+
+    def _batch(self, worker: _Worker, tasks: list) -> Batch:
+        funcs = {}
+        for task in tasks:
+            func = task.job.func
+            if func.fid not in worker.known:
+                worker.known.add(func.fid)
+                funcs[func.fid] = func.data
+        last = self._cost(tasks[-1])
+        refill = 0 if not last or tasks[-1].careful else int(HORIZON_S / 2 / last)
+        return Batch(tuple(t.spec() for t in tasks), funcs, refill, False)
+
+    def _undelivered(self, worker: Optional[_Worker], batch: Batch) -> None:
+        """A batch could not reach its worker (it is gone): put its tasks back, uncharged."""
+        if worker is None or not batch.tasks:
+            return
+        effects = _Effects()
+        with self._lock:
+            for spec in reversed(batch.tasks):
+                task = self._tasks.get(spec.tid)
+                if task is not None and task.holder == worker.wid:
+                    self._release(task)
+                    (self._careful if task.careful else self._pending).appendleft(task)
+            self._dispatch(effects)
+        effects.run(self)
+
+    # == workers (called by the supervisor) ================================================
+    def reserve_workers(self) -> list:
+        """Ids of the workers to start now so that ``processes`` are running."""
+        with self._lock:
+            if not self._wants_workers():
+                return []
+            active = sum(1 for w in self._workers.values() if not w.retiring)
+            wids = [next(self._ids) for _ in range(self.processes - active)]
+            for wid in wids:
+                self._workers[wid] = _Worker(wid)
+            return wids
+
+    def finished(self) -> bool:
+        """True once no worker is wanted any more: terminated, broken, or closed and done."""
+        with self._lock:
+            return not self._wants_workers()
+
+    def _wants_workers(self) -> bool:
+        if self._state == TERMINATE or self._broken is not None:
+            return False
+        return self._state == RUN or bool(self._jobs)
+
+    def start_failed(self, wid: int, exc: BaseException) -> None:
+        """Starting worker ``wid`` raised ``exc`` (the backend refused the job)."""
+        self._drop(wid, None, f"start raised {type(exc).__name__}: {exc}", exc)
+
+    def lose(self, wid: int, exitcode: Optional[int], detail: str = "") -> None:
+        """Worker ``wid`` ended (``exitcode``; None: unknown). Requeue what it held."""
+        self._drop(wid, exitcode, _evidence(exitcode, detail), None)
+
+    def _drop(self, wid: int, exitcode: Optional[int], evidence: str,
+              exc: Optional[BaseException]) -> None:
+        effects = _Effects()
+        with self._lock:
+            worker = self._workers.pop(wid, None)
+            if worker is None:
+                return
+            self._forget(worker)
+            if worker.held:
+                self.stats["lost"] += 1
+            for task in reversed(list(worker.held.values())):
+                self._requeue(task, exitcode, effects)
+            if not worker.connected and self._wants_workers():
+                self._failed_start(evidence, exc, effects)
+            effects.wake = True
+            self._dispatch(effects)
+        effects.run(self)
+
+    def _forget(self, worker: _Worker) -> None:
+        self._parked.pop(worker.wid, None)
+        if worker.peer is not None:
+            self._by_peer.pop(worker.peer.id, None)
+
+    def _requeue(self, task: _Task, exitcode: Optional[int], effects: _Effects) -> None:
+        task.holder = None
+        task.attempts += 1
+        task.codes.append(exitcode)
+        if not task.careful:  # anything it held may have been running: charge them all once
+            task.careful = True
+            task.base_attempts += 1
+            task.base_codes.append(exitcode)
+        self.stats["requeued"] += 1
+        while not task.done and task.attempts > self.max_retries:
+            self.stats["failed"] += 1
+            effects.failures.append((task.job.sink, task.start + task.lo, self._failed(task)))
+            self._advance(task, task.lo + 1, effects)
+        if not task.done:
+            self._careful.appendleft(task)
+
+    def _failed(self, task: _Task) -> TaskFailedError:
+        codes = "; ".join(_evidence(code) for code in task.codes)
+        return TaskFailedError(
+            f"task {task.start + task.lo} of {task.job.func.name}({self._args_of(task)}) was "
+            f"held by a worker that died, {task.attempts} times (max_task_retries="
+            f"{self.max_retries}): {codes}. The task itself most likely kills the process "
+            f"that runs it (a crash in native code, os._exit(), exceeding a memory limit). "
+            f"Fix the task; if workers are lost for other reasons (preempted nodes, memory "
+            f"used by other work), allow more attempts with Pool(max_task_retries=...) or "
+            f"fibrl.init(max_task_retries=...).")
+
+    @staticmethod
+    def _args_of(task: _Task) -> str:
+        try:
+            items = serialization.loads(task.payload)
+        except Exception:
+            return "<arguments that cannot be unpickled here>"
+        if task.job.kind == Kind.APPLY:
+            args, kwds = items
+            parts = [describe(a, 60) for a in args] + [f"{k}={describe(v, 60)}"
+                                                       for k, v in kwds.items()]
+            return describe(", ".join(parts)) if parts else ""
+        return describe(items[task.lo])
+
+    def _failed_start(self, evidence: str, exc: Optional[BaseException],
+                      effects: _Effects) -> None:
+        self._failed_starts.append(evidence)
+        limit = max(10, 2 * self.processes)
+        if len(self._failed_starts) < limit:
+            return
+        seen = "; ".join(sorted(set(self._failed_starts)))
+        broken = WorkerLostError(
+            f"the pool could not start a worker: {limit} starts in a row failed before the "
+            f"worker connected back ({seen}). Check the backend (image, resources, "
+            f"start_timeout) and the worker's logs; fix it and create a new Pool.")
+        broken.__cause__ = exc
+        self._broken = broken
+        self._abort_all(broken, effects)
+
+    def _break(self, exc: BaseException) -> None:
+        effects = _Effects()
+        with self._lock:
+            if self._broken is None:
+                self._broken = exc
+                self._abort_all(exc, effects)
+            effects.wake = True
+            self._dispatch(effects)
+        effects.run(self)
+
+    def _abort_all(self, exc: BaseException, effects: _Effects) -> None:
+        effects.aborts.extend((job.sink, exc) for job in self._jobs.values())
+        for func in self._funcs.values():
+            func.jobs = 0
+        self._jobs.clear()
+        self._tasks.clear()
+        self._pending.clear()
+        self._careful.clear()
+        for worker in self._workers.values():
+            worker.held.clear()
+            worker.held_cost = 0.0
+        effects.wake = True
+
+    def closed(self) -> None:
+        self._break(WorkerLostError("the pool's service was closed by its owner"))
+
+
+def _evidence(exitcode: Optional[int], detail: str = "") -> str:
+    text = ("connection lost, exit status unknown" if exitcode is None
+            else describe_exitcode(exitcode))
+    return f"{text} ({detail})" if detail else text
