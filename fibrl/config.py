@@ -53,6 +53,8 @@ class Config:
     """A worker that hears nothing from its parent for this long exits by itself."""
     max_task_retries: int = 3
     """Pool: how many times a task is resubmitted after its worker was lost."""
+    local_fork_server: bool = True
+    """Local backend: fork workers from a pre-imported interpreter (faster starts)."""
     image: str = "fibrl:latest"
     """Container image of docker and kubernetes workers."""
     cpu: float = 0.0
@@ -75,6 +77,22 @@ class Config:
     """Service account of worker pods (empty: the namespace default)."""
     kubernetes_kubeconfig: str = ""
     """Path of a kubeconfig (empty: in-cluster config, then ``~/.kube/config``)."""
+    kubernetes_node_selector: str = ""
+    """Node selector of worker pods, ``"k=v,k=v"``."""
+    kubernetes_tolerations: str = ""
+    """Tolerations of worker pods, a JSON list of toleration objects."""
+    kubernetes_image_pull_secrets: str = ""
+    """Image pull secrets of worker pods, ``"name,name"``."""
+    kubernetes_labels: str = ""
+    """Extra labels of worker pods, ``"k=v,k=v"``."""
+    kubernetes_env: str = ""
+    """Extra environment of worker pods, ``"K=V,K=V"``."""
+    kubernetes_pending_timeout: float = 120.0
+    """Seconds a worker pod may stay unschedulable before its start is reported failed."""
+    kubernetes_create_batch: int = 20
+    """Worker pods created concurrently, per wave (a large Pool is created in waves)."""
+    registry: str = ""
+    """Registry that ``fibrl run --build`` pushes the image to (empty: no push)."""
 
     def replace(self, **changes: Any) -> "Config":
         """Return a copy with ``changes`` applied and validated."""
@@ -127,7 +145,8 @@ def _from_env(environ: Mapping[str, str]) -> dict[str, str]:
 
 
 # Variables the runtime itself passes to workers; they are not config keys.
-_ENV_NOT_CONFIG = frozenset({"FIBRL_SECRET", "FIBRL_RUN_ID", "FIBRL_TOKEN", "FIBRL_PARENT"})
+_ENV_NOT_CONFIG = frozenset({"FIBRL_SECRET", "FIBRL_RUN_ID", "FIBRL_TOKEN", "FIBRL_PARENT",
+                             "FIBRL_POD_NAME", "FIBRL_POD_NAMESPACE", "FIBRL_POD_UID"})
 
 
 def _from_file(path: Path) -> dict[str, str]:

@@ -83,8 +83,17 @@ def _as_settings(config) -> dict:
 
 
 def _children() -> list:
-    return [p for p in psutil.Process().children(recursive=True) if p.is_running()
-            and p.status() != psutil.STATUS_ZOMBIE]
+    """Descendants of this test process, less the local fork server (it lives as
+    long as the test session, like multiprocessing's forkserver)."""
+    found = []
+    for proc in psutil.Process().children(recursive=True):
+        try:
+            if proc.status() == psutil.STATUS_ZOMBIE or "fibrl.backends._zygote" in proc.cmdline():
+                continue
+        except psutil.NoSuchProcess:
+            continue
+        found.append(proc)
+    return found
 
 
 @pytest.fixture(autouse=True)
