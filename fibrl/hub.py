@@ -495,6 +495,12 @@ class Hub:
     def service(self, oid: str) -> Optional[Service]:
         return self._services.get(oid)
 
+    def local_service(self, address: Optional[str], oid: str) -> Optional[Service]:
+        """The service itself when it is hosted by this process, else None."""
+        if self.is_local(address):
+            return self._services.get(oid)
+        return None
+
     def _on_frame(self, peer, data: bytes) -> None:
         try:
             msg = serialization.loads(data)

@@ -22,7 +22,9 @@ from typing import Any, Optional
 
 from .hub import ReplySink, Service
 
-__all__ = ["Mailbox"]
+__all__ = ["Mailbox", "EMPTY"]
+
+EMPTY = object()
 
 
 class _Parked:
@@ -102,6 +104,17 @@ class Mailbox(Service):
         if self._unfinished is not None:
             self._unfinished += 1
         self._deliver(payload)
+
+    # -- fast paths for the owner process (no handle, no event) ------------------------
+    def take_nowait(self) -> Any:
+        """Pop an item if one is there, else return :data:`EMPTY` (owner process only)."""
+        with self._lock:
+            if not self._items:
+                return EMPTY
+            payload = self._items.popleft()
+            if self._putters:
+                self._admit_putters()
+            return payload
 
     # -- queue operations ----------------------------------------------------------
     def op_put(self, reply: ReplySink, payload: Any, timeout: Optional[float] = None) -> None:

@@ -26,7 +26,7 @@ from typing import Any, Optional
 
 from . import serialization
 from .hub import get_hub
-from .mailbox import Mailbox
+from .mailbox import EMPTY, Mailbox
 
 __all__ = ["Queue", "JoinableQueue", "SimpleQueue"]
 
@@ -88,6 +88,11 @@ class Queue:
     def get(self, block: bool = True, timeout: Optional[float] = None) -> Any:
         """Remove and return an item; raises ``queue.Empty`` after ``timeout`` seconds."""
         self._check_closed()
+        local = get_hub().local_service(self._address, self._oid)
+        if local is not None:  # the owner process: skip the handle when an item is there
+            payload = local.take_nowait()
+            if payload is not EMPTY:
+                return serialization.loads(payload)
         try:
             payload = self._call("get", _timeout(block, timeout))
         except queue.Empty:
