@@ -14,7 +14,9 @@ def produce(q, start, count):
         q.put(i)
 
 
-def consume_until_none(q, out):
+def consume_until_none(q, out, ready=None):
+    if ready is not None:
+        ready.put("ready")
     got = []
     while True:
         item = q.get(timeout=TIMEOUT)
@@ -69,10 +71,13 @@ def test_many_producers_many_consumers_exactly_once(ctx):
 
 
 def test_fair_share_without_eager_prefetch(ctx):
-    q, out = ctx.Queue(), ctx.Queue()
-    consumers = [ctx.Process(target=consume_until_none, args=(q, out)) for _ in range(4)]
+    q, out, ready = ctx.Queue(), ctx.Queue(), ctx.Queue()
+    consumers = [ctx.Process(target=consume_until_none, args=(q, out, ready))
+                 for _ in range(4)]
     for p in consumers:
         p.start()
+    for _ in consumers:
+        assert ready.get(timeout=TIMEOUT) == "ready"
     for i in range(2400):
         q.put(i)
     for _ in consumers:
