@@ -350,12 +350,11 @@ class LockService(HostedService):
                         self.maxvalue))
 
     def op_new_condition(self, reply: ReplySink) -> None:
-        """Host a Condition bound to this lock here (for a Condition made in another process)."""
-        service = ConditionService(self)
-        service.pickled = service._orphan = service._had_users = True
-        if reply.peer is not None:
-            service._users.add(reply.peer.id)
-        oid = self.hub.register(service)
+        """Host a Condition bound to this lock here (for a Condition made in another process).
+
+        It has no owner handle to follow, so it lives as long as the lock does.
+        """
+        oid = self.hub.register(ConditionService(self))
         self.conditions.append(oid)
         reply(oid)
 
