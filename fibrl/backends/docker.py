@@ -10,8 +10,9 @@ only here, when the backend is first used.
 Data flow of one job::
 
     create_job(spec)
-      check once: engine reachable, image present, image runs
-                  ``python -c "import fibrl.bootstrap"`` (a probe container)
+      once: engine reachable, image present; once per image and mount, a probe
+            container runs ``python -c "import fibrl.bootstrap"`` (BackendError
+            with its output if that fails; concurrent starts wait for it)
       containers.create(host network, cwd mounted, limits, labels)
       attach(stream, demux)  <- before start, so no output is lost
       start
@@ -21,10 +22,12 @@ Data flow of one job::
     Job.wait(timeout) blocks on _ended; Job.remove() keeps a bounded tail of the
     logs, then removes the container (auto-remove is off so logs survive exit).
 
-Workers exit by themselves when their parent goes away; a SIGKILLed parent
-leaves *stopped* containers behind, which :func:`remove_containers` (``python
--m fibrl.backends.docker rm``) removes, as does the next docker backend
-started on this host for containers whose parent process is gone.
+A worker's own children run as local processes in its container: it has no
+access to the engine. Workers exit by themselves when their parent goes away;
+a SIGKILLed parent leaves *stopped* containers behind, which
+:func:`remove_containers` (``python -m fibrl.backends.docker rm``) removes, as
+does the next docker backend started on this host for containers whose parent
+process is gone.
 """
 from __future__ import annotations
 
@@ -36,6 +39,7 @@ import secrets
 import socket
 import sys
 import threading
+import weakref
 from typing import Any, Optional
 
 from ..config import Config
@@ -43,7 +47,7 @@ from ..errors import BackendError, describe_exitcode
 from .base import Backend, Job, JobSpec, JobStatus
 
 __all__ = ["DockerBackend", "DockerJob", "connect", "container_name", "exit_code",
-           "list_containers", "remove_containers", "main"]
+           "in_worker_container", "list_containers", "remove_containers", "main"]
 
 log = logging.getLogger(__name__)
 
@@ -62,10 +66,23 @@ def _sdk():
     try:
         import docker
     except ImportError as exc:
-        raise BackendError(
-            "the docker backend needs the docker SDK, which is not installed. "
-            "Fix: pip install 'fibrl[docker]' (or choose fibrl.init(backend='local')).") from exc
+        raise _no_sdk() from exc
+    if not hasattr(docker, "from_env"):  # a directory named docker/ shadows a missing SDK
+        raise _no_sdk()
     return docker
+
+
+def _no_sdk() -> BackendError:
+    return BackendError(
+        "the docker backend needs the docker SDK, which is not installed. "
+        "Fix: pip install 'fibrl[docker]' (or choose fibrl.init(backend='local')).")
+
+
+def in_worker_container() -> bool:
+    """True in a fibrl worker running inside a container (which cannot reach the engine)."""
+    from multiprocessing import parent_process
+
+    return os.path.exists("/.dockerenv") and parent_process() is not None
 
 
 def _sdk_errors() -> tuple:
@@ -352,6 +369,27 @@ def _close_quietly(stream: Any) -> None:
 
 # -- the backend -----------------------------------------------------------------------
 
+class _Check:
+    """One run of a check that concurrent callers share; they all see its error."""
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self.error: Optional[BackendError] = None
+
+    def run(self, check: Any) -> None:
+        try:
+            check()
+        except BackendError as exc:
+            self.error = exc
+        finally:
+            self._done.set()
+
+    def raise_error(self) -> None:
+        self._done.wait()
+        if self.error is not None:
+            raise BackendError(str(self.error)) from self.error.__cause__
+
+
 class DockerBackend(Backend):
     """Runs each job as a container of the local (or ``DOCKER_HOST``) docker engine.
 
@@ -373,8 +411,9 @@ class DockerBackend(Backend):
         super().__init__(config)
         self._client: Any = None
         self._lock = threading.Lock()
-        self._probed: set = set()
-        self._jobs: set = set()
+        self._images: set = set()
+        self._checks: dict = {}
+        self._jobs: weakref.WeakSet = weakref.WeakSet()
         self._ncpu: Optional[int] = None
 
     @property
@@ -389,6 +428,8 @@ class DockerBackend(Backend):
         return self._client
 
     def cpu_count(self) -> int:
+        if in_worker_container():
+            return self._local().cpu_count()
         if self._ncpu is None:
             try:
                 self._ncpu = int(self.client.info()["NCPU"])
@@ -398,14 +439,24 @@ class DockerBackend(Backend):
         return self._ncpu
 
     def create_job(self, spec: JobSpec) -> Job:
+        if in_worker_container():
+            return self._local().create_job(spec)
         self._check_network()
         image = spec.image or self.config.image
         kwargs = self._container_kwargs(spec, image)
-        self._check_image(image, spec, kwargs)
+        self._require_image(image)
+        self._check_image_runs(image, spec, kwargs)
         job = self._start(spec, image, kwargs)
         with self._lock:
             self._jobs.add(job)
         return job
+
+    def _local(self) -> Backend:
+        # A worker container has no access to the engine (nothing of the host is
+        # mounted but the working directory): its own children run beside it.
+        from .local import LocalBackend
+
+        return LocalBackend(self.config)
 
     def cleanup(self, run_id: Optional[str] = None, *, force: bool = True) -> list:
         """Remove the containers of ``run_id`` (default: this program's run); return names."""
@@ -457,17 +508,24 @@ class DockerBackend(Backend):
         return volumes
 
     # -- checks done once per image and working directory ----------------------------
-    def _check_image(self, image: str, spec: JobSpec, kwargs: dict) -> None:
+    def _check_image_runs(self, image: str, spec: JobSpec, kwargs: dict) -> None:
+        """Probe once per image and mount; concurrent callers wait for that one probe."""
         key = (image, kwargs["working_dir"], repr(kwargs["volumes"]))
         with self._lock:
-            if key in self._probed:
-                return
-        self._require_image(image)
-        self._probe(image, spec, kwargs)
-        with self._lock:
-            self._probed.add(key)
+            check = self._checks.get(key)
+            mine = check is None
+            if mine:
+                check = self._checks[key] = _Check()
+        if mine:
+            check.run(lambda: self._probe(image, spec, kwargs))
+            if check.error is not None:
+                with self._lock:
+                    del self._checks[key]  # retried next time: the image may be rebuilt
+        check.raise_error()
 
     def _require_image(self, image: str) -> None:
+        if image in self._images:
+            return
         docker = _sdk()
         try:
             self.client.images.get(image)
@@ -480,6 +538,7 @@ class DockerBackend(Backend):
         except _sdk_errors() as exc:
             raise BackendError(f"cannot look up image {image!r} on the docker engine at "
                                f"{_engine_address()}: {exc}. Check `docker info`.") from exc
+        self._images.add(image)
 
     def _probe(self, image: str, spec: JobSpec, kwargs: dict) -> None:
         """Run ``python -c "import fibrl.bootstrap"`` in the worker's set-up, once."""
@@ -505,6 +564,7 @@ class DockerBackend(Backend):
         try:
             return self.client.containers.create(**kwargs)
         except _sdk().errors.ImageNotFound as exc:
+            self._images.discard(image)  # removed since it was checked
             self._require_image(image)
             raise _start_error(image, exc) from exc
         except _sdk_errors() as exc:
@@ -529,7 +589,6 @@ class DockerBackend(Backend):
         """At exit: remove the containers of jobs that ended but were not removed yet."""
         with self._lock:
             jobs = [job for job in self._jobs if job._ended.is_set()]
-            self._jobs.clear()
         for job in jobs:
             job.remove()
 

@@ -1,0 +1,231 @@
+"""The docker backend's pure pieces (names, exit codes, container settings) and its errors.
+
+Tests marked ``docker`` need the engine and the worker image; the others need only the
+docker SDK (they never reach an engine).
+"""
+import os
+import re
+import socket
+import tarfile
+import io
+
+import pytest
+
+import fibrl
+from fibrl.backends import JobSpec
+from fibrl.config import Config
+from fibrl.errors import BackendError
+
+docker_sdk = pytest.importorskip("docker")
+from fibrl.backends import docker as dockerbackend  # noqa: E402
+
+VALID_NAME = re.compile(r"^[a-zA-Z0-9][a-zA-Z0-9_.-]+$")
+
+
+@pytest.fixture
+def docker_up():
+    from conftest import _skip_or_fail, docker_available
+
+    reason = docker_available()
+    if reason:
+        _skip_or_fail(reason, "CI_REQUIRE_DOCKER")
+    return dockerbackend.connect()
+
+
+@pytest.fixture
+def docker_init():
+    """fibrl.init(backend="docker", **settings) for the test, then the previous config."""
+    from conftest import _as_settings
+
+    previous = fibrl.get_context().config
+
+    def init(**settings):
+        return fibrl.init(backend="docker", **settings)
+
+    yield init
+    fibrl.init(**_as_settings(previous))
+
+
+# -- names ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name,start", [
+    ("Process-1", "fibrl-process-1-"),
+    ("Process-1:2", "fibrl-process-1-2-"),
+    ("my worker #3 (gpu)", "fibrl-my-worker-3-gpu-"),
+    ("fibrl-worker", "fibrl-worker-"),
+    ("::", "fibrl-worker-"),
+    ("", "fibrl-worker-"),
+    ("Ünïcødé", "fibrl-n-c-d-"),
+])
+def test_container_names_are_valid_and_readable(name, start):
+    result = dockerbackend.container_name(name)
+    assert result.startswith(start)
+    assert VALID_NAME.match(result), result
+    assert len(result) <= 60
+
+
+def test_container_names_are_unique_and_bounded():
+    names = {dockerbackend.container_name("Process-1") for _ in range(200)}
+    assert len(names) == 200
+    long = dockerbackend.container_name("x" * 500 + "-" * 10)
+    assert VALID_NAME.match(long) and len(long) <= 60
+    assert dockerbackend.container_name("P", suffix="abc") == "fibrl-p-abc"
+
+
+# -- exit codes ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("status,code", [
+    (0, 0), (1, 1), (2, 2), (127, 127), (128, 128),
+    (137, -9), (143, -15), (139, -11), (129, -1), (192, -64), (193, 193), (255, 255),
+])
+def test_exit_status_mapping(status, code):
+    assert dockerbackend.exit_code(status) == code
+
+
+# -- what a container gets -------------------------------------------------------------
+
+def _spec(**changes):
+    base = dict(command=("python", "-m", "fibrl.bootstrap", "tcp://127.0.0.1:1", "h-1"),
+                env={"FIBRL_SECRET": "ab", "FIBRL_RUN_ID": "r1"},
+                labels={"fibrl.run": "r1", "fibrl.parent": "1", "fibrl.role": "process"},
+                name="Process-1", workdir="/work/project")
+    base.update(changes)
+    return JobSpec(**base)
+
+
+def _kwargs(spec=None, **config):
+    backend = dockerbackend.DockerBackend(Config(backend="docker", **config))
+    return backend._container_kwargs(spec or _spec(), "fibrl:latest")
+
+
+def test_container_defaults_host_network_readonly_cwd_and_labels():
+    kw = _kwargs()
+    assert kw["network_mode"] == "host"
+    assert kw["volumes"] == {"/work/project": {"bind": "/work/project", "mode": "ro"}}
+    assert kw["working_dir"] == "/work/project"
+    assert kw["command"] == ["python", "-m", "fibrl.bootstrap", "tcp://127.0.0.1:1", "h-1"]
+    assert kw["environment"] == {"FIBRL_SECRET": "ab", "FIBRL_RUN_ID": "r1"}
+    assert kw["labels"]["fibrl.backend"] == "docker"
+    assert kw["labels"]["fibrl.run"] == "r1" and kw["labels"]["fibrl.role"] == "process"
+    assert kw["labels"]["fibrl.host"] == socket.gethostname()
+    assert kw["auto_remove"] is False and kw["init"] is True
+    assert kw["user"] == f"{os.getuid()}:{os.getgid()}"
+    assert kw["security_opt"] == ["no-new-privileges"]
+    for absent in ("privileged", "cap_add", "nano_cpus", "mem_limit", "device_requests"):
+        assert absent not in kw
+
+
+def test_mount_and_workdir_options():
+    assert _kwargs(docker_mount_readonly=False)["volumes"]["/work/project"]["mode"] == "rw"
+    kw = _kwargs(docker_mount_cwd=False)
+    assert kw["volumes"] == {} and kw["working_dir"] is None
+    assert _kwargs(docker_workdir="/app")["working_dir"] == "/app"
+    extra = _kwargs(_spec(volumes=(("/data", "/mnt/data", True),)))
+    assert extra["volumes"]["/data"] == {"bind": "/mnt/data", "mode": "ro"}
+
+
+def test_resources_map_to_docker_limits():
+    kw = _kwargs(_spec(cpu=1.5, memory="256m", gpu=2))
+    assert kw["nano_cpus"] == 1_500_000_000
+    assert kw["mem_limit"] == kw["memswap_limit"] == "256m"  # no swap, so OOM kills
+    (request,) = kw["device_requests"]
+    assert request["Count"] == 2 and request["Capabilities"] == [["gpu"]]
+
+
+def test_refuses_to_mount_the_host_root():
+    with pytest.raises(BackendError, match="root directory.*docker_mount_cwd=False"):
+        _kwargs(_spec(workdir="/"))
+
+
+def test_non_host_network_with_loopback_listener_is_explained():
+    backend = dockerbackend.DockerBackend(Config(backend="docker", docker_network="bridge"))
+    with pytest.raises(BackendError, match="cannot reach.*docker_network='host'"):
+        backend.create_job(_spec())
+
+
+def test_unusable_image_messages_name_cause_and_fix():
+    err = dockerbackend._unusable_image("img", "/w", 1, "ModuleNotFoundError: No module "
+                                        "named 'fibrl'")
+    assert "fibrl is not installed" in str(err) and "docker/build-image.sh" in str(err)
+    assert "No module named 'fibrl'" in str(err) and "exit code 1" in str(err)
+    err = dockerbackend._unusable_image("img", "/w", 127, "exec python failed")
+    assert "no `python`" in str(err)
+
+
+# -- errors from a real (or absent) engine ----------------------------------------------
+
+@pytest.fixture
+def closed_socket(tmp_path, monkeypatch):
+    path = str(tmp_path / "docker.sock")
+    sock = socket.socket(socket.AF_UNIX)
+    sock.bind(path)
+    sock.close()  # the file stays; connecting to it is refused
+    monkeypatch.setenv("DOCKER_HOST", f"unix://{path}")
+    return path
+
+
+def test_unreachable_engine_is_explained(closed_socket):
+    with pytest.raises(BackendError) as info:
+        dockerbackend.connect()
+    text = str(info.value)
+    assert closed_socket in text and "DOCKER_HOST" in text and "start dockerd" in text
+    assert isinstance(info.value.__cause__, docker_sdk.errors.DockerException)
+
+
+def test_unreachable_engine_fails_process_start(closed_socket, docker_init):
+    docker_init()
+    p = fibrl.Process(target=os.getpid)
+    with pytest.raises(BackendError, match="cannot reach the docker engine"):
+        p.start()
+
+
+@pytest.mark.docker
+def test_missing_image_is_explained(docker_up, docker_init):
+    docker_init(image="fibrl-no-such-image:0")
+    p = fibrl.Process(target=os.getpid)
+    with pytest.raises(BackendError, match=r"fibrl-no-such-image:0.*does not exist.*"
+                                           r"docker/build-image.sh.*image="):
+        p.start()
+
+
+@pytest.mark.docker
+def test_image_without_fibrl_is_explained(docker_up, docker_init, tmp_path, monkeypatch):
+    base = "python:3.11-slim"
+    try:
+        docker_up.images.get(base)
+    except docker_sdk.errors.ImageNotFound:
+        pytest.skip(f"{base} is not on this engine")
+    monkeypatch.chdir(tmp_path)  # so the mounted directory provides no fibrl either
+    docker_init(image=base)
+    with pytest.raises(BackendError, match=r"(?s)cannot run fibrl workers.*fibrl is not "
+                                           r"installed.*No module named 'fibrl'"):
+        fibrl.Process(target=os.getpid).start()
+    assert not dockerbackend.list_containers(run="no-such-run", client=docker_up)
+
+
+@pytest.fixture
+def image_without_python(docker_up):
+    tag = "fibrl-test-nopython:latest"
+    data = io.BytesIO()
+    with tarfile.open(fileobj=data, mode="w") as tar:
+        info = tarfile.TarInfo("etc/hostname")
+        info.size = 5
+        tar.addfile(info, io.BytesIO(b"none\n"))
+    docker_up.api.import_image_from_data(data.getvalue(), repository=tag.split(":")[0],
+                                         tag="latest")
+    yield tag
+    docker_up.images.remove(tag, force=True)
+
+
+@pytest.mark.docker
+def test_image_without_python_is_explained(image_without_python, docker_init):
+    docker_init(image=image_without_python)
+    with pytest.raises(BackendError, match=r"(?s)cannot (run fibrl workers|start a worker).*"
+                                           r"python"):
+        fibrl.Process(target=os.getpid).start()
+
+
+@pytest.mark.docker
+def test_cpu_count_is_the_engines(docker_up):
+    backend = dockerbackend.DockerBackend(Config(backend="docker"))
+    assert backend.cpu_count() == docker_up.info()["NCPU"]
