@@ -1,0 +1,192 @@
+"""How a process reaches manager servers: dedicated lines, hubs per authkey, decrefs.
+
+A *line* is one thread's own authenticated connection to one manager server,
+as in ``multiprocessing.managers`` (a thread-local ``Connection``). A
+synchronous proxy call is one frame out and one frame back on the caller's
+thread: no reader thread, no hand-off, and the server runs it in the
+connection's own thread, so a method that blocks (``queue.get``,
+``lock.acquire``) blocks only the thread that called it, and thread-owned
+objects (``threading.RLock``) see one server thread per client thread.
+Asynchronous calls go through the process's hub instead (request ids, replies
+in any order), to a hub keyed by the manager's authkey.
+
+Data flow::
+
+    thread T1 -- line(T1, addr) ==== Call(rid) / Reply(rid) ==== server peer thread (T1's)
+    thread T2 -- line(T2, addr) ==== ...                     ==== server peer thread (T2's)
+    any thread -- hub_for(authkey).call_async ==== Client (one per process) ==== peer thread
+                                                     -> ManagerService lanes (worker threads)
+    proxy finalizer -> pending decrefs (a deque) -> sent with the next call to that address
+
+While a reply takes long, a line pings the server between slices of
+``heartbeat_interval``: a server that is gone (even on a vanished node)
+raises :class:`RemoteObjectError` within ``parent_timeout``.
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+import weakref
+from collections import deque
+from multiprocessing import util
+from typing import Any, Optional
+
+from .. import serialization
+from ..errors import ChannelClosed, RemoteObjectError, TransportError
+from ..hub import Hub, get_hub, raise_remote
+from ..messages import Call, blob
+
+__all__ = ["Line", "line_for", "hub_for", "close_lines", "note_decref", "take_decrefs",
+           "lost_error", "MANAGER_OID"]
+
+MANAGER_OID = "manager"
+
+_local = threading.local()
+_all_lines: "weakref.WeakSet[Line]" = weakref.WeakSet()
+_hubs: dict[bytes, Hub] = {}
+_hubs_lock = threading.Lock()
+_decrefs: dict[str, deque] = {}
+_exit_hooked = False
+
+
+def lost_error(address: str, detail: Any = "") -> RemoteObjectError:
+    extra = f" ({detail})" if detail else ""
+    return RemoteObjectError(
+        f"lost the manager server at {address}{extra}: it was shut down, killed or its "
+        f"machine is gone, so the objects it managed are gone. Start a new manager (or "
+        f"check the server's logs if it should still be running).")
+
+
+class Line:
+    """One thread's dedicated connection to the manager server at ``address``."""
+
+    def __init__(self, address: str, authkey: bytes) -> None:
+        from ..transport import Channel
+
+        hub = hub_for(authkey)
+        self.address = address
+        self.authkey = authkey
+        self.broken = False
+        self._rids = itertools.count(1)
+        try:
+            self._channel = Channel.connect(address, authkey, hub.connect_timeout)
+        except TransportError as exc:
+            raise lost_error(address, exc) from exc
+        weakref.finalize(self, self._channel.close).atexit = False
+        _all_lines.add(self)
+        self.call("hello")
+
+    def call(self, method: str, *args: Any) -> Any:
+        """Send one call and wait for its reply on this thread."""
+        if self.broken:
+            raise lost_error(self.address)
+        rid = next(self._rids)
+        args = tuple(blob(a) if type(a) is bytes else a for a in args)
+        try:
+            self._channel.send(serialization.dumps(Call(rid, MANAGER_OID, method, args)))
+            reply = self._receive(rid)
+        except ChannelClosed as exc:
+            self.close()
+            raise lost_error(self.address) from exc
+        except BaseException:
+            self.close()  # a reply may still come: this line can no longer be trusted
+            raise
+        value = serialization.loads(reply.value) if reply.encoded else reply.value
+        if not reply.ok:
+            raise_remote(value)
+        return value
+
+    def _receive(self, rid: int):
+        from ..context import current_config
+        from ..synchronize import ensure_alive
+
+        config = current_config()
+        while True:
+            try:
+                reply = serialization.loads(self._channel.recv(config.heartbeat_interval))
+            except TimeoutError:
+                ensure_alive(hub_for(self.authkey), self.address, config.parent_timeout)
+                continue
+            if reply.rid == rid:
+                return reply
+
+    def close(self) -> None:
+        self.broken = True
+        self._channel.close()
+
+
+def line_for(address: str, authkey: bytes) -> Line:
+    """This thread's line to ``address`` (connected on first use, again after a loss)."""
+    lines = getattr(_local, "lines", None)
+    if lines is None:
+        lines = _local.lines = {}
+    line = lines.get(address)
+    if line is None or line.broken or line.authkey != authkey:
+        _hook_exit()
+        line = lines[address] = Line(address, authkey)
+    return line
+
+
+def close_lines(address: Optional[str] = None) -> None:
+    """Close this process's lines (to ``address`` only, if given)."""
+    for line in list(_all_lines):
+        if address is None or line.address == address:
+            line.close()
+
+
+def hub_for(authkey: bytes) -> Hub:
+    """The hub whose connections authenticate with ``authkey`` (the process hub if it is its)."""
+    hub = get_hub()
+    if bytes(authkey) == hub.secret:
+        return hub
+    with _hubs_lock:
+        other = _hubs.get(bytes(authkey))
+        if other is None:
+            other = _hubs[bytes(authkey)] = Hub(bytes(authkey), hub.host, hub.auth_timeout,
+                                                  hub.connect_timeout)
+            _hook_exit()
+    return other
+
+
+def note_decref(address: str, ident: str) -> None:
+    """Remember that a proxy of ``ident`` died. Called by finalizers: must not block."""
+    pending = _decrefs.get(address)
+    if pending is not None:
+        pending.append(ident)
+
+
+def decref_queue(address: str) -> deque:
+    """The deque of pending decrefs for ``address`` (created by the first proxy)."""
+    return _decrefs.setdefault(address, deque())
+
+
+def take_decrefs(address: str) -> tuple:
+    """Pending decrefs for ``address``, sent along with the next call to it."""
+    pending = _decrefs.get(address)
+    if not pending:
+        return ()
+    taken = []
+    while pending:
+        try:
+            taken.append(pending.popleft())
+        except IndexError:
+            break
+    return tuple(taken)
+
+
+def _hook_exit() -> None:
+    """Close lines and extra hubs at exit, after managers shut down, before nng's exit."""
+    global _exit_hooked
+    if not _exit_hooked:
+        get_hub()  # registers the hub's exit handler, which runs multiprocessing's finalizers
+        util.Finalize(None, _close_everything, exitpriority=-10)
+        _exit_hooked = True
+
+
+def _close_everything() -> None:
+    close_lines()
+    with _hubs_lock:
+        hubs = list(_hubs.values())
+        _hubs.clear()
+    for hub in hubs:
+        hub.close()

@@ -1,0 +1,484 @@
+"""Proxies: the client side of managed objects, with ``multiprocessing.managers`` semantics.
+
+A proxy holds a :class:`~fibrl.managers.server.Token` (typeid, server
+address, object id) and the manager's authkey. ``_callmethod`` sends one call
+on the calling thread's dedicated line (``lines``); ``_call_async`` sends it
+through the hub and returns a :class:`ProxyHandle` at once. A proxy pickles
+as its token (``RebuildProxy``), so it works in any process; unpickled inside
+its own server it becomes a manager-owned proxy that keeps the object alive,
+which is what makes nested proxies (a managed list inside a managed dict)
+behave as in the stdlib. Reference counting is the stdlib's, except that a
+decref is not a message of its own: it rides on the next call to that
+server (finalizers must never block or do I/O).
+
+Data flow of a call::
+
+    proxy.append(x) -> _callmethod("append", (x,))
+        pickles (args, kwds) -> line.call("call", id, "append", payload, decrefs)
+        <- pickled result: a value, or a ProxyRef -> a new proxy (method_to_typeid)
+    async_proxy.step(a) -> _call_async -> hub.call_async(..., "spawn", ...) -> ProxyHandle
+        ProxyHandle.get(timeout) -> unpickles, in the caller's thread
+"""
+from __future__ import annotations
+
+import multiprocessing
+import time
+import weakref
+from multiprocessing import process
+from multiprocessing.context import get_spawning_popen
+from typing import Any, Callable, Optional
+
+from .. import serialization
+from ..errors import TransportError
+from ..hub import Handle
+from .lines import MANAGER_OID, decref_queue, hub_for, line_for, lost_error, note_decref, \
+    take_decrefs
+from .server import ProxyRef, Token
+
+__all__ = [
+    "BaseProxy", "AsyncProxy", "AutoProxy", "AsyncAutoProxy", "MakeProxyType", "RebuildProxy",
+    "ProxyHandle", "HandleTimeout", "IteratorProxy", "AcquirerProxy", "ConditionProxy",
+    "EventProxy", "BarrierProxy", "NamespaceProxy", "ValueProxy", "BaseListProxy",
+    "ListProxy", "DictProxy", "ArrayProxy", "BasePoolProxy", "PoolProxy",
+]
+
+
+class HandleTimeout(multiprocessing.TimeoutError, TimeoutError):
+    """``ProxyHandle.get(timeout)`` ran out of time (both the stdlib and builtin kind)."""
+
+
+def _local_server(token: Token) -> Any:
+    server = getattr(process.current_process(), "_manager_server", None)
+    if server is not None and server.address == token.address:
+        return server
+    return None
+
+
+class BaseProxy:
+    """Base class of proxies: ``_callmethod``, ``_call_async``, ``_getvalue``, pickling.
+
+    Same constructor as ``multiprocessing.managers.BaseProxy``.
+    """
+
+    _exposed_: tuple = ()
+
+    def __init__(self, token: Token, serializer: str = "pickle", manager: Any = None,
+                 authkey: Optional[bytes] = None, exposed: Optional[tuple] = None,
+                 incref: bool = True, manager_owned: bool = False) -> None:
+        self._token = token
+        self._id = token.id
+        self._serializer = serializer
+        self._manager = manager
+        if authkey is None:
+            authkey = manager._authkey if manager is not None else \
+                process.current_process().authkey
+        self._authkey = process.AuthenticationString(authkey)
+        self._owned_by_manager = manager_owned
+        self._server = _local_server(token)
+        if incref:
+            self._incref()
+
+    # -- calls ---------------------------------------------------------------------------
+    def _callmethod(self, methodname: str, args: tuple = (), kwds: Optional[dict] = None) -> Any:
+        """Call ``methodname`` of the managed object and return its result."""
+        payload = serialization.dumps((args, kwds or {}))
+        address = self._token.address
+        if self._server is not None:
+            data = self._server.hub.call(address, MANAGER_OID, "call", self._id, methodname,
+                                         payload, take_decrefs(address))
+        else:
+            data = line_for(address, bytes(self._authkey)).call(
+                "call", self._id, methodname, payload, take_decrefs(address))
+        return self._decode(data)
+
+    def _call_async(self, methodname: str, args: tuple = (),
+                    kwds: Optional[dict] = None) -> "ProxyHandle":
+        """Start ``methodname`` on the server and return a :class:`ProxyHandle` at once.
+
+        Calls to one object run in the order they arrive, one at a time;
+        calls to different objects run in parallel.
+        """
+        payload = serialization.dumps((args, kwds or {}))
+        address = self._token.address
+        hub = self._server.hub if self._server is not None else hub_for(bytes(self._authkey))
+        try:
+            handle = hub.call_async(address, MANAGER_OID, "spawn", self._id, methodname,
+                                    payload, take_decrefs(address))
+        except TransportError as exc:
+            raise lost_error(address, exc) from exc
+        return ProxyHandle(handle, self, methodname)
+
+    def _decode(self, data: bytes) -> Any:
+        result = serialization.loads(data)
+        if isinstance(result, ProxyRef):
+            return self._adopt(result)
+        return result
+
+    def _adopt(self, ref: ProxyRef) -> "BaseProxy":
+        """A proxy for an object the server created for us (it already counts our reference)."""
+        proxy = ref.proxytype(ref.token, self._serializer, manager=self._manager,
+                              authkey=bytes(self._authkey), exposed=ref.exposed, incref=False)
+        proxy._track()
+        return proxy
+
+    def _getvalue(self) -> Any:
+        """A copy of the managed object."""
+        return self._callmethod("#GETVALUE")
+
+    # -- reference counting ------------------------------------------------------------------
+    def _incref(self) -> None:
+        if self._owned_by_manager:
+            return
+        line_for(self._token.address, bytes(self._authkey)).call("incref", self._id)
+        self._track()
+
+    def _track(self) -> None:
+        if self._owned_by_manager:
+            return
+        decref_queue(self._token.address)
+        finalizer = weakref.finalize(self, note_decref, self._token.address, self._id)
+        finalizer.atexit = False
+
+    # -- pickling and display ---------------------------------------------------------------
+    def __reduce__(self):
+        kwds: dict = {}
+        if get_spawning_popen() is not None:
+            kwds["authkey"] = bytes(self._authkey)
+        if getattr(self, "_isauto", False):
+            kwds["exposed"] = self._exposed_
+            return (RebuildProxy, (_auto_factory(type(self)), self._token, self._serializer,
+                                   kwds))
+        return (RebuildProxy, (type(self), self._token, self._serializer, kwds))
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        return self._getvalue()
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} object, typeid {self._token.typeid!r} at {id(self):#x}>"
+
+    def __str__(self) -> str:
+        try:
+            return BaseProxy._callmethod(self, "__repr__")
+        except Exception:
+            return repr(self)[:-1] + "; '__str__()' failed>"
+
+
+def RebuildProxy(func: Callable[..., BaseProxy], token: Token, serializer: str,
+                 kwds: dict) -> BaseProxy:
+    """Rebuild a pickled proxy; inside its own server it keeps the object alive."""
+    server = _local_server(token)
+    if server is not None:
+        kwds["manager_owned"] = True
+        server.service.pin(token.id)
+    incref = kwds.pop("incref", True) and not getattr(process.current_process(),
+                                                      "_inheriting", False)
+    return func(token, serializer, incref=incref, **kwds)
+
+
+class ProxyHandle:
+    """The pending result of an asynchronous proxy call.
+
+    Example:
+        >>> h = calc.add(1, 2)          # doctest: +SKIP
+        >>> h.ready(), h.get(timeout=5)  # doctest: +SKIP
+        (True, 3)
+    """
+
+    __slots__ = ("_handle", "_proxy", "_method", "_value", "_decoded")
+
+    def __init__(self, handle: Handle, proxy: BaseProxy, method: str) -> None:
+        self._handle = handle
+        self._proxy = proxy
+        self._method = method
+        self._decoded = False
+        self._value: Any = None
+
+    def ready(self) -> bool:
+        return self._handle.ready()
+
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        """Wait until the result is in; returns whether it is."""
+        return self._handle.wait(timeout)
+
+    def successful(self) -> bool:
+        return self._handle.successful()
+
+    def get(self, timeout: Optional[float] = None) -> Any:
+        """The result; re-raises the remote exception (traceback as ``__cause__``).
+
+        Raises:
+            HandleTimeout: no result within ``timeout`` seconds.
+            RemoteObjectError: the manager server is gone.
+        """
+        if self._decoded:
+            return self._value
+        if timeout is None:
+            from ..synchronize import wait_reply
+
+            token = self._proxy._token
+            data = wait_reply(self._handle, token.address,
+                              hub_for(bytes(self._proxy._authkey)))
+        elif not self._handle.wait(timeout):
+            raise HandleTimeout(f"{self._method}() of {self._proxy._token.typeid} "
+                                f"{self._proxy._id} gave no result within {timeout} s")
+        else:
+            data = self._handle.get(0)
+        self._value, self._decoded = self._proxy._decode(data), True
+        return self._value
+
+    def add_done_callback(self, fn: Callable[["ProxyHandle"], None]) -> None:
+        """Run ``fn(handle)`` when the result arrives (in the thread that receives it)."""
+        self._handle.add_done_callback(lambda _h: fn(self))
+
+    def __repr__(self) -> str:
+        state = "ready" if self.ready() else "pending"
+        return f"<ProxyHandle {self._method}() of {self._proxy._token.typeid} {state}>"
+
+
+class AsyncProxy(BaseProxy):
+    """A proxy whose method calls return a :class:`ProxyHandle` at once."""
+
+    def _callmethod(self, methodname: str, args: tuple = (),
+                    kwds: Optional[dict] = None) -> ProxyHandle:  # type: ignore[override]
+        return self._call_async(methodname, args, kwds)
+
+    def _getvalue(self) -> Any:
+        """A copy of the managed object (synchronously)."""
+        return BaseProxy._callmethod(self, "#GETVALUE")
+
+
+def _method(name: str) -> Callable[..., Any]:
+    def call(self: BaseProxy, /, *args: Any, **kwds: Any) -> Any:
+        return self._callmethod(name, args, kwds)
+
+    call.__name__ = name
+    return call
+
+
+def MakeProxyType(name: str, exposed: Any, _cache: dict = {}, *,
+                  base: type = BaseProxy) -> type:
+    """A proxy class with one method per name in ``exposed`` (cached per name+exposed)."""
+    exposed = tuple(exposed)
+    key = (name, exposed, base)
+    proxytype = _cache.get(key)
+    if proxytype is None:
+        namespace = {meth: _method(meth) for meth in exposed}
+        proxytype = type(name, (base,), namespace)
+        proxytype._exposed_ = exposed
+        _cache[key] = proxytype
+    return proxytype
+
+
+def _auto(token: Token, serializer: str, manager: Any, authkey: Optional[bytes],
+          exposed: Optional[tuple], incref: bool, manager_owned: bool, base: type) -> BaseProxy:
+    if authkey is None:
+        authkey = manager._authkey if manager is not None else \
+            process.current_process().authkey
+    if exposed is None:
+        exposed = line_for(token.address, bytes(authkey)).call("get_methods", token.id)
+    if base is AsyncProxy:
+        exposed = tuple(name for name in exposed if not name.startswith("__"))
+    kind = "AsyncAutoProxy" if base is AsyncProxy else "AutoProxy"
+    proxytype = MakeProxyType(f"{kind}[{token.typeid}]", exposed, base=base)
+    proxy = proxytype(token, serializer, manager=manager, authkey=authkey, incref=incref,
+                      manager_owned=manager_owned)
+    proxy._isauto = True
+    return proxy
+
+
+def AutoProxy(token: Token, serializer: str = "pickle", manager: Any = None,
+              authkey: Optional[bytes] = None, exposed: Optional[tuple] = None,
+              incref: bool = True, manager_owned: bool = False) -> BaseProxy:
+    """A proxy exposing the object's public methods (or ``exposed``), built on the fly."""
+    return _auto(token, serializer, manager, authkey, exposed, incref, manager_owned, BaseProxy)
+
+
+def AsyncAutoProxy(token: Token, serializer: str = "pickle", manager: Any = None,
+                   authkey: Optional[bytes] = None, exposed: Optional[tuple] = None,
+                   incref: bool = True, manager_owned: bool = False) -> BaseProxy:
+    """Like :func:`AutoProxy`, but every method returns a :class:`ProxyHandle`."""
+    return _auto(token, serializer, manager, authkey, exposed, incref, manager_owned,
+                 AsyncProxy)
+
+
+def _auto_factory(cls: type) -> Callable[..., BaseProxy]:
+    return AsyncAutoProxy if issubclass(cls, AsyncProxy) else AutoProxy
+
+
+# -- the proxy types of SyncManager (same names and methods as the stdlib's) ---------------------
+class IteratorProxy(BaseProxy):
+    _exposed_ = ("__next__", "send", "throw", "close")
+
+    def __iter__(self) -> "IteratorProxy":
+        return self
+
+    def __next__(self, *args: Any) -> Any:
+        return self._callmethod("__next__", args)
+
+    def send(self, *args: Any) -> Any:
+        return self._callmethod("send", args)
+
+    def throw(self, *args: Any) -> Any:
+        return self._callmethod("throw", args)
+
+    def close(self, *args: Any) -> Any:
+        return self._callmethod("close", args)
+
+
+class AcquirerProxy(BaseProxy):
+    _exposed_ = ("acquire", "release")
+
+    def acquire(self, blocking: bool = True, timeout: Optional[float] = None) -> bool:
+        args = (blocking,) if timeout is None else (blocking, timeout)
+        return self._callmethod("acquire", args)
+
+    def release(self) -> None:
+        return self._callmethod("release")
+
+    def __enter__(self) -> bool:
+        return self._callmethod("acquire")
+
+    def __exit__(self, exc_type: Any, exc_val: Any, exc_tb: Any) -> None:
+        return self._callmethod("release")
+
+
+class ConditionProxy(AcquirerProxy):
+    _exposed_ = ("acquire", "release", "wait", "notify", "notify_all")
+
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        return self._callmethod("wait", (timeout,))
+
+    def notify(self, n: int = 1) -> None:
+        return self._callmethod("notify", (n,))
+
+    def notify_all(self) -> None:
+        return self._callmethod("notify_all")
+
+    def wait_for(self, predicate: Callable[[], Any], timeout: Optional[float] = None) -> Any:
+        result = predicate()
+        endtime = None if timeout is None else time.monotonic() + timeout
+        waittime = None
+        while not result:
+            if endtime is not None:
+                waittime = endtime - time.monotonic()
+                if waittime <= 0:
+                    break
+            self.wait(waittime)
+            result = predicate()
+        return result
+
+
+class EventProxy(BaseProxy):
+    _exposed_ = ("is_set", "set", "clear", "wait")
+
+    def is_set(self) -> bool:
+        return self._callmethod("is_set")
+
+    def set(self) -> None:
+        return self._callmethod("set")
+
+    def clear(self) -> None:
+        return self._callmethod("clear")
+
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        return self._callmethod("wait", (timeout,))
+
+
+class BarrierProxy(BaseProxy):
+    _exposed_ = ("__getattribute__", "wait", "abort", "reset")
+
+    def wait(self, timeout: Optional[float] = None) -> int:
+        return self._callmethod("wait", (timeout,))
+
+    def abort(self) -> None:
+        return self._callmethod("abort")
+
+    def reset(self) -> None:
+        return self._callmethod("reset")
+
+    @property
+    def parties(self) -> int:
+        return self._callmethod("__getattribute__", ("parties",))
+
+    @property
+    def n_waiting(self) -> int:
+        return self._callmethod("__getattribute__", ("n_waiting",))
+
+    @property
+    def broken(self) -> bool:
+        return self._callmethod("__getattribute__", ("broken",))
+
+
+class NamespaceProxy(BaseProxy):
+    _exposed_ = ("__getattribute__", "__setattr__", "__delattr__")
+
+    def __getattr__(self, key: str) -> Any:
+        if key[0] == "_":
+            return object.__getattribute__(self, key)
+        return object.__getattribute__(self, "_callmethod")("__getattribute__", (key,))
+
+    def __setattr__(self, key: str, value: Any) -> None:
+        if key[0] == "_":
+            object.__setattr__(self, key, value)
+            return
+        object.__getattribute__(self, "_callmethod")("__setattr__", (key, value))
+
+    def __delattr__(self, key: str) -> None:
+        if key[0] == "_":
+            object.__delattr__(self, key)
+            return
+        object.__getattribute__(self, "_callmethod")("__delattr__", (key,))
+
+
+class ValueProxy(BaseProxy):
+    _exposed_ = ("get", "set")
+
+    def get(self) -> Any:
+        return self._callmethod("get")
+
+    def set(self, value: Any) -> None:
+        return self._callmethod("set", (value,))
+
+    value = property(get, set)
+
+
+BaseListProxy = MakeProxyType("BaseListProxy", (
+    "__add__", "__contains__", "__delitem__", "__getitem__", "__len__", "__mul__",
+    "__reversed__", "__rmul__", "__setitem__", "append", "count", "extend", "index",
+    "insert", "pop", "remove", "reverse", "sort", "__imul__"))
+
+
+class ListProxy(BaseListProxy):  # type: ignore[misc, valid-type]
+    def __iadd__(self, value: Any) -> "ListProxy":
+        self._callmethod("extend", (value,))
+        return self
+
+    def __imul__(self, value: Any) -> "ListProxy":
+        self._callmethod("__imul__", (value,))
+        return self
+
+
+DictProxy = MakeProxyType("DictProxy", (
+    "__contains__", "__delitem__", "__getitem__", "__iter__", "__len__", "__setitem__",
+    "clear", "copy", "get", "items", "keys", "pop", "popitem", "setdefault", "update",
+    "values"))
+DictProxy._method_to_typeid_ = {"__iter__": "Iterator"}
+
+ArrayProxy = MakeProxyType("ArrayProxy", ("__len__", "__getitem__", "__setitem__"))
+
+BasePoolProxy = MakeProxyType("PoolProxy", (
+    "apply", "apply_async", "close", "imap", "imap_unordered", "join", "map", "map_async",
+    "starmap", "starmap_async", "terminate"))
+BasePoolProxy._method_to_typeid_ = {
+    "apply_async": "AsyncResult", "map_async": "AsyncResult", "starmap_async": "AsyncResult",
+    "imap": "Iterator", "imap_unordered": "Iterator",
+}
+
+
+class PoolProxy(BasePoolProxy):  # type: ignore[misc, valid-type]
+    def __enter__(self) -> "PoolProxy":
+        return self
+
+    def __exit__(self, exc_type: Any, exc_val: Any, exc_tb: Any) -> None:
+        self.terminate()
+

@@ -1,0 +1,451 @@
+"""Managers: SyncManager's proxy types, custom managers, AsyncManager. Runs on every backend.
+
+The stdlib's ``multiprocessing.managers`` is the spec (nested proxies,
+``exposed``, ``method_to_typeid``, errors with their own type). Classes and
+worker functions are made by ``_defs()`` so they travel by value: a worker
+container has no pytest, so it could not import this module.
+"""
+import multiprocessing
+import queue
+import socket
+import threading
+import time
+import types
+
+import pytest
+
+import fibrl
+from fibrl.errors import RemoteObjectError, RemoteTraceback, SerializationError
+from fibrl.managers import AsyncManager, BaseManager, HandleTimeout, SyncManager
+
+TIMEOUT = 60
+
+
+def _defs():
+    class Calc:
+        def __init__(self, start=0):
+            self.total = start
+
+        def add(self, a, b):
+            return a + b
+
+        def accumulate(self, x):
+            self.total += x
+            return self.total
+
+        def sleep(self, seconds):
+            time.sleep(seconds)
+            return seconds
+
+        def fail(self):
+            raise KeyError("remote failure")
+
+        def unpicklable(self):
+            return threading.Lock()
+
+        def _private(self):
+            return "hidden"
+
+    class Store:
+        def __init__(self):
+            self.calcs = {}
+
+        def calc(self, name):
+            return self.calcs.setdefault(name, Calc())
+
+        def names(self):
+            return sorted(self.calcs)
+
+    def append_to(lst, item):
+        lst.append(item)
+
+    def nested_append(dct, key, item):
+        dct[key].append(item)
+
+    def contend(lock, out):
+        out.put(lock.acquire(timeout=0.2))
+
+    def release_it(lock):
+        lock.release()
+
+    def notify(cond, ns):
+        with cond:
+            ns.ready = True
+            cond.notify_all()
+
+    def set_event(event):
+        event.set()
+
+    def barrier_party(barrier, out):
+        out.put(barrier.wait(TIMEOUT))
+
+    def consume(q):
+        for _ in range(3):
+            q.get(timeout=TIMEOUT)
+            q.task_done()
+
+    def use_calc(calc, out):
+        out.put(calc.add(2, 3))
+
+    def connect_and_use(address, authkey, out):
+        manager = SyncManager(address=address, authkey=authkey)
+        manager.connect()
+        dct = manager.dict(who="child")
+        out.put(dct._getvalue())
+
+    def serve(address, authkey):
+        SyncManager(address=address, authkey=authkey).get_server().serve_forever()
+
+    def initialize(out):
+        out.put("initialized")
+
+    return types.SimpleNamespace(**locals())
+
+
+D = _defs()
+
+
+class CalcManager(BaseManager):
+    pass
+
+
+CalcManager.register("Calc", D.Calc)
+CalcManager.register("Store", D.Store, method_to_typeid={"calc": "CalcRef"})
+CalcManager.register("CalcRef", create_method=False)  # no callable: wraps what calc() returns
+CalcManager.register("Adder", D.Calc, exposed=("add",))
+CalcManager.register("Hidden", D.Calc, create_method=False)
+
+
+class AsyncCalcManager(AsyncManager):
+    pass
+
+
+AsyncCalcManager.register("Calc", D.Calc)
+AsyncCalcManager.register("Store", D.Store, method_to_typeid={"calc": "CalcRef"})
+AsyncCalcManager.register("CalcRef", create_method=False)
+
+
+def run(ctx, target, *args):
+    p = ctx.Process(target=target, args=args)
+    p.start()
+    return p
+
+
+def join_all(*procs):
+    for p in procs:
+        p.join(TIMEOUT)
+        assert p.exitcode == 0, f"{p.name} exited with {p.exitcode}"
+
+
+@pytest.fixture
+def manager(ctx):
+    with ctx.Manager() as m:
+        yield m
+
+
+@pytest.fixture
+def calcs(ctx):
+    with CalcManager(ctx=ctx) as m:
+        yield m
+
+
+# -- SyncManager proxy types -----------------------------------------------------------------------
+def test_list_proxy_behaves_like_a_list(manager):
+    lst = manager.list([3, 1, 2])
+    lst.append(4)
+    lst.extend([5])
+    lst += [6]
+    lst.insert(0, 0)
+    assert lst[:] == [0, 3, 1, 2, 4, 5, 6] and len(lst) == 7 and lst[-1] == 6
+    lst.sort()
+    lst.reverse()
+    assert lst.pop() == 0 and lst.index(5) == 1 and lst.count(6) == 1 and 4 in lst
+    lst.remove(4)
+    del lst[0]
+    lst[0] = 9
+    assert list(lst) == [9, 3, 2, 1] and lst + [7] == [9, 3, 2, 1, 7]
+    lst *= 2
+    assert len(lst) == 8 and str(lst) == str([9, 3, 2, 1] * 2)
+    assert repr(lst).startswith("<ListProxy object, typeid 'list'")
+    with pytest.raises(IndexError):
+        lst[100]
+
+
+def test_dict_proxy_behaves_like_a_dict(manager):
+    dct = manager.dict({"a": 1}, b=2)
+    dct["c"] = 3
+    dct.update(d=4)
+    assert dct.keys() == ["a", "b", "c", "d"] and dct.values() == [1, 2, 3, 4]
+    assert dct.items()[0] == ("a", 1) and sorted(dct) == ["a", "b", "c", "d"]
+    assert dct.get("zz", 0) == 0 and dct.setdefault("e", 5) == 5 and "e" in dct
+    assert dct.pop("e") == 5 and len(dct) == 4 and dct.copy() == {"a": 1, "b": 2, "c": 3, "d": 4}
+    del dct["d"]
+    assert dct.popitem() == ("c", 3)
+    with pytest.raises(KeyError):
+        dct["missing"]
+    dct.clear()
+    assert dct._getvalue() == {}
+
+
+def test_namespace_value_and_array_proxies(manager):
+    ns = manager.Namespace(x=1)
+    ns.y = 2
+    assert (ns.x, ns.y) == (1, 2)
+    del ns.x
+    with pytest.raises(AttributeError):
+        ns.x
+    assert str(ns) == "Namespace(y=2)"
+    value = manager.Value("i", 3)
+    value.value += 1
+    assert value.get() == 4 and value.value == 4
+    array = manager.Array("i", [1, 2, 3])
+    array[0] = 7
+    assert len(array) == 3 and array[0] == 7
+
+
+def test_queue_and_joinable_queue_proxies(ctx, manager):
+    q = manager.Queue()
+    q.put("x")
+    assert q.qsize() == 1 and q.get(timeout=5) == "x" and q.empty()
+    with pytest.raises(queue.Empty) as info:
+        q.get(timeout=0.1)
+    assert isinstance(info.value.__cause__, RemoteTraceback)
+    jq = manager.JoinableQueue()
+    p = run(ctx, D.consume, jq)
+    for i in range(3):
+        jq.put(i)
+    jq.join()
+    join_all(p)
+
+
+def test_lock_proxies_across_processes(ctx, manager):
+    out = ctx.Queue()
+    for lock in (manager.Lock(), manager.RLock(), manager.Semaphore(1),
+                 manager.BoundedSemaphore(1)):
+        assert lock.acquire()
+        join_all(run(ctx, D.contend, lock, out))
+        assert out.get(timeout=TIMEOUT) is False
+        lock.release()
+        with lock:
+            pass
+    lock = manager.Lock()
+    lock.acquire()
+    join_all(run(ctx, D.release_it, lock))
+    assert lock.acquire(timeout=5)
+
+
+def test_condition_event_and_barrier_proxies(ctx, manager):
+    cond, ns = manager.Condition(), manager.Namespace(ready=False)
+    with cond:
+        p = run(ctx, D.notify, cond, ns)
+        assert cond.wait_for(lambda: ns.ready, TIMEOUT)
+    join_all(p)
+    event = manager.Event()
+    assert event.wait(0.05) is False
+    join_all(run(ctx, D.set_event, event))
+    assert event.wait(TIMEOUT) and event.is_set()
+    barrier, out = manager.Barrier(2), ctx.Queue()
+    assert barrier.parties == 2 and not barrier.broken
+    p = run(ctx, D.barrier_party, barrier, out)
+    assert {barrier.wait(TIMEOUT), out.get(timeout=TIMEOUT)} == {0, 1}
+    assert barrier.n_waiting == 0
+    join_all(p)
+
+
+def test_pool_proxy(manager):
+    pytest.importorskip("fibrl.pool")
+    with manager.Pool(2) as pool:
+        assert pool.map(abs, [-1, -2, 3]) == [1, 2, 3]
+        assert pool.apply_async(divmod, (7, 2)).get(TIMEOUT) == (3, 1)
+        assert list(pool.imap(abs, [-4, 5])) == [4, 5]
+
+
+# -- nesting, pickling, threads ------------------------------------------------------------------
+def test_nested_proxies_behave_as_in_the_stdlib(ctx, manager):
+    dct = manager.dict()
+    dct["inner"] = manager.list([1])  # the creating proxy is dropped at once
+    dct["inner"].append(2)
+    join_all(run(ctx, D.nested_append, dct, "inner", 3))
+    assert dct["inner"][:] == [1, 2, 3]
+    outer = manager.list([manager.dict(a=1)])
+    outer[0]["b"] = 2
+    assert outer[0]._getvalue() == {"a": 1, "b": 2}
+
+
+def test_proxies_travel_as_arguments_and_through_queues(ctx, manager):
+    lst, out = manager.list(), ctx.Queue()
+    join_all(run(ctx, D.append_to, lst, "from args"))
+    q = ctx.Queue()
+    q.put(lst)
+    received = q.get(timeout=TIMEOUT)
+    received.append("via queue")
+    assert lst[:] == ["from args", "via queue"]
+    with CalcManager(ctx=ctx) as m:
+        p = run(ctx, D.use_calc, m.Calc(), out)
+        assert out.get(timeout=TIMEOUT) == 5
+        join_all(p)
+
+
+def test_blocking_calls_block_only_their_thread(manager):
+    q, got = manager.Queue(), []
+    t = threading.Thread(target=lambda: got.append(q.get(timeout=TIMEOUT)))
+    t.start()
+    time.sleep(0.1)  # let the getter block in the server first
+    q.put("item")
+    t.join(TIMEOUT)
+    assert got == ["item"]
+
+
+def test_reference_counting_frees_objects(manager):
+    base = manager._number_of_objects()
+    lists = [manager.list() for _ in range(5)]
+    assert manager._number_of_objects() == base + 5
+    del lists
+    assert manager._number_of_objects() == base
+
+
+# -- custom managers --------------------------------------------------------------------------------
+def test_custom_manager_registry_options(calcs):
+    calc = calcs.Calc(10)
+    assert calc.add(1, 2) == 3 and calc.accumulate(5) == 15
+    with pytest.raises(AttributeError):
+        calc._private
+    store = calcs.Store()
+    child = store.calc("a")  # method_to_typeid: a proxy, not a copy
+    assert child.accumulate(2) == 2 and store.calc("a").accumulate(1) == 3
+    assert store.names() == ["a"]
+    adder = calcs.Adder()
+    assert adder.add(2, 2) == 4
+    with pytest.raises(AttributeError, match="not in exposed"):
+        adder._callmethod("accumulate", (1,))
+    assert not hasattr(calcs, "Hidden") and "Hidden" in CalcManager._registry
+
+
+def test_remote_errors_keep_their_type_and_traceback(calcs):
+    calc = calcs.Calc()
+    with pytest.raises(KeyError, match="remote failure") as info:
+        calc.fail()
+    assert isinstance(info.value.__cause__, RemoteTraceback)
+    assert "def fail" in str(info.value.__cause__) or "in fail" in str(info.value.__cause__)
+    with pytest.raises(SerializationError):
+        calc.unpicklable()
+    assert calc.add(1, 1) == 2  # the line survived both errors
+
+
+def test_lifecycle_and_initializer(ctx):
+    out = ctx.Queue()
+    m = CalcManager(ctx=ctx)
+    m.start(D.initialize, (out,))
+    assert out.get(timeout=TIMEOUT) == "initialized"
+    assert m.address.startswith("tcp://")
+    assert m._process._popen.job.spec.labels["fibrl.role"] == "manager"
+    with pytest.raises(multiprocessing.ProcessError):
+        m.start()
+    calc = m.Calc()
+    m.shutdown()
+    assert not m._process.is_alive()
+    with pytest.raises(RemoteObjectError):
+        calc.add(1, 2)
+    with pytest.raises(multiprocessing.ProcessError):
+        m.start()
+    with pytest.raises(TypeError):
+        CalcManager(ctx=ctx).start(initializer=42)
+
+
+def test_connect_with_authkey_from_another_process(ctx):
+    out = ctx.Queue()
+    with SyncManager(authkey=b"shared secret", ctx=ctx) as m:
+        lst = m.list([1])
+        lst.append(2)
+        p = run(ctx, D.connect_and_use, m.address, b"shared secret", out)
+        assert out.get(timeout=TIMEOUT) == {"who": "child"}
+        join_all(p)
+        assert lst[:] == [1, 2]
+        with pytest.raises(fibrl.AuthenticationError):
+            SyncManager(address=m.address, authkey=b"wrong").connect()
+        with pytest.raises(multiprocessing.AuthenticationError):
+            SyncManager(address=m.address, authkey=b"wrong").connect()
+
+
+def test_serve_forever_at_a_fixed_address(ctx):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    p = run(ctx, D.serve, ("127.0.0.1", port), b"fixed")
+    try:
+        client = SyncManager(address=("127.0.0.1", port), authkey=b"fixed")
+        deadline = time.monotonic() + TIMEOUT
+        while True:
+            try:
+                client.connect()
+                break
+            except RemoteObjectError:
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+        dct = client.dict(x=1)
+        assert dct["x"] == 1
+    finally:
+        p.terminate()
+        p.join(TIMEOUT)
+
+
+# -- AsyncManager -----------------------------------------------------------------------------------
+def test_async_manager_seed_example(ctx):
+    m = AsyncCalcManager(ctx=ctx)
+    m.start()
+    try:
+        c = m.Calc()
+        assert c.add(1, 2).get() == 3
+    finally:
+        m.shutdown()
+
+
+def test_async_handles_in_any_order(ctx):
+    with AsyncCalcManager(ctx=ctx) as m:
+        fast, slow = m.Calc(), m.Calc()
+        h_slow = slow.sleep(0.5)
+        handles = [fast.add(i, i) for i in range(20)]
+        assert not h_slow.ready()
+        assert [h.get(TIMEOUT) for h in reversed(handles)] == [2 * i for i in reversed(range(20))]
+        assert h_slow.wait(TIMEOUT) and h_slow.successful() and h_slow.get() == 0.5
+
+
+def test_async_calls_to_one_object_run_in_order(ctx):
+    with AsyncCalcManager(ctx=ctx) as m:
+        calc = m.Calc()
+        handles = [calc.accumulate(1) for _ in range(50)]
+        assert [h.get(TIMEOUT) for h in handles] == list(range(1, 51))
+        child = m.Store().calc("x").get(TIMEOUT)
+        assert child.add(1, 1).get(TIMEOUT) == 2
+
+
+def test_four_managers_overlap(ctx):
+    managers = [AsyncCalcManager(ctx=ctx) for _ in range(4)]
+    try:
+        for m in managers:
+            m.start()
+        calcs = [m.Calc() for m in managers]
+        start = time.monotonic()
+        handles = [c.sleep(1.0) for c in calcs]
+        assert [h.get(TIMEOUT) for h in handles] == [1.0] * 4
+        assert time.monotonic() - start < 1.8
+    finally:
+        for m in managers:
+            m.shutdown()
+
+
+def test_async_errors_and_timeouts(ctx):
+    with AsyncCalcManager(ctx=ctx) as m:
+        calc = m.Calc()
+        with pytest.raises(KeyError, match="remote failure") as info:
+            calc.fail().get(TIMEOUT)
+        assert isinstance(info.value.__cause__, RemoteTraceback)
+        handle = calc.sleep(0.5)
+        with pytest.raises(HandleTimeout) as timeout:
+            handle.get(0.05)
+        assert isinstance(timeout.value, TimeoutError)
+        assert isinstance(timeout.value, multiprocessing.TimeoutError)
+        assert handle.get(TIMEOUT) == 0.5
+        done = threading.Event()
+        calc.add(1, 1).add_done_callback(lambda h: done.set())
+        assert done.wait(TIMEOUT)
