@@ -294,8 +294,12 @@ class Client:
         self._channel.on_lost(self._on_lost)
 
     # -- sending -------------------------------------------------------------
-    def call(self, oid: str, method: str, args: tuple) -> Handle:
-        """Send a call whose reply resolves the returned :class:`Handle`."""
+    def call(self, oid: str, method: str, args: tuple, inline: bool = True) -> Handle:
+        """Send a call whose reply resolves the returned :class:`Handle`.
+
+        ``inline=False`` queues it for the feeder thread like a one-way call,
+        so a caller with other work to do does not wait for the send.
+        """
         handle = Handle()
         with self._lock:
             if self.lost:
@@ -303,7 +307,7 @@ class Client:
                 return handle
             rid = next(self._rids)
             self._pending[rid] = handle
-        self._submit(Call(rid, oid, method, _wrap(args)), inline=True)
+        self._submit(Call(rid, oid, method, _wrap(args)), inline=inline)
         return handle
 
     def send(self, oid: str, method: str, args: tuple, inline: bool = False) -> None:
@@ -549,8 +553,13 @@ class Hub:
             if self._clients.get(client.address) is client:
                 del self._clients[client.address]
 
-    def call_async(self, address: Optional[str], oid: str, method: str, *args: Any) -> Handle:
-        """Call ``method`` of object ``oid`` hosted at ``address``; returns a :class:`Handle`."""
+    def call_async(self, address: Optional[str], oid: str, method: str, *args: Any,
+                   inline: bool = True) -> Handle:
+        """Call ``method`` of object ``oid`` hosted at ``address``; returns a :class:`Handle`.
+
+        ``inline=False`` hands the send to the connection's feeder thread (see
+        :meth:`Client.call`); it makes no difference for a local object.
+        """
         if self.is_local(address):
             handle = Handle()
             service = self._services.get(oid)
@@ -559,7 +568,7 @@ class Hub:
             else:
                 service.dispatch(method, args, _LocalReply(handle))
             return handle
-        return self.client(address).call(oid, method, args)
+        return self.client(address).call(oid, method, args, inline)
 
     def call(self, address: Optional[str], oid: str, method: str, *args: Any,
              timeout: Optional[float] = None) -> Any:
