@@ -45,7 +45,7 @@ class _PoolFuture(Future):
     def _claim(self) -> bool:
         return self.set_running_or_notify_cancel()
 
-    def _deliver(self, index: int, outcomes: list) -> None:
+    def _deliver(self, index: int, outcomes: list, clean: bool = False) -> None:
         ok, value = outcome(outcomes[0])
         try:
             if ok:

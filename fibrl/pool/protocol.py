@@ -88,6 +88,7 @@ class Report:
 
     ``payload`` pickles a list with one entry per item: the return value, or
     a :class:`Raised`. ``seconds``: time the worker spent running them.
+    ``clean``: no entry is a :class:`Raised` (the parent may skip checking).
     """
 
     tid: int
@@ -95,6 +96,7 @@ class Report:
     count: int
     payload: bytes
     seconds: float
+    clean: bool
 
 
 @message

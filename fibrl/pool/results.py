@@ -12,8 +12,9 @@ thread, the pool's feeder):
 
 * ``_claim()``: the first time one of its tasks is handed to a worker
   (an executor future becomes *running*; False means it was cancelled);
-* ``_deliver(index, outcomes)``: outcomes of items ``index, index + 1, ...``;
-  an outcome is the value or a :class:`Failure`;
+* ``_deliver(index, outcomes, clean=False)``: outcomes of items ``index,
+  index + 1, ...``; an outcome is the value, a :class:`Failure` or a
+  ``Raised``; ``clean`` says none is either (a fast path for big chunks);
 * ``_abort(exc)``: the pool was terminated or broke; fail what is left.
 """
 from __future__ import annotations
@@ -107,7 +108,7 @@ class ApplyResult:
     def _claim(self) -> bool:
         return True
 
-    def _deliver(self, index: int, outcomes: list) -> None:
+    def _deliver(self, index: int, outcomes: list, clean: bool = False) -> None:
         self._set(*outcome(outcomes[0]))
 
     def _abort(self, exc: BaseException) -> None:
@@ -146,19 +147,26 @@ class MapResult(ApplyResult):
             self._event.set()
             self._pool = None
 
-    def _deliver(self, index: int, outcomes: list) -> None:
+    def _deliver(self, index: int, outcomes: list, clean: bool = False) -> None:
         values = self._values
         with self._lock:
-            for i, item in enumerate(outcomes, index):
-                ok, value = outcome(item)
-                if ok:
-                    values[i] = value
-                elif self._error is None or i < self._error[0]:
-                    self._error = (i, value)
+            if clean:
+                values[index:index + len(outcomes)] = outcomes
+            else:
+                self._store_checked(index, outcomes)
             self._left -= len(outcomes)
             done = self._left == 0
         if done:
             self._finish()
+
+    def _store_checked(self, index: int, outcomes: list) -> None:
+        values = self._values
+        for i, item in enumerate(outcomes, index):
+            ok, value = outcome(item)
+            if ok:
+                values[i] = value
+            elif self._error is None or i < self._error[0]:
+                self._error = (i, value)
 
     def _finish(self) -> None:
         if self._error is None:
@@ -222,14 +230,13 @@ class IMapIterator:
         return self._ready.pop(self._index, _NOTHING)
 
     def _store(self, index: int, outcomes: list) -> None:
-        for i, item in enumerate(outcomes, index):
-            self._ready[i] = item
+        self._ready.update(zip(range(index, index + len(outcomes)), outcomes))
 
     # -- sink ---------------------------------------------------------------------------
     def _claim(self) -> bool:
         return True
 
-    def _deliver(self, index: int, outcomes: list) -> None:
+    def _deliver(self, index: int, outcomes: list, clean: bool = False) -> None:
         with self._cond:
             self._store(index, outcomes)
             self._cond.notify_all()

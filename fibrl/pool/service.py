@@ -59,7 +59,7 @@ __all__ = ["PoolService", "Hooks"]
 log = logging.getLogger(__name__)
 
 RUN, CLOSE, TERMINATE = "RUN", "CLOSE", "TERMINATE"
-HORIZON_S = 0.025       # estimated work a worker may hold (hides the round trip)
+HORIZON_S = 0.05        # estimated work a worker may hold (hides the round trip)
 LOST_GRACE_S = 2.0      # wait this long for an exit code after a connection drops
 _EWMA = 0.3
 _MAX_FUNCS = 256
@@ -149,8 +149,9 @@ class _Effects:
         for worker, reply, batch in self.sends:
             if not reply(batch):
                 service._undelivered(worker, batch)
-        for sink, index, payload, skip, count in self.deliveries:
-            sink._deliver(index, _decode(payload, skip, count))
+        for sink, index, payload, skip, report in self.deliveries:
+            values = _decode(payload, skip, report.count)
+            sink._deliver(index, values, report.clean and type(values[0]) is not Failure)
         for sink, index, exc in self.failures:
             sink._deliver(index, [Failure(exc)])
         for sink, exc in self.aborts:
@@ -399,7 +400,7 @@ class PoolService(Service):
                 continue
             skip = task.lo - report.lo
             effects.deliveries.append((task.job.sink, task.start + task.lo, report.payload, skip,
-                                       report.count))
+                                       report))
             self._advance(task, end, effects)
 
     @staticmethod

@@ -90,7 +90,7 @@ class Supervisor:
         with self._lock:
             proc = self._procs.get(wid)
         if proc is not None:
-            proc.kill()
+            _kill(proc)
 
     def terminate(self) -> None:
         """Kill every worker now, and any whose start is still in progress once it returns."""
@@ -98,7 +98,7 @@ class Supervisor:
             self._killing = True
             procs = list(self._procs.values())
         for proc in procs:
-            proc.kill()
+            _kill(proc)
         self.wake()
 
     def join(self, timeout: float | None = None) -> bool:
@@ -204,8 +204,15 @@ class Supervisor:
             self._fresh.append(wid)
             kill = self._killing
         if kill:
-            proc.kill()
+            _kill(proc)
         self.wake()
+
+
+def _kill(proc: Any) -> None:
+    try:
+        proc.kill()
+    except ValueError:
+        pass  # reaped and closed meanwhile: it is dead already
 
 
 def _failure_reason(proc: Any) -> str:

@@ -27,7 +27,7 @@ from typing import Any, Callable
 from .. import serialization
 from ..errors import SerializationError
 from ..hub import _as_remote, get_hub
-from .protocol import Kind, Raised, Report, TaskSpec, WorkerArgs
+from .protocol import STOP, Kind, Raised, Report, TaskSpec, WorkerArgs
 
 __all__ = ["run_worker", "FLUSH_S"]
 
@@ -76,22 +76,33 @@ class _Loop:
         self._request: Any = None     # the outstanding next() Handle
         self._refill = 0
         self._flushed = time.perf_counter()
+        self._stopped = False
 
     def run(self) -> None:
-        self._ask()
-        while True:
-            if not self._local and not self._receive():
-                return
-            task = self._local.popleft()
-            if self._request is None and len(self._local) <= self._refill:
-                self._ask()
-            self._execute(task)
+        self._ask(inline=True)
+        while not self._stopped:
+            if self._local:
+                self._execute(self._local.popleft())
+                self._after_task()
+            else:
+                self._wait_for_work()
 
     # -- talking to the service ---------------------------------------------------------
-    def _ask(self) -> None:
+    def _after_task(self) -> None:
+        """Ask for more when few tasks are left (results ride along), else maybe flush."""
+        if self._request is not None and self._request.ready():
+            self._take()
+        if self._request is None and len(self._local) <= self._refill and not self._stopped:
+            self._ask()
+        elif self._results and time.perf_counter() - self._flushed >= FLUSH_S:
+            self._flush()
+
+    def _ask(self, inline: bool = False) -> None:
+        # A prefetching ask goes through the connection's feeder thread, so the
+        # next task starts at once; an ask the worker will wait on goes inline.
         reports, self._results = self._results, []
         self._request = self._hub.call_async(self._address, self._oid, "next", self._wid,
-                                             reports)
+                                             reports, inline=inline)
         self._flushed = time.perf_counter()
 
     def _flush(self) -> None:
@@ -99,27 +110,32 @@ class _Loop:
         self._hub.send(self._address, self._oid, "report", self._wid, reports)
         self._flushed = time.perf_counter()
 
-    def _receive(self) -> bool:
-        """Wait for the next batch; False when told to stop (or the parent is gone)."""
+    def _wait_for_work(self) -> None:
+        """Send what is done, then block until a batch (or STOP) arrives."""
         if self._request is None:
-            self._ask()
+            self._ask(inline=True)
         elif self._results:
             self._flush()
-        request, self._request = self._request, None
-        while not request.wait(_WAIT_S):
+        while not self._request.wait(_WAIT_S):
             if self._hub.client(self._address).lost:
-                return False
+                self._stopped = True
+                return
+        self._take()
+
+    def _take(self) -> None:
+        """Absorb the answer to the outstanding ``next``."""
+        request, self._request = self._request, None
         try:
             batch = request.get(0)
         except Exception:  # the pool is gone (terminated, parent exiting): just stop
-            return False
+            batch = STOP
         if batch.stop:
-            return False
+            self._stopped = True
+            return
         for fid, data in batch.funcs.items():
             self._remember(fid, data)
         self._local.extend(batch.tasks)
         self._refill = batch.refill
-        return True
 
     def _remember(self, fid: int, data: bytes) -> Callable:
         try:
@@ -173,35 +189,42 @@ class _Loop:
                            timeout=_CALL_TIMEOUT_S)
 
 
+_MAP, _STARMAP = int(Kind.MAP), int(Kind.STARMAP)
+
+
 def _run(task: TaskSpec, func: Callable, items: Any, lo: int, stop: int, deadline: float,
          started: float) -> Report:
     """Run items ``lo``.. of ``task`` until ``stop`` or ``deadline``; one Report."""
-    outcomes = []
+    outcomes: list = []
+    append = outcomes.append
+    clock = time.perf_counter
     kind = task.kind
+    errors = 0
     i = lo
     while i < stop:
         try:
-            if kind == Kind.MAP:
-                value = func(items[i])
-            elif kind == Kind.STARMAP:
-                value = func(*items[i])
+            if kind == _MAP:
+                append(func(items[i]))
+            elif kind == _STARMAP:
+                append(func(*items[i]))
             else:
-                value = func(*items[0], **items[1])
+                append(func(*items[0], **items[1]))
         except BaseException as exc:  # SystemExit too: a task's exception, not a lost worker
-            value = Raised(_as_remote(exc))
-        outcomes.append(value)
+            append(Raised(_as_remote(exc)))
+            errors += 1
         i += 1
-        if time.perf_counter() >= deadline:
+        if clock() >= deadline:
             break
-    seconds = time.perf_counter() - started
-    return Report(task.tid, lo, i - lo, _encode(outcomes), seconds)
+    payload, errors = _encode(outcomes, errors)
+    return Report(task.tid, lo, i - lo, payload, clock() - started, errors == 0)
 
 
-def _encode(outcomes: list) -> bytes:
+def _encode(outcomes: list, errors: int) -> tuple[bytes, int]:
     try:
-        return serialization.dumps(outcomes)
+        return serialization.dumps(outcomes), errors
     except Exception:  # find which results cannot travel; only those fail
-        return serialization.dumps([_sendable(o) for o in outcomes])
+        sendable = [_sendable(o) for o in outcomes]
+        return serialization.dumps(sendable), sum(type(o) is Raised for o in sendable)
 
 
 def _sendable(value: Any) -> Any:
