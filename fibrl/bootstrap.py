@@ -40,6 +40,13 @@ def _keep_own_sys_path(preparation: dict) -> dict:
     return dict(preparation, sys_path=list(parent) + [p for p in sys.path if p not in parent])
 
 
+def _own_listen_host(config):
+    # Where a process can be reached belongs to its own machine: a pod's
+    # FIBRL_LISTEN_HOST (its pod IP, from the downward API) wins over the parent's.
+    host = os.environ.get("FIBRL_LISTEN_HOST")
+    return config.replace(listen_host=host) if host and host != config.listen_host else config
+
+
 def main(argv: list[str]) -> int:
     if len(argv) != 3:
         sys.stderr.write("usage: python -m fibrl.bootstrap <parent address> <handover id>\n")
@@ -64,9 +71,10 @@ def main(argv: list[str]) -> int:
     exiting = threading.Event()
     client.on_lost(lambda: exiting.is_set() or _parent_lost("lost the connection to the parent"))
     start = client.call(oid, "payload", (os.getpid(),)).get(Config().start_timeout)
-    context.install_config(start.config)
-    hub.host = start.config.listen_host
-    hub.auth_timeout = start.config.auth_timeout
+    config = _own_listen_host(start.config)
+    context.install_config(config)
+    hub.host = config.listen_host
+    hub.auth_timeout = config.auth_timeout
     threading.Thread(target=_heartbeat, daemon=True, name="fibrl-heartbeat",
                      args=(client, start.config.heartbeat_interval,
                            start.config.parent_timeout, exiting)).start()

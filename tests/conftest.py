@@ -8,8 +8,11 @@ broken docker set-up fails instead of skipping.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
+import sys
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -66,14 +69,98 @@ def ctx(request):
         fibrl.init(**_as_settings(previous))
 
 
-@pytest.fixture
-def kube_settings():
-    """Config for the kubernetes backend; provided by tests/kube once it exists."""
+KUBE_TEST_NAMESPACE = "fibrl-test"
+
+
+@dataclasses.dataclass
+class KubeCluster:
+    """The cluster kubernetes tests run on: the fake API server, or a real one (opt-in)."""
+
+    kubeconfig: str
+    namespace: str
+    image: str
+    listen_host: str
+    fake: object = None         # tests.kube.fake_apiserver.FakeApiServer, None on a real cluster
+
+    def client(self):
+        from kubernetes import config
+
+        return config.new_client_from_config(config_file=self.kubeconfig)
+
+
+@pytest.fixture(scope="session")
+def kube_cluster():
+    """A cluster for kubernetes tests, for the whole session.
+
+    ``KUBE_TEST_KUBECONFIG=/path`` runs them on a real cluster (kind, minikube, cloud;
+    see docs/kubernetes.md), with ``KUBE_TEST_NAMESPACE``, ``KUBE_TEST_IMAGE`` and
+    ``KUBE_TEST_LISTEN_HOST`` (an address of this machine that pods can reach).
+    Otherwise the fake API server of tests/kube runs pods as local processes.
+    """
     try:
-        from tests.kube.fixtures import kube_backend_settings
+        import kubernetes  # noqa: F401
     except ImportError:
-        pytest.skip("the kubernetes backend and its fake API server are not available")
-    return kube_backend_settings()
+        _skip_or_fail("the kubernetes client is not installed (pip install fibrl[kubernetes])",
+                      "CI_REQUIRE_KUBERNETES")
+    real = os.environ.get("KUBE_TEST_KUBECONFIG")
+    if real:
+        yield KubeCluster(real, os.environ.get("KUBE_TEST_NAMESPACE", "default"),
+                          os.environ.get("KUBE_TEST_IMAGE", "fibrl:latest"),
+                          os.environ.get("KUBE_TEST_LISTEN_HOST", "127.0.0.1"))
+        _close_kubernetes_backends()
+        return
+    _importable_tests_package()
+    from tests.kube.fake_apiserver import FakeApiServer
+
+    server = FakeApiServer(runtime="process").start()
+    try:
+        yield KubeCluster(server.write_kubeconfig(), KUBE_TEST_NAMESPACE, "fibrl:latest",
+                          "127.0.0.1", server)
+    finally:
+        _close_kubernetes_backends()
+        server.stop()
+
+
+@pytest.fixture
+def kube_settings(kube_cluster):
+    """Config of the kubernetes backend for one test; afterwards no pod of this run is left."""
+    yield {"kubernetes_kubeconfig": kube_cluster.kubeconfig,
+           "kubernetes_namespace": kube_cluster.namespace, "image": kube_cluster.image,
+           "listen_host": kube_cluster.listen_host}
+    if kube_cluster.fake is not None:
+        kube_cluster.fake.reset_hooks()
+    left = _pods_left(kube_cluster, deadline=time.monotonic() + 20)
+    if left:
+        pytest.fail(f"worker pods left behind in namespace {kube_cluster.namespace}: {left}")
+
+
+def _pods_left(cluster: KubeCluster, deadline: float) -> list:
+    from kubernetes import client
+
+    from fibrl.popen import run_id
+
+    with cluster.client() as api:
+        core = client.CoreV1Api(api)
+        while True:
+            pods = core.list_namespaced_pod(cluster.namespace, label_selector=f"fibrl.run={run_id()}",
+                                            _request_timeout=10).items
+            if not pods or time.monotonic() > deadline:
+                return [f"{p.metadata.name} ({p.status.phase})" for p in pods]
+            time.sleep(0.2)
+
+
+def _close_kubernetes_backends() -> None:
+    from fibrl import backends
+
+    for backend in list(backends._instances.values()):
+        if backend.name == "kubernetes":
+            backend.close()
+
+
+def _importable_tests_package() -> None:
+    root = str(Path(__file__).resolve().parents[1])
+    if root not in sys.path:
+        sys.path.insert(0, root)
 
 
 def _as_settings(config) -> dict:

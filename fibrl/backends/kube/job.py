@@ -1,0 +1,286 @@
+"""One worker pod as a :class:`~fibrl.backends.base.Job`, and what a pod's status means.
+
+Owns reading a pod dict (as the API serves it) into an exit code and a failure
+reason, and the job's state machine. The job never asks the API server about
+its pod: the backend's single watch calls :meth:`KubernetesJob.on_pod` /
+:meth:`KubernetesJob.on_deleted`, and ``wait()`` blocks on an event::
+
+    queued --creator--> created --watch: terminal phase / DELETED--> ended
+       |                   |--watch: ImagePullBackOff, InvalidImageName --> ended (1)
+       |                   '--watch: Unschedulable longer than pending_timeout --> ended (1)
+       '--terminate()/kill() before creation --> ended (-15 / -9)
+
+Exit codes follow ``multiprocessing``: a container killed by signal N exits
+128+N, reported as -N. A pod that ends badly says why (OOMKilled, Evicted,
+ImagePullBackOff, Unschedulable, deleted by someone else) in
+:meth:`~KubernetesJob.failure_reason`, and a warning names the fix.
+"""
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from typing import Any, Callable, Optional
+
+from ...errors import describe_exitcode
+from ..base import Job, JobSpec, JobStatus
+
+__all__ = ["KubernetesJob", "exit_code", "ended_code", "pod_failure", "fatal_waiting",
+           "stuck_pending", "LOG_TAIL_LINES"]
+
+log = logging.getLogger(__name__)
+
+LOG_TAIL_LINES = 500
+_MAX_SIGNAL = 64
+_FATAL_WAITING = ("ImagePullBackOff", "ErrImageNeverPull", "InvalidImageName")
+_STUCK_WAITING = ("CreateContainerConfigError", "CreateContainerError")
+
+
+# -- reading a pod ------------------------------------------------------------------------
+
+def exit_code(status: int) -> int:
+    """A container's exit status as a process exit code: ``128+N`` becomes ``-N``.
+
+    Example:
+        >>> exit_code(137), exit_code(143), exit_code(3)
+        (-9, -15, 3)
+    """
+    return 128 - status if 128 < status <= 128 + _MAX_SIGNAL else status
+
+
+def _container(pod: dict) -> dict:
+    statuses = (pod.get("status") or {}).get("containerStatuses") or [{}]
+    return statuses[0]
+
+
+def ended_code(pod: dict) -> Optional[int]:
+    """The exit code of a pod in a terminal phase (None while it may still run)."""
+    status = pod.get("status") or {}
+    if status.get("phase") not in ("Succeeded", "Failed"):
+        return None
+    terminated = (_container(pod).get("state") or {}).get("terminated")
+    if terminated is None:  # failed before its container ran (evicted while pending...)
+        return -signal.SIGKILL
+    return exit_code(int(terminated.get("exitCode", 1)))
+
+
+def pod_failure(pod: dict) -> str:
+    """Why a pod ended badly, in kubernetes' words (``""`` if it did not)."""
+    status = pod.get("status") or {}
+    if status.get("reason"):
+        return f"{status['reason']}: {status.get('message', '')}".rstrip(": ")
+    terminated = (_container(pod).get("state") or {}).get("terminated") or {}
+    if terminated.get("reason") == "OOMKilled":
+        return "OOMKilled"
+    if terminated and terminated.get("exitCode", 0) != 0 and terminated.get("message"):
+        return f"{terminated.get('reason', 'Error')}: {terminated['message']}"
+    return ""
+
+
+def _waiting(pod: dict) -> dict:
+    return (_container(pod).get("state") or {}).get("waiting") or {}
+
+
+def fatal_waiting(pod: dict) -> str:
+    """``"ImagePullBackOff: ..."`` when the container can never start, else ``""``."""
+    waiting = _waiting(pod)
+    if waiting.get("reason") in _FATAL_WAITING:
+        return f"{waiting['reason']}: {waiting.get('message', '')}".rstrip(": ")
+    return ""
+
+
+def stuck_pending(pod: dict) -> str:
+    """The scheduler's (or kubelet's) reason a pending pod does not start, else ``""``."""
+    if (pod.get("status") or {}).get("phase") not in (None, "Pending"):
+        return ""
+    for condition in (pod.get("status") or {}).get("conditions") or []:
+        if (condition.get("type") == "PodScheduled" and condition.get("status") == "False"
+                and condition.get("reason") == "Unschedulable"):
+            return f"Unschedulable: {condition.get('message', '')}"
+    waiting = _waiting(pod)
+    if waiting.get("reason") in _STUCK_WAITING:
+        return f"{waiting['reason']}: {waiting.get('message', '')}"
+    return ""
+
+
+# -- the job -------------------------------------------------------------------------------
+
+class KubernetesJob(Job):
+    """A worker running as a pod. Created by :class:`~fibrl.backends.kubernetes.KubernetesBackend`.
+
+    ``owner`` is the backend: it provides ``delete_pod(name, grace)``,
+    ``read_logs(name)``, ``job_failed_to_start(job, message)`` and ``pending_timeout``.
+    """
+
+    def __init__(self, spec: JobSpec, owner: Any, name: str, namespace: str,
+                 manifest: dict) -> None:
+        self.spec = spec
+        self.name = name
+        self.namespace = namespace
+        self.manifest = manifest
+        self.created_seq: Optional[int] = None   # creation order, for resyncs
+        self._owner = owner
+        self._lock = threading.Lock()
+        self._ended = threading.Event()
+        self._pod: Optional[dict] = None
+        self._code: Optional[int] = None
+        self._reason = ""
+        self._requested = 0                      # -15 / -9 once terminate()/kill() asked
+        self._stuck: Optional[threading.Timer] = None
+        self._removed = False
+        self._final_logs = ""
+
+    @property
+    def id(self) -> str:
+        return self.name
+
+    @property
+    def ended(self) -> bool:
+        return self._ended.is_set()
+
+    # -- what the watch reports ---------------------------------------------------------
+    def on_pod(self, pod: dict) -> None:
+        """A new state of this job's pod (ADDED / MODIFIED, or from a list)."""
+        with self._lock:
+            if self._ended.is_set():
+                return
+            self._pod = pod
+        code = ended_code(pod)
+        if code is not None:
+            self._end(code, pod_failure(pod) if code != 0 else "")
+            return
+        fatal = fatal_waiting(pod)
+        if fatal:
+            self._owner.job_failed_to_start(self, fatal)
+            return
+        self._watch_stuck(stuck_pending(pod))
+
+    def on_deleted(self, pod: Optional[dict]) -> None:
+        """The pod is gone (DELETED, or missing from a resync)."""
+        code = ended_code(pod) if pod else None
+        with self._lock:
+            requested = self._requested
+        if code is None:
+            code = requested or -signal.SIGKILL
+        reason = "" if requested else pod_failure(pod or {}) or (
+            "the pod was deleted by someone else (kubectl delete, a node drain, the cluster)")
+        self._end(code, reason)
+
+    def on_create_failed(self, message: str) -> None:
+        self._end(1, message)
+
+    def _watch_stuck(self, reason: str) -> None:
+        with self._lock:
+            if not reason:
+                timer, self._stuck = self._stuck, None
+            elif self._stuck is None:
+                self._stuck = timer = threading.Timer(self._owner.pending_timeout,
+                                                      self._stuck_too_long)
+                timer.daemon = True
+                timer.start()
+                return
+            else:
+                return
+        if timer is not None:
+            timer.cancel()
+
+    def _stuck_too_long(self) -> None:
+        with self._lock:
+            reason = stuck_pending(self._pod or {})
+        if reason and not self._ended.is_set():
+            self._owner.job_failed_to_start(
+                self, f"{reason} (pending longer than kubernetes_pending_timeout="
+                      f"{self._owner.pending_timeout:g} s)")
+
+    def _end(self, code: int, reason: str) -> bool:
+        with self._lock:
+            if self._ended.is_set():
+                return False
+            self._code, self._reason = code, reason
+            timer, self._stuck = self._stuck, None
+            self._ended.set()
+        if timer is not None:
+            timer.cancel()
+        if reason and code != self._requested:
+            _report(self, code, reason)
+        return True
+
+    def fail(self, code: int, reason: str) -> bool:
+        """End the job now with ``code`` (used when its pod can never run)."""
+        return self._end(code, reason)
+
+    # -- the Job surface -------------------------------------------------------------------
+    def status(self) -> JobStatus:
+        if self._ended.is_set():
+            return JobStatus.SUCCEEDED if self._code == 0 else JobStatus.FAILED
+        with self._lock:
+            phase = ((self._pod or {}).get("status") or {}).get("phase")
+        return JobStatus.RUNNING if phase == "Running" else JobStatus.PENDING
+
+    def wait(self, timeout: Optional[float] = None) -> Optional[int]:
+        self._ended.wait(timeout)
+        return self._code
+
+    def terminate(self) -> None:
+        self._stop(-signal.SIGTERM, None)
+
+    def kill(self) -> None:
+        self._stop(-signal.SIGKILL, 0)
+
+    def _stop(self, code: int, grace: Optional[int]) -> None:
+        with self._lock:
+            if self._ended.is_set():
+                return
+            self._requested = self._requested or code
+            queued = self.created_seq is None
+        if queued and self._end(code, ""):
+            return  # the creator skips ended jobs
+        self._owner.delete_pod(self.name, grace)
+
+    def logs(self) -> str:
+        """The last lines the pod printed, or why it has not started."""
+        if self._removed:
+            return self._final_logs
+        with self._lock:
+            pod = self._pod
+        if pod is None or _waiting(pod) or not (pod.get("status") or {}).get("containerStatuses"):
+            return _describe_pending(self, pod)
+        return self._owner.read_logs(self.name)
+
+    def failure_reason(self) -> str:
+        return self._reason
+
+    def remove(self) -> None:
+        """Keep the tail of a failed pod's logs, then delete the pod (background propagation)."""
+        self._ended.wait()
+        with self._lock:
+            if self._removed:
+                return
+            created = self.created_seq is not None
+        logs = self.logs() if created and self._code not in (0, None) else ""
+        with self._lock:
+            self._final_logs, self._removed = logs, True
+        if created:
+            self._owner.delete_pod(self.name, None, forget=self)
+
+
+def _describe_pending(job: KubernetesJob, pod: Optional[dict]) -> str:
+    if pod is None:
+        return f"<pod {job.namespace}/{job.name} was not created yet>"
+    reason = stuck_pending(pod) or fatal_waiting(pod) or (
+        _waiting(pod).get("reason") or (pod.get("status") or {}).get("phase") or "Pending")
+    return f"<pod {job.namespace}/{job.name} has not started: {reason}>"
+
+
+def _report(job: KubernetesJob, code: int, reason: str) -> None:
+    fixes: dict[str, Callable[[], str]] = {
+        "OOMKilled": lambda: (f"raise the memory limit (now {job.spec.memory or 'none'}) with "
+                              f"@fibrl.meta(memory=...) or fibrl.init(memory=...), or make the "
+                              f"worker use less memory"),
+        "Evicted": lambda: ("the node ran short of a resource; give the worker requests that "
+                            "match its use (memory=..., cpu=...) so the scheduler places it well"),
+    }
+    key = reason.split(":", 1)[0]
+    fix = fixes.get(key)
+    log.warning("worker pod %s/%s ended with %s: %s.%s", job.namespace, job.name,
+                describe_exitcode(code), reason, f" Fix: {fix()}." if fix else "")

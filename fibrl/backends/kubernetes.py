@@ -1,0 +1,406 @@
+"""The kubernetes backend: each worker is a pod.
+
+Owns turning a :class:`~fibrl.backends.base.JobSpec` into a worker pod of the
+run, following every pod with one watch, and removing what the run created.
+It does not own what runs inside the pod (``fibrl.bootstrap``), how the
+parent talks to it (``transport``), nor the ``fibrl run`` launcher
+(``fibrl.launch``). The ``kubernetes`` package is imported only when the
+backend first talks to a cluster. Its pieces live in :mod:`fibrl.backends.kube`.
+
+Data flow::
+
+    create_job(spec)          (caller's thread)
+      first time: connect (kubeconfig or in-cluster), start the watch, wait until it runs
+      Secret fibrl-<run>-<hash> for the run's key (once per key; pods read it by secretKeyRef)
+      Pod manifest --> first pod: created now (errors raise here)
+                   '-> later pods: Creator queue --> waves of concurrent creates (creator.py)
+    PodWatcher thread (watch.py): list+watch pods labelled fibrl.owner=<this backend>
+      --> KubernetesJob.on_pod / on_deleted: exit code, OOMKilled, Evicted, image pull
+          failures and unschedulable pods (after kubernetes_pending_timeout) end the job
+    Popen's thread: job.wait() --> job.remove(): delete the pod (background propagation)
+    at exit (after multiprocessing joined the children): delete leftover pods and the Secrets
+
+When the parent itself runs in a pod, worker pods (and the Secret) carry an
+ownerReference to it: the cluster deletes them when the parent's pod goes.
+Outside a cluster, workers exit by themselves when the parent is gone, and
+``fibrl stop RUN`` deletes what is left.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+import secrets
+import threading
+from multiprocessing import util as mp_util
+from typing import Optional
+from urllib.parse import urlsplit
+
+from ..config import Config
+from ..errors import BackendError
+from .base import Backend, Job, JobSpec
+from .kube.api import Api, KubeApiError, connect
+from .kube.creator import Creator
+from .kube.job import LOG_TAIL_LINES, KubernetesJob
+from .kube.manifests import owner_reference, secret_manifest, worker_pod
+from .kube.settings import (CONTAINER, LABEL_BACKEND, LABEL_OWNER, LABEL_PARENT, LABEL_ROLE,
+                            LABEL_RUN, KubeSettings, PodIdentity, pod_name)
+from .kube.watch import PodWatcher
+
+__all__ = ["KubernetesBackend", "KubernetesJob"]
+
+log = logging.getLogger(__name__)
+
+_DEFAULTS = Config()
+_LOOPBACK = ("127.", "localhost", "::1", "[::1]")
+_START_WAIT = 60.0           # seconds create_job waits for the first watch
+_PROBE_SECONDS = 10.0        # how long the first request retries an unreachable cluster
+_IMAGE_FAILURES = ("ImagePullBackOff", "ErrImageNeverPull", "InvalidImageName")
+
+
+class KubernetesBackend(Backend):
+    """Runs each job as a pod in ``kubernetes_namespace``.
+
+    Example:
+        >>> import fibrl
+        >>> fibrl.init(backend="kubernetes", image="registry.example/me/train:1")  # doctest: +SKIP
+        >>> with fibrl.Pool(8) as pool:                                             # doctest: +SKIP
+        ...     pool.map(abs, range(-4, 4))
+    """
+
+    name = "kubernetes"
+
+    def __init__(self, config: Config) -> None:
+        super().__init__(config)
+        self.settings = KubeSettings.from_config(config)
+        self.identity = PodIdentity.detect()
+        self.namespace = self._choose_namespace()
+        self.token = secrets.token_hex(6)          # value of the fibrl.owner label
+        self.api: Optional[Api] = None
+        self._lock = threading.RLock()
+        self._watcher: Optional[PodWatcher] = None
+        self._creator: Optional[Creator] = None
+        self._jobs: dict[str, KubernetesJob] = {}
+        self._secrets: dict[str, str] = {}         # key (hex) -> Secret name
+        self._own_secrets: list[str] = []          # Secrets this backend created
+        self._bad_images: dict[str, str] = {}
+        self._fatal: Optional[BackendError] = None
+        self._created = 0                          # pods created so far (resync order)
+        self._parent: Optional[dict] = None        # this process's pod, when it runs in one
+        self._warned_address = False
+        self._closed = False
+
+    @property
+    def pending_timeout(self) -> float:
+        return self.settings.pending_timeout
+
+    def python(self) -> str:
+        return "python"
+
+    def _choose_namespace(self) -> str:
+        # In a pod, "default" (the config default) means "where the parent runs".
+        configured = self.settings.namespace
+        if configured == _DEFAULTS.kubernetes_namespace and self.identity.namespace:
+            return self.identity.namespace
+        return configured
+
+    # -- starting ----------------------------------------------------------------------
+    def create_job(self, spec: JobSpec) -> Job:
+        self._start()
+        image = self._image(spec)
+        self._check_image(image)
+        self._check_address(spec)
+        job = self._new_job(spec, image)
+        with self._lock:
+            synchronous = self._created == 0
+        if synchronous:
+            self._create(job, raise_errors=True)
+        else:
+            self._creator.submit(job)
+        return job
+
+    def _start(self) -> None:
+        with self._lock:
+            if self._fatal is not None:
+                raise self._fatal
+            if self._closed:
+                raise BackendError("the kubernetes backend was closed (the program is exiting); "
+                                   "no new worker pods can start.")
+            if self._watcher is None:
+                self._connect()
+        if not self._watcher.ready.wait(_START_WAIT):
+            raise BackendError(
+                f"the watch of worker pods in namespace {self.namespace!r} did not start within "
+                f"{_START_WAIT:.0f} s (API server {self.api.host}). Check the cluster's health "
+                f"with `kubectl get --raw /readyz`.")
+        if self._watcher.error is not None:
+            raise self._watcher.error
+
+    def _connect(self) -> None:
+        api = Api(connect(self.settings, self.identity), max_inflight=self.settings.create_batch)
+        api.call("list", "pods", api.core.list_namespaced_pod, self.namespace, limit=1,
+                 namespace=self.namespace, retry_for=_PROBE_SECONDS)
+        self.api = api
+        self._watcher = PodWatcher(api, self.namespace, f"{LABEL_OWNER}={self.token}",
+                                   self._on_event, self._on_resync, self._on_fatal,
+                                   lambda: self._created)
+        self._creator = Creator(self._create, self.settings.create_batch, lambda: api.throttled)
+        self._watcher.start()
+        mp_util.Finalize(None, self.close, exitpriority=-10)  # after children were joined
+
+    def _new_job(self, spec: JobSpec, image: str) -> KubernetesJob:
+        name = pod_name(spec.name)
+        labels = {LABEL_RUN: spec.labels.get(LABEL_RUN, ""),
+                  LABEL_PARENT: spec.labels.get(LABEL_PARENT, str(os.getpid())),
+                  LABEL_ROLE: spec.labels.get(LABEL_ROLE, "process"),
+                  LABEL_OWNER: self.token, LABEL_BACKEND: "kubernetes"}
+        parent = self._parent_pod()
+        same_image = parent is not None and image == _pod_image(parent)
+        manifest = worker_pod(spec, self.settings, name=name, namespace=self.namespace,
+                              image=image, secret_name=self._secret(spec, labels), labels=labels,
+                              owner=self._owner_reference(), workdir=spec.workdir if same_image
+                              else "")
+        job = KubernetesJob(spec, self, name, self.namespace, manifest)
+        with self._lock:
+            self._jobs[name] = job
+        return job
+
+    def _create(self, job: KubernetesJob, raise_errors: bool = False) -> None:
+        """Create ``job``'s pod (the creator's threads, or the first one inline)."""
+        image = job.manifest["spec"]["containers"][0]["image"]
+        if image in self._bad_images:
+            job.fail(1, self._bad_images[image])
+            return self._forget(job)
+        try:
+            self._post_pod(job)
+        except KubeApiError as exc:
+            self._forget(job)
+            if raise_errors:
+                raise
+            if exc.status in (401, 403, 404) and "exceeded quota" not in str(exc):
+                self._fatal = exc
+            log.error("worker pod %s could not be created: %s", job.name, exc)
+            job.on_create_failed(str(exc))
+            return
+        with self._lock:
+            self._created += 1
+            job.created_seq = self._created
+        if job.ended:  # stopped while its create request was in flight
+            self.delete_pod(job.name, 0, quiet=True)
+
+    def _post_pod(self, job: KubernetesJob) -> None:
+        api = self.api
+        try:
+            api.call("create", "pods", api.core.create_namespaced_pod, self.namespace,
+                     job.manifest, namespace=self.namespace)
+        except KubeApiError as exc:
+            if exc.status != 409 or not self._is_mine(job.name):
+                raise  # 409 on a retried create whose first attempt got through: ours
+
+    def _is_mine(self, name: str) -> bool:
+        try:
+            pod = self.api.call("get", "pods", self.api.core.read_namespaced_pod, name,
+                                self.namespace, namespace=self.namespace)
+        except KubeApiError:
+            return False
+        return (pod.get("metadata", {}).get("labels") or {}).get(LABEL_OWNER) == self.token
+
+    # -- what each pod needs -------------------------------------------------------------
+    def _parent_pod(self) -> Optional[dict]:
+        """This process's own pod (read once), when it runs in one."""
+        if self._parent is None and self.identity.in_pod:
+            try:
+                self._parent = self.api.call(
+                    "get", "pods", self.api.core.read_namespaced_pod, self.identity.name,
+                    self.identity.namespace, namespace=self.identity.namespace, retry_for=10)
+            except KubeApiError as exc:
+                log.warning("cannot read this process's own pod %s/%s (%s): worker pods get "
+                            "no owner reference and the configured image.",
+                            self.identity.namespace, self.identity.name, exc)
+                self._parent = {}
+        return self._parent or None
+
+    def _image(self, spec: JobSpec) -> str:
+        image = spec.image or self.config.image
+        parent = self._parent_pod()
+        if image == _DEFAULTS.image and parent:
+            return _pod_image(parent) or image  # default: the image the parent runs in
+        return image
+
+    def _owner_reference(self) -> Optional[dict]:
+        parent = self._parent_pod()
+        if not parent or self.identity.namespace != self.namespace:
+            return None
+        meta = parent.get("metadata") or {}
+        return owner_reference(PodIdentity(meta.get("name", ""), meta.get("namespace", ""),
+                                           meta.get("uid", "")))
+
+    def _secret(self, spec: JobSpec, labels: dict) -> str:
+        key = spec.env.get("FIBRL_SECRET", "")
+        if not key:
+            raise BackendError("a job was submitted without FIBRL_SECRET; workers could not "
+                               "authenticate. This is a bug in fibrl's Popen: please report it.")
+        with self._lock:
+            name = self._secrets.get(key)
+            if name is None:
+                name = self._secrets[key] = self._create_secret(key, labels)
+        return name
+
+    def _create_secret(self, key: str, labels: dict) -> str:
+        run = re.sub(r"[^a-z0-9-]+", "-", labels[LABEL_RUN].lower()).strip("-")[:30] or "run"
+        name = f"fibrl-{run}-{hashlib.sha256(key.encode()).hexdigest()[:10]}"
+        secret_labels = {k: labels[k] for k in (LABEL_RUN, LABEL_OWNER, LABEL_BACKEND)}
+        body = secret_manifest(name, self.namespace, key, secret_labels, self._owner_reference())
+        try:
+            self.api.call("create", "secrets", self.api.core.create_namespaced_secret,
+                          self.namespace, body, namespace=self.namespace)
+            self._own_secrets.append(name)
+        except KubeApiError as exc:
+            if exc.status != 409:  # 409: another process of this run made it (same key)
+                raise
+        return name
+
+    def _check_image(self, image: str) -> None:
+        if image in self._bad_images:
+            raise BackendError(self._bad_images[image])
+
+    def _check_address(self, spec: JobSpec) -> None:
+        host = urlsplit(str(spec.command[3]) if len(spec.command) > 3 else "").hostname or ""
+        if not host.startswith(_LOOPBACK):
+            return
+        if self.identity.service_account:
+            raise BackendError(
+                f"this process runs in a pod but listens for its workers on {host}, which other "
+                f"pods cannot reach. Fix: set listen_host to this pod's IP: give the pod the env "
+                f"FIBRL_LISTEN_HOST from the downward API (fieldRef status.podIP), as `fibrl run` "
+                f"does, or fibrl.init(listen_host=<pod IP>).")
+        api_host = urlsplit(self.api.host).hostname or ""
+        if not self._warned_address and not api_host.startswith(_LOOPBACK):
+            self._warned_address = True
+            log.warning("the parent runs outside the cluster (%s) and listens on %s: worker pods "
+                        "can connect only if they run on this machine. Fix: launch the script in "
+                        "the cluster with `fibrl run`, or set listen_host to an address of this "
+                        "machine that pods can route to.", self.api.host, host)
+
+    # -- what the watch reports ------------------------------------------------------------
+    def _on_event(self, kind: str, pod: dict) -> None:
+        job = self._jobs.get((pod.get("metadata") or {}).get("name", ""))
+        if job is None:
+            return
+        if kind == "DELETED":
+            job.on_deleted(pod)
+        else:
+            job.on_pod(pod)
+
+    def _on_resync(self, pods: list, seq: int) -> None:
+        seen = {(p.get("metadata") or {}).get("name"): p for p in pods}
+        for name, job in list(self._jobs.items()):
+            if name in seen:
+                job.on_pod(seen[name])
+            elif job.created_seq is not None and job.created_seq <= seq:
+                job.on_deleted(None)   # created before the list, absent from it: gone
+
+    def _on_fatal(self, exc: KubeApiError) -> None:
+        self._fatal = exc
+        log.error("fibrl lost track of its worker pods: %s", exc)
+        for job in list(self._jobs.values()):
+            if job.fail(1, f"the watch of worker pods failed: {exc}"):
+                self.delete_pod(job.name, 0, quiet=True)
+
+    def job_failed_to_start(self, job: KubernetesJob, reason: str) -> None:
+        """A pod that cannot run (image, scheduling): end its job, delete it, say why."""
+        image = job.manifest["spec"]["containers"][0]["image"]
+        text = _start_failure(job, image, reason)
+        if reason.startswith(_IMAGE_FAILURES):
+            self._bad_images[image] = text
+        if job.fail(1, text):
+            log.error("%s", text)
+            self.delete_pod(job.name, 0, quiet=True)
+
+    # -- removing --------------------------------------------------------------------------
+    def delete_pod(self, name: str, grace: Optional[int], *, quiet: bool = False,
+                   forget: Optional[KubernetesJob] = None) -> None:
+        """Delete pod ``name`` (``grace`` None: the pod's own grace period)."""
+        extra = {} if grace is None else {"grace_period_seconds": grace}
+        try:
+            self.api.call("delete", "pods", self.api.core.delete_namespaced_pod, name,
+                          self.namespace, namespace=self.namespace,
+                          propagation_policy="Background", **extra)
+        except KubeApiError as exc:
+            if exc.status != 404 and not quiet:
+                raise
+            if exc.status != 404:
+                log.warning("could not delete worker pod %s/%s: %s", self.namespace, name, exc)
+        finally:
+            if forget is not None:
+                self._forget(forget)
+
+    def _forget(self, job: KubernetesJob) -> None:
+        with self._lock:
+            if self._jobs.get(job.name) is job:
+                del self._jobs[job.name]
+
+    def read_logs(self, name: str) -> str:
+        try:
+            return self.api.call("get", "pods/log", self.api.core.read_namespaced_pod_log, name,
+                                 self.namespace, namespace=self.namespace, container=CONTAINER,
+                                 tail_lines=LOG_TAIL_LINES, raw=True, retry_for=5)
+        except KubeApiError as exc:
+            return f"<logs of pod {self.namespace}/{name} unavailable: {exc}>"
+
+    def close(self) -> None:
+        """Stop creating and watching; delete this backend's pods and Secrets. Idempotent."""
+        with self._lock:
+            if self._closed or self.api is None:
+                self._closed = True
+                return
+            self._closed = True
+        for job in self._creator.close():
+            job.fail(-15, "")
+        self._watcher.stop()
+        self.api.retry_for = 2.0
+        for name in list(self._jobs):
+            self.delete_pod(name, 0, quiet=True)
+        for name in self._own_secrets:
+            self._delete_secret(name)
+        self.api.closed.set()
+
+    def _delete_secret(self, name: str) -> None:
+        try:
+            self.api.call("delete", "secrets", self.api.core.delete_namespaced_secret, name,
+                          self.namespace, namespace=self.namespace)
+        except KubeApiError as exc:
+            if exc.status != 404:
+                log.warning("could not delete Secret %s/%s: %s. Fix: fibrl stop <run>, or "
+                            "kubectl delete secret -n %s %s.", self.namespace, name, exc,
+                            self.namespace, name)
+
+    def stats(self) -> dict:
+        """Requests and waves so far (for tests and debugging)."""
+        watcher, creator = self._watcher, self._creator
+        return {"lists": watcher.lists if watcher else 0,
+                "watches": watcher.watches if watcher else 0,
+                "waves": creator.waves if creator else 0, "live_jobs": len(self._jobs)}
+
+
+def _pod_image(pod: dict) -> str:
+    containers = (pod.get("spec") or {}).get("containers") or [{}]
+    return containers[0].get("image", "")
+
+
+def _start_failure(job: KubernetesJob, image: str, reason: str) -> str:
+    where = f"worker pod {job.namespace}/{job.name}"
+    if reason.startswith(_IMAGE_FAILURES):
+        return (f"{where} cannot pull its image {image!r}: {reason}. Likely cause: a wrong name "
+                f"or tag, an image never pushed, or a private registry without credentials. "
+                f"Fix: push the image (fibrl run --build --registry ...), set image=..., or "
+                f"give kubernetes_image_pull_secrets.")
+    if reason.startswith("Unschedulable"):
+        spec = job.spec
+        return (f"{where} cannot be scheduled: {reason}. Likely cause: no node has the "
+                f"requested cpu={spec.cpu or '-'} memory={spec.memory or '-'} gpu={spec.gpu or '-'}"
+                f" free, or none matches kubernetes_node_selector / kubernetes_tolerations. "
+                f"Fix: ask for less (@fibrl.meta / fibrl.init), add nodes, or fix the selector.")
+    return (f"{where} cannot start its container: {reason}. Fix: see `kubectl describe pod -n "
+            f"{job.namespace} {job.name}`.")
