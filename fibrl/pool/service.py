@@ -95,14 +95,15 @@ class _Job:
 
 
 class _Task:
-    __slots__ = ("tid", "job", "start", "n", "payload", "lo", "holder", "careful", "cost",
-                 "attempts", "codes", "base_attempts", "base_codes", "done")
+    __slots__ = ("tid", "job", "start", "n", "payload", "lo", "holder", "careful", "running",
+                 "cost", "attempts", "codes", "base_attempts", "base_codes", "done")
 
     def __init__(self, tid: int, job: _Job, start: int, n: int, payload: bytes) -> None:
         self.tid, self.job, self.start, self.n, self.payload = tid, job, start, n, payload
         self.lo = 0
         self.holder: Optional[int] = None
         self.careful = False
+        self.running = -1     # careful: the item its holder said it started
         self.cost = 0.0
         self.attempts, self.codes = 0, []          # charged to item ``lo``
         self.base_attempts, self.base_codes = 0, []  # charged to every item left
@@ -330,14 +331,28 @@ class PoolService(Service):
                 self._dispatch(effects)
         effects.run(self)
 
-    def op_report(self, reply: ReplySink, wid: int, reports: list) -> None:
-        """Results sent while a ``next`` is parked (a careful worker waits for the answer)."""
+    def op_report(self, reply: ReplySink, wid: int, reports: list,
+                  starting: Optional[tuple] = None) -> None:
+        """Results sent while a ``next`` is parked.
+
+        A careful worker waits for the answer, and says which item it starts
+        next (``(tid, lo)``): only an item that was started is charged when
+        its worker dies.
+        """
         effects = _Effects()
         with self._lock:
             self._record(reports, effects)
+            self._mark_running(wid, starting)
             self._dispatch(effects)
         effects.run(self)
         reply(None)
+
+    def _mark_running(self, wid: int, starting: Optional[tuple]) -> None:
+        if starting is None:
+            return
+        task = self._tasks.get(starting[0])
+        if task is not None and task.holder == wid:
+            task.running = starting[1]
 
     def op_func(self, reply: ReplySink, fid: int) -> None:
         """The pickled callable ``fid`` (for a worker that evicted it from its cache)."""
@@ -615,13 +630,18 @@ class PoolService(Service):
 
     def _requeue(self, task: _Task, exitcode: Optional[int], effects: _Effects) -> None:
         task.holder = None
-        task.attempts += 1
-        task.codes.append(exitcode)
-        if not task.careful:  # anything it held may have been running: charge them all once
+        self.stats["requeued"] += 1
+        if task.careful:  # exact: charge the item it was running, if it had started one
+            if task.running == task.lo:
+                task.attempts += 1
+                task.codes.append(exitcode)
+        else:  # anything it held may have been running: charge every item left once
             task.careful = True
+            task.attempts += 1
+            task.codes.append(exitcode)
             task.base_attempts += 1
             task.base_codes.append(exitcode)
-        self.stats["requeued"] += 1
+        task.running = -1
         while not task.done and task.attempts > self.max_retries:
             self.stats["failed"] += 1
             effects.failures.append((task.job.sink, task.start + task.lo, self._failed(task)))

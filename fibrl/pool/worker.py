@@ -183,10 +183,17 @@ class _Loop:
             self._flush()
 
     def _run_careful(self, task: TaskSpec, func: Callable, items: Any, stop: int) -> None:
+        # Each call acknowledges the previous item and announces the next one before
+        # it starts, so if this worker dies the parent knows which item killed it.
+        reports: list = []
         for lo in range(task.lo, stop):
-            report = _run(task, func, items, lo, lo + 1, 0.0, time.perf_counter())
-            self._hub.call(self._address, self._oid, "report", self._wid, [report],
-                           timeout=_CALL_TIMEOUT_S)
+            self._report_now(reports, (task.tid, lo))
+            reports = [_run(task, func, items, lo, lo + 1, 0.0, time.perf_counter())]
+        self._report_now(reports, None)
+
+    def _report_now(self, reports: list, starting: Any) -> None:
+        self._hub.call(self._address, self._oid, "report", self._wid, reports, starting,
+                       timeout=_CALL_TIMEOUT_S)
 
 
 _MAP, _STARMAP = int(Kind.MAP), int(Kind.STARMAP)

@@ -1,0 +1,200 @@
+"""Pool faults: crash cases, workers killed in the middle of work, scale. Every backend.
+
+The crash table follows loky's: each way a task can go wrong, the error the
+caller gets, and a pool that still works afterwards.
+"""
+import contextlib
+import ctypes
+import os
+import random
+import signal
+import sys
+import threading
+import time
+
+import pytest
+
+from fibrl.errors import SerializationError, TaskFailedError
+
+TIMEOUT = 240
+
+
+def square(x):
+    return x * x
+
+
+def triple_after(x, seconds=0.0005):
+    time.sleep(seconds)
+    return 3 * x
+
+
+def raise_error():
+    raise ValueError("task raised")
+
+
+def exit_sys():
+    sys.exit(3)
+
+
+def exit_os():
+    os._exit(7)
+
+
+def kill_self():
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def segfault():
+    ctypes.string_at(0)
+
+
+def return_unpicklable():
+    return threading.Lock()
+
+
+def kill_on(x, bad=7):
+    if x == bad:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return x
+
+
+def kill_once(x, marker):
+    """Kill the worker the first time item 15 runs; square otherwise."""
+    if x == 15:
+        try:
+            fd = os.open(marker, os.O_CREAT | os.O_EXCL)
+        except FileExistsError:
+            pass
+        else:
+            os.close(fd)
+            os.kill(os.getpid(), signal.SIGKILL)
+    return x * x
+
+
+CRASH_CASES = [
+    # (name, function, args, expected error, message pattern)
+    ("raise", raise_error, (), ValueError, "task raised"),
+    ("sys.exit", exit_sys, (), SystemExit, "3"),
+    ("os._exit", exit_os, (), TaskFailedError, r"exit_os\(\).*exit code 7"),
+    ("sigkill", kill_self, (), TaskFailedError, r"kill_self\(\).*SIGKILL \(exit code -9\)"),
+    ("segfault", segfault, (), TaskFailedError, r"segfault\(\).*SIGSEGV"),
+    ("unpicklable-arg", square, (threading.Lock(),), SerializationError, "cannot pickle"),
+    ("unpicklable-result", return_unpicklable, (), SerializationError,
+     "could not be sent back"),
+]
+
+
+@pytest.mark.parametrize("name,func,args,error,pattern", CRASH_CASES,
+                         ids=[case[0] for case in CRASH_CASES])
+def test_crash_case(ctx, name, func, args, error, pattern):
+    with ctx.Pool(2, max_task_retries=1) as pool:
+        with pytest.raises(error, match=pattern):
+            pool.apply_async(func, args).get(TIMEOUT)
+        assert pool.map(square, range(20)) == [x * x for x in range(20)]
+        assert pool.apply_async(square, (5,)).get(TIMEOUT) == 25
+
+
+def test_killer_task_fails_alone(ctx):
+    with ctx.Pool(2, max_task_retries=2) as pool:
+        with pytest.raises(TaskFailedError,
+                           match=r"task 7 of kill_on\(7\).*3 times.*SIGKILL"):
+            pool.map(kill_on, range(20), chunksize=5)
+        outcomes = []
+        it = pool.imap(kill_on, range(20), chunksize=5)
+        for _ in range(20):
+            try:
+                outcomes.append(next(it))
+            except TaskFailedError:
+                outcomes.append("failed")
+        assert outcomes == [x if x != 7 else "failed" for x in range(20)]
+
+
+def test_max_task_retries_zero_fails_on_first_loss(ctx):
+    with ctx.Pool(1, max_task_retries=0) as pool:
+        with pytest.raises(TaskFailedError, match="1 times"):
+            pool.apply(kill_self)
+
+
+def test_worker_dying_half_way_through_a_chunk_loses_nothing(ctx, tmp_path):
+    marker = str(tmp_path / "killed")
+    with ctx.Pool(2) as pool:
+        args = [(x, marker) for x in range(40)]
+        assert pool.starmap(kill_once, args, chunksize=10) == [x * x for x in range(40)]
+        assert os.path.exists(marker)
+        assert pool._engine.service.stats["requeued"] >= 1
+
+
+@contextlib.contextmanager
+def chaos(pool, every=0.5):
+    """Kill a random worker of ``pool`` every ``every`` seconds (SIGKILL / backend kill)."""
+    stop = threading.Event()
+    kills = []
+
+    def run():
+        rng = random.Random(1234)
+        while not stop.wait(every):
+            workers = pool._pool
+            if workers:
+                victim = rng.choice(workers)
+                with contextlib.suppress(ValueError):  # reaped meanwhile
+                    victim.kill()
+                    kills.append(victim.name)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    try:
+        yield kills
+    finally:
+        stop.set()
+        thread.join(10)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("chunksize", [None, 1])
+def test_chaos_map_exact_and_in_order(ctx, chunksize):
+    with ctx.Pool(2) as pool:
+        pool.map(square, range(4))
+        with chaos(pool) as kills:
+            result = pool.map_async(triple_after, range(10_000), chunksize).get(TIMEOUT)
+        assert result == [3 * x for x in range(10_000)]
+        assert len(kills) >= 2
+        assert pool._engine.service.stats["lost"] >= 1
+
+
+@pytest.mark.slow
+def test_chaos_imap_unordered_exactly_once(ctx):
+    with ctx.Pool(2) as pool:
+        pool.map(square, range(4))
+        with chaos(pool) as kills:
+            seen = list(pool.imap_unordered(triple_after, range(10_000)))
+        assert len(seen) == 10_000
+        assert sorted(seen) == [3 * x for x in range(10_000)]
+        assert len(kills) >= 2
+
+
+@pytest.mark.slow
+def test_pool_of_64_on_a_small_machine(ctx):
+    started = time.monotonic()
+    pool = ctx.Pool(64)
+    try:
+        assert pool.map(square, range(10_000)) == [x * x for x in range(10_000)]
+        assert pool.map(square, range(10_000), chunksize=1) == [x * x for x in range(10_000)]
+        pool.close()
+        pool.join(TIMEOUT)
+    finally:
+        pool.terminate()
+    assert pool._pool == []
+    assert time.monotonic() - started < TIMEOUT
+
+
+def test_terminate_during_chaos_never_hangs(ctx):
+    pool = ctx.Pool(3)
+    result = pool.map_async(triple_after, range(100_000), 1)
+    with chaos(pool, every=0.2):
+        time.sleep(1.0)
+        started = time.monotonic()
+        pool.terminate()
+    pool.join(TIMEOUT)
+    assert time.monotonic() - started < 30
+    with pytest.raises(Exception):
+        result.get(TIMEOUT)
