@@ -70,6 +70,7 @@ class Line:
         self._rids = itertools.count(1)
         try:
             self._channel = Channel.connect(address, authkey, hub.connect_timeout)
+            hub.client(address)  # liveness pings go this way: connect now, not when stuck
         except TransportError as exc:
             raise lost_error(address, exc) from exc
         weakref.finalize(self, self._channel.close).atexit = False

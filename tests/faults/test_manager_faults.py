@@ -1,0 +1,230 @@
+"""Managers and sync primitives under fire: killed or frozen servers, dead holders, exit.
+
+Every pending and later call to a lost server must raise a clear error within
+a bounded time; a lock held by a dead process is released; a barrier party
+that dies breaks the barrier; a program that exits without shutting its
+managers down exits cleanly (no finalizer errors, no process left).
+"""
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import types
+import uuid
+
+import psutil
+import pytest
+
+import fibrl
+from fibrl.errors import AuthenticationError, RemoteObjectError
+from fibrl.managers import AsyncManager
+from fibrl.managers.lines import line_for
+
+TIMEOUT = 60
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _defs():
+    class Sleeper:
+        def sleep(self, seconds):
+            time.sleep(seconds)
+            return seconds
+
+    def hold_forever(lock, holding):
+        lock.acquire()
+        holding.set()
+        threading.Event().wait(TIMEOUT)
+
+    def wait_forever(barrier):
+        barrier.wait()
+
+    return types.SimpleNamespace(**locals())
+
+
+D = _defs()
+
+
+class SleepManager(AsyncManager):
+    pass
+
+
+SleepManager.register("Sleeper", D.Sleeper)
+
+
+def _call_in_thread(fn):
+    box = {}
+
+    def target():
+        try:
+            box["value"] = fn()
+        except BaseException as exc:
+            box["error"] = exc
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    return thread, box
+
+
+def _only_local(ctx):
+    if ctx.config.backend != "local":
+        pytest.skip("needs the server's pid on this machine")
+
+
+def test_killed_server_fails_pending_and_later_calls(ctx):
+    m = ctx.Manager()
+    q, lst = m.Queue(), m.list()
+    thread, box = _call_in_thread(q.get)  # blocks in the server: no item, no timeout
+    time.sleep(0.2)
+    m._process.kill()
+    thread.join(15)
+    assert not thread.is_alive(), "the pending call hung after the server was killed"
+    assert isinstance(box.get("error"), RemoteObjectError), box
+    start = time.monotonic()
+    with pytest.raises(RemoteObjectError, match="manager server"):
+        lst.append(1)
+    with pytest.raises(RemoteObjectError):
+        m.list()
+    assert time.monotonic() - start < 15
+    m.shutdown()  # clean, and quick, with the server already gone
+    assert not m._process.is_alive()
+
+
+def test_killed_server_fails_async_handles(ctx):
+    m = SleepManager(ctx=ctx)
+    m.start()
+    sleeper = m.Sleeper()
+    handle = sleeper.sleep(30)
+    time.sleep(0.2)
+    m._process.kill()
+    assert handle.wait(15), "the pending handle was not failed"
+    with pytest.raises(RemoteObjectError):
+        handle.get()
+    with pytest.raises(RemoteObjectError):
+        sleeper.sleep(0).get(15)
+    m.shutdown()
+
+
+def test_frozen_server_is_detected_within_parent_timeout(ctx):
+    _only_local(ctx)
+    fibrl.init(backend="local", heartbeat_interval=0.5, parent_timeout=3.0)
+    m = fibrl.Manager()
+    lst, lock = m.list(), fibrl.Lock()
+    pid = line_for(m.address, bytes(m._authkey)).call("ping")  # the server's own pid
+    os.kill(pid, signal.SIGSTOP)  # a vanished node: no socket closes, nothing answers
+    try:
+        start = time.monotonic()
+        with pytest.raises(RemoteObjectError, match="did not answer"):
+            lst.append(1)
+        assert time.monotonic() - start < 15
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.kill(pid, signal.SIGCONT)
+        m.shutdown()
+    with lock:
+        pass
+
+
+def test_dead_lock_holder_releases_the_lock(ctx):
+    lock, holding = ctx.Lock(), ctx.Event()
+    p = ctx.Process(target=D.hold_forever, args=(lock, holding))
+    p.start()
+    assert holding.wait(TIMEOUT)
+    assert lock.acquire(timeout=0.1) is False
+    p.kill()
+    assert lock.acquire(timeout=TIMEOUT) is True
+    p.join(TIMEOUT)
+
+
+def test_dead_barrier_party_breaks_the_barrier(ctx):
+    import threading as th
+
+    barrier = ctx.Barrier(3)
+    p = ctx.Process(target=D.wait_forever, args=(barrier,))
+    p.start()
+    deadline = time.monotonic() + TIMEOUT
+    while barrier.n_waiting < 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    thread, box = _call_in_thread(lambda: barrier.wait(TIMEOUT))
+    p.kill()
+    thread.join(TIMEOUT)
+    assert isinstance(box.get("error"), th.BrokenBarrierError), box
+    p.join(TIMEOUT)
+
+
+def test_wrong_authkey_is_refused_before_unpickling(ctx):
+    from fibrl.transport import Channel
+
+    with fibrl.managers.SyncManager(authkey=b"right", ctx=ctx) as m:
+        with pytest.raises(AuthenticationError):
+            Channel.connect(m.address, b"wrong", 10)
+        with pytest.raises(AuthenticationError):
+            fibrl.managers.SyncManager(address=m.address, authkey=b"wrong").connect()
+        assert m.dict(ok=True)["ok"] is True  # the server is unharmed
+
+
+EXIT_SCRIPT = """
+import sys
+import fibrl
+from fibrl.managers import AsyncManager, SyncManager
+
+class Calc:
+    def add(self, a, b):
+        return a + b
+
+class Mgr(AsyncManager):
+    pass
+
+Mgr.register("Calc", Calc)
+
+if __name__ == "__main__":
+    m = fibrl.Manager()
+    d = m.dict()
+    d["l"] = m.list([1])
+    d["l"].append(2)
+    other = SyncManager(authkey=b"another key")
+    other.start()
+    q = other.Queue()
+    q.put(1)
+    a = Mgr()
+    a.start()
+    h = a.Calc().add(1, 2)
+    assert h.get(30) == 3
+    lock, value = fibrl.Lock(), fibrl.Value("i", 1)
+    lock.acquire()
+    print("ready", flush=True)
+    if sys.argv[1] == "raise":
+        raise SystemExit(3)
+"""
+
+
+@pytest.mark.parametrize("how", ["return", "raise"])
+def test_exit_without_shutdown_is_clean(tmp_path, how):
+    script = tmp_path / "exit_script.py"
+    script.write_text(textwrap.dedent(EXIT_SCRIPT))
+    marker = uuid.uuid4().hex
+    env = dict(os.environ, FIBRL_RUN_ID=marker, PYTHONPATH=REPO)
+    proc = subprocess.run([sys.executable, str(script), how], capture_output=True, text=True,
+                          timeout=TIMEOUT, env=env, cwd=str(tmp_path))
+    assert proc.stdout.strip() == "ready", proc.stderr
+    assert proc.returncode == (3 if how == "raise" else 0), proc.stderr
+    for bad in ("Traceback", "Exception ignored", "Error", "Fatal"):
+        assert bad not in proc.stderr, proc.stderr
+    assert not _processes_of_run(marker, deadline=time.monotonic() + 15)
+
+
+def _processes_of_run(marker, deadline):
+    while True:
+        left = []
+        for proc in psutil.process_iter(["pid"]):
+            try:
+                if proc.environ().get("FIBRL_RUN_ID") == marker:
+                    left.append(proc.pid)
+            except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
+                continue
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.2)
