@@ -34,7 +34,8 @@ from multiprocessing.sharedctypes import typecode_to_type
 from typing import Any, Callable, Optional
 
 from .hub import ReplySink, get_hub
-from .synchronize import RLock, HostedService, LockService, _Hosted, _LockBase, owner_of
+from .synchronize import RLock, _Hosted, _LockBase
+from .synchronize.services import HostedService, LockService, owner_of
 
 __all__ = ["RawValue", "RawArray", "Value", "Array", "synchronized", "copy",
            "HostedValue", "HostedArray", "Synchronized", "SynchronizedArray",

@@ -99,7 +99,7 @@ class Line:
 
     def _receive(self, rid: int):
         from ..context import current_config
-        from ..synchronize import ensure_alive
+        from ..synchronize.services import ensure_alive
 
         config = current_config()
         while True:

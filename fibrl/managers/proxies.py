@@ -213,7 +213,7 @@ class ProxyHandle:
         if self._decoded:
             return self._value
         if timeout is None:
-            from ..synchronize import wait_reply
+            from ..synchronize.services import wait_reply
 
             token = self._proxy._token
             data = wait_reply(self._handle, token.address,

@@ -38,7 +38,7 @@ from typing import Any, Callable, Optional
 from .. import serialization
 from ..errors import RemoteObjectError
 from ..hub import Hub, ReplySink, Service
-from ..synchronize import answer
+from ..synchronize.services import answer
 from .lines import MANAGER_OID
 
 __all__ = ["Server", "ManagerService", "Token", "ProxyRef", "Created", "Registration",

@@ -1,36 +1,17 @@
-"""``Lock``, ``RLock``, ``Semaphore``, ``BoundedSemaphore``, ``Condition``, ``Event``
-and ``Barrier`` that work between any processes of a run, on any backend.
+"""The hosted side of the sync primitives: state machines that park replies.
 
-Each primitive is a service hosted by the hub of the process that created it
-(as a ``Queue`` is a hosted ``Mailbox``); the object users hold is a small
-handle (address + object id) that pickles to any process, on any machine.
-The service owns all state and every deadline: a blocking ``acquire`` or
-``wait`` *parks* its reply until it can be granted or its timeout passes, so a
-grant can never race a client-side timeout.
+Each service lives in the hub of the process that created the primitive and
+owns all of its state and every deadline: a blocking ``acquire`` or ``wait``
+*parks* its reply until it can be granted or its timeout passes (the hub's
+timer thread), so a grant never races a client-side timeout. Ops never block.
 
-Data flow::
-
-    any process (any thread)              owner process (hub)
-    lock.acquire(timeout=t)
-      hub.call_async(acquire, tid, t) ---> _LockService.op_acquire
-      wait_reply(handle)                     free?  yes -> reply(True)
-        | waits in slices; between slices          no  -> park _Waiter (FIFO)
-        | pings the owner, so a lost owner            timer thread: deadline -> reply(False)
-        v raises instead of hanging           release / holder's process lost -> grant next
-    True / False   <------------------------- reply
-
-    Condition.wait: one op on the lock's owner releases the lock, parks the
-    waiter, and on notify or timeout moves it to the lock's queue; the reply
-    comes when the lock is held again.
-
-A holder is ``(connection, thread id)``: RLock ownership and Condition checks
-work per thread, and when a process disconnects (killed, lost node) the Lock or
-RLock it held is released and everything it had parked is dropped. This
-module owns these semantics; ``hub`` owns dispatching and waiting,
-``sharedctypes`` builds ``Value``/``Array`` on :class:`LockService`.
-Differences from ``multiprocessing``: a primitive lives while its creating
-process runs (see docs/managers.md); a Semaphore is not released when a
-process that acquired it dies (it has no owner).
+A holder or waiter is an :class:`Owner`, ``(connection, thread id)``: RLock
+ownership and Condition checks work per thread, and when a connection drops
+(process killed, node lost) :meth:`HostedService.peer_lost` releases the Lock
+or RLock it held and drops what it parked. ``wait_reply`` is the client's
+wait: it pings the owner between slices, so a lost owner raises instead of
+hanging. The handles users hold are in ``fibrl.synchronize``; ``sharedctypes``
+builds ``Value``/``Array`` on :class:`LockService`.
 """
 from __future__ import annotations
 
@@ -43,14 +24,15 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from .errors import RemoteObjectError, TransportError
-from .hub import Handle, Hub, ReplySink, Service, get_hub
+from ..errors import RemoteObjectError, TransportError
+from ..hub import Handle, Hub, ReplySink, Service, get_hub
 
-__all__ = ["Lock", "RLock", "Semaphore", "BoundedSemaphore", "Condition", "Event", "Barrier",
-           "HostedService", "LockService", "Owner", "owner_of", "wait_reply"]
+__all__ = ["Owner", "owner_of", "wait_reply", "ensure_alive", "call_owner", "gone_error",
+           "HostedService", "drop_owner", "answer", "LockState", "LockService",
+           "ConditionService", "EventService", "BarrierTurn", "BarrierService",
+           "SEM_VALUE_MAX"]
 
-_tokens = itertools.count(1)
-_SEM_VALUE_MAX = 2 ** 31 - 1
+SEM_VALUE_MAX = 2 ** 31 - 1
 
 
 # -- identity and waiting --------------------------------------------------------------
@@ -75,7 +57,7 @@ def wait_reply(handle: Handle, address: Optional[str], hub: Hub) -> Any:
     hanging.
     """
     if not handle.ready() and not hub.is_local(address):
-        from .context import current_config
+        from ..context import current_config
 
         config = current_config()
         while not handle.wait(config.heartbeat_interval):
@@ -88,7 +70,7 @@ def ensure_alive(hub: Hub, address: str, limit: float, oid: str = "hub") -> None
     try:
         ping = hub.call_async(address, oid, "ping")
     except TransportError as exc:
-        raise _gone(address, exc) from exc
+        raise gone_error(address, exc) from exc
     if not ping.wait(limit):
         raise RemoteObjectError(
             f"the process at {address} that hosts this object did not answer a liveness "
@@ -98,7 +80,7 @@ def ensure_alive(hub: Hub, address: str, limit: float, oid: str = "hub") -> None
     ping.get(0)
 
 
-def _gone(address: Optional[str], exc: BaseException) -> RemoteObjectError:
+def gone_error(address: Optional[str], exc: BaseException) -> RemoteObjectError:
     return RemoteObjectError(
         f"cannot reach the process at {address} that hosts this object ({exc}); it exited "
         f"or was killed, so the lock/event/value it hosted is gone.")
@@ -110,7 +92,7 @@ def call_owner(address: Optional[str], oid: str, method: str, *args: Any) -> Any
     try:
         handle = hub.call_async(address, oid, method, *args)
     except TransportError as exc:
-        raise _gone(address, exc) from exc
+        raise gone_error(address, exc) from exc
     return wait_reply(handle, address, hub)
 
 
@@ -161,7 +143,7 @@ class HostedService(Service):
         reply(os.getpid())
 
 
-def _drop_owner(hub_ref: "weakref.ref[Hub]", oid: str) -> None:
+def drop_owner(hub_ref: "weakref.ref[Hub]", oid: str) -> None:
     hub = hub_ref()
     service = hub.service(oid) if hub is not None else None
     if isinstance(service, HostedService):
@@ -320,7 +302,7 @@ class LockService(HostedService):
         if self.kind == "lock" and self.owner is None:
             raise ValueError("semaphore or lock released too many times")
         if self.kind == "semaphore":
-            if self.value >= (self.maxvalue or _SEM_VALUE_MAX):
+            if self.value >= (self.maxvalue or SEM_VALUE_MAX):
                 raise ValueError("semaphore or lock released too many times")
             self.value += 1
             return
@@ -574,7 +556,7 @@ class BarrierService(HostedService):
         self.broken = True
         waiters, self.waiters = self.waiters, []
         pending, self.next_round = self.next_round, []
-        acting, self.acting = self.acting, None
+        self.acting = None
         for waiter in waiters:
             if waiter.timer is not None:
                 self.hub.timers.cancel(waiter.timer)
@@ -615,370 +597,3 @@ class BarrierService(HostedService):
         acting_gone = self.acting is not None and self.acting.reply.peer is peer
         if gone or acting_gone:
             self._break()  # a party died: the others must not wait for it forever
-
-
-# -- handles ---------------------------------------------------------------------------------
-class _Hosted:
-    """The client side of a hosted primitive: address + object id, picklable anywhere."""
-
-    _address: str
-    _oid: str
-
-    def _host(self, service: HostedService) -> None:
-        hub = get_hub()
-        self._oid = hub.register(service)
-        self._address = hub.address
-        finalizer = weakref.finalize(self, _drop_owner, weakref.ref(hub), self._oid)
-        finalizer.atexit = False  # at exit the hub closes every service itself
-
-    def __reduce__(self):
-        hub = get_hub()
-        if hub.is_local(self._address):
-            service = hub.service(self._oid)
-            if isinstance(service, HostedService):
-                service.pickled = True
-        return (_rebuild, (type(self), self._address, self._oid, self._state()))
-
-    def _state(self) -> dict:
-        return {}
-
-    def _call(self, method: str, *args: Any) -> Any:
-        return call_owner(self._address, self._oid, method, *args)
-
-    def _parked(self, method: str, *args: Any) -> Any:
-        """A call that may park: when interrupted, withdraw it and undo what it got."""
-        hub = get_hub()
-        token = next(_tokens)
-        try:
-            handle = hub.call_async(self._address, self._oid, method, *args, token)
-        except TransportError as exc:
-            raise _gone(self._address, exc) from exc
-        try:
-            return wait_reply(handle, self._address, hub)
-        except BaseException:
-            if not handle.ready():
-                self._withdraw(handle, token)
-            raise
-
-    def _withdraw(self, handle: Handle, token: int) -> None:
-        try:
-            self._call("cancel", threading.get_ident(), token)
-            self._undo(wait_reply(handle, self._address, get_hub()))
-        except Exception:
-            pass  # the owner is gone: nothing is held any more
-
-    def _undo(self, result: Any) -> None:
-        """Give back what an interrupted call obtained after all."""
-
-
-def _rebuild(cls: type, address: str, oid: str, state: dict) -> Any:
-    obj = cls.__new__(cls)
-    obj._address, obj._oid = address, oid
-    obj.__dict__.update(state)
-    return obj
-
-
-def _timeout_of(block: bool, timeout: Optional[float]) -> Optional[float]:
-    if not block:
-        return 0.0
-    return None if timeout is None else max(float(timeout), 0.0)
-
-
-class _LockBase(_Hosted):
-    _kind = "lock"
-
-    def _undo(self, result: Any) -> None:
-        if result is True:
-            self.release()
-
-    def acquire(self, block: bool = True, timeout: Optional[float] = None) -> bool:
-        """Acquire; with ``block`` False or a ``timeout``, return whether it was acquired."""
-        return self._parked("acquire", threading.get_ident(), _timeout_of(block, timeout))
-
-    def release(self) -> None:
-        self._call("release", threading.get_ident())
-
-    def __enter__(self) -> bool:
-        return self.acquire()
-
-    def __exit__(self, *args: Any) -> None:
-        self.release()
-
-    def _lock_state(self) -> LockState:
-        return self._call("state", threading.get_ident())
-
-    def _owner_name(self, state: LockState) -> str:
-        if state.mine:
-            from .process import current_process
-
-            name = current_process().name
-            if threading.current_thread().name != "MainThread":
-                name += "|" + threading.current_thread().name
-            return name
-        if state.value == 1:
-            return "None"
-        return "SomeOtherThread" if state.same_process else "SomeOtherProcess"
-
-
-class Lock(_LockBase):
-    """A non-recursive lock shared by any processes of the run.
-
-    Same semantics as ``multiprocessing.Lock``: any thread may release it;
-    releasing an unlocked lock raises ``ValueError``. If the process holding
-    it dies, it is released.
-
-    Example:
-        >>> lock = Lock()
-        >>> with lock:
-        ...     pass
-        >>> lock.acquire(timeout=1)
-        True
-    """
-
-    def __init__(self, *, ctx: Any = None) -> None:
-        self._host(LockService("lock", 1, 1))
-
-    def __repr__(self) -> str:
-        try:
-            name = self._owner_name(self._lock_state())
-        except Exception:
-            name = "unknown"
-        return f"<Lock(owner={name})>"
-
-
-class RLock(_LockBase):
-    """A recursive lock: the thread that holds it may acquire it again.
-
-    Example:
-        >>> lock = RLock()
-        >>> with lock, lock:
-        ...     pass
-    """
-
-    def __init__(self, *, ctx: Any = None) -> None:
-        self._host(LockService("rlock", 1, 1))
-
-    def __repr__(self) -> str:
-        try:
-            state = self._lock_state()
-            name = self._owner_name(state)
-            count = state.count if state.mine else (0 if state.value == 1 else "nonzero")
-        except Exception:
-            name, count = "unknown", "unknown"
-        return f"<RLock({name}, {count})>"
-
-
-class Semaphore(_LockBase):
-    """A counter of permits: ``acquire`` takes one (waiting for it), ``release`` gives one.
-
-    Example:
-        >>> sem = Semaphore(2)
-        >>> sem.acquire(); sem.get_value()
-        True
-        1
-    """
-
-    _bounded = False
-
-    def __init__(self, value: int = 1, *, ctx: Any = None) -> None:
-        if value < 0:
-            raise ValueError("semaphore initial value must be >= 0")
-        self._host(LockService("semaphore", value, value if self._bounded else None))
-
-    def get_value(self) -> int:
-        return self._call("get_value")
-
-    def __repr__(self) -> str:
-        try:
-            value = self.get_value()
-        except Exception:
-            value = "unknown"
-        return f"<{type(self).__name__}(value={value})>"
-
-
-class BoundedSemaphore(Semaphore):
-    """A Semaphore whose ``release`` raises ``ValueError`` above its initial value."""
-
-    _bounded = True
-
-    def __repr__(self) -> str:
-        try:
-            state = self._lock_state()
-            value, maxvalue = state.value, state.maxvalue
-        except Exception:
-            value = maxvalue = "unknown"
-        return f"<BoundedSemaphore(value={value}, maxvalue={maxvalue})>"
-
-
-class Condition(_Hosted):
-    """A condition variable over a fibrl ``Lock`` or ``RLock`` (a new RLock by default).
-
-    ``wait`` releases the lock, waits for ``notify`` or its timeout, and holds
-    the lock again before it returns, as in ``multiprocessing``.
-
-    Example:
-        >>> cond = Condition()
-        >>> with cond:
-        ...     cond.wait(0.01)
-        False
-    """
-
-    def __init__(self, lock: Optional[_LockBase] = None, *, ctx: Any = None) -> None:
-        if lock is None:
-            lock = RLock(ctx=ctx)
-        if not isinstance(lock, (Lock, RLock)):
-            raise TypeError(
-                f"fibrl.Condition needs a fibrl Lock or RLock, got {type(lock).__name__}: a "
-                f"threading or multiprocessing lock cannot be shared across machines. Create "
-                f"it with fibrl.Lock()/fibrl.RLock() or leave the argument out.")
-        self._lock = lock
-        hub = get_hub()
-        service = hub.service(lock._oid) if hub.is_local(lock._address) else None
-        if isinstance(service, LockService):
-            self._host(ConditionService(service))
-        else:
-            self._address = lock._address
-            self._oid = call_owner(lock._address, lock._oid, "new_condition")
-
-    def _state(self) -> dict:
-        return {"_lock": self._lock}
-
-    def acquire(self, block: bool = True, timeout: Optional[float] = None) -> bool:
-        return self._lock.acquire(block, timeout)
-
-    def release(self) -> None:
-        self._lock.release()
-
-    def __enter__(self) -> bool:
-        return self._lock.__enter__()
-
-    def __exit__(self, *args: Any) -> None:
-        self._lock.__exit__(*args)
-
-    def wait(self, timeout: Optional[float] = None) -> bool:
-        """Wait for a notify; False when ``timeout`` passed first. Holds the lock on return."""
-        return self._parked("wait", threading.get_ident(), _timeout_of(True, timeout))
-
-    def wait_for(self, predicate: Callable[[], Any], timeout: Optional[float] = None) -> Any:
-        """Wait until ``predicate()`` is true (checked after each wake-up) or ``timeout``."""
-        result = predicate()
-        endtime = None if timeout is None else time.monotonic() + timeout
-        waittime = None
-        while not result:
-            if endtime is not None:
-                waittime = endtime - time.monotonic()
-                if waittime <= 0:
-                    break
-            self.wait(waittime)
-            result = predicate()
-        return result
-
-    def notify(self, n: int = 1) -> None:
-        self._call("notify", threading.get_ident(), n)
-
-    def notify_all(self) -> None:
-        self._call("notify", threading.get_ident(), _SEM_VALUE_MAX)
-
-    def __repr__(self) -> str:
-        try:
-            waiters = self._call("waiters")
-        except Exception:
-            waiters = "unknown"
-        return f"<Condition({self._lock!r}, {waiters})>"
-
-
-class Event(_Hosted):
-    """A flag processes can wait for.
-
-    Example:
-        >>> ev = Event(); ev.set(); ev.wait(1)
-        True
-    """
-
-    def __init__(self, *, ctx: Any = None) -> None:
-        self._host(EventService())
-
-    def is_set(self) -> bool:
-        return self._call("is_set")
-
-    def set(self) -> None:
-        self._call("set")
-
-    def clear(self) -> None:
-        self._call("clear")
-
-    def wait(self, timeout: Optional[float] = None) -> bool:
-        """Wait until the flag is set; returns the flag (False after ``timeout``)."""
-        return self._call("wait", _timeout_of(True, timeout))
-
-    def __repr__(self) -> str:
-        try:
-            state = "set" if self.is_set() else "unset"
-        except Exception:
-            state = "unknown"
-        return f"<Event at {id(self):#x} {state}>"
-
-
-class Barrier(_Hosted):
-    """``parties`` processes wait until all have arrived; the last runs ``action``.
-
-    Same semantics as ``threading.Barrier`` (which ``multiprocessing.Barrier``
-    is): ``wait`` returns an index in ``range(parties)``; a timeout, ``abort``,
-    ``reset`` or a failing action raise ``threading.BrokenBarrierError`` in
-    every waiter. A party whose process dies while waiting breaks the barrier.
-    ``action`` travels with the barrier, so it must be picklable.
-
-    Example:
-        >>> b = Barrier(1); b.wait(5)
-        0
-    """
-
-    def __init__(self, parties: int, action: Optional[Callable[[], Any]] = None,
-                 timeout: Optional[float] = None, *, ctx: Any = None) -> None:
-        if parties < 1:
-            raise ValueError("parties must be > 0")
-        self._parties = parties
-        self._action = action
-        self._timeout = timeout
-        self._host(BarrierService(parties, action is not None))
-
-    def _state(self) -> dict:
-        return {"_parties": self._parties, "_action": self._action, "_timeout": self._timeout}
-
-    def wait(self, timeout: Optional[float] = None) -> int:
-        """Wait for the other parties; returns this party's arrival index."""
-        if timeout is None:
-            timeout = self._timeout
-        turn = self._parked("wait", threading.get_ident(), _timeout_of(True, timeout))
-        if turn.run_action:
-            self._run_action()
-        return turn.index
-
-    def _run_action(self) -> None:
-        try:
-            self._action()
-        except BaseException:
-            self._call("action_done", False)
-            raise
-        self._call("action_done", True)
-
-    def reset(self) -> None:
-        self._call("reset")
-
-    def abort(self) -> None:
-        self._call("abort")
-
-    @property
-    def parties(self) -> int:
-        return self._parties
-
-    @property
-    def n_waiting(self) -> int:
-        return self._call("n_waiting")
-
-    @property
-    def broken(self) -> bool:
-        return self._call("broken")
-
-    def __repr__(self) -> str:
-        return f"<Barrier(parties={self._parties}) {self._oid} at {self._address}>"
