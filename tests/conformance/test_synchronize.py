@@ -357,3 +357,28 @@ def test_barrier_failing_action_breaks_it(ctx):
     assert barrier.broken
     with pytest.raises(ValueError):
         ctx.Barrier(0)
+
+
+def test_interrupted_acquire_is_withdrawn(ctx, monkeypatch):
+    import fibrl.synchronize as sync
+
+    lock, holding, release = ctx.Lock(), ctx.Event(), ctx.Event()
+    p = run(ctx, W.hold, lock, holding, release)
+    assert holding.wait(TIMEOUT)
+    real_wait = sync.wait_reply
+    interrupted = []
+
+    def interrupt_once(handle, address, hub):
+        if not interrupted:
+            interrupted.append(handle.wait(0.2))
+            raise KeyboardInterrupt
+        return real_wait(handle, address, hub)
+
+    monkeypatch.setattr(sync, "wait_reply", interrupt_once)
+    with pytest.raises(KeyboardInterrupt):
+        lock.acquire()
+    assert interrupted == [False]
+    release.set()
+    join_all(p)
+    assert lock.acquire(False) is True  # the withdrawn request did not take it
+    lock.release()
