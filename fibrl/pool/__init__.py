@@ -44,12 +44,15 @@ BACKLOG_CHUNKS = 256
 
 
 def fibrl_context(context: Any) -> Any:
-    """The fibrl context for ``context`` (None: the default; a stdlib one: its method)."""
-    from ..context import BaseContext, _default
+    """The fibrl context for ``context`` (None: the default; a stdlib one: its method).
+
+    Anything with a ``config`` and a ``Process`` factory is used as it is.
+    """
+    from ..context import _default
 
     if context is None:
         return _default
-    if isinstance(context, BaseContext):
+    if hasattr(context, "config") and hasattr(context, "Process"):
         return context
     return _default.get_context(context.get_start_method())
 
@@ -200,7 +203,7 @@ class Pool:
         self._state = TERMINATE
         self._finalizer()
 
-    def join(self, timeout: Optional[float] = None) -> None:
+    def join(self, *, timeout: Optional[float] = None) -> None:
         """Wait for the workers to exit, after :meth:`close` or :meth:`terminate`.
 
         Args:

@@ -112,6 +112,8 @@ class Feeder:
         chunks: list = []
         start = lazy.fed
         room = (lazy.limit - (lazy.fed - lazy.sink._taken())) // lazy.chunksize
+        if self._unbounded:
+            room = _CHUNKS_PER_ROUND
         for _ in range(max(1, min(room, _CHUNKS_PER_ROUND))):
             try:
                 items = list(itertools.islice(lazy.it, lazy.chunksize))

@@ -291,15 +291,16 @@ class PoolService(Service):
     def _func(self, data: bytes, name: str) -> _Func:
         func = self._funcs.get(data)
         if func is None:
+            self._evict_funcs()
             func = _Func(next(self._ids), data, name)
             self._funcs[data] = func
             self._fids[func.fid] = func
-            self._evict_funcs()
         self._funcs.move_to_end(data)
         return func
 
     def _evict_funcs(self) -> None:
-        if len(self._funcs) <= _MAX_FUNCS:
+        """Forget the least recently used callables no job uses (keeps memory bounded)."""
+        if len(self._funcs) < _MAX_FUNCS:
             return
         for data in [d for d, f in self._funcs.items() if f.jobs == 0][:len(self._funcs) // 4]:
             func = self._funcs.pop(data)

@@ -300,7 +300,7 @@ def test_close_then_join_completes_unconsumed_imap(ctx):
     source = Counting(2000)
     it = pool.imap(square, source)
     pool.close()
-    pool.join(TIMEOUT)
+    pool.join(timeout=TIMEOUT)
     assert source.read == 2000
     assert list(it) == [x * x for x in range(2000)]
 
@@ -327,6 +327,34 @@ def test_initializer_failure_breaks_the_pool(ctx):
         assert isinstance(info.value.__cause__, RuntimeError)
 
 
+class SlowFirstWorker:
+    """A context whose first worker takes seconds to start (a pod waiting for a node)."""
+
+    def __init__(self, ctx, delay):
+        self._ctx, self._delay = ctx, delay
+        self._starts = itertools.count()
+        self.config = ctx.config
+
+    def cpu_count(self):
+        return self._ctx.cpu_count()
+
+    def Process(self, *args, **kwargs):
+        proc = self._ctx.Process(*args, **kwargs)
+        if next(self._starts) == 0:
+            start, delay = proc.start, self._delay
+            proc.start = lambda: (time.sleep(delay), start())
+        return proc
+
+
+def test_a_slow_starting_worker_holds_nothing_up(ctx):
+    delay = 8.0
+    started = time.monotonic()
+    with fibrl.pool.Pool(3, context=SlowFirstWorker(ctx, delay)) as pool:
+        assert pool.map(square, range(30), chunksize=1) == [x * x for x in range(30)]
+        assert len(pool._pool) == 2  # the other two did all the work
+        assert time.monotonic() - started < delay
+
+
 def test_tasks_go_to_whichever_worker_is_ready(ctx):
     with ctx.Pool(2) as pool:
         pool.map(square, range(4))
@@ -348,7 +376,7 @@ def test_close_and_join(ctx):
     pool.close()
     with pytest.raises(ValueError, match="Pool not running"):
         pool.apply_async(square, (1,))
-    pool.join(TIMEOUT)
+    pool.join(timeout=TIMEOUT)
     assert result.get(0) == [None] * 4
     assert pool._pool == []
 
@@ -359,7 +387,7 @@ def test_terminate_fails_pending_results_and_is_quick(ctx):
     time.sleep(0.5)
     started = time.monotonic()
     pool.terminate()
-    pool.join(TIMEOUT)
+    pool.join(timeout=TIMEOUT)
     assert time.monotonic() - started < 15
     for result in results:
         with pytest.raises(WorkerLostError, match="terminated"):
@@ -370,5 +398,5 @@ def test_terminate_while_workers_start(ctx):
     started = time.monotonic()
     pool = ctx.Pool(4)
     pool.terminate()
-    pool.join(TIMEOUT)
+    pool.join(timeout=TIMEOUT)
     assert time.monotonic() - started < 30

@@ -180,7 +180,7 @@ def test_pool_of_64_on_a_small_machine(ctx):
         assert pool.map(square, range(10_000)) == [x * x for x in range(10_000)]
         assert pool.map(square, range(10_000), chunksize=1) == [x * x for x in range(10_000)]
         pool.close()
-        pool.join(TIMEOUT)
+        pool.join(timeout=TIMEOUT)
     finally:
         pool.terminate()
     assert pool._pool == []
@@ -194,7 +194,7 @@ def test_terminate_during_chaos_never_hangs(ctx):
         time.sleep(1.0)
         started = time.monotonic()
         pool.terminate()
-    pool.join(TIMEOUT)
+    pool.join(timeout=TIMEOUT)
     assert time.monotonic() - started < 30
     with pytest.raises(Exception):
         result.get(TIMEOUT)
