@@ -55,7 +55,7 @@ log = logging.getLogger(__name__)
 _DEFAULTS = Config()
 _LOOPBACK = ("127.", "localhost", "::1", "[::1]")
 _START_WAIT = 60.0           # seconds create_job waits for the first watch
-_PROBE_SECONDS = 10.0        # how long the first request retries an unreachable cluster
+_PROBE_SECONDS = 5.0         # how long the first request retries an unreachable cluster
 _IMAGE_FAILURES = ("ImagePullBackOff", "ErrImageNeverPull", "InvalidImageName")
 
 
@@ -322,6 +322,7 @@ class KubernetesBackend(Backend):
     def delete_pod(self, name: str, grace: Optional[int], *, quiet: bool = False,
                    forget: Optional[KubernetesJob] = None) -> None:
         """Delete pod ``name`` (``grace`` None: the pod's own grace period)."""
+        quiet = quiet or self._closed   # at exit, a gone cluster must not raise
         extra = {} if grace is None else {"grace_period_seconds": grace}
         try:
             self.api.call("delete", "pods", self.api.core.delete_namespaced_pod, name,
@@ -358,10 +359,13 @@ class KubernetesBackend(Backend):
             self._closed = True
         for job in self._creator.close():
             job.fail(-15, "")
-        self._watcher.stop()
         self.api.retry_for = 2.0
-        for name in list(self._jobs):
-            self.delete_pod(name, 0, quiet=True)
+        for name, job in list(self._jobs.items()):
+            if job.created_seq is not None:
+                self.delete_pod(name, 0, quiet=True)
+        self._watcher.stop()
+        for job in list(self._jobs.values()):
+            job.on_deleted(None)   # nothing will report on them any more
         for name in self._own_secrets:
             self._delete_secret(name)
         self.api.closed.set()

@@ -69,12 +69,20 @@ def pod_failure(pod: dict) -> str:
     status = pod.get("status") or {}
     if status.get("reason"):
         return f"{status['reason']}: {status.get('message', '')}".rstrip(": ")
+    disruption = _condition(pod, "DisruptionTarget")
+    if disruption.get("status") == "True":  # evicted: API eviction, node pressure, drain
+        return f"Evicted: {disruption.get('message', '')} ({disruption.get('reason', '')})"
     terminated = (_container(pod).get("state") or {}).get("terminated") or {}
     if terminated.get("reason") == "OOMKilled":
         return "OOMKilled"
     if terminated and terminated.get("exitCode", 0) != 0 and terminated.get("message"):
         return f"{terminated.get('reason', 'Error')}: {terminated['message']}"
     return ""
+
+
+def _condition(pod: dict, kind: str) -> dict:
+    conditions = (pod.get("status") or {}).get("conditions") or []
+    return next((c for c in conditions if c.get("type") == kind), {})
 
 
 def _waiting(pod: dict) -> dict:
@@ -93,10 +101,9 @@ def stuck_pending(pod: dict) -> str:
     """The scheduler's (or kubelet's) reason a pending pod does not start, else ``""``."""
     if (pod.get("status") or {}).get("phase") not in (None, "Pending"):
         return ""
-    for condition in (pod.get("status") or {}).get("conditions") or []:
-        if (condition.get("type") == "PodScheduled" and condition.get("status") == "False"
-                and condition.get("reason") == "Unschedulable"):
-            return f"Unschedulable: {condition.get('message', '')}"
+    scheduled = _condition(pod, "PodScheduled")
+    if scheduled.get("status") == "False" and scheduled.get("reason") == "Unschedulable":
+        return f"Unschedulable: {scheduled.get('message', '')}"
     waiting = _waiting(pod)
     if waiting.get("reason") in _STUCK_WAITING:
         return f"{waiting['reason']}: {waiting.get('message', '')}"

@@ -1,0 +1,434 @@
+"""The kubernetes backend: pure pieces, then pods on the fake API server (tests/kube).
+
+Pods run as local processes of this machine. Everything is driven through
+fibrl's public API and read back with the official client; the fake's test
+hooks (injected 429/5xx, forbidden verbs, failing image pulls, unschedulable
+pods, eviction) play the cluster's part. Hook-dependent tests are skipped on
+a real cluster (KUBE_TEST_KUBECONFIG).
+"""
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import os
+import re
+import threading
+import time
+import uuid
+
+import pytest
+
+import fibrl
+from fibrl import backends
+from fibrl.backends.kube.settings import (KubeSettings, PodIdentity, cpu_quantity, label_value,
+                                          memory_quantity, pod_name)
+from fibrl.config import Config
+from fibrl.errors import BackendError, ConfigError
+
+kubernetes = pytest.importorskip("kubernetes")
+
+pytestmark = [pytest.mark.kubernetes, pytest.mark.timeout(120)]
+
+WAIT = 30
+RFC1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+
+
+# --------------------------------------------------------------------------- targets
+
+def report_pod_then_wait(out, go):
+    out.put(os.environ.get("FIBRL_POD_NAME"))
+    go.get(timeout=WAIT)
+
+
+def sleep_forever():
+    time.sleep(3600)
+
+
+def exit_with(code):
+    raise SystemExit(code)
+
+
+def start_grandchild(out, go):
+    child = fibrl.Process(target=report_pod_then_wait, args=(out, go), daemon=True)
+    child.start()
+    out.put(os.environ.get("FIBRL_POD_NAME"))
+    child.join(WAIT * 2)
+
+
+@fibrl.meta(cpu=0.25, memory="64m")
+def metered(out, go):
+    report_pod_then_wait(out, go)
+
+
+# --------------------------------------------------------------------------- fixtures
+
+@pytest.fixture
+def kube_init(kube_settings):
+    """``kube_init(**extra)``: a fresh kubernetes backend (own config, own watch) for the test."""
+    previous = fibrl.get_context().config
+    made = []
+
+    def init(**extra):
+        tag = uuid.uuid4().hex[:8]
+        labels = ",".join(filter(None, [extra.pop("kubernetes_labels", ""), f"test={tag}"]))
+        settings = {**kube_settings, "kubernetes_labels": labels, **extra}
+        fibrl.init(backend="kubernetes", **settings)
+        backend = backends.get_backend(fibrl.get_context().config)
+        made.append(backend)
+        return backend
+
+    yield init
+    for backend in made:
+        backend.close()
+    fibrl.init(**{k: getattr(previous, k) for k in Config.__dataclass_fields__})
+
+
+@pytest.fixture
+def fake(kube_cluster):
+    if kube_cluster.fake is None:
+        pytest.skip("needs the fake API server's test hooks (not a real cluster)")
+    yield kube_cluster.fake
+    kube_cluster.fake.reset_hooks()
+
+
+@pytest.fixture
+def core(kube_cluster):
+    with kube_cluster.client() as api:
+        yield kubernetes.client.CoreV1Api(api)
+
+
+def _started(target, *args, **kwargs):
+    p = fibrl.Process(target=target, args=args, **kwargs)
+    p.start()
+    return p
+
+
+def _pod_of(p, core, namespace):
+    return core.read_namespaced_pod(p._popen.job.name, namespace, _request_timeout=10)
+
+
+# --------------------------------------------------------------------------- pure pieces
+
+@pytest.mark.parametrize("name", ["Process-1", "SpawnPoolWorker-3:12", "Ünïcødé name",
+                                  "", "x" * 200, "--..--", "FIBRL:worker"])
+def test_pod_names_are_rfc1123_labels_and_unique(name):
+    names = {pod_name(name) for _ in range(50)}
+    assert len(names) == 50
+    for made in names:
+        assert RFC1123_LABEL.match(made) and len(made) <= 63, made
+
+
+def test_label_values_are_valid():
+    for text in ("Process-1:2", "-a-", "x" * 100, "ok"):
+        value = label_value(text)
+        assert re.match(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$", value) and len(value) <= 63
+
+
+@pytest.mark.parametrize("given,expected", [("512m", "512Mi"), ("2g", "2Gi"), ("1.5g", "1536Mi"),
+                                            ("64mb", "64Mi"), ("512Mi", "512Mi"), ("1G", "1G"),
+                                            ("1000", "1000"), ("100k", "100Ki")])
+def test_memory_quantities(given, expected):
+    assert memory_quantity(given) == expected
+
+
+def test_cpu_quantities_and_bad_sizes():
+    assert [cpu_quantity(c) for c in (0.5, 1, 2.0, 0.001)] == ["500m", "1", "2", "1m"]
+    with pytest.raises(ConfigError, match="millicore"):
+        cpu_quantity(0.0001)
+    with pytest.raises(ConfigError, match="not a size.*512m"):
+        memory_quantity("lots")
+
+
+@pytest.mark.parametrize("key,value,match", [
+    ("kubernetes_node_selector", "disktype", "name=value"),
+    ("kubernetes_tolerations", "[{", "not JSON"),
+    ("kubernetes_tolerations", '[{"key": "a", "colour": "red"}]', "unknown toleration field"),
+    ("kubernetes_image_pull_secrets", "Bad_Name", "not a valid kubernetes object name"),
+    ("kubernetes_labels", "fibrl.run=x", "fibrl's own labels"),
+    ("kubernetes_labels", "team=not ok", "label value"),
+    ("kubernetes_env", "FIBRL_SECRET=abc", "may not set FIBRL_SECRET"),
+    ("kubernetes_namespace", "Not_A_Namespace", "not a valid namespace"),
+    ("kubernetes_create_batch", 0, "must be > 0"),
+])
+def test_bad_kubernetes_config_names_the_key(key, value, match):
+    with pytest.raises(ConfigError, match=match) as info:
+        KubeSettings.from_config(Config(**{key: value}))
+    assert key in str(info.value)
+
+
+def test_settings_parse_the_documented_formats():
+    settings = KubeSettings.from_config(Config(
+        kubernetes_node_selector="disktype=ssd, zone=a", kubernetes_labels="team=rl",
+        kubernetes_env="OMP_NUM_THREADS=1", kubernetes_image_pull_secrets="regcred, other",
+        kubernetes_tolerations='{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}'))
+    assert settings.node_selector == {"disktype": "ssd", "zone": "a"}
+    assert settings.image_pull_secrets == ("regcred", "other")
+    assert settings.tolerations == ({"key": "gpu", "operator": "Exists", "effect": "NoSchedule"},)
+    assert settings.env == {"OMP_NUM_THREADS": "1"} and settings.labels == {"team": "rl"}
+
+
+def test_pod_identity_from_fibrl_env_and_service_account(tmp_path):
+    env = {"FIBRL_POD_NAME": "p", "FIBRL_POD_NAMESPACE": "ns", "FIBRL_POD_UID": "u"}
+    assert PodIdentity.detect(env, str(tmp_path)) == PodIdentity("p", "ns", "u", False)
+    assert not PodIdentity.detect({}, str(tmp_path)).in_pod
+    (tmp_path / "token").write_text("t")
+    (tmp_path / "namespace").write_text("team-a\n")
+    found = PodIdentity.detect({"KUBERNETES_SERVICE_HOST": "10.0.0.1", "HOSTNAME": "me"},
+                               str(tmp_path))
+    assert found == PodIdentity("me", "team-a", "", True)
+
+
+def test_import_fibrl_does_not_import_kubernetes():
+    import subprocess
+    import sys
+
+    code = ("import sys, fibrl, fibrl.backends; fibrl.init(backend='kubernetes'); "
+            "print('kubernetes' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "False", out.stderr
+
+
+# --------------------------------------------------------------------------- pods
+
+def test_worker_pod_spec(kube_init, core, kube_settings):
+    kube_init(kubernetes_env="EXTRA_VAR=1", kubernetes_labels="team=rl")
+    out, go = fibrl.Queue(), fibrl.Queue()
+    p = _started(metered, out, go, name="Trainer:1")
+    name = out.get(timeout=WAIT)
+    pod = _pod_of(p, core, kube_settings["kubernetes_namespace"])
+    assert pod.metadata.name == name and name.startswith("fibrl-trainer-1-")
+    labels = pod.metadata.labels
+    assert labels["fibrl.run"] == fibrl.popen.run_id() and labels["fibrl.role"] == "process"
+    assert labels["fibrl.parent"] == str(os.getpid()) and labels["team"] == "rl"
+    assert pod.metadata.annotations["fibrl.process-name"] == "Trainer:1"
+    assert pod.spec.restart_policy == "Never" and not pod.metadata.owner_references
+    container = pod.spec.containers[0]
+    assert container.resources.limits == {"cpu": "250m", "memory": "64Mi"}
+    assert container.resources.requests == container.resources.limits
+    env = {e.name: e for e in container.env}
+    assert env["FIBRL_SECRET"].value is None  # never a literal in the pod spec
+    ref = env["FIBRL_SECRET"].value_from.secret_key_ref
+    secret = core.read_namespaced_secret(ref.name, pod.metadata.namespace, _request_timeout=10)
+    assert base64.b64decode(secret.data[ref.key]).decode() == bytes(p.authkey).hex()
+    assert env["EXTRA_VAR"].value == "1"
+    assert env["FIBRL_LISTEN_HOST"].value_from.field_ref.field_path == "status.podIP"
+    go.put("done")
+    p.join(WAIT)
+    assert p.exitcode == 0
+
+
+def test_one_watch_per_run_and_no_polling(kube_init, fake):
+    backend = kube_init()
+    before_get = fake.count_requests(verb="get", resource="pods")
+    procs = [_started(exit_with, 0) for _ in range(6)]
+    for p in procs:
+        p.join(WAIT)
+    assert [p.exitcode for p in procs] == [0] * 6
+    stats = backend.stats()
+    assert stats["watches"] == 1 and stats["lists"] == 1, stats
+    assert fake.count_requests(verb="get", resource="pods") == before_get  # no poll per worker
+
+
+def test_pods_are_created_in_waves_and_429_halves_the_wave(kube_init, fake):
+    backend = kube_init(kubernetes_create_batch=4)
+    first = _started(exit_with, 0)          # created inline
+    fake.inject_errors(429, count=3, verb="create", resource="pods", retry_after=0)
+    procs = [_started(exit_with, 0) for _ in range(12)]
+    for p in [first] + procs:
+        p.join(WAIT)
+    assert [p.exitcode for p in procs] == [0] * 12
+    assert fake.count_requests(verb="create", resource="pods", code=429) >= 3
+    assert backend.stats()["waves"] >= 3
+    assert backend.api.throttled >= 3
+
+
+def test_api_calls_are_retried_on_5xx(kube_init, fake):
+    kube_init()
+    fake.inject_errors(503, count=2, verb="create", resource="secrets", retry_after=0)
+    fake.inject_errors(500, count=2, verb="create", resource="pods", retry_after=0)
+    p = _started(exit_with, 3)
+    p.join(WAIT)
+    assert p.exitcode == 3
+
+
+@pytest.mark.parametrize("verb,resource", [("create", "pods"), ("watch", "pods"),
+                                           ("create", "secrets")])
+def test_forbidden_names_the_missing_permission_and_the_fix(kube_init, fake, verb, resource):
+    kube_init()
+    fake.forbid(verb, resource)
+    p = fibrl.Process(target=exit_with, args=(0,))
+    with pytest.raises(BackendError) as info:
+        p.start()
+    text = str(info.value)
+    assert "forbidden" in text and f"{verb} {resource}" in text and "deploy/rbac.yaml" in text
+
+
+def test_no_cluster_reachable_is_reported_quickly(kube_init, tmp_path):
+    config = {"apiVersion": "v1", "kind": "Config", "current-context": "c",
+              "clusters": [{"name": "c", "cluster": {"server": "http://127.0.0.1:9"}}],
+              "users": [{"name": "u", "user": {"token": "t"}}],
+              "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}]}
+    path = tmp_path / "kubeconfig"
+    path.write_text(json.dumps(config))
+    kube_init(kubernetes_kubeconfig=str(path))
+    t0 = time.monotonic()
+    with pytest.raises(BackendError, match="no kubernetes cluster reachable at http://127.0.0.1:9"):
+        fibrl.Process(target=exit_with, args=(0,)).start()
+    assert time.monotonic() - t0 < 30
+
+
+def test_missing_kubeconfig_says_how_to_fix(kube_init, tmp_path):
+    kube_init(kubernetes_kubeconfig=str(tmp_path / "nope"))
+    with pytest.raises(BackendError, match="does not exist.*kubeconfig"):
+        fibrl.Process(target=exit_with, args=(0,)).start()
+
+
+def test_image_pull_failure_is_reported_not_waited_on(kube_init, fake, caplog):
+    image = "registry.invalid/fibrl/missing:1"
+    fake.fail_image_pulls(image)
+    kube_init(image=image)
+    with caplog.at_level(logging.ERROR, logger="fibrl.backends.kubernetes"):
+        p = _started(sleep_forever)
+        p.join(WAIT)
+    assert p.exitcode == 1
+    reason = p._popen.job.failure_reason()
+    assert "ImagePullBackOff" in reason and image in reason and "Fix" in reason
+    assert any("cannot pull its image" in r.getMessage() for r in caplog.records)
+    with pytest.raises(BackendError, match="cannot pull its image"):
+        fibrl.Process(target=sleep_forever).start()   # the next one fails at once
+
+
+def test_unschedulable_pod_reports_the_schedulers_reason(kube_init):
+    kube_init(kubernetes_node_selector="disktype=nonexistent", kubernetes_pending_timeout=1.5)
+    p = _started(sleep_forever)
+    time.sleep(0.5)
+    assert "Unschedulable" in p._popen.job.logs()
+    p.join(WAIT)
+    assert p.exitcode == 1
+    reason = p._popen.job.failure_reason()
+    assert "Unschedulable" in reason and "node affinity/selector" in reason
+    assert "kubernetes_pending_timeout" in reason
+
+
+def test_evicted_pod_says_evicted(kube_init, fake, kube_settings):
+    kube_init()
+    out, go = fibrl.Queue(), fibrl.Queue()
+    p = _started(report_pod_then_wait, out, go)
+    fake.evict_pod(kube_settings["kubernetes_namespace"], out.get(timeout=WAIT))
+    p.join(WAIT)
+    assert p.exitcode != 0
+    assert p._popen.job.failure_reason().startswith("Evicted")
+
+
+def test_pod_deleted_by_someone_else_is_a_lost_worker(kube_init, core, kube_settings):
+    kube_init()
+    out, go = fibrl.Queue(), fibrl.Queue()
+    p = _started(report_pod_then_wait, out, go)
+    core.delete_namespaced_pod(out.get(timeout=WAIT), kube_settings["kubernetes_namespace"],
+                               grace_period_seconds=0, _request_timeout=10)
+    p.join(WAIT)
+    assert p.exitcode < 0
+    assert "deleted by someone else" in p._popen.job.failure_reason() or p.exitcode == -9
+
+
+def test_terminate_before_the_pod_exists(kube_init):
+    kube_init()
+    _started(exit_with, 0).join(WAIT)        # later pods are queued, not created inline
+    procs = [_started(sleep_forever) for _ in range(5)]
+    for p in procs:
+        p.terminate()
+    for p in procs:
+        p.join(WAIT)
+    assert [p.exitcode for p in procs] == [-15] * 5
+
+
+def test_worker_pods_of_a_pod_carry_an_owner_reference(kube_init, core, kube_settings, fake):
+    kube_init()
+    namespace = kube_settings["kubernetes_namespace"]
+    out, go = fibrl.Queue(), fibrl.Queue()
+    p = _started(start_grandchild, out, go)
+    names = {out.get(timeout=WAIT), out.get(timeout=WAIT)}
+    child = p._popen.job.name
+    (grandchild,) = names - {child}
+    refs = core.read_namespaced_pod(grandchild, namespace, _request_timeout=10).metadata.owner_references
+    owner = core.read_namespaced_pod(child, namespace, _request_timeout=10)
+    assert [(r.kind, r.name, r.uid) for r in refs] == [("Pod", child, owner.metadata.uid)]
+    core.delete_namespaced_pod(child, namespace, _request_timeout=10)   # the parent pod goes ...
+    deadline = time.monotonic() + WAIT
+    while time.monotonic() < deadline and grandchild in _pod_names(core, namespace):
+        time.sleep(0.2)
+    assert grandchild not in _pod_names(core, namespace)            # ... and takes its workers
+    p.join(WAIT)
+
+
+def _pod_names(core, namespace):
+    return {pod.metadata.name for pod in core.list_namespaced_pod(namespace,
+                                                                  _request_timeout=10).items}
+
+
+def test_close_removes_the_runs_pods_and_secret(kube_init, core, kube_settings):
+    backend = kube_init()
+    namespace = kube_settings["kubernetes_namespace"]
+    p = _started(sleep_forever, daemon=True)
+    selector = f"fibrl.owner={backend.token}"
+    assert core.list_namespaced_secret(namespace, label_selector=selector).items
+    backend.close()
+    p.join(WAIT)
+    assert p.exitcode == -9
+    assert not core.list_namespaced_secret(namespace, label_selector=selector).items
+    deadline = time.monotonic() + WAIT
+    while core.list_namespaced_pod(namespace, label_selector=selector).items:
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+
+
+def test_watch_recovers_from_410_and_from_failed_lists(kube_cluster):
+    if kube_cluster.fake is None:
+        pytest.skip("needs a fake API server with a tiny watch history")
+    from tests.kube.fake_apiserver import FakeApiServer
+    from fibrl.backends.kube.api import Api, connect
+    from fibrl.backends.kube.watch import PodWatcher
+
+    with FakeApiServer(history_limit=3) as server:
+        settings = KubeSettings.from_config(Config(kubernetes_kubeconfig=server.write_kubeconfig()))
+        api = Api(connect(settings, PodIdentity()))
+        events, lists = [], []
+        release = threading.Event()
+
+        def on_resync(pods, seq):
+            lists.append(len(pods))
+            events.extend("LISTED" for _ in pods)
+            release.wait(WAIT)     # hold the first list while the history moves on
+
+        with server.api_client() as client:   # a real cluster's resourceVersion is never "0"
+            kubernetes.client.CoreV1Api(client).create_namespaced_secret(
+                "w", {"metadata": {"name": "first"}}, _request_timeout=10)
+        server.inject_errors(503, count=2, verb="list", resource="pods", retry_after=0)
+        watcher = PodWatcher(api, "w", "app=x", lambda kind, pod: events.append(kind),
+                             on_resync, lambda exc: None, lambda: 0)
+        watcher.start()
+        try:
+            while not lists:
+                time.sleep(0.05)
+            with server.api_client() as client:
+                for i in range(10):      # 10 events: the listed resourceVersion is now too old
+                    kubernetes.client.CoreV1Api(client).create_namespaced_secret(
+                        "w", {"metadata": {"name": f"s{i}"}}, _request_timeout=10)
+            release.set()
+            assert watcher.ready.wait(WAIT)
+            deadline = time.monotonic() + WAIT
+            while len(lists) < 2 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert len(lists) >= 2, "a 410 must lead to a new list (resync)"
+            with server.api_client() as client:
+                kubernetes.client.CoreV1Api(client).create_namespaced_pod("w", {
+                    "metadata": {"name": "p", "labels": {"app": "x"}},
+                    "spec": {"containers": [{"name": "c", "image": "i",
+                                             "command": ["python", "-c", "pass"]}]}},
+                    _request_timeout=10)
+            while not events and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert events   # from the watch, or from a resync when the tiny history overflowed
+        finally:
+            watcher.stop()
