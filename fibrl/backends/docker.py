@@ -57,6 +57,7 @@ LABEL_RUN = "fibrl.run"
 LABEL_PARENT = "fibrl.parent"
 LOG_TAIL_LINES = 500  # what logs() keeps of a removed container, and shows in errors
 _MAX_SIGNAL = 64
+_STOP_TIMEOUT = 10.0  # seconds to wait for a killed container's end to be reported
 _LOOPBACK = ("127.", "localhost", "::1")
 
 
@@ -333,9 +334,11 @@ class DockerJob(Job):
         return self._state.get("Error", "")
 
     def remove(self) -> None:
-        """Keep the logs' tail, then remove the container (waits for it to end)."""
-        self._ended.wait()
-        self._follower.join(5.0)
+        """Keep the logs' tail, then remove the container (killing it if it still runs)."""
+        if not self._ended.is_set():
+            self.kill()
+            self._ended.wait(_STOP_TIMEOUT)
+        self._follower.join(_STOP_TIMEOUT)
         with self._lock:
             if self._removed:
                 return
@@ -550,7 +553,7 @@ class DockerBackend(Backend):
         container = self._create(probe, image)
         try:
             container.start()
-            status = container.wait()["StatusCode"]
+            status = container.wait(timeout=self.config.start_timeout)["StatusCode"]
             output = container.logs(tail=LOG_TAIL_LINES).decode("utf-8", "replace")
         except _sdk_errors() as exc:
             raise _start_error(image, exc) from exc
