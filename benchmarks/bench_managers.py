@@ -16,7 +16,10 @@ made from this one:
   the same calls one after the other (it has no async proxies) and from a
   4-thread pool;
 - overlap (s): four managers each running a 1 s call; fibrl waits on four
-  handles, the stdlib makes the calls one by one.
+  handles, the stdlib makes the calls one by one;
+- the transport's floor (µs): a bare round trip of one small frame over
+  fibrl's authenticated pynng channel to an echo in another process (no
+  pickling, no dispatch), against the same over ``multiprocessing.connection``.
 
 Every measurement runs a warm-up first (which also sizes the timed runs to
 about ``--target`` seconds), then repeats and reports the median. The table
@@ -99,6 +102,62 @@ def _sync_rows(make_manager, target: float, repeats: int) -> dict:
         manager.shutdown()
 
 
+def echo_server(ready, stop) -> None:
+    """Child side of the floor measurement: echo every frame of one channel."""
+    from fibrl.hub import get_hub
+    from fibrl.transport import Listener
+
+    listener = Listener("127.0.0.1", get_hub().secret, on_frame=lambda peer, data: peer.send(data))
+    ready.put(listener.address)
+    stop.wait(120)
+    listener.close()
+
+
+def mp_echo_server(conn) -> None:
+    """Child side of the stdlib floor measurement."""
+    while True:
+        data = conn.recv_bytes()
+        if not data:
+            return
+        conn.send_bytes(data)
+
+
+def _floor(target: float, repeats: int) -> tuple:
+    import multiprocessing
+
+    import fibrl
+    from fibrl.hub import get_hub
+    from fibrl.transport import Channel
+
+    ready, stop = fibrl.Queue(), fibrl.Event()
+    proc = fibrl.Process(target=echo_server, args=(ready, stop))
+    proc.start()
+    channel = Channel.connect(ready.get(timeout=60), get_hub().secret)
+
+    def ping(n: int) -> None:
+        for _ in range(n):
+            channel.send(b"x" * 64)
+            channel.recv()
+
+    fib = statistics.median(_timed(ping, target, repeats)) * 1e6
+    channel.close()
+    stop.set()
+    proc.join(30)
+    here, there = multiprocessing.Pipe()
+    child = multiprocessing.Process(target=mp_echo_server, args=(there,))
+    child.start()
+
+    def mp_ping(n: int) -> None:
+        for _ in range(n):
+            here.send_bytes(b"x" * 64)
+            here.recv_bytes()
+
+    std = statistics.median(_timed(mp_ping, target, repeats)) * 1e6
+    here.send_bytes(b"")
+    child.join(30)
+    return fib, std
+
+
 def _async_fibrl(target: float, repeats: int) -> dict:
     from fibrl.managers import AsyncManager
 
@@ -171,6 +230,7 @@ def main() -> int:
     std = _sync_rows(multiprocessing.Manager, target, repeats)
     fib.update(_async_fibrl(target, repeats))
     std.update(_async_mp(target, repeats))
+    fib["floor"], std["floor"] = _floor(target, repeats)
     rows = [
         ("sync round trip, len(list) (µs)", fib["rtt"], std["rtt"], "lower"),
         ("sync round trip, 10 KB arg (µs)", fib["rtt10k"], std["rtt10k"], "lower"),
@@ -178,12 +238,13 @@ def main() -> int:
         ("async calls/s vs mp sequential", fib["async"], std["async"], "higher"),
         ("async calls/s vs mp 4 threads", fib["async"], std["async_threads"], "higher"),
         ("4 managers x 1 s call (s)", fib["overlap"], std["overlap"], "lower"),
+        ("transport floor: bare round trip (µs)", fib["floor"], std["floor"], "lower"),
     ]
     print(f"python {platform.python_version()}, {os.cpu_count()} cpus, {platform.machine()}")
-    print(f"| {'measure':34} | {'fibrl':>10} | {'mp':>10} | {'fibrl/mp':>8} | better |")
-    print(f"|{'-' * 36}|{'-' * 12}|{'-' * 12}|{'-' * 10}|--------|")
+    print(f"| {'measure':37} | {'fibrl':>10} | {'mp':>10} | {'fibrl/mp':>8} | better |")
+    print(f"|{'-' * 39}|{'-' * 12}|{'-' * 12}|{'-' * 10}|--------|")
     for name, a, b, better in rows:
-        print(f"| {name:34} | {a:10.1f} | {b:10.1f} | {a / b:8.2f} | {better:6} |")
+        print(f"| {name:37} | {a:10.1f} | {b:10.1f} | {a / b:8.2f} | {better:6} |")
     return 0
 
 

@@ -61,9 +61,12 @@ class Line:
     """One thread's dedicated connection to the manager server at ``address``."""
 
     def __init__(self, address: str, authkey: bytes) -> None:
+        from ..context import current_config
         from ..transport import Channel
 
         hub = hub_for(authkey)
+        config = current_config()
+        self._slice, self._limit = config.heartbeat_interval, config.parent_timeout
         self.address = address
         self.authkey = authkey
         self.broken = False
@@ -98,15 +101,13 @@ class Line:
         return value
 
     def _receive(self, rid: int):
-        from ..context import current_config
-        from ..synchronize.services import ensure_alive
-
-        config = current_config()
         while True:
             try:
-                reply = serialization.loads(self._channel.recv(config.heartbeat_interval))
+                reply = serialization.loads(self._channel.recv(self._slice))
             except TimeoutError:
-                ensure_alive(hub_for(self.authkey), self.address, config.parent_timeout)
+                from ..synchronize.services import ensure_alive
+
+                ensure_alive(hub_for(self.authkey), self.address, self._limit)
                 continue
             if reply.rid == rid:
                 return reply

@@ -22,6 +22,7 @@ Data flow of a call::
 from __future__ import annotations
 
 import multiprocessing
+import threading
 import time
 import weakref
 from multiprocessing import process
@@ -41,6 +42,42 @@ __all__ = [
     "EventProxy", "BarrierProxy", "NamespaceProxy", "ValueProxy", "BaseListProxy",
     "ListProxy", "DictProxy", "ArrayProxy", "BasePoolProxy", "PoolProxy",
 ]
+
+
+_NO_ARGS = serialization.dumps(((), {}))
+
+
+def _payload(args: tuple, kwds: Optional[dict]) -> bytes:
+    if not args and not kwds:
+        return _NO_ARGS
+    return serialization.dumps((args, kwds or {}))
+
+
+class _InFlight:
+    """Async calls awaiting replies, per server: a burst is batched, a lone call is not.
+
+    The first call to an idle server is sent at once (lowest latency); calls
+    made while others are in flight go to the hub's feeder thread, which packs
+    them into one frame (highest rate).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._count: dict[str, int] = {}
+
+    def start(self, address: str) -> bool:
+        """Count a new call; True when it should be sent inline."""
+        with self._lock:
+            count = self._count.get(address, 0)
+            self._count[address] = count + 1
+        return count == 0
+
+    def done(self, address: str) -> None:
+        with self._lock:
+            self._count[address] = max(self._count.get(address, 1) - 1, 0)
+
+
+_in_flight = _InFlight()
 
 
 class HandleTimeout(multiprocessing.TimeoutError, TimeoutError):
@@ -81,7 +118,7 @@ class BaseProxy:
     # -- calls ---------------------------------------------------------------------------
     def _callmethod(self, methodname: str, args: tuple = (), kwds: Optional[dict] = None) -> Any:
         """Call ``methodname`` of the managed object and return its result."""
-        payload = serialization.dumps((args, kwds or {}))
+        payload = _payload(args, kwds)
         address = self._token.address
         if self._server is not None:
             data = self._server.hub.call(address, MANAGER_OID, "call", self._id, methodname,
@@ -98,14 +135,17 @@ class BaseProxy:
         Calls to one object run in the order they arrive, one at a time;
         calls to different objects run in parallel.
         """
-        payload = serialization.dumps((args, kwds or {}))
+        payload = _payload(args, kwds)
         address = self._token.address
         hub = self._server.hub if self._server is not None else hub_for(bytes(self._authkey))
         try:
             handle = hub.call_async(address, MANAGER_OID, "spawn", self._id, methodname,
-                                    payload, take_decrefs(address))
+                                    payload, take_decrefs(address),
+                                    inline=_in_flight.start(address))
         except TransportError as exc:
+            _in_flight.done(address)
             raise lost_error(address, exc) from exc
+        handle.add_done_callback(lambda _h: _in_flight.done(address))
         return ProxyHandle(handle, self, methodname)
 
     def _decode(self, data: bytes) -> Any:
