@@ -32,6 +32,7 @@ process is gone.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
 import os
 import re
@@ -80,7 +81,7 @@ def _no_sdk() -> BackendError:
 
 
 def in_worker_container() -> bool:
-    """True in a fibrl worker running inside a container (which cannot reach the engine)."""
+    """True in a fibrl worker running inside a container."""
     from multiprocessing import parent_process
 
     return os.path.exists("/.dockerenv") and parent_process() is not None
@@ -418,6 +419,8 @@ class DockerBackend(Backend):
         self._checks: dict = {}
         self._jobs: weakref.WeakSet = weakref.WeakSet()
         self._ncpu: Optional[int] = None
+        self._nested: Optional[bool] = None
+        self._local_backend: Optional[Backend] = None
 
     @property
     def client(self) -> Any:
@@ -431,7 +434,7 @@ class DockerBackend(Backend):
         return self._client
 
     def cpu_count(self) -> int:
-        if in_worker_container():
+        if self._nested_locally():
             return self._local().cpu_count()
         if self._ncpu is None:
             try:
@@ -442,8 +445,9 @@ class DockerBackend(Backend):
         return self._ncpu
 
     def create_job(self, spec: JobSpec) -> Job:
-        if in_worker_container():
-            return self._local().create_job(spec)
+        if self._nested_locally():
+            command = (sys.executable,) + tuple(spec.command[1:])  # this container's python
+            return self._local().create_job(dataclasses.replace(spec, command=command))
         self._check_network()
         image = spec.image or self.config.image
         kwargs = self._container_kwargs(spec, image)
@@ -454,12 +458,26 @@ class DockerBackend(Backend):
             self._jobs.add(job)
         return job
 
-    def _local(self) -> Backend:
-        # A worker container has no access to the engine (nothing of the host is
-        # mounted but the working directory): its own children run beside it.
-        from .local import LocalBackend
+    def _nested_locally(self) -> bool:
+        """A worker container cannot reach the engine (nothing of the host is mounted
+        but the working directory): the processes it starts run beside it."""
+        if self._nested is None:
+            self._nested = in_worker_container() and not self._engine_reachable()
+        return self._nested
 
-        return LocalBackend(self.config)
+    def _engine_reachable(self) -> bool:
+        try:
+            self.client
+        except BackendError:
+            return False
+        return True
+
+    def _local(self) -> Backend:
+        if self._local_backend is None:
+            from .local import LocalBackend
+
+            self._local_backend = LocalBackend(self.config)
+        return self._local_backend
 
     def cleanup(self, run_id: Optional[str] = None, *, force: bool = True) -> list:
         """Remove the containers of ``run_id`` (default: this program's run); return names."""
