@@ -12,6 +12,9 @@ Measures, for the ``local`` and ``docker`` backends:
 - Pool(4) no-op ``map`` throughput at chunksize=1 (tasks/s), median of repeats.
 - Process start+join (ms): median of 10 ``Process(target=noop).start(); join()``.
 
+Both backends' pools stay up side by side and the timed runs alternate between
+them (after a warm-up each), so a change of load on the machine hits both alike.
+
 Targets (issue 5): Pool(4) first result <= 2 s on docker; docker throughput at
 chunksize=1 >= 0.8x local. The table gives docker/local ratios and says which
 way is better. These are numbers to read, not assertions.
@@ -39,39 +42,49 @@ def first_result(ctx) -> tuple:
     return pool, time.perf_counter() - t0
 
 
-def throughput(pool, tasks: int, repeats: int) -> float:
-    pool.map(noop, range(200), chunksize=1)  # warm-up: every worker connected and busy
-    rates = []
+def map_rate(pool, tasks: int) -> float:
+    t0 = time.perf_counter()
+    out = pool.map(noop, range(tasks), chunksize=1)
+    rate = tasks / (time.perf_counter() - t0)
+    assert out == list(range(tasks))
+    return rate
+
+
+def start_join(ctx) -> float:
+    t0 = time.perf_counter()
+    p = ctx.Process(target=noop)
+    p.start()
+    p.join(120)
+    assert p.exitcode == 0, p.exitcode
+    return (time.perf_counter() - t0) * 1e3
+
+
+def alternate(measure, args: dict, repeats: int) -> dict:
+    """Median of ``repeats`` runs per backend, interleaved so load changes hit both alike."""
+    samples: dict = {name: [] for name in args}
+    for name, arg in args.items():
+        measure(arg)  # warm-up
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        out = pool.map(noop, range(tasks), chunksize=1)
-        rates.append(tasks / (time.perf_counter() - t0))
-        assert out == list(range(tasks))
-    return statistics.median(rates)
+        for name, arg in args.items():
+            samples[name].append(measure(arg))
+    return {name: statistics.median(values) for name, values in samples.items()}
 
 
-def start_join(ctx, repeats: int) -> float:
-    times = []
-    for _ in range(repeats + 1):  # the first is a warm-up
-        t0 = time.perf_counter()
-        p = ctx.Process(target=noop)
-        p.start()
-        p.join(120)
-        times.append(time.perf_counter() - t0)
-        assert p.exitcode == 0, p.exitcode
-    return statistics.median(times[1:]) * 1e3
-
-
-def measure(backend: str, tasks: int, repeats: int) -> dict:
-    fibrl.init(backend=backend)
-    ctx = fibrl.get_context()
-    pool, first = first_result(ctx)
+def run(tasks: int, repeats: int) -> dict:
+    contexts = {name: fibrl.get_context(name) for name in BACKENDS}
+    pools, results = {}, {name: {} for name in BACKENDS}
     try:
-        rate = throughput(pool, tasks, repeats)
+        for name, ctx in contexts.items():  # cold: the first pool of the run
+            pools[name], results[name]["first"] = first_result(ctx)
+        rates = alternate(lambda pool: map_rate(pool, tasks), pools, repeats)
     finally:
-        pool.close()
-        pool.join()
-    return {"first": first, "rate": rate, "start": start_join(ctx, 10)}
+        for pool in pools.values():
+            pool.close()
+            pool.join()
+    starts = alternate(start_join, contexts, 10)
+    for name in BACKENDS:
+        results[name].update(rate=rates[name], start=starts[name])
+    return results
 
 
 ROWS = (
@@ -101,7 +114,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer tasks and repeats")
     args = parser.parse_args()
     tasks, repeats = (1000, 3) if args.quick else (5000, 5)
-    results = {name: measure(name, tasks, repeats) for name in BACKENDS}
+    results = run(tasks, repeats)
     print(f"fibrl {fibrl.__version__}, Python {platform.python_version()}, "
           f"{platform.machine()}, {fibrl.get_context('docker').cpu_count()} CPUs (engine); "
           f"{tasks} tasks x {repeats} repeats")
