@@ -27,13 +27,14 @@ import os
 import queue
 import signal
 import threading
+import traceback
 from dataclasses import dataclass
 from multiprocessing import ProcessError, process, util
 from multiprocessing.connection import wait as wait_fds
 from typing import Any, Callable, Optional
 
 from .. import serialization
-from ..errors import BackendError, describe_exitcode
+from ..errors import BackendError, RemoteTraceback, describe_exitcode
 from ..hub import ReplySink, Service, get_hub
 from .lines import MANAGER_OID, close_lines, hub_for, line_for, take_decrefs
 from .proxies import (AcquirerProxy, ArrayProxy, AsyncAutoProxy, AutoProxy, BarrierProxy,
@@ -83,7 +84,9 @@ class _StartReportService(Service):
         self._done(True, address)
         reply(None)
 
-    def op_failed(self, reply: ReplySink, error: BaseException) -> None:
+    def op_failed(self, reply: ReplySink, error: BaseException, tb: str = "") -> None:
+        if tb:
+            error.__cause__ = RemoteTraceback(tb)
         self._done(False, error)
         reply(None)
 
@@ -103,7 +106,7 @@ def _run_server(registry: dict, address: Any, authkey: bytes, serializer: str,
             initializer(*initargs)
         server = Server(registry, address, authkey, serializer)
     except BaseException as exc:
-        hub.call(report.address, report.oid, "failed", exc, timeout=30)
+        hub.call(report.address, report.oid, "failed", exc, traceback.format_exc(), timeout=30)
         raise
     process.current_process()._manager_server = server
     hub.call(report.address, report.oid, "ready", server.address, timeout=30)
@@ -223,7 +226,7 @@ class BaseManager:
             return report.value
         if report.ok is False:
             self._process.join(self._shutdown_timeout)
-            raise report.value
+            raise report.value  # its __cause__ is the server's traceback
         if not ready:
             self._process.kill()
             self._process.join()

@@ -84,9 +84,12 @@ class HandleTimeout(multiprocessing.TimeoutError, TimeoutError):
     """``ProxyHandle.get(timeout)`` ran out of time (both the stdlib and builtin kind)."""
 
 
+_decoding = threading.local()  # (address, authkey) of the server whose reply is being unpickled
+
+
 def _local_server(token: Token) -> Any:
     server = getattr(process.current_process(), "_manager_server", None)
-    if server is not None and server.address == token.address:
+    if server is not None and server.owns(token):
         return server
     return None
 
@@ -119,7 +122,7 @@ class BaseProxy:
     def _callmethod(self, methodname: str, args: tuple = (), kwds: Optional[dict] = None) -> Any:
         """Call ``methodname`` of the managed object and return its result."""
         payload = _payload(args, kwds)
-        address = self._token.address
+        address = self._address()
         if self._server is not None:
             data = self._server.hub.call(address, MANAGER_OID, "call", self._id, methodname,
                                          payload, take_decrefs(address))
@@ -136,8 +139,8 @@ class BaseProxy:
         calls to different objects run in parallel.
         """
         payload = _payload(args, kwds)
-        address = self._token.address
-        hub = self._server.hub if self._server is not None else hub_for(bytes(self._authkey))
+        address = self._address()
+        hub = self._hub()
         try:
             handle = hub.call_async(address, MANAGER_OID, "spawn", self._id, methodname,
                                     payload, take_decrefs(address),
@@ -148,8 +151,20 @@ class BaseProxy:
         handle.add_done_callback(lambda _h: _in_flight.done(address))
         return ProxyHandle(handle, self, methodname)
 
+    def _address(self) -> str:
+        """Where calls go: the token's address, or our own server's inside it."""
+        return self._server.address if self._server is not None else self._token.address
+
+    def _hub(self) -> Any:
+        """The hub this proxy's async calls and liveness pings go through."""
+        return self._server.hub if self._server is not None else hub_for(bytes(self._authkey))
+
     def _decode(self, data: bytes) -> Any:
-        result = serialization.loads(data)
+        _decoding.context = (self._token.address, bytes(self._authkey))
+        try:
+            result = serialization.loads(data)
+        finally:
+            _decoding.context = None
         if isinstance(result, ProxyRef):
             return self._adopt(result)
         return result
@@ -175,8 +190,8 @@ class BaseProxy:
     def _track(self) -> None:
         if self._owned_by_manager:
             return
-        decref_queue(self._token.address)
-        finalizer = weakref.finalize(self, note_decref, self._token.address, self._id)
+        decref_queue(self._address())
+        finalizer = weakref.finalize(self, note_decref, self._address(), self._id)
         finalizer.atexit = False
 
     # -- pickling and display ---------------------------------------------------------------
@@ -210,6 +225,9 @@ def RebuildProxy(func: Callable[..., BaseProxy], token: Token, serializer: str,
     if server is not None:
         kwds["manager_owned"] = True
         server.service.pin(token.id)
+    context = getattr(_decoding, "context", None)
+    if "authkey" not in kwds and context is not None and context[0] == token.address:
+        kwds["authkey"] = context[1]  # a proxy its own server returned: same key
     incref = kwds.pop("incref", True) and not getattr(process.current_process(),
                                                       "_inheriting", False)
     return func(token, serializer, incref=incref, **kwds)
@@ -255,9 +273,7 @@ class ProxyHandle:
         if timeout is None:
             from ..synchronize.services import wait_reply
 
-            token = self._proxy._token
-            data = wait_reply(self._handle, token.address,
-                              hub_for(bytes(self._proxy._authkey)))
+            data = wait_reply(self._handle, self._proxy._address(), self._proxy._hub())
         elif not self._handle.wait(timeout):
             raise HandleTimeout(f"{self._method}() of {self._proxy._token.typeid} "
                                 f"{self._proxy._id} gave no result within {timeout} s")

@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import secrets
 import threading
 from collections import deque
 from dataclasses import dataclass
@@ -242,7 +243,7 @@ class ManagerService(Service):
         exposed = list(reg.exposed) if reg.exposed is not None else public_methods(obj)
         if reg.method_to_typeid:
             exposed += list(reg.method_to_typeid)
-        ident = f"{id(obj):x}"
+        ident = f"{self.server.nonce}.{id(obj):x}"  # the nonce tells our own tokens apart
         with self.mutex:
             self.objects[ident] = _Entry(obj, frozenset(exposed), dict(reg.method_to_typeid or {}))
             self.refcounts[ident] = self.refcounts.get(ident, 0) + 1
@@ -379,12 +380,17 @@ class Server:
         host, port = listen_address(address, config.listen_host)
         self.registry = registry
         self.authkey = bytes(authkey)
+        self.nonce = secrets.token_hex(4)
         self.hub = Hub(self.authkey, host, config.auth_timeout, config.start_timeout, port=port)
         self.service = ManagerService(self)
         self.hub.register(self.service, MANAGER_OID)
         self.hub.register(_Ping(), "hub")
         self.address = self.hub.address
         self.stop_event = threading.Event()
+
+    def owns(self, token: Token) -> bool:
+        """Whether ``token`` names one of this server's objects (whatever address it uses)."""
+        return token.address == self.address or token.id.split(".", 1)[0] == self.nonce
 
     def serve_forever(self) -> None:
         """Serve until a client calls ``shutdown`` (or the process is interrupted)."""

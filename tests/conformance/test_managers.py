@@ -373,7 +373,7 @@ def test_serve_forever_at_a_fixed_address(ctx):
         port = s.getsockname()[1]
     p = run(ctx, D.serve, ("127.0.0.1", port), b"fixed")
     try:
-        client = SyncManager(address=("127.0.0.1", port), authkey=b"fixed")
+        client = SyncManager(address=f"localhost:{port}", authkey=b"fixed")  # another spelling
         deadline = time.monotonic() + TIMEOUT
         while True:
             try:
@@ -383,7 +383,9 @@ def test_serve_forever_at_a_fixed_address(ctx):
                 assert time.monotonic() < deadline
                 time.sleep(0.1)
         dct = client.dict(x=1)
-        assert dct["x"] == 1
+        dct["inner"] = client.list([1])  # the server knows its own proxy under any address
+        dct["inner"].append(2)
+        assert dct["x"] == 1 and dct["inner"][:] == [1, 2]
     finally:
         p.terminate()
         p.join(TIMEOUT)
@@ -449,3 +451,12 @@ def test_async_errors_and_timeouts(ctx):
         done = threading.Event()
         calc.add(1, 1).add_done_callback(lambda h: done.set())
         assert done.wait(TIMEOUT)
+
+
+def test_failing_initializer_is_reported(ctx):
+    def bad_initializer():
+        raise ValueError("initializer failed")
+
+    with pytest.raises(ValueError, match="initializer failed") as info:
+        CalcManager(ctx=ctx).start(bad_initializer)
+    assert isinstance(info.value.__cause__, RemoteTraceback)
