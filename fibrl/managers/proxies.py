@@ -160,11 +160,12 @@ class BaseProxy:
         return self._server.hub if self._server is not None else hub_for(bytes(self._authkey))
 
     def _decode(self, data: bytes) -> Any:
+        outer = getattr(_decoding, "context", None)
         _decoding.context = (self._token.address, bytes(self._authkey))
         try:
             result = serialization.loads(data)
         finally:
-            _decoding.context = None
+            _decoding.context = outer
         if isinstance(result, ProxyRef):
             return self._adopt(result)
         return result
