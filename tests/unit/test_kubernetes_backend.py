@@ -432,3 +432,21 @@ def test_watch_recovers_from_410_and_from_failed_lists(kube_cluster):
             assert events   # from the watch, or from a resync when the tiny history overflowed
         finally:
             watcher.stop()
+
+
+def test_oomkilled_pod_is_reported(kube_init, request):
+    """Pods as docker containers of the worker image, with a memory limit python cannot start in."""
+    if os.environ.get("KUBE_TEST_KUBECONFIG"):
+        pytest.skip("uses the fake API server's docker runtime")
+    from conftest import docker_available
+
+    if docker_available():
+        pytest.skip(docker_available())
+    from tests.kube.fake_apiserver import FakeApiServer
+
+    with FakeApiServer(runtime="docker") as server:
+        kube_init(kubernetes_kubeconfig=server.write_kubeconfig(), memory="12m")
+        p = _started(exit_with, 0)
+        p.join(60)
+        assert p.exitcode == -9
+        assert p._popen.job.failure_reason() == "OOMKilled"

@@ -1,0 +1,214 @@
+"""The ``fibrl`` command: launch a script as the parent of a run, and manage runs.
+
+::
+
+    fibrl run  [--backend kubernetes|docker] [--image IMG | --build [--registry REG]]
+               [--namespace NS] [--cpu N] [--memory SIZE] [--gpu N] [--env K=V ...]
+               [--service-account SA] [--follow | --detach] -- python train.py ARGS
+    fibrl ps   [--backend B] [--namespace NS]
+    fibrl logs RUN [--backend B] [--namespace NS] [--follow] [--pod NAME]
+    fibrl stop RUN [--backend B] [--namespace NS]
+
+``run`` waits for the script and exits with its exit code (``--follow`` also
+streams its output; ``--detach`` prints the run id and returns at once).
+Settings not given as options come from the fibrl config (``FIBRL_*``
+variables, ``.fibrlconfig``): ``kubernetes_namespace``, ``kubernetes_kubeconfig``,
+``image``, ``registry``, ``kubernetes_service_account``...
+
+This module owns the options and what is printed: the script's output on
+stdout, fibrl's own messages on stderr. How a run starts on each backend is
+:mod:`fibrl.launch`'s.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import sys
+from typing import Optional
+
+from .config import Config, resolve
+from .errors import ConfigError, FibrlError
+
+__all__ = ["main"]
+
+BACKENDS = ("kubernetes", "docker")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="fibrl", description="Launch a script on kubernetes or docker as the parent of "
+                                  "a fibrl run, and list, follow and stop runs.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    run = commands.add_parser("run", help="run a script as the parent of a new run",
+                              description="Run a script (as a kubernetes Job, or a docker "
+                                          "container) whose fibrl workers fan out from there.")
+    _common(run)
+    image = run.add_mutually_exclusive_group()
+    image.add_argument("--image", help="image holding the script and fibrl (default: config image)")
+    image.add_argument("--build", action="store_true",
+                       help="docker build the image from ./Dockerfile (and push it to --registry)")
+    run.add_argument("--registry", help="registry to push the built image to (config: registry)")
+    run.add_argument("--cpu", type=float, default=0.0, help="CPU cores of the script's pod")
+    run.add_argument("--memory", default="", help="memory of the script's pod, e.g. 2g or 2Gi")
+    run.add_argument("--gpu", type=int, default=0, help="GPUs (nvidia.com/gpu) of the script's pod")
+    run.add_argument("--env", action="append", default=[], metavar="K=V",
+                     help="environment variable of the script (repeatable)")
+    run.add_argument("--service-account", help="service account of the script's pod (default: "
+                                               "config kubernetes_service_account, else fibrl)")
+    wait = run.add_mutually_exclusive_group()
+    wait.add_argument("--follow", "-f", action="store_true", help="stream the script's output")
+    wait.add_argument("--detach", "-d", action="store_true",
+                      help="print the run id and return without waiting")
+    run.add_argument("argv", nargs=argparse.REMAINDER, metavar="-- COMMAND",
+                     help="the script to run, e.g. -- python train.py --steps 100")
+    run.set_defaults(handler=_run)
+    ps = commands.add_parser("ps", help="list runs and their pods / containers")
+    _common(ps)
+    ps.set_defaults(handler=_ps)
+    logs = commands.add_parser("logs", help="print the output of a run's parent")
+    _common(logs)
+    logs.add_argument("run", help="run id (see fibrl ps)")
+    logs.add_argument("--follow", "-f", action="store_true", help="keep streaming")
+    logs.add_argument("--pod", help="a pod (or container) of the run instead of its parent")
+    logs.set_defaults(handler=_logs)
+    stop = commands.add_parser("stop", help="delete everything a run created")
+    _common(stop)
+    stop.add_argument("run", help="run id (see fibrl ps)")
+    stop.set_defaults(handler=_stop)
+    return parser
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--backend", choices=BACKENDS,
+                        help="where runs live (default: config backend if docker, else kubernetes)")
+    parser.add_argument("--namespace", "-n", help="kubernetes namespace (config: "
+                                                  "kubernetes_namespace)")
+    parser.add_argument("--kubeconfig", help="kubeconfig path (config: kubernetes_kubeconfig)")
+
+
+def _config(args: argparse.Namespace) -> Config:
+    overrides = {"kubernetes_namespace": args.namespace, "kubernetes_kubeconfig": args.kubeconfig,
+                 "registry": getattr(args, "registry", None)}
+    config = resolve()
+    changes = {k: v for k, v in overrides.items() if v is not None}
+    return config.replace(**changes) if changes else config
+
+
+def _backend(args: argparse.Namespace, config: Config) -> str:
+    return args.backend or (config.backend if config.backend in BACKENDS else "kubernetes")
+
+
+def _launcher(args: argparse.Namespace, config: Config):
+    from .launch import get_launcher
+
+    return get_launcher(_backend(args, config), config)
+
+
+def _say(text: str) -> None:
+    sys.stderr.write(f"fibrl: {text}\n")
+    sys.stderr.flush()
+
+
+# -- fibrl run -------------------------------------------------------------------------
+
+def _env(pairs: list) -> dict:
+    env = {}
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        if not sep or not name:
+            raise ConfigError(f"--env {pair!r} is not K=V. Fix: e.g. --env WANDB_MODE=offline.")
+        env[name] = value
+    return env
+
+
+def _command(argv: list) -> tuple:
+    command = argv[1:] if argv[:1] == ["--"] else argv
+    if not command:
+        raise ConfigError("fibrl run needs the command to run after --, e.g. "
+                          "`fibrl run -- python train.py`.")
+    return tuple(command)
+
+
+def _image(args: argparse.Namespace, config: Config, backend: str, run_id: str) -> str:
+    if not args.build:
+        return args.image or config.image
+    from .launch.build import build_image, image_tag, push_image
+
+    tag = build_image(os.getcwd(), image_tag(config.registry, os.getcwd(), run_id))
+    if config.registry:
+        push_image(tag)
+    elif backend == "kubernetes":
+        _say(f"no registry given (--registry or config registry): the cluster must already see "
+             f"the local image {tag} (e.g. `kind load docker-image {tag}` or "
+             f"`minikube image load {tag}`).")
+    return tag
+
+
+def _run(args: argparse.Namespace, config: Config) -> int:
+    command, env = _command(args.argv), _env(args.env)
+    backend = _backend(args, config)
+    run_id = secrets.token_hex(6)
+    from .launch import RunRequest, get_launcher
+
+    launcher = get_launcher(backend, config)
+    request = RunRequest(
+        run_id=run_id, command=command, image=_image(args, config, backend, run_id),
+        cpu=args.cpu, memory=args.memory, gpu=args.gpu, env=env, workdir=os.getcwd(),
+        service_account=args.service_account or config.kubernetes_service_account or "fibrl")
+    where = launcher.launch(request)
+    _say(f"run {run_id} started: {where} ({backend}"
+         f"{', namespace ' + config.kubernetes_namespace if backend == 'kubernetes' else ''})")
+    if args.detach:
+        print(run_id)
+        return 0
+    try:
+        return launcher.wait(run_id, args.follow, sys.stdout.buffer)
+    except KeyboardInterrupt:
+        _say(f"stopped waiting; run {run_id} goes on. `fibrl logs {run_id} -f` to follow it, "
+             f"`fibrl stop {run_id}` to end it.")
+        return 130
+
+
+# -- fibrl ps / logs / stop -------------------------------------------------------------
+
+def _ps(args: argparse.Namespace, config: Config) -> int:
+    rows = [("RUN", "PARENT", "STATUS", "WORKERS", "AGE")]
+    for info in _launcher(args, config).runs():
+        workers = ", ".join(f"{n} {phase}" for phase, n in sorted(info.workers.items())) or "-"
+        rows.append((info.run_id, info.parent, info.status, workers, info.age))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+    return 0
+
+
+def _logs(args: argparse.Namespace, config: Config) -> int:
+    try:
+        _launcher(args, config).logs(args.run, args.follow, sys.stdout.buffer, args.pod)
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+def _stop(args: argparse.Namespace, config: Config) -> int:
+    deleted = _launcher(args, config).stop(args.run)
+    for name in deleted:
+        print(name)
+    if not deleted:
+        _say(f"nothing labelled fibrl.run={args.run} was found.")
+    return 0
+
+
+def main(argv: Optional[list] = None) -> int:
+    """Entry point of the ``fibrl`` console script; returns the exit status."""
+    args = _parser().parse_args(argv)
+    try:
+        return args.handler(args, _config(args))
+    except FibrlError as exc:
+        _say(f"error: {exc}")
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,326 @@
+"""``fibrl run`` on kubernetes: the script runs as a one-pod Job, the run's parent.
+
+Owns the launcher Job's life seen from outside the cluster: create it, wait
+for its pod (reporting image pull failures and unschedulable pods instead of
+waiting forever), stream its log, read its exit code, list runs, and delete
+everything labelled with a run id. Worker pods are the backend's business
+(:mod:`fibrl.backends.kubernetes`); here they are only counted and deleted.
+
+Waiting is a list+watch of the parent pod (one stream, relisted when it
+ends), never a poll::
+
+    launch --> Job fibrl-run-<run> (backoffLimit 0, restartPolicy Never)
+    wait   --> watch pod fibrl.run=<run>,fibrl.role=parent until its container runs
+               --follow: GET pods/log?follow=true --> out
+           --> watch until Succeeded/Failed --> the container's exit code
+"""
+from __future__ import annotations
+
+import datetime as dt
+import json
+import time
+from collections import Counter
+from typing import Any, BinaryIO, Callable, Optional
+
+from ..backends.kube.api import Api, KubeApiError, api_error, connect
+from ..backends.kube.job import fatal_waiting, stuck_pending
+from ..backends.kube.manifests import launcher_job
+from ..backends.kube.settings import (LABEL_BACKEND, LABEL_ROLE, LABEL_RUN, KubeSettings,
+                                      PodIdentity)
+from ..errors import BackendError
+from . import Launcher, RunInfo, RunRequest, age
+
+__all__ = ["KubernetesLauncher", "job_name"]
+
+MAIN_CONTAINER = "main"
+_WATCH_SECONDS = 60
+
+
+def job_name(run_id: str) -> str:
+    """The launcher Job of a run.
+
+    Example:
+        >>> job_name("3f2a9c01be77")
+        'fibrl-run-3f2a9c01be77'
+    """
+    return f"fibrl-run-{run_id}"
+
+
+def _parent_selector(run_id: str) -> str:
+    return f"{LABEL_RUN}={run_id},{LABEL_ROLE}=parent"
+
+
+class KubernetesLauncher(Launcher):
+    """Runs ``fibrl run`` scripts as Jobs in ``kubernetes_namespace``."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__(config)
+        self.settings = KubeSettings.from_config(config)
+        self.namespace = self.settings.namespace
+        self._api: Optional[Api] = None
+
+    @property
+    def api(self) -> Api:
+        if self._api is None:
+            self._api = Api(connect(self.settings, PodIdentity.detect()), retry_for=20)
+        return self._api
+
+    # -- run -------------------------------------------------------------------------
+    def launch(self, request: RunRequest) -> str:
+        name = job_name(request.run_id)
+        body = launcher_job(name=name, namespace=self.namespace, run_id=request.run_id,
+                            image=request.image, command=request.command, env=request.env,
+                            settings=self.settings, service_account=request.service_account,
+                            cpu=request.cpu, memory=request.memory, gpu=request.gpu)
+        self.api.call("create", "jobs", self.api.batch.create_namespaced_job, self.namespace,
+                      body, namespace=self.namespace)
+        return name
+
+    def wait(self, run_id: str, follow: bool, out: BinaryIO) -> int:
+        selector = _parent_selector(run_id)
+        pod = self._wait_for(selector, self._started(run_id), self.settings.pending_timeout)
+        if follow:
+            self._stream(pod["metadata"]["name"], out)
+        pod = self._wait_for(selector, _finished, None)
+        return _exit_status(pod)
+
+    def _started(self, run_id: str) -> Callable[[dict], Optional[dict]]:
+        first_stuck: dict = {}
+
+        def decide(pod: dict) -> Optional[dict]:
+            state = _main_state(pod)
+            if "running" in state or "terminated" in state or _finished(pod):
+                return pod
+            reason = fatal_waiting(pod)
+            if reason:
+                raise BackendError(_cannot_start(pod, reason, run_id))
+            stuck = stuck_pending(pod)
+            if stuck and time.monotonic() - first_stuck.setdefault(stuck, time.monotonic()) \
+                    > self.settings.pending_timeout:
+                raise BackendError(_cannot_start(pod, stuck, run_id))
+            return None
+        return decide
+
+    # -- waiting on one pod: list, then watch until ``decide`` says ---------------------
+    def _wait_for(self, selector: str, decide: Callable[[dict], Optional[dict]],
+                  timeout: Optional[float]) -> dict:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            listing = self.api.call("list", "pods", self.api.core.list_namespaced_pod,
+                                    self.namespace, namespace=self.namespace,
+                                    label_selector=selector)
+            for pod in listing.get("items") or []:
+                found = decide(pod)
+                if found is not None:
+                    return found
+            if deadline is not None and time.monotonic() > deadline:
+                raise self._no_pod(selector, timeout)
+            found = self._watch(selector, decide, listing["metadata"].get("resourceVersion", ""),
+                                deadline)
+            if found is not None:
+                return found
+
+    def _watch(self, selector: str, decide: Callable, rv: str,
+               deadline: Optional[float]) -> Optional[dict]:
+        from kubernetes.watch.watch import iter_resp_lines
+
+        left = _WATCH_SECONDS if deadline is None else max(1, min(_WATCH_SECONDS,
+                                                                  deadline - time.monotonic()))
+        try:
+            resp = self.api.core.list_namespaced_pod(
+                self.namespace, label_selector=selector, watch=True, resource_version=rv,
+                timeout_seconds=int(left) + 1, _preload_content=False,
+                _request_timeout=(10, left + 30))
+        except self.api.ApiException as exc:
+            if exc.status == 410:
+                return None
+            raise api_error(exc, "watch", "pods", self.namespace, self.api) from exc
+        try:
+            for line in iter_resp_lines(resp):
+                found = self._event(line, decide)
+                if found is not None:
+                    return found
+        except (OSError, _Relist):
+            return None   # dropped or expired stream: list again
+        finally:
+            resp.release_conn()
+        return None
+
+    def _event(self, line: str, decide: Callable) -> Optional[dict]:
+        if not line.strip():
+            return None
+        event = json.loads(line)
+        obj = event.get("object") or {}
+        if event.get("type") == "ERROR":
+            if obj.get("code") == 410:
+                raise _Relist()
+            raise KubeApiError(f"watch of the run's parent pod failed: {obj.get('message')}",
+                               int(obj.get("code") or 0))
+        if event.get("type") == "DELETED" and not _finished(obj):
+            raise BackendError(
+                f"the run's parent pod {obj['metadata']['name']} was deleted before it finished "
+                f"(fibrl stop, kubectl delete, or the cluster).")
+        return decide(obj) if event.get("type") in ("ADDED", "MODIFIED", "DELETED") else None
+
+    def _no_pod(self, selector: str, timeout: float) -> BackendError:
+        run_id = selector.split(",")[0].split("=")[1]
+        try:
+            job = self.api.call("get", "jobs", self.api.batch.read_namespaced_job,
+                                job_name(run_id), self.namespace, namespace=self.namespace)
+            conditions = [f"{c.get('type')}: {c.get('message', c.get('reason', ''))}"
+                          for c in (job.get("status") or {}).get("conditions") or []]
+        except KubeApiError as exc:
+            conditions = [str(exc)]
+        return BackendError(
+            f"the Job {job_name(run_id)} in namespace {self.namespace} created no pod within "
+            f"{timeout:g} s ({'; '.join(conditions) or 'no condition reported'}). Likely cause: "
+            f"the service account does not exist (kubectl apply -f deploy/rbac.yaml), or a "
+            f"quota or admission policy refused the pod. Fix: see `kubectl describe job -n "
+            f"{self.namespace} {job_name(run_id)}`.")
+
+    def _stream(self, pod: str, out: BinaryIO) -> None:
+        try:
+            # no read timeout: a quiet script is not a dead stream (TCP keepalive finds those)
+            resp = self.api.core.read_namespaced_pod_log(
+                pod, self.namespace, container=MAIN_CONTAINER, follow=True,
+                _preload_content=False)
+        except self.api.ApiException as exc:
+            raise api_error(exc, "get", "pods/log", self.namespace, self.api) from exc
+        try:
+            for chunk in resp.stream(4096, decode_content=False):
+                out.write(chunk)
+                out.flush()
+        finally:
+            resp.release_conn()
+
+    # -- ps / logs / stop ----------------------------------------------------------------
+    def _list(self, verb_fn: Callable, resource: str, selector: str) -> list:
+        return self.api.call("list", resource, verb_fn, self.namespace, namespace=self.namespace,
+                             label_selector=selector).get("items") or []
+
+    def runs(self) -> list:
+        pods = self._list(self.api.core.list_namespaced_pod, "pods", LABEL_RUN)
+        jobs = self._list(self.api.batch.list_namespaced_job, "jobs", f"{LABEL_ROLE}=parent")
+        by_run: dict = {}
+        for obj in pods + jobs:
+            labels = obj["metadata"].get("labels") or {}
+            if labels.get(LABEL_BACKEND, "kubernetes") == "kubernetes":
+                by_run.setdefault(labels.get(LABEL_RUN, "?"), []).append(obj)
+        return [_run_info(run, objs) for run, objs in sorted(by_run.items())]
+
+    def logs(self, run_id: str, follow: bool, out: BinaryIO, pod: Optional[str] = None) -> None:
+        if pod is None:
+            parents = self._list(self.api.core.list_namespaced_pod, "pods",
+                                 _parent_selector(run_id))
+            pods = parents or self._list(self.api.core.list_namespaced_pod, "pods",
+                                         f"{LABEL_RUN}={run_id}")
+            if not pods:
+                raise BackendError(f"no pod of run {run_id!r} in namespace {self.namespace} "
+                                   f"(see `fibrl ps`).")
+            if len(pods) > 1 and follow:
+                raise BackendError(f"run {run_id} has no parent pod and {len(pods)} worker "
+                                   f"pods; choose one with --pod NAME to follow it.")
+            names = [p["metadata"]["name"] for p in pods]
+        else:
+            names = [pod]
+        for name in names:
+            if len(names) > 1:
+                out.write(f"==> {name} <==\n".encode())
+            self._write_log(name, follow, out)
+
+    def _write_log(self, name: str, follow: bool, out: BinaryIO) -> None:
+        if follow:
+            pod = self.api.call("get", "pods", self.api.core.read_namespaced_pod, name,
+                                self.namespace, namespace=self.namespace)
+            self._stream_container(name, pod, out)
+            return
+        out.write(self.api.call("get", "pods/log", self.api.core.read_namespaced_pod_log, name,
+                                self.namespace, namespace=self.namespace, raw=True).encode())
+        out.flush()
+
+    def _stream_container(self, name: str, pod: dict, out: BinaryIO) -> None:
+        containers = [c["name"] for c in pod["spec"]["containers"]]
+        if MAIN_CONTAINER in containers:
+            self._stream(name, out)
+            return
+        resp = self.api.core.read_namespaced_pod_log(name, self.namespace, follow=True,
+                                                     _preload_content=False)
+        try:
+            for chunk in resp.stream(4096, decode_content=False):
+                out.write(chunk)
+                out.flush()
+        finally:
+            resp.release_conn()
+
+    def stop(self, run_id: str) -> list:
+        selector = f"{LABEL_RUN}={run_id}"
+        core, batch = self.api.core, self.api.batch
+        kinds = (("jobs", batch.list_namespaced_job, batch.delete_namespaced_job),
+                 ("pods", core.list_namespaced_pod, core.delete_namespaced_pod),
+                 ("secrets", core.list_namespaced_secret, core.delete_namespaced_secret))
+        deleted = []
+        for resource, lister, deleter in kinds:
+            for obj in self._list(lister, resource, selector):
+                name = obj["metadata"]["name"]
+                if self._delete(resource, deleter, name):
+                    deleted.append(f"{resource[:-1]}/{name}")
+        return deleted
+
+    def _delete(self, resource: str, deleter: Callable, name: str) -> bool:
+        try:
+            self.api.call("delete", resource, deleter, name, self.namespace,
+                          namespace=self.namespace, propagation_policy="Background")
+            return True
+        except KubeApiError as exc:
+            if exc.status == 404:
+                return False
+            raise
+
+
+class _Relist(Exception):
+    """The watch expired (410): list again."""
+
+
+def _main_state(pod: dict) -> dict:
+    for status in (pod.get("status") or {}).get("containerStatuses") or []:
+        if status.get("name") == MAIN_CONTAINER:
+            return status.get("state") or {}
+    return {}
+
+
+def _finished(pod: dict) -> Optional[dict]:
+    return pod if (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed") else None
+
+
+def _exit_status(pod: dict) -> int:
+    """The script's exit status as a shell reports it (128+N when killed by signal N)."""
+    terminated = _main_state(pod).get("terminated")
+    return int(terminated.get("exitCode", 1)) if terminated else 1
+
+
+def _cannot_start(pod: dict, reason: str, run_id: str) -> str:
+    name, image = pod["metadata"]["name"], pod["spec"]["containers"][0].get("image")
+    return (f"the run's parent pod {name} cannot start: {reason}. Image {image!r}. Likely cause: "
+            f"an image the cluster cannot pull (wrong tag, not pushed, private registry), or "
+            f"resources no node has. Fix: --build --registry REGISTRY (or push the image), "
+            f"kubernetes_image_pull_secrets, or smaller --cpu/--memory/--gpu. Clean up with "
+            f"`fibrl stop {run_id}`.")
+
+
+def _created(obj: dict) -> float:
+    stamp = obj["metadata"].get("creationTimestamp")
+    if not stamp:
+        return time.time()
+    return dt.datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
+
+
+def _run_info(run_id: str, objs: list) -> RunInfo:
+    jobs = [o for o in objs if o.get("kind") == "Job" or "template" in (o.get("spec") or {})]
+    pods = [o for o in objs if o not in jobs]
+    parents = [p for p in pods if (p["metadata"].get("labels") or {}).get(LABEL_ROLE) == "parent"]
+    workers = Counter((p.get("status") or {}).get("phase", "Unknown") for p in pods
+                      if p not in parents)
+    status = (parents[0].get("status") or {}).get("phase", "-") if parents else "-"
+    parent = jobs[0]["metadata"]["name"] if jobs else "-"
+    oldest = min(_created(o) for o in objs)
+    return RunInfo(run_id, parent, status, dict(workers), age(time.time() - oldest))

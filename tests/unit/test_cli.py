@@ -1,0 +1,196 @@
+"""The ``fibrl`` command: run / ps / logs / stop on the fake kubernetes API server and on docker.
+
+Each command runs as ``python -m fibrl.cli`` in a subprocess, as a user would
+run it. On kubernetes the launched script is a Job whose pod (a local process
+under the fake) is the parent: its workers fan out as pods with owner
+references to it.
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from fibrl.launch.build import image_tag
+
+TIMEOUT = 120
+
+SCRIPT = textwrap.dedent("""
+    import os, sys
+    import fibrl
+
+    def square(x):
+        return x * x
+
+    if __name__ == "__main__":
+        print("parent pod:", os.environ.get("FIBRL_POD_NAME"), flush=True)
+        with fibrl.Pool(2) as pool:
+            print("squares:", pool.map(square, range(8)), flush=True)
+        sys.exit(int(sys.argv[1]))
+""")
+
+
+def fibrl_cli(*args, timeout=TIMEOUT, cwd=None):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FIBRL_")}
+    return subprocess.run([sys.executable, "-m", "fibrl.cli", *args], capture_output=True,
+                          text=True, timeout=timeout, cwd=cwd, env=env)
+
+
+def test_usage_errors_say_what_to_do():
+    out = fibrl_cli("run", "--backend", "kubernetes")
+    assert out.returncode == 1 and "needs the command to run after --" in out.stderr
+    out = fibrl_cli("run", "--env", "NOPE", "--", "python", "-c", "pass")
+    assert out.returncode == 1 and "--env 'NOPE' is not K=V" in out.stderr
+    assert fibrl_cli("run", "--image", "x", "--build", "--", "true").returncode == 2
+
+
+def test_image_tag():
+    assert image_tag("reg.example/team/", "/src/My App", "ab12") == "reg.example/team/my-app:ab12"
+    assert image_tag("", "/", "ab12") == "fibrl-project:ab12"
+
+
+def test_build_needs_a_dockerfile(tmp_path):
+    out = fibrl_cli("run", "--backend", "docker", "--build", "--", "python", "-c", "pass",
+                    cwd=tmp_path)
+    assert out.returncode == 1 and "needs a Dockerfile" in out.stderr
+
+
+# --------------------------------------------------------------------------- kubernetes
+
+@pytest.fixture
+def kube(kube_cluster):
+    """Options that point the command at the test cluster, and cleanup of its runs."""
+    options = ["--kubeconfig", kube_cluster.kubeconfig, "-n", kube_cluster.namespace]
+    env = ["--env", f"FIBRL_KUBERNETES_KUBECONFIG={kube_cluster.kubeconfig}",
+           "--image", kube_cluster.image]
+    runs = []
+    yield options, env, runs
+    for run in runs:
+        fibrl_cli("stop", run, *options)
+    if kube_cluster.fake is not None:
+        kube_cluster.fake.reset_hooks()
+
+
+def _run_id(out):
+    match = re.search(r"fibrl: run (\w+) started", out.stderr)
+    assert match, out.stderr
+    return match.group(1)
+
+
+def _run_ids(options):
+    lines = fibrl_cli("ps", *options).stdout.splitlines()[1:]
+    return {line.split()[0]: line for line in lines}
+
+
+def _pods(kube_cluster, run):
+    from kubernetes import client
+
+    with kube_cluster.client() as api:
+        return client.CoreV1Api(api).list_namespaced_pod(
+            kube_cluster.namespace, label_selector=f"fibrl.run={run}", _request_timeout=10).items
+
+
+@pytest.mark.kubernetes
+def test_run_follow_exits_with_the_scripts_code(kube, kube_cluster, tmp_path):
+    options, env, runs = kube
+    (tmp_path / "train.py").write_text(SCRIPT)
+    out = fibrl_cli("run", *options, *env, "--follow", "--", "python", str(tmp_path / "train.py"),
+                    "3")
+    run = _run_id(out)
+    runs.append(run)
+    assert out.returncode == 3, out.stderr
+    assert "squares: [0, 1, 4, 9, 16, 25, 36, 49]" in out.stdout
+    assert f"parent pod: fibrl-run-{run}-" in out.stdout
+    assert run in _run_ids(options)
+    logs = fibrl_cli("logs", run, *options)
+    assert "squares:" in logs.stdout
+    stopped = fibrl_cli("stop", run, *options)
+    assert f"job/fibrl-run-{run}" in stopped.stdout
+    deadline = time.monotonic() + 30
+    while _pods(kube_cluster, run) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _pods(kube_cluster, run)
+    assert run not in _run_ids(options)
+
+
+@pytest.mark.kubernetes
+def test_run_detach_then_logs_follow(kube, tmp_path):
+    options, env, runs = kube
+    (tmp_path / "train.py").write_text(SCRIPT)
+    out = fibrl_cli("run", *options, *env, "--detach", "--", "python", str(tmp_path / "train.py"),
+                    "0")
+    assert out.returncode == 0, out.stderr
+    run = out.stdout.strip()
+    runs.append(run)
+    deadline = time.monotonic() + TIMEOUT
+    while "squares:" not in (logs := fibrl_cli("logs", run, "--follow", *options)).stdout:
+        assert time.monotonic() < deadline, logs.stderr
+        time.sleep(0.5)
+    assert "squares: [0, 1, 4, 9, 16, 25, 36, 49]" in logs.stdout
+
+
+@pytest.mark.kubernetes
+def test_run_reports_an_image_it_cannot_pull(kube, kube_cluster):
+    if kube_cluster.fake is None:
+        pytest.skip("needs the fake API server's failing image pulls")
+    options, env, runs = kube
+    image = "registry.invalid/nobody/nothing:0"
+    kube_cluster.fake.fail_image_pulls(image)
+    out = fibrl_cli("run", *options, "--image", image, "--", "python", "-c", "pass")
+    run = _run_id(out)
+    runs.append(run)
+    assert out.returncode == 1
+    assert "cannot start" in out.stderr and "ImagePullBackOff" in out.stderr
+    assert f"fibrl stop {run}" in out.stderr
+
+
+# --------------------------------------------------------------------------- docker
+
+@pytest.fixture
+def docker_ok():
+    from conftest import _skip_or_fail, docker_available
+
+    reason = docker_available()
+    if reason:
+        _skip_or_fail(reason, "CI_REQUIRE_DOCKER")
+
+
+@pytest.mark.docker
+def test_docker_run_follow_ps_logs_stop(docker_ok, tmp_path):
+    code = "import os; print('hello from', os.getcwd(), os.environ['FIBRL_RUN_ID']); exit(3)"
+    out = fibrl_cli("run", "--backend", "docker", "--image", "fibrl:latest", "--follow", "--",
+                    "python", "-c", code, cwd=tmp_path)
+    run = _run_id(out)
+    try:
+        assert out.returncode == 3, out.stderr
+        assert f"hello from {tmp_path} {run}" in out.stdout
+        assert run in _run_ids(["--backend", "docker"])
+        assert "hello from" in fibrl_cli("logs", run, "--backend", "docker").stdout
+    finally:
+        stopped = fibrl_cli("stop", run, "--backend", "docker")
+    assert f"container/fibrl-run-{run}" in stopped.stdout
+    assert run not in _run_ids(["--backend", "docker"])
+
+
+@pytest.mark.docker
+def test_docker_build_then_run(docker_ok, tmp_path):
+    project = tmp_path / "walker"
+    project.mkdir()
+    (project / "Dockerfile").write_text("FROM fibrl:latest\nCOPY hello.py /opt/hello.py\n")
+    (project / "hello.py").write_text("print('built and ran')\n")
+    out = fibrl_cli("run", "--backend", "docker", "--build", "--follow", "--", "python",
+                    "/opt/hello.py", cwd=project, timeout=300)
+    run = _run_id(out)
+    try:
+        assert out.returncode == 0, out.stderr
+        assert "built and ran" in out.stdout
+        assert f"docker build -t fibrl-walker:{run}" in out.stderr
+    finally:
+        fibrl_cli("stop", run, "--backend", "docker")
+        subprocess.run(["docker", "rmi", "-f", f"fibrl-walker:{run}"], capture_output=True,
+                       timeout=60)
