@@ -173,7 +173,7 @@ def test_unreachable_engine_is_explained(closed_socket):
 
 
 def test_unreachable_engine_fails_process_start(closed_socket, docker_init):
-    docker_init()
+    docker_init(image="fibrl-unreachable-test:0")  # a config of its own: a fresh backend
     p = fibrl.Process(target=os.getpid)
     with pytest.raises(BackendError, match="cannot reach the docker engine"):
         p.start()
