@@ -3,11 +3,11 @@
 Tests marked ``docker`` need the engine and the worker image; the others need only the
 docker SDK (they never reach an engine).
 """
+import io
 import os
 import re
 import socket
 import tarfile
-import io
 
 import pytest
 
