@@ -47,6 +47,38 @@ def _own_listen_host(config):
     return config.replace(listen_host=host) if host and host != config.listen_host else config
 
 
+def _visible_main(preparation: dict) -> dict:
+    # The parent's main script may not exist here (a container or pod that
+    # does not mount it, or a launcher such as the ``pytest`` script): then,
+    # as for an interactive parent, __main__ is not rebuilt.
+    path = preparation.get("init_main_from_path")
+    if path and not os.path.isfile(path):
+        return {k: v for k, v in preparation.items() if k != "init_main_from_path"}
+    return preparation
+
+
+def _become(start, hub, client, exiting):
+    """Adopt the parent's config and state; return the unpickled process object."""
+    from multiprocessing import process as mp_process
+    from multiprocessing import spawn as mp_spawn
+
+    from . import context, serialization
+
+    config = _own_listen_host(start.config)
+    context.install_config(config)
+    hub.host = config.listen_host
+    hub.auth_timeout = config.auth_timeout
+    threading.Thread(target=_heartbeat, daemon=True, name="fibrl-heartbeat",
+                     args=(client, config.heartbeat_interval, config.parent_timeout,
+                           exiting)).start()
+    mp_process.current_process()._inheriting = True
+    try:
+        mp_spawn.prepare(_visible_main(_keep_own_sys_path(start.preparation)))
+        return serialization.loads(start.process)
+    finally:
+        del mp_process.current_process()._inheriting
+
+
 def main(argv: list[str]) -> int:
     if len(argv) != 3:
         sys.stderr.write("usage: python -m fibrl.bootstrap <parent address> <handover id>\n")
@@ -58,9 +90,8 @@ def main(argv: list[str]) -> int:
         return 2
 
     from multiprocessing import process as mp_process
-    from multiprocessing import spawn as mp_spawn
 
-    from . import context, hub as hub_module, serialization
+    from . import hub as hub_module
     from .config import Config
 
     secret = bytes.fromhex(secret_hex)
@@ -70,21 +101,12 @@ def main(argv: list[str]) -> int:
     client = hub.client(address)
     exiting = threading.Event()
     client.on_lost(lambda: exiting.is_set() or _parent_lost("lost the connection to the parent"))
-    start = client.call(oid, "payload", (os.getpid(),)).get(Config().start_timeout)
-    config = _own_listen_host(start.config)
-    context.install_config(config)
-    hub.host = config.listen_host
-    hub.auth_timeout = config.auth_timeout
-    threading.Thread(target=_heartbeat, daemon=True, name="fibrl-heartbeat",
-                     args=(client, start.config.heartbeat_interval,
-                           start.config.parent_timeout, exiting)).start()
-
-    mp_process.current_process()._inheriting = True
     try:
-        mp_spawn.prepare(_keep_own_sys_path(start.preparation))
-        process_obj = serialization.loads(start.process)
-    finally:
-        del mp_process.current_process()._inheriting
+        start = client.call(oid, "payload", (os.getpid(),)).get(Config().start_timeout)
+        process_obj = _become(start, hub, client, exiting)
+    except BaseException:
+        exiting.set()  # a failed start is this worker's error, not a lost parent
+        raise
     parent_r, parent_w = os.pipe()  # the parent "sentinel": closed only when we exit
     exitcode = process_obj._bootstrap(parent_sentinel=parent_r)
     exiting.set()

@@ -92,15 +92,18 @@ class Popen:
         self._read_fd, self._write_fd = os.pipe()
         self.sentinel = self._read_fd
         self._started = threading.Event()
+        self.pid: Optional[int] = None
+        self._job = None
+        self._deadline = hub.timers.call_at(time.monotonic() + config.start_timeout,
+                                            self._start_timed_out)
         try:
             self._job = self._backend.create_job(self._spec(process_obj, hub.address))
         except BaseException:
             self._release()
             os.close(self._read_fd)
             raise
-        self.pid = self._job.pid
-        self._deadline = hub.timers.call_at(time.monotonic() + config.start_timeout,
-                                            self._start_timed_out)
+        if self._job.pid is not None:
+            self.pid = self._job.pid
         threading.Thread(target=self._watch, daemon=True,
                          name=f"fibrl-watch-{process_obj.name}").start()
 
@@ -141,7 +144,7 @@ class Popen:
         get_hub().timers.cancel(self._deadline)
 
     def _start_timed_out(self) -> None:
-        if self._started.is_set() or self._done.is_set():
+        if self._started.is_set() or self._done.is_set() or self._job is None:
             return
         log.error("worker %s did not connect back within %.0f s (start_timeout); killing it. "
                   "Backend logs:\n%s", self._job.id, self.config.start_timeout,
@@ -150,17 +153,30 @@ class Popen:
 
     def _watch(self) -> None:
         code = self._job.wait()
-        self.returncode = code if code is not None else 1
+        code = code if code is not None else 1
+        if code != 0 and not self._started.is_set():
+            self._explain_early_exit(code)
+        self.returncode = code
         self._release()
         os.close(self._write_fd)
         self._done.set()
         self._job.remove()
 
+    def _explain_early_exit(self, code: int) -> None:
+        from .errors import describe_exitcode
+
+        reason = self._job.failure_reason()
+        log.error(
+            "worker %s (%s) ended before it connected back to this process: %s%s. Likely "
+            "cause: its interpreter could not import fibrl or reach %s. Its output:\n%s",
+            self._job.id, self._job.spec.name, describe_exitcode(code),
+            f" ({reason})" if reason else "", get_hub().address,
+            self._job.logs()[-4000:] or "(none kept by the backend)")
+
     def _release(self) -> None:
         hub = get_hub()
         hub.unregister(self._oid)
-        if hasattr(self, "_deadline"):
-            hub.timers.cancel(self._deadline)
+        hub.timers.cancel(self._deadline)
 
     # -- the multiprocessing Popen surface ----------------------------------------
     def poll(self, flag: int = os.WNOHANG) -> Optional[int]:
