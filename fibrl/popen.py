@@ -158,6 +158,9 @@ class Popen:
             self._explain_early_exit(code)
         self.returncode = code
         self._release()
+        # A byte, not only EOF: a process forked meanwhile (a "fork" multiprocessing
+        # pool, say) holds a copy of the write end, and EOF would never come.
+        os.write(self._write_fd, b"x")
         os.close(self._write_fd)
         self._done.set()
         self._job.remove()
