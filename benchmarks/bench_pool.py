@@ -15,9 +15,11 @@ Measures, on ``--workers`` workers (2), for each of fibrl, mp spawn and mp fork:
 - Fiber's methodology: rounds of 5 ``apply_async`` then ``get`` all 5, with
   tasks of 1 s, 100 ms, 10 ms, 1 ms: seconds per round.
 
-Pools are started and warmed up before timing; each number is the median of
-``--repeat`` runs. The table gives the ratio fibrl / peer with the direction
-that is better. Numbers to read, not assertions.
+The three pools are started and warmed up before timing; each repeat of a
+measurement runs on the three in turn (load from elsewhere weighs on all
+alike), and each number is the median of ``--repeat`` runs. The table gives
+the ratio fibrl / peer with the direction that is better, and the machine's
+load average before and after. Numbers to read, not assertions.
 
 Neither library is imported at module level: spawn children and fibrl
 workers re-import this file as ``__mp_main__``.
@@ -50,10 +52,6 @@ class Row:
     name: str
     unit: str
     higher_is_better: bool
-
-
-def median_of(repeat: int, fn) -> float:
-    return statistics.median(fn() for _ in range(repeat))
 
 
 def tasks_per_s(pool, n: int, chunksize) -> float:
@@ -111,19 +109,32 @@ def make_pool(lib: str, workers: int):
     return multiprocessing.get_context(lib.split()[1]).Pool(workers)
 
 
-def measure(lib: str, workers: int, rows: list, repeat: int) -> list:
-    pool = make_pool(lib, workers)
+LIBS = ("fibrl", "mp spawn", "mp fork")
+
+
+def measure_all(workers: int, rows: list, repeat: int) -> dict:
+    """Interleaved: each repeat of a row runs on every library in turn, so that load
+    from elsewhere on the machine weighs on all of them alike."""
+    # mp's fork pool first: forking a process whose nng threads run is not safe.
+    pools = {lib: make_pool(lib, workers) for lib in reversed(LIBS)}
     try:
-        pool.map(noop, range(1000), 1)  # workers up and warm
-        values = []
+        for pool in pools.values():
+            pool.map(noop, range(1000), 1)  # workers up and warm
+        results: dict = {lib: [] for lib in LIBS}
         for row, fn in rows:
-            values.append(median_of(repeat if row.unit != "s/round" else 1,
-                                    lambda: fn(pool, workers)))
-            print(f"  {lib:9s} {row.name}: {values[-1]:.4g} {row.unit}", file=sys.stderr)
-        return values
+            runs = {lib: [] for lib in LIBS}
+            for _ in range(repeat if row.unit != "s/round" else 1):
+                for lib in LIBS:
+                    runs[lib].append(fn(pools[lib], workers))
+            for lib in LIBS:
+                results[lib].append(statistics.median(runs[lib]))
+                print(f"  {lib:9s} {row.name}: {results[lib][-1]:.4g} {row.unit}",
+                      file=sys.stderr)
+        return results
     finally:
-        pool.terminate()
-        pool.join()
+        for pool in pools.values():
+            pool.terminate()
+            pool.join()
 
 
 def table(rows: list, results: dict) -> str:
@@ -152,10 +163,11 @@ def main(argv: list) -> None:
     parser.add_argument("--repeat", type=int, default=3)
     args = parser.parse_args(argv)
     rows = plan(args.quick)
-    results = {lib: measure(lib, args.workers, rows, args.repeat)
-               for lib in ("fibrl", "mp spawn", "mp fork")}
+    load_before = os.getloadavg()[0]
+    results = measure_all(args.workers, rows, args.repeat)
     print(f"\n{platform.python_implementation()} {platform.python_version()}, "
-          f"{os.cpu_count()} CPUs, {args.workers} workers\n")
+          f"{os.cpu_count()} CPUs, {args.workers} workers, load average "
+          f"{load_before:.1f} before, {os.getloadavg()[0]:.1f} after\n")
     print(table(rows, results))
 
 

@@ -92,7 +92,8 @@ class ProcessPoolExecutor(_BaseExecutor):
                               max_tasks_per_child, retries, _BACKLOG_CHUNKS)
         self._shutdown_lock = threading.Lock()
         self._shutdown = False
-        self._finalizer = weakref.finalize(self, self._engine.terminate)
+        # Dropped without shutdown(): pending work still completes, as with the stdlib.
+        self._finalizer = weakref.finalize(self, self._engine.close)
 
     def submit(self, fn: Callable, /, *args: Any, **kwargs: Any) -> Future:
         """Schedule ``fn(*args, **kwargs)``; unpicklable ``fn`` or arguments raise here."""
@@ -140,6 +141,7 @@ class ProcessPoolExecutor(_BaseExecutor):
         """Accept no more work; optionally cancel what has not started; wait for workers."""
         with self._shutdown_lock:
             self._shutdown = True
+        self._finalizer.detach()
         if cancel_futures:
             for sink in self._engine.service.sinks_waiting():
                 if isinstance(sink, Future):

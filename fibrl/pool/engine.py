@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 from typing import Any, Callable, Iterable, Optional
 
 from .. import serialization
@@ -60,11 +61,13 @@ class Engine:
         self._oid = hub.register(self.service)
         address = hub.address
         oid = self._oid
+        self._ended = False
+        self._end_lock = threading.Lock()
         self.supervisor = Supervisor(ctx, self.service,
-                                     lambda wid: WorkerArgs(address, oid, wid, init), name)
+                                     lambda wid: WorkerArgs(address, oid, wid, init), name,
+                                     on_done=self._end)
         self.service.hooks = self.supervisor
         self.feeder = Feeder(self.service, name, backlog)
-        self._ended = False
         self.supervisor.start()
 
     def submit(self, sink: Any, func: Callable, kind: Kind, chunks: list) -> Any:
@@ -94,7 +97,6 @@ class Engine:
         done = self.supervisor.join(wait)
         if not done:
             log.warning("pool workers did not all end within %.0f s of terminate()", wait)
-        self._end()
         return done
 
     def join(self, timeout: Optional[float] = None) -> bool:
@@ -102,10 +104,11 @@ class Engine:
         done = self.supervisor.join(timeout)
         if done:
             self.feeder.join(1.0)
-            self._end()
         return done
 
     def _end(self) -> None:
-        if not self._ended:
-            self._ended = True
+        """Every worker is gone: stop hosting the service (from the supervisor thread)."""
+        with self._end_lock:
+            ended, self._ended = self._ended, True
+        if not ended:
             self._hub.unregister(self._oid)

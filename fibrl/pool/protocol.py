@@ -10,8 +10,9 @@ One worker's conversation::
     worker                                       PoolService (parent hub)
     next(wid, [Report...])  ------------------>  records results, then answers at once
                             <------------------  Batch(tasks, funcs, refill) or parks
-    report(wid, [Report...])  (one-way) ------>  results while a next() is parked
-    report(wid, [Report])     (careful: waits)   one item at a time for retried tasks
+    report(wid, [Report...])  (one-way) ------>  results while a next() is pending
+    report(wid, [Report], (tid, lo))  (waits)    careful tasks: acknowledge the last
+                                                 item, announce the one starting now
     func(fid)               ------------------>  a callable the worker no longer caches
     init_failed(wid, RemoteError) ------------>  the initializer raised: the pool breaks
                             <------------------  Batch(stop=True): exit now

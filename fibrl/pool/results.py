@@ -96,7 +96,7 @@ class ApplyResult:
         self._event.wait(timeout)
 
     def get(self, timeout: Optional[float] = None) -> Any:
-        """The value, or raise the task's exception (``multiprocessing.TimeoutError`` on timeout)."""
+        """The value, or raise the task's exception; ``multiprocessing.TimeoutError`` if late."""
         self.wait(timeout)
         if not self.ready():
             raise MpTimeoutError

@@ -46,10 +46,11 @@ import math
 import threading
 import time
 from collections import OrderedDict, deque
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 from .. import serialization
-from ..errors import SerializationError, TaskFailedError, WorkerLostError, describe_exitcode
+from ..errors import (RemoteTraceback, SerializationError, TaskFailedError, WorkerLostError,
+                      describe_exitcode)
 from ..hub import ReplySink, Service
 from .protocol import STOP, Batch, Kind, Report, TaskSpec, describe
 from .results import Failure
@@ -367,8 +368,6 @@ class PoolService(Service):
         """The initializer raised in worker ``wid``: every task would fail the same way."""
         exc = error.exc
         if error.tb:
-            from ..errors import RemoteTraceback
-
             exc.__cause__ = RemoteTraceback(error.tb)
         broken = WorkerLostError(
             f"the pool's initializer raised {type(exc).__name__}: {exc} (in worker {wid}), so "

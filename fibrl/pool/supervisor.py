@@ -50,11 +50,13 @@ class Supervisor:
         service: the pool's policy (see ``service``).
         make_args: the :class:`~fibrl.pool.protocol.WorkerArgs` of worker ``wid``.
         name: prefix of worker process names.
+        on_done: called by the supervisor thread once every worker is gone.
     """
 
     def __init__(self, ctx: Any, service: PoolService, make_args: Callable[[int], Any],
-                 name: str) -> None:
+                 name: str, on_done: Callable[[], None] = lambda: None) -> None:
         self._ctx = ctx
+        self._on_done = on_done
         self._service = service
         self._make_args = make_args
         self._name = name
@@ -184,6 +186,7 @@ class Supervisor:
         os.close(self._wake_r)
         os.close(self._wake_w)
         self._starter.shutdown(wait=False)
+        self._on_done()
 
     # -- starter threads ----------------------------------------------------------------
     def _start_one(self, wid: int) -> None:
