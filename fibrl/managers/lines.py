@@ -112,6 +112,11 @@ class Line:
             if reply.rid == rid:
                 return reply
 
+    @property
+    def closed(self) -> bool:
+        """The connection dropped (its server went away) even if no call failed on it."""
+        return self._channel.closed
+
     def close(self) -> None:
         self.broken = True
         self._channel.close()
@@ -123,7 +128,7 @@ def line_for(address: str, authkey: bytes) -> Line:
     if lines is None:
         lines = _local.lines = {}
     line = lines.get(address)
-    if line is None or line.broken or line.authkey != authkey:
+    if line is None or line.broken or line.closed or line.authkey != authkey:
         _hook_exit()
         line = lines[address] = Line(address, authkey)
     return line

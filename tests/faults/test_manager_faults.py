@@ -114,17 +114,30 @@ def test_frozen_server_is_detected_within_parent_timeout(ctx):
     lst, lock = m.list(), fibrl.Lock()
     pid = line_for(m.address, bytes(m._authkey)).call("ping")  # the server's own pid
     os.kill(pid, signal.SIGSTOP)  # a vanished node: no socket closes, nothing answers
+    _wait_stopped(pid)
+    start, error = time.monotonic(), None
     try:
-        start = time.monotonic()
-        with pytest.raises(RemoteObjectError, match="did not answer"):
-            lst.append(1)
-        assert time.monotonic() - start < 15
+        lst.append(1)  # on this thread's line, connected before the freeze
+    except Exception as exc:
+        error = exc
     finally:
+        elapsed = time.monotonic() - start
         os.kill(pid, signal.SIGKILL)
         os.kill(pid, signal.SIGCONT)
         m.shutdown()
+    assert isinstance(error, RemoteObjectError), (error, elapsed)
+    assert "did not answer" in str(error), error
+    assert elapsed < 15, elapsed
     with lock:
         pass
+
+
+def _wait_stopped(pid):
+    """SIGSTOP takes effect asynchronously: wait until every thread is stopped."""
+    proc, deadline = psutil.Process(pid), time.monotonic() + TIMEOUT
+    while any(psutil.Process(t.id).status() != psutil.STATUS_STOPPED for t in proc.threads()):
+        assert time.monotonic() < deadline, "the server did not stop"
+        time.sleep(0.01)
 
 
 def test_dead_lock_holder_releases_the_lock(ctx):
