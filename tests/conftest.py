@@ -104,18 +104,25 @@ def kube_cluster():
                       "CI_REQUIRE_KUBERNETES")
     real = os.environ.get("KUBE_TEST_KUBECONFIG")
     if real:
-        yield KubeCluster(real, os.environ.get("KUBE_TEST_NAMESPACE", "default"),
-                          os.environ.get("KUBE_TEST_IMAGE", "fibrl:latest"),
-                          os.environ.get("KUBE_TEST_LISTEN_HOST", "127.0.0.1"))
+        cluster = KubeCluster(real, os.environ.get("KUBE_TEST_NAMESPACE", "default"),
+                              os.environ.get("KUBE_TEST_IMAGE", "fibrl:latest"),
+                              os.environ.get("KUBE_TEST_LISTEN_HOST", "127.0.0.1"))
+        yield cluster
         _close_kubernetes_backends()
+        left = _pods_left(cluster, time.monotonic() + 60, "fibrl.backend=kubernetes")
+        assert not left, f"fibrl pods left after the kubernetes tests: {left}"
         return
     _importable_tests_package()
     from tests.kube.fake_apiserver import FakeApiServer
 
     server = FakeApiServer(runtime="process").start()
-    try:
-        yield KubeCluster(server.write_kubeconfig(), KUBE_TEST_NAMESPACE, "fibrl:latest",
+    cluster = KubeCluster(server.write_kubeconfig(), KUBE_TEST_NAMESPACE, "fibrl:latest",
                           "127.0.0.1", server)
+    try:
+        yield cluster
+        _close_kubernetes_backends()
+        left = _pods_left(cluster, time.monotonic() + 20, "fibrl.backend=kubernetes")
+        assert not left, f"fibrl pods left after the kubernetes tests: {left}"
     finally:
         _close_kubernetes_backends()
         server.stop()
@@ -129,20 +136,21 @@ def kube_settings(kube_cluster):
            "listen_host": kube_cluster.listen_host}
     if kube_cluster.fake is not None:
         kube_cluster.fake.reset_hooks()
-    left = _pods_left(kube_cluster, deadline=time.monotonic() + 20)
+    from fibrl.popen import run_id
+
+    left = _pods_left(kube_cluster, time.monotonic() + 20, f"fibrl.run={run_id()}")
     if left:
         pytest.fail(f"worker pods left behind in namespace {kube_cluster.namespace}: {left}")
 
 
-def _pods_left(cluster: KubeCluster, deadline: float) -> list:
+def _pods_left(cluster: KubeCluster, deadline: float, selector: str) -> list:
+    """Pods matching ``selector`` in the test namespace still there at ``deadline``."""
     from kubernetes import client
-
-    from fibrl.popen import run_id
 
     with cluster.client() as api:
         core = client.CoreV1Api(api)
         while True:
-            pods = core.list_namespaced_pod(cluster.namespace, label_selector=f"fibrl.run={run_id()}",
+            pods = core.list_namespaced_pod(cluster.namespace, label_selector=selector,
                                             _request_timeout=10).items
             if not pods or time.monotonic() > deadline:
                 return [f"{p.metadata.name} ({p.status.phase})" for p in pods]

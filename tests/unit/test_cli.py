@@ -20,6 +20,7 @@ from fibrl.launch.build import image_tag
 
 TIMEOUT = 120
 
+# Run with ``python -c``: nothing to copy into the image, even on a real cluster.
 SCRIPT = textwrap.dedent("""
     import os, sys
     import fibrl
@@ -66,14 +67,21 @@ def test_build_needs_a_dockerfile(tmp_path):
 def kube(kube_cluster):
     """Options that point the command at the test cluster, and cleanup of its runs."""
     options = ["--kubeconfig", kube_cluster.kubeconfig, "-n", kube_cluster.namespace]
-    env = ["--env", f"FIBRL_KUBERNETES_KUBECONFIG={kube_cluster.kubeconfig}",
-           "--image", kube_cluster.image]
+    env = ["--image", kube_cluster.image] + _parent_access(kube_cluster)
     runs = []
     yield options, env, runs
     for run in runs:
         fibrl_cli("stop", run, *options)
     if kube_cluster.fake is not None:
         kube_cluster.fake.reset_hooks()
+
+
+def _parent_access(kube_cluster):
+    """How the launched script reaches the API: the fake's kubeconfig (its pods run on this
+    machine), or on a real cluster the service account of deploy/rbac.yaml."""
+    if kube_cluster.fake is not None:
+        return ["--env", f"FIBRL_KUBERNETES_KUBECONFIG={kube_cluster.kubeconfig}"]
+    return ["--service-account", os.environ.get("KUBE_TEST_SERVICE_ACCOUNT", "fibrl")]
 
 
 def _run_id(out):
@@ -96,11 +104,9 @@ def _pods(kube_cluster, run):
 
 
 @pytest.mark.kubernetes
-def test_run_follow_exits_with_the_scripts_code(kube, kube_cluster, tmp_path):
+def test_run_follow_exits_with_the_scripts_code(kube, kube_cluster):
     options, env, runs = kube
-    (tmp_path / "train.py").write_text(SCRIPT)
-    out = fibrl_cli("run", *options, *env, "--follow", "--", "python", str(tmp_path / "train.py"),
-                    "3")
+    out = fibrl_cli("run", *options, *env, "--follow", "--", "python", "-c", SCRIPT, "3")
     run = _run_id(out)
     runs.append(run)
     assert out.returncode == 3, out.stderr
@@ -119,11 +125,9 @@ def test_run_follow_exits_with_the_scripts_code(kube, kube_cluster, tmp_path):
 
 
 @pytest.mark.kubernetes
-def test_run_detach_then_logs_follow(kube, tmp_path):
+def test_run_detach_then_logs_follow(kube):
     options, env, runs = kube
-    (tmp_path / "train.py").write_text(SCRIPT)
-    out = fibrl_cli("run", *options, *env, "--detach", "--", "python", str(tmp_path / "train.py"),
-                    "0")
+    out = fibrl_cli("run", *options, *env, "--detach", "--", "python", "-c", SCRIPT, "0")
     assert out.returncode == 0, out.stderr
     run = out.stdout.strip()
     runs.append(run)

@@ -445,8 +445,9 @@ def test_oomkilled_pod_is_reported(kube_init, request):
     from tests.kube.fake_apiserver import FakeApiServer
 
     with FakeApiServer(runtime="docker") as server:
-        kube_init(kubernetes_kubeconfig=server.write_kubeconfig(), memory="12m")
+        backend = kube_init(kubernetes_kubeconfig=server.write_kubeconfig(), memory="12m")
         p = _started(exit_with, 0)
         p.join(60)
+        backend.close()       # while its API server still answers
         assert p.exitcode == -9
         assert p._popen.job.failure_reason() == "OOMKilled"
