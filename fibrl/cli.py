@@ -40,10 +40,25 @@ def _parser() -> argparse.ArgumentParser:
         prog="fibrl", description="Launch a script on kubernetes or docker as the parent of "
                                   "a fibrl run, and list, follow and stop runs.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    run = commands.add_parser("run", help="run a script as the parent of a new run",
-                              description="Run a script (as a kubernetes Job, or a docker "
-                                          "container) whose fibrl workers fan out from there.")
-    _common(run)
+    _add_run(commands)
+    _common(commands.add_parser("ps", help="list runs and their pods / containers")) \
+        .set_defaults(handler=_ps)
+    logs = _common(commands.add_parser("logs", help="print the output of a run's parent"))
+    logs.add_argument("run", help="run id (see fibrl ps)")
+    logs.add_argument("--follow", "-f", action="store_true", help="keep streaming")
+    logs.add_argument("--pod", help="a pod (or container) of the run instead of its parent")
+    logs.set_defaults(handler=_logs)
+    stop = _common(commands.add_parser("stop", help="delete everything a run created"))
+    stop.add_argument("run", help="run id (see fibrl ps)")
+    stop.set_defaults(handler=_stop)
+    return parser
+
+
+def _add_run(commands) -> None:
+    run = _common(commands.add_parser(
+        "run", help="run a script as the parent of a new run",
+        description="Run a script (as a kubernetes Job, or a docker container) whose fibrl "
+                    "workers fan out from there."))
     image = run.add_mutually_exclusive_group()
     image.add_argument("--image", help="image holding the script and fibrl (default: config image)")
     image.add_argument("--build", action="store_true",
@@ -63,28 +78,15 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("argv", nargs=argparse.REMAINDER, metavar="-- COMMAND",
                      help="the script to run, e.g. -- python train.py --steps 100")
     run.set_defaults(handler=_run)
-    ps = commands.add_parser("ps", help="list runs and their pods / containers")
-    _common(ps)
-    ps.set_defaults(handler=_ps)
-    logs = commands.add_parser("logs", help="print the output of a run's parent")
-    _common(logs)
-    logs.add_argument("run", help="run id (see fibrl ps)")
-    logs.add_argument("--follow", "-f", action="store_true", help="keep streaming")
-    logs.add_argument("--pod", help="a pod (or container) of the run instead of its parent")
-    logs.set_defaults(handler=_logs)
-    stop = commands.add_parser("stop", help="delete everything a run created")
-    _common(stop)
-    stop.add_argument("run", help="run id (see fibrl ps)")
-    stop.set_defaults(handler=_stop)
-    return parser
 
 
-def _common(parser: argparse.ArgumentParser) -> None:
+def _common(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--backend", choices=BACKENDS,
                         help="where runs live (default: config backend if docker, else kubernetes)")
     parser.add_argument("--namespace", "-n", help="kubernetes namespace (config: "
                                                   "kubernetes_namespace)")
     parser.add_argument("--kubeconfig", help="kubeconfig path (config: kubernetes_kubeconfig)")
+    return parser
 
 
 def _config(args: argparse.Namespace) -> Config:

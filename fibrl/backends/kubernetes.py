@@ -169,8 +169,9 @@ class KubernetesBackend(Backend):
     def _create(self, job: KubernetesJob, raise_errors: bool = False) -> None:
         """Create ``job``'s pod (the creator's threads, or the first one inline)."""
         image = job.manifest["spec"]["containers"][0]["image"]
-        if image in self._bad_images:
-            job.fail(1, self._bad_images[image])
+        refusal = self._fatal or self._bad_images.get(image)
+        if refusal:   # a queued pod that would fail like the ones before it
+            job.fail(1, str(refusal))
             return self._forget(job)
         try:
             self._post_pod(job)

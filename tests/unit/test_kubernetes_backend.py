@@ -343,7 +343,7 @@ def test_terminate_before_the_pod_exists(kube_init):
     assert [p.exitcode for p in procs] == [-15] * 5
 
 
-def test_worker_pods_of_a_pod_carry_an_owner_reference(kube_init, core, kube_settings, fake):
+def test_worker_pods_of_a_pod_carry_an_owner_reference(kube_init, core, kube_settings):
     kube_init()
     namespace = kube_settings["kubernetes_namespace"]
     out, go = fibrl.Queue(), fibrl.Queue()

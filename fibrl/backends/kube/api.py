@@ -273,10 +273,9 @@ def api_error(exc: Any, verb: str, resource: str, namespace: str, api: Api) -> K
 def _forbidden(message: str, verb: str, resource: str, namespace: str, api: Api) -> str:
     match = _FORBIDDEN.search(message)
     who = match.group("user") if match else "this identity"
-    missing = api.missing_permissions(namespace) if namespace else []
-    if not missing:
-        missing = [f"{match.group('verb')} {match.group('res')}" if match else f"{verb} {resource}"]
-    return (f"forbidden: {who} may not {missing[0]} in namespace {namespace!r} (RBAC). Missing "
+    refused = f"{match.group('verb')} {match.group('res')}" if match else f"{verb} {resource}"
+    missing = (api.missing_permissions(namespace) if namespace else []) or [refused]
+    return (f"forbidden: {who} may not {refused} in namespace {namespace!r} (RBAC). Missing "
             f"permissions: {', '.join(missing)}. Evidence: {message}. Fix: grant them to the "
-            f"service account the parent runs as: {RBAC_HINT}, then run with "
-            f"kubernetes_service_account / serviceAccountName 'fibrl'.")
+            f"identity the parent runs as: {RBAC_HINT}; in a pod, run it with "
+            f"serviceAccountName 'fibrl' (fibrl run does).")
