@@ -28,10 +28,9 @@ from concurrent.futures import Future, InvalidStateError
 from multiprocessing import TimeoutError as MpTimeoutError
 from typing import Any, Callable, Iterator, Optional
 
-from . import serialization
 from .pool import chunked, fibrl_context
 from .pool.engine import Engine
-from .pool.protocol import Kind
+from .pool.protocol import Kind, pack
 from .pool.results import IMapIterator, outcome
 
 __all__ = ["ProcessPoolExecutor", "Executor"]
@@ -100,7 +99,7 @@ class ProcessPoolExecutor(_BaseExecutor):
         with self._shutdown_lock:
             self._check_open()
             future = _PoolFuture()
-            payload = serialization.dumps((args, kwargs))
+            payload = pack((args, kwargs))
             self._engine.submit(future, fn, Kind.APPLY, [(payload, 1)])
             return future
 

@@ -30,9 +30,8 @@ import weakref
 from itertools import islice
 from typing import Any, Callable, Iterable, Optional
 
-from .. import serialization
 from .engine import Engine
-from .protocol import Kind
+from .protocol import Kind, pack
 from .results import (ApplyResult, AsyncResult, IMapIterator, IMapUnorderedIterator,
                       MapResult)
 
@@ -68,8 +67,7 @@ def chunked(iterable: Iterable, size: int) -> list:
     else:
         it = iter(iterable)
         pieces = iter(lambda: list(islice(it, size)), [])
-    dumps = serialization.dumps
-    return [(dumps(list(piece)), len(piece)) for piece in pieces]
+    return [(pack(list(piece)), len(piece)) for piece in pieces]
 
 
 class Pool:
@@ -126,7 +124,7 @@ class Pool:
         """
         self._check_running()
         result = ApplyResult(self, callback, error_callback)
-        payload = serialization.dumps((tuple(args), dict(kwds)))
+        payload = pack((tuple(args), dict(kwds)))
         self._engine.submit(result, func, Kind.APPLY, [(payload, 1)])
         return result
 

@@ -25,8 +25,8 @@ import itertools
 import threading
 from typing import Any, Iterator, Optional
 
-from .. import serialization
 from ..errors import SerializationError
+from .protocol import pack
 from .results import Failure
 from .service import PoolService
 
@@ -126,7 +126,7 @@ class Feeder:
                 self._submit(lazy, start, chunks)
                 return self._end(lazy)
             try:
-                chunks.append((serialization.dumps(items), len(items)))
+                chunks.append((pack(items), len(items)))
             except SerializationError as exc:
                 self._submit(lazy, start, chunks)
                 lazy.sink._deliver(lazy.fed, [Failure(exc)] * len(items))

@@ -48,11 +48,10 @@ import time
 from collections import OrderedDict, deque
 from typing import Any, Optional
 
-from .. import serialization
 from ..errors import (RemoteTraceback, SerializationError, TaskFailedError, WorkerLostError,
                       describe_exitcode)
 from ..hub import ReplySink, Service
-from .protocol import STOP, Batch, Kind, Report, TaskSpec, describe
+from .protocol import STOP, Batch, Kind, Report, TaskSpec, describe, unpack
 from .results import Failure
 
 __all__ = ["PoolService", "Hooks"]
@@ -166,7 +165,7 @@ class _Effects:
 
 def _decode(payload: bytes, skip: int, count: int) -> list:
     try:
-        values = serialization.loads(payload)
+        values = unpack(payload)
     except SerializationError as exc:  # e.g. a result class the parent cannot import
         return [Failure(exc)] * (count - skip)
     return values[skip:] if skip else values
@@ -663,7 +662,7 @@ class PoolService(Service):
     @staticmethod
     def _args_of(task: _Task) -> str:
         try:
-            items = serialization.loads(task.payload)
+            items = unpack(task.payload)
         except Exception:
             return "<arguments that cannot be unpickled here>"
         if task.job.kind == Kind.APPLY:
