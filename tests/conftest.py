@@ -47,13 +47,14 @@ def _skip_or_fail(reason: str, required_env: str) -> None:
     pytest.skip(reason)
 
 
-@pytest.fixture(params=BACKENDS)
+_MARKS = {"docker": pytest.mark.docker, "kubernetes": pytest.mark.kubernetes}
+
+
+# Marks on the params (not only applied at run time) so `-m kubernetes` selects them.
+@pytest.fixture(params=[pytest.param(b, marks=_MARKS.get(b, ())) for b in BACKENDS])
 def ctx(request):
     """The context of one backend; skips docker/kubernetes when their engine is absent."""
     name = request.param
-    marker = {"docker": pytest.mark.docker, "kubernetes": pytest.mark.kubernetes}.get(name)
-    if marker is not None:
-        request.applymarker(marker)
     settings = {"backend": name}
     if name == "docker":
         reason = docker_available()

@@ -11,7 +11,7 @@ Data flow::
 
     create_job(spec)          (caller's thread)
       first time: connect (kubeconfig or in-cluster), start the watch, wait until it runs
-      Secret fibrl-<run>-<hash> for the run's key (once per key; pods read it by secretKeyRef)
+      Secret fibrl-<run>-<owner>-<hash> for the run's key (once per key; pods read it by secretKeyRef)
       Pod manifest --> first pod: created now (errors raise here)
                    '-> later pods: Creator queue --> waves of concurrent creates (creator.py)
     PodWatcher thread (watch.py): list+watch pods labelled fibrl.owner=<this backend>
@@ -249,17 +249,19 @@ class KubernetesBackend(Backend):
         return name
 
     def _create_secret(self, key: str, labels: dict) -> str:
-        run = re.sub(r"[^a-z0-9-]+", "-", labels[LABEL_RUN].lower()).strip("-")[:30] or "run"
-        name = f"fibrl-{run}-{hashlib.sha256(key.encode()).hexdigest()[:10]}"
+        # One Secret per backend and key: its lifetime is this backend's, whoever else
+        # (another config, a worker starting workers) runs with the same run id and key.
+        run = re.sub(r"[^a-z0-9-]+", "-", labels[LABEL_RUN].lower()).strip("-")[:24] or "run"
+        name = f"fibrl-{run}-{self.token}-{hashlib.sha256(key.encode()).hexdigest()[:8]}"
         secret_labels = {k: labels[k] for k in (LABEL_RUN, LABEL_OWNER, LABEL_BACKEND)}
         body = secret_manifest(name, self.namespace, key, secret_labels, self._owner_reference())
         try:
             self.api.call("create", "secrets", self.api.core.create_namespaced_secret,
                           self.namespace, body, namespace=self.namespace)
-            self._own_secrets.append(name)
         except KubeApiError as exc:
-            if exc.status != 409:  # 409: another process of this run made it (same key)
+            if exc.status != 409:  # 409: a retried create whose first attempt got through
                 raise
+        self._own_secrets.append(name)
         return name
 
     def _check_image(self, image: str) -> None:
