@@ -165,11 +165,14 @@ def _run(args: argparse.Namespace, config: Config) -> int:
         print(run_id)
         return 0
     try:
-        return launcher.wait(run_id, args.follow, sys.stdout.buffer)
+        ended = launcher.wait(run_id, args.follow, sys.stdout.buffer)
     except KeyboardInterrupt:
         _say(f"stopped waiting; run {run_id} goes on. `fibrl logs {run_id} -f` to follow it, "
              f"`fibrl stop {run_id}` to end it.")
         return 130
+    if ended.reason:
+        _say(f"run {run_id}: the script ended with exit status {ended.status}: {ended.reason}")
+    return ended.status
 
 
 # -- fibrl ps / logs / stop -------------------------------------------------------------

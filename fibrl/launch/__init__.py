@@ -8,7 +8,7 @@ label). Launchers import their client library when first used::
 
     fibrl.cli --RunRequest--> get_launcher("kubernetes" | "docker", config)
                                  .launch(request)        -> where it runs
-                                 .wait(run, follow, out) -> the script's exit code
+                                 .wait(run, follow, out) -> Ended(exit status, reason)
                                  .runs()                 -> [RunInfo]
                                  .logs(run, follow, out, pod)
                                  .stop(run)              -> names deleted
@@ -23,7 +23,7 @@ from typing import BinaryIO, Mapping, Optional
 from ..config import Config
 from ..errors import ConfigError
 
-__all__ = ["Launcher", "RunRequest", "RunInfo", "get_launcher", "LAUNCHERS"]
+__all__ = ["Launcher", "RunRequest", "RunInfo", "Ended", "get_launcher", "LAUNCHERS"]
 
 LAUNCHERS = {"kubernetes": "fibrl.launch.kubernetes:KubernetesLauncher",
              "docker": "fibrl.launch.docker:DockerLauncher"}
@@ -55,6 +55,15 @@ class RunRequest:
 
 
 @dataclass(frozen=True)
+class Ended:
+    """How a run's parent ended: its exit status (as a shell sees it) and, if it ended
+    badly for a reason other than its own code, that reason (``"OOMKilled"``...)."""
+
+    status: int
+    reason: str = ""
+
+
+@dataclass(frozen=True)
 class RunInfo:
     """One run as ``fibrl ps`` shows it."""
 
@@ -76,7 +85,7 @@ class Launcher(abc.ABC):
         """Start the script; return where it runs (job or container name)."""
 
     @abc.abstractmethod
-    def wait(self, run_id: str, follow: bool, out: BinaryIO) -> int:
+    def wait(self, run_id: str, follow: bool, out: BinaryIO) -> "Ended":
         """Block until the run's parent ends; stream its output to ``out`` if ``follow``."""
 
     @abc.abstractmethod

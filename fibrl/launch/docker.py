@@ -16,7 +16,7 @@ from collections import Counter
 from typing import Any, BinaryIO, Optional
 
 from ..errors import BackendError
-from . import Launcher, RunInfo, RunRequest, age
+from . import Ended, Launcher, RunInfo, RunRequest, age
 
 __all__ = ["DockerLauncher"]
 
@@ -95,11 +95,14 @@ class DockerLauncher(Launcher):
                                f"(see `fibrl ps --backend docker`).")
         return parents[0]
 
-    def wait(self, run_id: str, follow: bool, out: BinaryIO) -> int:
+    def wait(self, run_id: str, follow: bool, out: BinaryIO) -> Ended:
         container = self._parent(run_id)
         if follow:
             _copy(container.logs(stream=True, follow=True), out)
-        return int(container.wait()["StatusCode"])
+        status = int(container.wait()["StatusCode"])
+        container.reload()
+        state = container.attrs.get("State") or {}
+        return Ended(status, "OOMKilled" if state.get("OOMKilled") else state.get("Error", ""))
 
     def runs(self) -> list:
         by_run: dict = {}

@@ -12,7 +12,8 @@ ends), never a poll::
     launch --> Job fibrl-run-<run> (backoffLimit 0, restartPolicy Never)
     wait   --> watch pod fibrl.run=<run>,fibrl.role=parent until its container runs
                --follow: GET pods/log?follow=true --> out
-           --> watch until Succeeded/Failed --> the container's exit code
+           --> watch until Succeeded/Failed --> the container's exit status (+ why, if it
+               was OOMKilled, evicted...)
 """
 from __future__ import annotations
 
@@ -23,12 +24,12 @@ from collections import Counter
 from typing import Any, BinaryIO, Callable, Optional
 
 from ..backends.kube.api import Api, KubeApiError, api_error, connect
-from ..backends.kube.job import fatal_waiting, stuck_pending
+from ..backends.kube.job import fatal_waiting, pod_failure, stuck_pending
 from ..backends.kube.manifests import launcher_job
 from ..backends.kube.settings import (LABEL_BACKEND, LABEL_ROLE, LABEL_RUN, KubeSettings,
                                       PodIdentity)
 from ..errors import BackendError
-from . import Launcher, RunInfo, RunRequest, age
+from . import Ended, Launcher, RunInfo, RunRequest, age
 
 __all__ = ["KubernetesLauncher", "job_name"]
 
@@ -76,13 +77,17 @@ class KubernetesLauncher(Launcher):
                       body, namespace=self.namespace)
         return name
 
-    def wait(self, run_id: str, follow: bool, out: BinaryIO) -> int:
+    def wait(self, run_id: str, follow: bool, out: BinaryIO) -> Ended:
         selector = _parent_selector(run_id)
         pod = self._wait_for(selector, self._started(run_id), self.settings.pending_timeout)
         if follow:
             self._stream(pod["metadata"]["name"], out)
         pod = self._wait_for(selector, _finished, None)
-        return _exit_status(pod)
+        terminated = _main_state(pod).get("terminated")
+        if terminated is None:
+            return Ended(1, f"its pod ended {pod['status'].get('phase')} before the script ran: "
+                            f"{pod_failure(pod) or 'no reason given'}")
+        return Ended(int(terminated.get("exitCode", 1)), pod_failure(pod))
 
     def _started(self, run_id: str) -> Callable[[dict], Optional[dict]]:
         first_stuck: dict = {}
@@ -290,12 +295,6 @@ def _main_state(pod: dict) -> dict:
 
 def _finished(pod: dict) -> Optional[dict]:
     return pod if (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed") else None
-
-
-def _exit_status(pod: dict) -> int:
-    """The script's exit status as a shell reports it (128+N when killed by signal N)."""
-    terminated = _main_state(pod).get("terminated")
-    return int(terminated.get("exitCode", 1)) if terminated else 1
 
 
 def _cannot_start(pod: dict, reason: str, run_id: str) -> str:

@@ -179,11 +179,12 @@ def test_pod_identity_from_fibrl_env_and_service_account(tmp_path):
     assert found == PodIdentity("me", "team-a", "", True)
 
 
-def test_import_fibrl_does_not_import_kubernetes():
+def test_import_fibrl_and_the_backend_do_not_import_kubernetes():
     import subprocess
     import sys
 
     code = ("import sys, fibrl, fibrl.backends; fibrl.init(backend='kubernetes'); "
+            "fibrl.backends.get_backend(fibrl.get_context().config); "   # built, not connected
             "print('kubernetes' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "False", out.stderr
