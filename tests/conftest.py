@@ -132,9 +132,13 @@ def kube_cluster():
 @pytest.fixture
 def kube_settings(kube_cluster):
     """Config of the kubernetes backend for one test; afterwards no pod of this run is left."""
-    yield {"kubernetes_kubeconfig": kube_cluster.kubeconfig,
-           "kubernetes_namespace": kube_cluster.namespace, "image": kube_cluster.image,
-           "listen_host": kube_cluster.listen_host}
+    settings = {"kubernetes_kubeconfig": kube_cluster.kubeconfig,
+                "kubernetes_namespace": kube_cluster.namespace, "image": kube_cluster.image,
+                "listen_host": kube_cluster.listen_host}
+    if kube_cluster.fake is None:   # workers that start workers need the API from their pod
+        settings["kubernetes_service_account"] = os.environ.get("KUBE_TEST_SERVICE_ACCOUNT",
+                                                                "fibrl")
+    yield settings
     if kube_cluster.fake is not None:
         kube_cluster.fake.reset_hooks()
     from fibrl.popen import run_id

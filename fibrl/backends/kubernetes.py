@@ -155,12 +155,15 @@ class KubernetesBackend(Backend):
                   LABEL_PARENT: spec.labels.get(LABEL_PARENT, str(os.getpid())),
                   LABEL_ROLE: spec.labels.get(LABEL_ROLE, "process"),
                   LABEL_OWNER: self.token, LABEL_BACKEND: "kubernetes"}
-        parent = self._parent_pod()
-        same_image = parent is not None and image == _pod_image(parent)
+        parent = self._parent_pod() or {}
+        same_image = image == _pod_image(parent)
+        # Workers of a parent in a pod run as its service account (they may start workers).
+        account = self.settings.service_account or (parent.get("spec") or {}).get(
+            "serviceAccountName", "")
         manifest = worker_pod(spec, self.settings, name=name, namespace=self.namespace,
                               image=image, secret_name=self._secret(spec, labels), labels=labels,
-                              owner=self._owner_reference(), workdir=spec.workdir if same_image
-                              else "")
+                              owner=self._owner_reference(), service_account=account,
+                              workdir=spec.workdir if same_image else "")
         job = KubernetesJob(spec, self, name, self.namespace, manifest)
         with self._lock:
             self._jobs[name] = job

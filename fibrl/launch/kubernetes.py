@@ -100,7 +100,9 @@ class KubernetesLauncher(Launcher):
             if reason:
                 raise BackendError(_cannot_start(pod, reason, run_id))
             stuck = stuck_pending(pod)
-            if stuck and time.monotonic() - first_stuck.setdefault(stuck, time.monotonic()) \
+            if not stuck:
+                first_stuck.clear()
+            elif time.monotonic() - first_stuck.setdefault("since", time.monotonic()) \
                     > self.settings.pending_timeout:
                 raise BackendError(_cannot_start(pod, stuck, run_id))
             return None

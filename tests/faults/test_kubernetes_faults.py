@@ -157,6 +157,7 @@ def test_killing_the_parent_pod_takes_its_workers(kube_cluster, core):
                         and _workers(core, namespace, run), "two running worker pods")
         (parent,) = _pods(core, namespace, f"fibrl.run={run},fibrl.role=parent")
         assert {r.uid for w in workers for r in w.metadata.owner_references} == {parent.metadata.uid}
+        assert {w.spec.service_account_name for w in workers} == {parent.spec.service_account_name}
         core.delete_namespaced_pod(parent.metadata.name, namespace, grace_period_seconds=0,
                                    _request_timeout=10)
         _wait(lambda: not _workers(core, namespace, run),

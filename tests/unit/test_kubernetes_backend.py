@@ -179,6 +179,16 @@ def test_pod_identity_from_fibrl_env_and_service_account(tmp_path):
     assert found == PodIdentity("me", "team-a", "", True)
 
 
+def test_a_pod_without_the_parents_kubeconfig_uses_its_service_account(tmp_path):
+    from fibrl.backends.kube.api import connect
+
+    settings = KubeSettings.from_config(Config(kubernetes_kubeconfig=str(tmp_path / "laptop")))
+    with pytest.raises(BackendError, match="does not exist"):
+        connect(settings, PodIdentity())
+    with pytest.raises(BackendError, match="in-cluster service account"):
+        connect(settings, PodIdentity("worker-pod", "ns", "uid", service_account=True))
+
+
 def test_import_fibrl_and_the_backend_do_not_import_kubernetes():
     import subprocess
     import sys

@@ -78,6 +78,10 @@ def connect(settings: KubeSettings, identity: PodIdentity, pool_size: int = 32) 
     kubernetes = sdk()
     cfg = kubernetes.client.Configuration()
     path = settings.kubeconfig
+    if path and not os.path.isfile(path) and identity.service_account:
+        log.debug("kubeconfig %s is not in this pod (a path of the parent's machine); using "
+                  "the pod's service account", path)
+        path = ""
     if not path and identity.service_account:
         _load(lambda: kubernetes.config.load_incluster_config(client_configuration=cfg),
               "the in-cluster service account")

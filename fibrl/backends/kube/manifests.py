@@ -96,8 +96,11 @@ def _pod_spec(settings: KubeSettings, container: dict, service_account: str) -> 
 
 def worker_pod(spec: JobSpec, settings: KubeSettings, *, name: str, namespace: str, image: str,
                secret_name: str, labels: Mapping[str, str], owner: Optional[dict] = None,
-               workdir: str = "") -> dict:
-    """The Pod of one worker: ``spec.command`` in ``image``, restartPolicy Never."""
+               workdir: str = "", service_account: Optional[str] = None) -> dict:
+    """The Pod of one worker: ``spec.command`` in ``image``, restartPolicy Never.
+
+    ``service_account`` (None: ``settings.service_account``) is the pod's.
+    """
     container = {"name": CONTAINER, "image": image, "command": [str(a) for a in spec.command],
                  "env": _env({**settings.env, **spec.env}, secret_name),
                  "resources": resources(spec.cpu, spec.memory, spec.gpu)}
@@ -106,7 +109,8 @@ def worker_pod(spec: JobSpec, settings: KubeSettings, *, name: str, namespace: s
     return {"apiVersion": "v1", "kind": "Pod",
             "metadata": _metadata(name, namespace, {**settings.labels, **labels}, owner,
                                   {ANNOTATION_NAME: spec.name}),
-            "spec": _pod_spec(settings, container, settings.service_account)}
+            "spec": _pod_spec(settings, container, settings.service_account
+                              if service_account is None else service_account)}
 
 
 def launcher_labels(run_id: str) -> dict:
