@@ -17,12 +17,15 @@ stopped while queued is skipped.
 """
 from __future__ import annotations
 
+import logging
 import threading
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any, Callable
 
 __all__ = ["Creator"]
+
+log = logging.getLogger(__name__)
 
 
 class Creator:
@@ -57,6 +60,14 @@ class Creator:
         self._pool.shutdown(wait=False, cancel_futures=True)
         return left
 
+    def _create_one(self, job: Any) -> None:
+        try:
+            self._create(job)
+        except Exception as exc:  # never leave a job waiting on a pod nobody will create
+            log.exception("creating worker pod %s failed unexpectedly", job.name)
+            job.fail(1, f"creating its pod failed unexpectedly: {exc!r} (a bug in fibrl; "
+                        f"please report it with the log above)")
+
     def _next_wave(self) -> list:
         with self._cond:
             self._cond.wait_for(lambda: self._queue or self._closed)
@@ -73,7 +84,7 @@ class Creator:
             if not wave:
                 continue
             before = self._throttled()
-            wait([self._pool.submit(self._create, job) for job in wave])
+            wait([self._pool.submit(self._create_one, job) for job in wave])
             self.waves += 1
             throttled = self._throttled() > before
             self.size = max(1, self.size // 2) if throttled else min(self._max, self.size * 2)
