@@ -162,8 +162,8 @@ def _timestamp(text: str) -> float:
 def _launch_error(image: str, exc: Exception) -> BackendError:
     text = str(exc)
     if "No such image" in text or "not found" in text.lower():
-        fix = (f"build it (fibrl run --build, with a Dockerfile in the project) or pull it; the "
-               f"image must contain python and fibrl")
+        fix = ("build it (fibrl run --build, with a Dockerfile in the project) or pull it; the "
+               "image must contain python and fibrl with its docker extra")
     else:
         fix = "check the image and `docker info`; try `docker run` with the same image"
     return BackendError(f"cannot start the run's parent container from image {image!r}: {text}. "
