@@ -135,8 +135,9 @@ def test_cancel_before_start(ctx):
 
 def test_shutdown_cancel_futures(ctx):
     executor = ProcessPoolExecutor(1, mp_context=ctx)
+    assert executor.submit(square, 1).result(TIMEOUT) == 1  # the worker is up and idle
     running = executor.submit(sleep_then, 1.0, "ran")
-    time.sleep(0.3)
+    assert running.running()  # handed to the idle worker at once
     queued = [executor.submit(square, i) for i in range(5)]
     executor.shutdown(wait=True, cancel_futures=True)
     assert running.result(0) == "ran"
