@@ -29,7 +29,7 @@ from multiprocessing import BufferTooShort
 from typing import Any, Iterable, Optional
 
 from . import serialization
-from .hub import get_hub
+from .hub import drop_owner, get_hub, mark_pickled
 from .mailbox import Mailbox
 
 __all__ = ["Connection", "Pipe", "wait"]
@@ -55,6 +55,9 @@ class Connection:
 
     def __reduce__(self):
         self._check_closed()
+        for oid in (self._inbox, self._outbox):
+            if oid is not None:
+                mark_pickled(self._address, oid)
         if self._outbox is not None:
             get_hub().call(self._address, self._outbox, "attach", "inflight")
         return (_rebuild, (self._address, self._inbox, self._outbox))
@@ -202,16 +205,18 @@ def Pipe(duplex: bool = True) -> tuple[Connection, Connection]:
         conn._attach()
     for oid in (to_1, to_2):
         if oid is not None:
-            # the pipe lives as long as a handle on it lives in this process
-            weakref.finalize(conn1, _unregister_when_unused, hub, oid, weakref.ref(conn2))
+            # the creator's handle is the pair: the pipe retires (see SharedService)
+            # once both ends are collected here and nobody else uses it
+            weakref.finalize(conn1, _drop_when_both_gone, weakref.ref(hub), oid,
+                             weakref.ref(conn2)).atexit = False
     return conn1, conn2
 
 
-def _unregister_when_unused(hub, oid: str, other: "weakref.ref") -> None:
+def _drop_when_both_gone(hub_ref, oid: str, other: "weakref.ref") -> None:
     if other() is None:
-        hub.unregister(oid)
+        drop_owner(hub_ref, oid)
     else:
-        weakref.finalize(other(), hub.unregister, oid)
+        weakref.finalize(other(), drop_owner, hub_ref, oid).atexit = False
 
 
 # -- wait ---------------------------------------------------------------------------------

@@ -36,6 +36,7 @@ import os
 import threading
 import time
 import traceback
+import weakref
 from collections import deque
 from typing import Any, Callable, Optional
 
@@ -43,7 +44,8 @@ from . import serialization
 from .errors import ChannelClosed, RemoteObjectError, RemoteTraceback, TransportError
 from .messages import Call, RemoteError, Reply, blob
 
-__all__ = ["Hub", "Handle", "Service", "Client", "get_hub", "raise_remote"]
+__all__ = ["Hub", "Handle", "Service", "SharedService", "Client", "get_hub", "raise_remote",
+           "drop_owner", "mark_pickled", "own"]
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +79,9 @@ def _as_remote(exc: BaseException) -> RemoteError:
     return RemoteError(exc, tb)
 
 
+_callback_lock = threading.Lock()  # resolving and adding callbacks: brief, rare contention
+
+
 class Handle:
     """The pending result of a call: ``get(timeout)``, ``ready()``, ``wait(timeout)``.
 
@@ -94,18 +99,22 @@ class Handle:
         self._callbacks: list[Callable[["Handle"], None]] = []
 
     def _resolve(self, ok: bool, value: Any) -> None:
-        if self._event.is_set():
-            return
-        self._ok, self._value = ok, value
-        self._event.set()
-        for cb in self._callbacks:
+        with _callback_lock:
+            if self._event.is_set():
+                return
+            self._ok, self._value = ok, value
+            self._event.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for cb in callbacks:
             cb(self)
 
     def add_done_callback(self, fn: Callable[["Handle"], None]) -> None:
-        """Run ``fn(handle)`` when the result arrives (at once if it has)."""
-        self._callbacks.append(fn)
-        if self._event.is_set():
-            fn(self)
+        """Run ``fn(handle)`` once, when the result arrives (at once if it has)."""
+        with _callback_lock:
+            if not self._event.is_set():
+                self._callbacks.append(fn)
+                return
+        fn(self)
 
     def ready(self) -> bool:
         return self._event.is_set()
@@ -227,6 +236,75 @@ class Service:
 
     def closed(self) -> None:
         """The service was unregistered; fail whatever is still parked."""
+
+
+class SharedService(Service):
+    """A service that outlives its creator's handle while pickled copies are in use.
+
+    It is unregistered when the handle in the creating process is collected
+    (:func:`drop_owner`), unless the handle was pickled (``pickled``): then
+    once every process that used it has disconnected too. A handle pickled but
+    never used keeps the service until this process exits, as a file
+    descriptor inherited by a child keeps an OS pipe open.
+    """
+
+    pickled = False
+    _orphan = False
+    _had_users = False
+    _users: Optional[set] = None
+
+    def dispatch(self, method: str, args: tuple, reply: ReplySink) -> None:
+        peer = reply.peer
+        if peer is not None:
+            if self._users is None:
+                self._users = set()
+            if peer.id not in self._users:
+                self._users.add(peer.id)
+                self._had_users = True
+        super().dispatch(method, args, reply)
+
+    def peer_lost(self, peer) -> None:
+        if self._users is not None:
+            self._users.discard(peer.id)
+        self.drop_peer(peer)
+        self._maybe_retire()
+
+    def drop_peer(self, peer) -> None:
+        """Forget what ``peer`` parked or held."""
+
+    def owner_dropped(self) -> None:
+        """The creating process no longer holds a handle."""
+        self._orphan = True
+        self._maybe_retire()
+
+    def _maybe_retire(self) -> None:
+        if self._orphan and not self._users and (self._had_users or not self.pickled):
+            hub = getattr(self, "hub", None)
+            if hub is not None:
+                hub.unregister(self.oid)
+
+
+def drop_owner(hub_ref: "weakref.ref[Hub]", oid: str) -> None:
+    """Finalizer of a creating handle: let its :class:`SharedService` retire when unused."""
+    hub = hub_ref()
+    service = hub.service(oid) if hub is not None else None
+    if isinstance(service, SharedService):
+        service.owner_dropped()
+
+
+def mark_pickled(address: Optional[str], oid: str) -> None:
+    """Called when a handle is pickled: its service must outlive the creating handle."""
+    hub = get_hub()
+    if hub.is_local(address):
+        service = hub.service(oid)
+        if isinstance(service, SharedService):
+            service.pickled = True
+
+
+def own(handle: Any, oid: str) -> None:
+    """Tie the lifetime of the hosted ``oid`` to the creating ``handle`` (see SharedService)."""
+    finalizer = weakref.finalize(handle, drop_owner, weakref.ref(get_hub()), oid)
+    finalizer.atexit = False  # at exit the hub closes every service itself
 
 
 class Timers:

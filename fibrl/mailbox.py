@@ -20,7 +20,7 @@ import time
 from collections import deque
 from typing import Any, Optional
 
-from .hub import ReplySink, Service
+from .hub import ReplySink, SharedService
 
 __all__ = ["Mailbox", "EMPTY"]
 
@@ -37,7 +37,7 @@ class _Parked:
         self.token = token
 
 
-class Mailbox(Service):
+class Mailbox(SharedService):
     """A FIFO of serialized items with parked getters, putters, joiners and pollers."""
 
     def __init__(self, maxsize: int = 0, joinable: bool = False, pipe_end: bool = False) -> None:
@@ -231,7 +231,7 @@ class Mailbox(Service):
         self._wake_pollers(True)
 
     # -- lifecycle -------------------------------------------------------------------
-    def peer_lost(self, peer) -> None:
+    def drop_peer(self, peer) -> None:
         with self._lock:
             for where in (self._getters, self._putters, self._pollers):
                 for parked in [p for p in where if p.reply.peer is peer]:

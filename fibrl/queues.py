@@ -16,16 +16,16 @@ Semantics follow ``multiprocessing.Queue``: ``put``/``get`` with ``block`` and
 ``timeout``, ``*_nowait``, ``qsize``, ``empty``, ``full``, ``close``,
 ``join_thread``, ``cancel_join_thread``; ``JoinableQueue`` adds ``task_done``
 and ``join``. Differences: ``qsize`` is exact (it asks the owner); a queue
-lives as long as its owner process holds a reference to it.
+lives in its owner process: until that process drops its handle, or, once the
+queue was sent to other processes, until they are done with it too.
 """
 from __future__ import annotations
 
 import queue
-import weakref
 from typing import Any, Optional
 
 from . import serialization
-from .hub import get_hub
+from .hub import get_hub, mark_pickled, own
 from .mailbox import EMPTY, Mailbox
 
 __all__ = ["Queue", "JoinableQueue", "SimpleQueue"]
@@ -58,9 +58,10 @@ class Queue:
         self._oid = hub.register(Mailbox(maxsize, joinable=self._joinable))
         self._address = hub.address
         self._closed = False
-        self._finalizer = weakref.finalize(self, hub.unregister, self._oid)
+        own(self, self._oid)  # a pickled queue outlives this handle while in use
 
     def __reduce__(self):
+        mark_pickled(self._address, self._oid)
         return (_rebuild, (type(self), self._address, self._oid, self._maxsize))
 
     def __repr__(self) -> str:

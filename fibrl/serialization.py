@@ -15,7 +15,6 @@ fall back to cloudpickle, which pickles them by value.
 """
 from __future__ import annotations
 
-import io
 import pickle
 import struct
 import sys

@@ -33,13 +33,12 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-import weakref
 from typing import Any, Callable, Optional
 
 from ..errors import TransportError
-from ..hub import Handle, get_hub
+from ..hub import Handle, get_hub, mark_pickled, own
 from .services import (SEM_VALUE_MAX, BarrierService, ConditionService, EventService,
-                       HostedService, LockService, LockState, answer, call_owner, drop_owner,
+                       HostedService, LockService, LockState, answer, call_owner,
                        gone_error, owner_of, wait_reply)
 
 __all__ = ["Lock", "RLock", "Semaphore", "BoundedSemaphore", "Condition", "Event", "Barrier",
@@ -59,15 +58,10 @@ class _Hosted:
         hub = get_hub()
         self._oid = hub.register(service)
         self._address = hub.address
-        finalizer = weakref.finalize(self, drop_owner, weakref.ref(hub), self._oid)
-        finalizer.atexit = False  # at exit the hub closes every service itself
+        own(self, self._oid)
 
     def __reduce__(self):
-        hub = get_hub()
-        if hub.is_local(self._address):
-            service = hub.service(self._oid)
-            if isinstance(service, HostedService):
-                service.pickled = True
+        mark_pickled(self._address, self._oid)
         return (_rebuild, (type(self), self._address, self._oid, self._state()))
 
     def _state(self) -> dict:

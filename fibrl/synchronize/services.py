@@ -19,13 +19,12 @@ import itertools
 import os
 import threading
 import time
-import weakref
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from ..errors import RemoteObjectError, TransportError
-from ..hub import Handle, Hub, ReplySink, Service, get_hub
+from ..hub import Handle, Hub, ReplySink, SharedService, drop_owner, get_hub
 
 __all__ = ["Owner", "owner_of", "wait_reply", "ensure_alive", "call_owner", "gone_error",
            "HostedService", "drop_owner", "answer", "LockState", "LockService",
@@ -97,57 +96,18 @@ def call_owner(address: Optional[str], oid: str, method: str, *args: Any) -> Any
 
 
 # -- hosting ---------------------------------------------------------------------------------
-class HostedService(Service):
-    """A service that outlives its creator's handle while pickled copies are in use.
-
-    It is unregistered when the handle in the creating process is collected,
-    unless the handle was pickled: then when every process that used it has
-    disconnected too. (A handle pickled but never used stays until exit.)
-    """
+class HostedService(SharedService):
+    """A primitive hosted for other processes; its lifetime is :class:`SharedService`'s."""
 
     def __init__(self) -> None:
         self.mutex = threading.RLock()
-        self._users: set[int] = set()
-        self._had_users = False
-        self.pickled = False
-        self._orphan = False
-
-    def dispatch(self, method: str, args: tuple, reply: ReplySink) -> None:
-        peer = reply.peer
-        if peer is not None and peer.id not in self._users:
-            self._users.add(peer.id)
-            self._had_users = True
-        super().dispatch(method, args, reply)
 
     def peer_lost(self, peer) -> None:
-        self._users.discard(peer.id)
         with self.mutex:
-            self.drop_peer(peer)
-        self._maybe_retire()
-
-    def drop_peer(self, peer) -> None:
-        """Forget what ``peer`` parked or held (mutex held)."""
-
-    def owner_dropped(self) -> None:
-        """The creating process no longer holds a handle."""
-        self._orphan = True
-        self._maybe_retire()
-
-    def _maybe_retire(self) -> None:
-        if self._orphan and not self._users and (self._had_users or not self.pickled):
-            hub = getattr(self, "hub", None)
-            if hub is not None:
-                hub.unregister(self.oid)
+            super().peer_lost(peer)
 
     def op_ping(self, reply: ReplySink) -> None:
         reply(os.getpid())
-
-
-def drop_owner(hub_ref: "weakref.ref[Hub]", oid: str) -> None:
-    hub = hub_ref()
-    service = hub.service(oid) if hub is not None else None
-    if isinstance(service, HostedService):
-        service.owner_dropped()
 
 
 class _Waiter:
