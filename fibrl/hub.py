@@ -410,12 +410,15 @@ class Client:
         try:
             self._transmit([call])
         finally:
-            with self._lock:
-                self._sending = False
-                if self._outbox:
-                    self._wake.set()
-                else:
-                    self._idle.notify_all()
+            self._done_sending()
+
+    def _done_sending(self) -> None:
+        with self._lock:
+            self._sending = False
+            if self._outbox:
+                self._wake.set()
+            else:
+                self._idle.notify_all()
 
     def _start_feeder(self) -> None:
         if self._feeder is None:
@@ -437,12 +440,7 @@ class Client:
             try:
                 self._transmit(batch)
             finally:
-                with self._lock:
-                    self._sending = False
-                    if self._outbox:
-                        self._wake.set()
-                    else:
-                        self._idle.notify_all()
+                self._done_sending()
 
     def _transmit(self, calls: list) -> None:
         try:

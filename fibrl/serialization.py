@@ -71,7 +71,7 @@ def _unpicklable(obj: Any, exc: Exception) -> SerializationError:
 def dumps_parts(obj: Any, *, by_value: bool = False) -> list:
     """Serialize ``obj`` into a list of byte-like parts that concatenate to one frame."""
     buffers: list[pickle.PickleBuffer] = []
-    data = _pickle(obj, buffers, by_value or _main_is_interactive())
+    data = _pickle(obj, buffers, by_value or main_is_interactive())
     raws = [b.raw() for b in buffers]
     head = [_HEAD.pack(MAGIC, len(raws)), _LEN.pack(len(data))]
     head += [_LEN.pack(r.nbytes) for r in raws]
@@ -128,7 +128,7 @@ def loads(frame: bytes | bytearray | memoryview) -> Any:
             f"used; check that both run the same code and that it is on sys.path.") from exc
 
 
-def _main_is_interactive() -> bool:
+def main_is_interactive() -> bool:
     # Objects defined in an interactive __main__ cannot be found by name in a
     # worker, so they must travel by value.
     main = sys.modules.get("__main__")

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import multiprocessing
 import threading
-import time
 import weakref
 from multiprocessing import process
 from multiprocessing.context import get_spawning_popen
@@ -412,17 +411,9 @@ class ConditionProxy(AcquirerProxy):
         return self._callmethod("notify_all")
 
     def wait_for(self, predicate: Callable[[], Any], timeout: Optional[float] = None) -> Any:
-        result = predicate()
-        endtime = None if timeout is None else time.monotonic() + timeout
-        waittime = None
-        while not result:
-            if endtime is not None:
-                waittime = endtime - time.monotonic()
-                if waittime <= 0:
-                    break
-            self.wait(waittime)
-            result = predicate()
-        return result
+        from ..synchronize import wait_for
+
+        return wait_for(self.wait, predicate, timeout)
 
 
 class EventProxy(BaseProxy):

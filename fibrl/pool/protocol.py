@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import enum
 import pickle
-import sys
 from dataclasses import dataclass, fields
 from operator import attrgetter
 from typing import Any, Optional
@@ -42,7 +41,7 @@ def pack(obj: Any) -> bytes:
     closures, an interactive ``__main__``) takes :func:`fibrl.serialization.dumps`,
     whose :class:`~fibrl.errors.SerializationError` names the culprit.
     """
-    if not _interactive():
+    if not serialization.main_is_interactive():
         try:
             return pickle.dumps(obj, protocol=5)
         except Exception:
@@ -61,12 +60,6 @@ def unpack(data: bytes) -> Any:
             f"cannot unpickle a received object ({type(exc).__name__}: {exc}). The "
             f"receiving process must be able to import every module and class the sender "
             f"used; check that both run the same code and that it is on sys.path.") from exc
-
-
-def _interactive() -> bool:
-    main = sys.modules.get("__main__")
-    return main is not None and getattr(main, "__file__", None) is None \
-        and getattr(main, "__spec__", None) is None
 
 
 def message(cls: type) -> type:

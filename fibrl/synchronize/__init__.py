@@ -96,6 +96,22 @@ class _Hosted:
         """Give back what an interrupted call obtained after all."""
 
 
+def wait_for(wait: Callable[[Optional[float]], Any], predicate: Callable[[], Any],
+             timeout: Optional[float]) -> Any:
+    """``Condition.wait_for`` over any ``wait(timeout)``: the stdlib's loop."""
+    result = predicate()
+    endtime = None if timeout is None else time.monotonic() + timeout
+    waittime = None
+    while not result:
+        if endtime is not None:
+            waittime = endtime - time.monotonic()
+            if waittime <= 0:
+                break
+        wait(waittime)
+        result = predicate()
+    return result
+
+
 def _rebuild(cls: type, address: str, oid: str, state: dict) -> Any:
     obj = cls.__new__(cls)
     obj._address, obj._oid = address, oid
@@ -286,17 +302,7 @@ class Condition(_Hosted):
 
     def wait_for(self, predicate: Callable[[], Any], timeout: Optional[float] = None) -> Any:
         """Wait until ``predicate()`` is true (checked after each wake-up) or ``timeout``."""
-        result = predicate()
-        endtime = None if timeout is None else time.monotonic() + timeout
-        waittime = None
-        while not result:
-            if endtime is not None:
-                waittime = endtime - time.monotonic()
-                if waittime <= 0:
-                    break
-            self.wait(waittime)
-            result = predicate()
-        return result
+        return wait_for(self.wait, predicate, timeout)
 
     def notify(self, n: int = 1) -> None:
         self._call("notify", threading.get_ident(), n)
