@@ -454,8 +454,8 @@ class PoolService(Service):
 
     # == dispatch ==========================================================================
     def _dispatch(self, effects: _Effects) -> None:
-        """Answer parked workers: with work, or with STOP when they are done."""
-        for worker in list(self._parked.values()):
+        """Answer parked workers (idle ones first): with work, or with STOP when done."""
+        for worker in sorted(self._parked.values(), key=_idleness):
             self._answer(worker, effects)
         if self._parked and self._state != RUN and not self._jobs:
             for worker in list(self._parked.values()):  # the last job ended during the pass
@@ -712,6 +712,10 @@ class PoolService(Service):
 
     def closed(self) -> None:
         self._break(WorkerLostError("the pool's service was closed by its owner"))
+
+
+def _idleness(worker: _Worker) -> float:
+    return worker.held_cost
 
 
 def _evidence(exitcode: Optional[int], detail: str = "") -> str:

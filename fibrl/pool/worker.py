@@ -83,20 +83,21 @@ class _Loop:
     def run(self) -> None:
         self._ask(inline=True)
         while not self._stopped:
-            if self._local:
-                self._execute(self._local.popleft())
-                self._after_task()
-            else:
+            if not self._local:
                 self._wait_for_work()
+                continue
+            task = self._local.popleft()
+            if self._request is None and len(self._local) <= self._refill:
+                self._ask()  # before running it: the answer comes while it runs
+            self._execute(task)
+            self._after_task()
 
     # -- talking to the service ---------------------------------------------------------
     def _after_task(self) -> None:
-        """Ask for more when few tasks are left (results ride along), else maybe flush."""
+        """Take an answer that came meanwhile; send results that waited long enough."""
         if self._request is not None and self._request.ready():
             self._take()
-        if self._request is None and len(self._local) <= self._refill and not self._stopped:
-            self._ask()
-        elif self._results and time.perf_counter() - self._flushed >= FLUSH_S:
+        if self._results and time.perf_counter() - self._flushed >= FLUSH_S:
             self._flush()
 
     def _ask(self, inline: bool = False) -> None:
@@ -175,14 +176,8 @@ class _Loop:
             self._results.append(report)
             lo += report.count
             started = time.perf_counter()
-            if started >= deadline:
-                self._flush_or_ask()
-
-    def _flush_or_ask(self) -> None:
-        if self._request is None:
-            self._ask()
-        else:
-            self._flush()
+            if started >= deadline and lo < stop:
+                self._flush()  # a long chunk: report what is done so far
 
     def _run_careful(self, task: TaskSpec, func: Callable, items: Any, stop: int) -> None:
         # Each call acknowledges the previous item and announces the next one before
