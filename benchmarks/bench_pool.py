@@ -75,6 +75,14 @@ def fiber_rounds(pool, seconds: float, rounds: int) -> float:
     return (time.perf_counter() - started) / rounds
 
 
+def sleep_ceiling(seconds: float, n: int) -> float:
+    """Efficiency of back-to-back sleeps in this process: what sleep overshoot allows."""
+    started = time.perf_counter()
+    for _ in range(n):
+        time.sleep(seconds)
+    return seconds * n / (time.perf_counter() - started)
+
+
 def plan(quick: bool) -> list:
     """(Row, measure(pool, workers) -> value) pairs."""
     scale = 0.25 if quick else 1.0
@@ -165,10 +173,13 @@ def main(argv: list) -> None:
     rows = plan(args.quick)
     load_before = os.getloadavg()[0]
     results = measure_all(args.workers, rows, args.repeat)
+    ceilings = [sleep_ceiling(0.001, 1000), sleep_ceiling(0.010, 100)]
     print(f"\n{platform.python_implementation()} {platform.python_version()}, "
           f"{os.cpu_count()} CPUs, {args.workers} workers, load average "
           f"{load_before:.1f} before, {os.getloadavg()[0]:.1f} after\n")
     print(table(rows, results))
+    print(f"\nSleep ceiling (back-to-back sleeps in one process, same run): "
+          f"1 ms {ceilings[0]:.3f}, 10 ms {ceilings[1]:.3f}")
 
 
 if __name__ == "__main__":

@@ -30,11 +30,15 @@ Rules that make results right:
   delivered exactly once, whichever worker (a dead one's late report
   included) answers first.
 * Prefetch is bounded by time, not count: a worker holds at most
-  ``horizon`` seconds of estimated work (at least one chunk), and never more
-  than its fair share of what is pending, so no worker hoards a queue.
+  ``HORIZON_S`` of estimated work (at least one chunk; a callable whose cost
+  was not measured yet gets one chunk), never more than its fair share of
+  what is pending, and idle workers are served first, so no worker hoards
+  a queue.
 * A lost worker's chunks go to the front, *careful*: from then on they are
-  run alone and report each item before the next starts, so the item that
-  was running when a worker died is known. An item charged more than
+  run alone, and the worker announces each item before starting it and
+  reports it before the next, so the item that was running when a worker
+  died is known. The first loss charges every item the worker held once;
+  later losses charge only the announced item. An item charged more than
   ``max_task_retries`` times fails with :class:`~fibrl.errors.TaskFailedError`;
   the other items go on.
 """

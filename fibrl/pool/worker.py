@@ -32,7 +32,7 @@ from .protocol import STOP, Kind, Raised, Report, TaskSpec, WorkerArgs, pack, un
 
 __all__ = ["run_worker", "FLUSH_S"]
 
-FLUSH_S = 0.01        # longest a finished result waits in the worker
+FLUSH_S = 0.02        # longest a finished result waits in the worker
 _WAIT_S = 30.0         # re-check the connection this often while idle
 _CALL_TIMEOUT_S = 120.0
 _MAX_FUNCS = 256
@@ -87,17 +87,20 @@ class _Loop:
                 self._wait_for_work()
                 continue
             task = self._local.popleft()
-            if self._request is None and len(self._local) <= self._refill:
-                self._ask()  # before running it: the answer comes while it runs
+            if self._request is None and not self._local:
+                self._ask()  # the last one: more will come while it runs
             self._execute(task)
             self._after_task()
 
     # -- talking to the service ---------------------------------------------------------
     def _after_task(self) -> None:
-        """Take an answer that came meanwhile; send results that waited long enough."""
+        """Take an answer that came meanwhile; ask for more when few tasks are left
+        (the results ride along), or send results that waited long enough."""
         if self._request is not None and self._request.ready():
             self._take()
-        if self._results and time.perf_counter() - self._flushed >= FLUSH_S:
+        if self._request is None and len(self._local) <= self._refill and not self._stopped:
+            self._ask()
+        elif self._results and time.perf_counter() - self._flushed >= FLUSH_S:
             self._flush()
 
     def _ask(self, inline: bool = False) -> None:
