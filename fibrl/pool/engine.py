@@ -20,7 +20,7 @@ from .. import serialization
 from ..errors import WorkerLostError
 from ..hub import get_hub
 from .feeder import Feeder
-from .protocol import Kind, WorkerArgs
+from .protocol import Kind, WorkerArgs, pack
 from .service import PoolService
 from .supervisor import Supervisor
 
@@ -72,13 +72,13 @@ class Engine:
 
     def submit(self, sink: Any, func: Callable, kind: Kind, chunks: list) -> Any:
         """Queue a job whose chunks are all known (raises if ``func`` cannot be pickled)."""
-        data = serialization.dumps(func)
+        data = pack(func)
         return self.service.submit(sink, data, func_name(func), kind, chunks)
 
     def submit_lazy(self, sink: Any, func: Callable, kind: Kind, iterable: Iterable,
                     chunksize: int) -> Any:
         """Queue a job whose chunks are read from ``iterable`` as the caller consumes."""
-        data = serialization.dumps(func)
+        data = pack(func)
         job = self.service.open_job(sink, data, func_name(func), kind, lazy=True)
         self.feeder.add(job, sink, iterable, chunksize)
         return job

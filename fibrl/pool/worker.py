@@ -145,7 +145,7 @@ class _Loop:
 
     def _remember(self, fid: int, data: bytes) -> Callable:
         try:
-            func = serialization.loads(data)
+            func = unpack(data)
         except SerializationError as exc:
             func = _Broken(exc)
         self._funcs[fid] = func
