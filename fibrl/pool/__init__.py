@@ -62,7 +62,7 @@ def chunked(iterable: Iterable, size: int) -> list:
     Raises:
         SerializationError: an item cannot be pickled (so ``map`` fails at submit).
     """
-    if hasattr(iterable, "__getitem__") and isinstance(iterable, (list, tuple, range)):
+    if isinstance(iterable, (list, tuple, range)):
         pieces = (iterable[i:i + size] for i in range(0, len(iterable), size))
     else:
         it = iter(iterable)
