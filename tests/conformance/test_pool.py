@@ -4,7 +4,6 @@ Crash cases and killed workers are in ``tests/faults/test_pool_faults.py``.
 """
 import itertools
 import multiprocessing
-import os
 import pickle
 import threading
 import time
