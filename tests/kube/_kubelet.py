@@ -369,6 +369,8 @@ class PodWorker:
         self.stopping = threading.Event()
         self.grace = 0.0
         self.deleting = False
+        self.finished = False       # _finish ran: a deletion arriving later must complete itself
+        self._state_lock = threading.Lock()
         self.failure: tuple[str, str] | None = None     # (reason, message): Evicted, DeadlineExceeded
         self.loops: dict[str, ContainerLoop] = {}
         self._deadline: threading.Timer | None = None
@@ -386,7 +388,17 @@ class PodWorker:
         return self._thread.is_alive()
 
     def request_termination(self, grace: float, deleting: bool = True) -> None:
-        self.deleting = self.deleting or deleting
+        with self._state_lock:
+            newly_deleting = deleting and not self.deleting
+            self.deleting = self.deleting or deleting
+            finished = self.finished
+        if finished:
+            # The containers ended before the deletion reached the kubelet (it
+            # is queued behind other events): nothing is left to stop, so let
+            # the API server remove the pod now, as the real kubelet does.
+            if newly_deleting:
+                self._confirm_deletion()
+            return
         if self.stopping.is_set() and grace >= self.grace:
             return
         self.grace = min(grace, self.kubelet.settings.max_grace_seconds)
@@ -536,9 +548,16 @@ class PodWorker:
                 pod["status"].update(reason=reason, message=message)
                 refresh_pod_status(pod)
             self.update(mark_failed)
-        if self.deleting:
-            self.update(lambda pod: pod["metadata"].update(deletionGracePeriodSeconds=0))
+        with self._state_lock:
+            self.finished = True
+            deleting = self.deleting
+        if deleting:
+            self._confirm_deletion()
         self.kubelet.notify()
+
+    def _confirm_deletion(self) -> None:
+        self.update(lambda pod: pod["metadata"].update(deletionGracePeriodSeconds=0)
+                    if pod["metadata"].get("deletionTimestamp") else None)
 
 
 class Kubelet:

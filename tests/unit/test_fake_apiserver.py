@@ -317,6 +317,21 @@ def test_delete_running_pod_stops_its_process(v1, kube_namespace, fake_kube):
     assert f"{kube_namespace}/{name}" not in fake_kube.running_pods()
 
 
+def test_deletion_reaching_the_kubelet_after_the_pod_ended_completes(v1, kube_namespace, fake_kube):
+    """A graceful delete accepted while the pod still looked Running, but seen
+    by the kubelet only after its containers ended, must still remove the pod
+    (the garbage collector's cascade races a worker exiting on its own)."""
+    from tests.kube._meta import PODS, rfc3339
+    from tests.kube._api import Api
+    pod = v1.create_namespaced_pod(kube_namespace, pod_body("pass"), _request_timeout=5)
+    name = pod.metadata.name
+    wait_pod(v1, kube_namespace, name, phase_in("Succeeded"))
+    marked = fake_kube.store.update(Api.key(PODS, kube_namespace, name), lambda obj: obj["metadata"].update(
+        deletionTimestamp=rfc3339(time.time() + 30), deletionGracePeriodSeconds=30))
+    assert marked["metadata"]["deletionGracePeriodSeconds"] == 30
+    wait_gone(v1.list_namespaced_pod, v1.read_namespaced_pod, kube_namespace, name, timeout=10)
+
+
 def test_unschedulable_pod_stays_pending(v1, kube_namespace):
     pod = pod_body(container={"resources": {"requests": {"cpu": "1000"}}})
     created = v1.create_namespaced_pod(kube_namespace, pod, _request_timeout=5)
