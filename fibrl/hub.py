@@ -42,7 +42,7 @@ from typing import Any, Callable, Optional
 
 from . import serialization
 from .errors import ChannelClosed, RemoteObjectError, RemoteTraceback, TransportError
-from .messages import Call, RemoteError, Reply, blob
+from .messages import RAW_TYPES, Call, RemoteError, Reply, blob, wrap_raw
 
 __all__ = ["Hub", "Handle", "Service", "SharedService", "Client", "get_hub", "raise_remote",
            "drop_owner", "mark_pickled", "own"]
@@ -191,7 +191,7 @@ class _PeerReply(ReplySink):
     def __call__(self, value: Any = None) -> bool:
         if self.rid == 0:
             return True
-        if type(value) is bytes:
+        if type(value) in RAW_TYPES:
             return self._send(Reply(self.rid, True, blob(value)))
         if value is None or type(value) in _PLAIN:
             return self._send(Reply(self.rid, True, value))
@@ -524,7 +524,7 @@ def _decode(reply: Reply) -> tuple:
 
 
 def _wrap(args: tuple) -> tuple:
-    return tuple(blob(a) if type(a) is bytes else a for a in args)
+    return tuple(wrap_raw(a) for a in args)
 
 
 class Hub:
@@ -649,7 +649,49 @@ class Hub:
     def call(self, address: Optional[str], oid: str, method: str, *args: Any,
              timeout: Optional[float] = None) -> Any:
         """Call and wait for the result (``timeout``: seconds, None for no limit)."""
-        return self.call_async(address, oid, method, *args).get(timeout)
+        return self.wait(self.call_async(address, oid, method, *args), address, timeout)
+
+    def wait(self, handle: Handle, address: Optional[str],
+             timeout: Optional[float] = None) -> Any:
+        """``handle.get(timeout)`` for a call to the hub at ``address``, never hanging.
+
+        A remote owner whose machine or network vanished closes no socket, so
+        its connection is not seen to drop: while waiting, ping it every
+        ``heartbeat_interval`` and raise :class:`RemoteObjectError` when it
+        stays silent for ``parent_timeout``.
+        """
+        if handle.ready() or self.is_local(address):
+            return handle.get(timeout)
+        from .context import current_config
+
+        config = current_config()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            step = config.heartbeat_interval if left is None else min(left,
+                                                                     config.heartbeat_interval)
+            if handle.wait(step):
+                return handle.get(0)
+            if left is not None and left <= config.heartbeat_interval:
+                raise TimeoutError(f"no result within {timeout} s")
+            self.ensure_alive(address, config.parent_timeout)
+
+    def ensure_alive(self, address: str, limit: float, oid: str = "hub") -> None:
+        """Raise :class:`RemoteObjectError` when the hub at ``address`` does not answer a
+        ping within ``limit`` seconds (its process, machine or network is gone)."""
+        try:
+            ping = self.call_async(address, oid, "ping")
+        except TransportError as exc:
+            raise RemoteObjectError(
+                f"cannot reach the process at {address} that hosts this object ({exc}); it "
+                f"exited or was killed, so the objects it hosted are gone.") from exc
+        if not ping.wait(limit):
+            raise RemoteObjectError(
+                f"the process at {address} that hosts this object did not answer a liveness "
+                f"ping within {limit:.0f} s (parent_timeout): its machine or network is gone. "
+                f"Objects it hosted are lost; restart the work, or raise parent_timeout if the "
+                f"network is only slow.")
+        ping.get(0)
 
     def send(self, address: Optional[str], oid: str, method: str, *args: Any,
              inline: bool = False) -> None:

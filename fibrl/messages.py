@@ -11,7 +11,7 @@ from typing import Any
 
 from .serialization import OOB_THRESHOLD
 
-__all__ = ["Call", "Reply", "RemoteError", "blob"]
+__all__ = ["Call", "Reply", "RemoteError", "blob", "wrap_raw", "RAW_TYPES"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,8 +56,23 @@ class RemoteError:
         return (RemoteError, (self.exc, self.tb))
 
 
-def blob(data: bytes | memoryview) -> Any:
+RAW_TYPES = (bytes, bytearray, memoryview)
+
+
+def blob(data: bytes | bytearray | memoryview) -> Any:
     """Wrap an already serialized payload so a large one travels out of band."""
-    if len(data) >= OOB_THRESHOLD:
+    if memoryview(data).nbytes >= OOB_THRESHOLD:
         return pickle.PickleBuffer(data)
-    return data
+    # a small memoryview (a slice of a received frame) cannot be pickled as it is
+    return data if type(data) is bytes else bytes(data)
+
+
+def wrap_raw(value: Any) -> Any:
+    """``blob(value)`` for raw payloads, ``value`` itself for anything else.
+
+    A payload that arrived out of band is stored as a ``memoryview`` of its
+    frame: when it is forwarded (a queue item handed to a getter in a third
+    process) it must travel as a buffer again, since a memoryview is not
+    picklable.
+    """
+    return blob(value) if type(value) in RAW_TYPES else value

@@ -138,13 +138,13 @@ class JoinableQueue(Queue):
         """Mark one item taken with ``get()`` as processed."""
         self._call("task_done")
 
-    def join(self, timeout: Optional[float] = None) -> None:
+    def join(self, *, timeout: Optional[float] = None) -> None:
         """Block until every item put has been marked done.
 
         Args:
             timeout: keyword extra (seconds); raises ``TimeoutError`` when it passes.
         """
-        get_hub().call_async(self._address, self._oid, "join").get(timeout)
+        get_hub().call(self._address, self._oid, "join", timeout=timeout)
 
 
 class SimpleQueue:

@@ -15,9 +15,12 @@ fall back to cloudpickle, which pickles them by value.
 """
 from __future__ import annotations
 
+import copyreg
+import io
 import pickle
 import struct
 import sys
+from collections import ChainMap
 from typing import Any
 
 from .errors import FrameError, SerializationError
@@ -39,17 +42,71 @@ def _pickle(obj: Any, buffers: list, by_value: bool) -> bytes:
 
     if not by_value:
         try:
-            return pickle.dumps(obj, protocol=5, buffer_callback=keep)
+            return _dump(pickle.Pickler, obj, keep)
         except (pickle.PicklingError, AttributeError, TypeError) as exc:
             if _is_plain_unpicklable(exc):
                 raise _unpicklable(obj, exc) from exc
             buffers.clear()
+        except Exception as exc:  # raised by the object's own __reduce__/__getstate__
+            raise _unpicklable(obj, exc) from exc
     import cloudpickle  # slower; only for what pickle refuses
 
     try:
-        return cloudpickle.dumps(obj, protocol=5, buffer_callback=keep)
+        return _dump(cloudpickle.CloudPickler, obj, keep)
     except Exception as exc:  # cloudpickle raises many kinds
         raise _unpicklable(obj, exc) from exc
+
+
+def _dump(pickler_class: type, obj: Any, keep) -> bytes:
+    torch = sys.modules.get("torch")  # never imported here: only if the program uses it
+    if torch is not None and hasattr(torch, "Tensor"):
+        pickler_class = _tensor_pickler(pickler_class, torch.Tensor)
+    elif pickler_class is pickle.Pickler:
+        return pickle.dumps(obj, protocol=5, buffer_callback=keep)
+    out = io.BytesIO()
+    pickler_class(out, protocol=5, buffer_callback=keep).dump(obj)
+    return out.getvalue()
+
+
+_tensor_picklers: dict = {}
+
+
+def _tensor_pickler(base: type, tensor_type: type) -> type:
+    """``base`` with large tensors reduced by :func:`_reduce_tensor` (a pickler
+    reads its ``dispatch_table`` when it is created, hence a subclass)."""
+    cls = _tensor_picklers.get(base)
+    if cls is None:
+        table = ChainMap({tensor_type: _reduce_tensor},
+                         getattr(base, "dispatch_table", copyreg.dispatch_table))
+        cls = _tensor_picklers[base] = type(f"Tensor{base.__name__}", (base,),
+                                            {"dispatch_table": table})
+    return cls
+
+
+def _reduce_tensor(tensor: Any) -> tuple:
+    """Pickle a large dense CPU tensor as one out-of-band buffer (torch's own
+    reduction copies the storage into the pickle stream through torch.save)."""
+    import torch
+
+    if (tensor.device.type != "cpu" or tensor.layout is not torch.strided
+            or tensor.is_quantized or any(getattr(tensor, "names", ()))
+            or (tensor.requires_grad and not tensor.is_leaf)
+            or tensor.nbytes < OOB_THRESHOLD):
+        return tensor.__reduce_ex__(5)
+    data = tensor.detach().resolve_conj().resolve_neg().contiguous()
+    raw = data.reshape(-1).view(torch.uint8).numpy()
+    return (_rebuild_tensor, (pickle.PickleBuffer(raw), data.dtype, tuple(data.shape),
+                              tensor.requires_grad))
+
+
+def _rebuild_tensor(buf: Any, dtype: Any, shape: tuple, requires_grad: bool) -> Any:
+    import torch
+
+    flat = torch.frombuffer(buf, dtype=torch.uint8)
+    if flat.data_ptr() % dtype.itemsize:
+        flat = flat.clone()  # the buffer sits unaligned in its frame: realign, once
+    tensor = flat.view(dtype).reshape(shape)
+    return tensor.requires_grad_() if requires_grad else tensor
 
 
 def _is_plain_unpicklable(exc: Exception) -> bool:

@@ -34,7 +34,7 @@ from typing import Any, Optional
 from .. import serialization
 from ..errors import ChannelClosed, RemoteObjectError, TransportError
 from ..hub import Hub, get_hub, raise_remote
-from ..messages import Call, blob
+from ..messages import Call, wrap_raw
 
 __all__ = ["Line", "line_for", "hub_for", "close_lines", "note_decref", "take_decrefs",
            "lost_error", "MANAGER_OID"]
@@ -85,7 +85,7 @@ class Line:
         if self.broken:
             raise lost_error(self.address)
         rid = next(self._rids)
-        args = tuple(blob(a) if type(a) is bytes else a for a in args)
+        args = tuple(wrap_raw(a) for a in args)
         try:
             self._channel.send(serialization.dumps(Call(rid, MANAGER_OID, method, args)))
             reply = self._receive(rid)

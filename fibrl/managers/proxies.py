@@ -271,9 +271,7 @@ class ProxyHandle:
         if self._decoded:
             return self._value
         if timeout is None:
-            from ..synchronize.services import wait_reply
-
-            data = wait_reply(self._handle, self._proxy._address(), self._proxy._hub())
+            data = self._proxy._hub().wait(self._handle, self._proxy._address())
         elif not self._handle.wait(timeout):
             raise HandleTimeout(f"{self._method}() of {self._proxy._token.typeid} "
                                 f"{self._proxy._id} gave no result within {timeout} s")

@@ -48,35 +48,15 @@ def owner_of(reply: ReplySink, tid: int) -> Owner:
 
 
 def wait_reply(handle: Handle, address: Optional[str], hub: Hub) -> Any:
-    """``handle.get()`` for a call whose deadline its owner enforces.
-
-    Waits in slices of ``heartbeat_interval`` and pings the owner between
-    them, so a lost owner (even a vanished node, which closes no socket)
-    raises :class:`RemoteObjectError` within ``parent_timeout`` instead of
-    hanging.
-    """
-    if not handle.ready() and not hub.is_local(address):
-        from ..context import current_config
-
-        config = current_config()
-        while not handle.wait(config.heartbeat_interval):
-            ensure_alive(hub, address, config.parent_timeout)
-    return handle.get()
+    """``handle.get()`` for a call whose deadline its owner enforces; a lost owner
+    (even a vanished node, which closes no socket) raises :class:`RemoteObjectError`
+    within ``parent_timeout`` instead of hanging (see :meth:`Hub.wait`)."""
+    return hub.wait(handle, address)
 
 
 def ensure_alive(hub: Hub, address: str, limit: float, oid: str = "hub") -> None:
     """Raise :class:`RemoteObjectError` when the hub at ``address`` does not answer a ping."""
-    try:
-        ping = hub.call_async(address, oid, "ping")
-    except TransportError as exc:
-        raise gone_error(address, exc) from exc
-    if not ping.wait(limit):
-        raise RemoteObjectError(
-            f"the process at {address} that hosts this object did not answer a liveness "
-            f"ping within {limit:.0f} s (parent_timeout): its machine or network is gone. "
-            f"Objects it hosted are lost; restart the work, or raise parent_timeout if the "
-            f"network is only slow.")
-    ping.get(0)
+    hub.ensure_alive(address, limit, oid)
 
 
 def gone_error(address: Optional[str], exc: BaseException) -> RemoteObjectError:

@@ -1,6 +1,7 @@
 """Pipe and Connection conformance across processes. Runs on every backend."""
 import array
 
+import numpy as np
 import pytest
 
 import fibrl
@@ -24,6 +25,16 @@ def echo(conn):
 def write_and_exit(conn, items):
     for item in items:
         conn.send(item)
+
+
+def send_big(conn):
+    conn.send_bytes(bytes(range(256)) * 4096)             # 1 MiB: travels out of band
+    conn.send(np.arange(300_000))
+
+
+def recv_big(conn, out):
+    data = conn.recv_bytes()
+    out.put((len(data), data == bytes(range(256)) * 4096, int(conn.recv().sum())))
 
 
 def bytes_echo(conn):
@@ -133,3 +144,16 @@ def test_connection_passed_through_a_queue(ctx):
     b2 = q.get(timeout=5)
     b2.send("via queue")
     assert a.recv() == "via queue"
+
+
+def test_large_messages_between_two_children(ctx):
+    """Both ends in other processes than the pipe's owner: large messages pass through it."""
+    reader, writer = ctx.Pipe(duplex=False)
+    out = ctx.Queue()
+    procs = [ctx.Process(target=recv_big, args=(reader, out)),
+             ctx.Process(target=send_big, args=(writer,))]
+    for p in procs:
+        p.start()
+    assert out.get(timeout=TIMEOUT) == (1 << 20, True, int(np.arange(300_000).sum()))
+    for p in procs:
+        p.join(TIMEOUT)

@@ -30,6 +30,15 @@ def echo_back(inq, outq):
     outq.put(inq.get(timeout=TIMEOUT))
 
 
+def put_array(q, seed):
+    q.put(np.random.default_rng(seed).random(256 * 1024))   # 2 MiB: travels out of band
+
+
+def sum_of_one(q, out, ready):
+    ready.put("ready")
+    out.put(float(q.get(timeout=TIMEOUT).sum()))
+
+
 def joinable_worker(q):
     while True:
         item = q.get(timeout=TIMEOUT)
@@ -210,3 +219,23 @@ def test_queue_pickled_to_grandchild_via_queue(ctx):
     inner = carrier.get(timeout=5)
     inner.put("through a pickled handle")
     assert q.get(timeout=5) == "through a pickled handle"
+
+
+def test_large_item_from_one_child_to_another(ctx):
+    """The owner forwards an item it received out of band to a getter elsewhere."""
+    q, out, ready = ctx.Queue(), ctx.Queue(), ctx.Queue()
+    consumer = ctx.Process(target=sum_of_one, args=(q, out, ready))
+    consumer.start()
+    assert ready.get(timeout=TIMEOUT) == "ready"
+    producers = [ctx.Process(target=put_array, args=(q, 1))]
+    producers[0].start()
+    producers[0].join(TIMEOUT)
+    stored = ctx.Process(target=put_array, args=(q, 2))   # stored first, fetched later
+    stored.start()
+    stored.join(TIMEOUT)
+    late = ctx.Process(target=sum_of_one, args=(q, out, ready))
+    late.start()
+    want = {float(np.random.default_rng(s).random(256 * 1024).sum()) for s in (1, 2)}
+    assert {out.get(timeout=TIMEOUT), out.get(timeout=TIMEOUT)} == want
+    for p in (consumer, late):
+        p.join(TIMEOUT)

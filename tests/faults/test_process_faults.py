@@ -65,3 +65,36 @@ def test_daemonic_children_end_when_parent_exits(tmp_path):
     proc, pids = _start_parent(tmp_path, "exit")
     assert proc.wait(30) == 0
     assert _gone_within(pids, 10)
+
+
+def host_a_queue(carrier, stop):
+    import fibrl
+
+    carrier.put(fibrl.Queue())
+    stop.get(timeout=120)
+
+
+def test_a_get_on_a_queue_whose_owner_vanished_raises(tmp_path):
+    """A frozen owner (a lost node closes no socket) fails a blocked get() within
+    parent_timeout instead of hanging."""
+    import fibrl
+    from fibrl.errors import RemoteObjectError
+
+    previous = fibrl.get_context().config
+    fibrl.init(backend="local", heartbeat_interval=0.5, parent_timeout=2.0)
+    carrier, stop = fibrl.Queue(), fibrl.Queue()
+    owner = fibrl.Process(target=host_a_queue, args=(carrier, stop))
+    owner.start()
+    try:
+        hosted = carrier.get(timeout=60)
+        assert hosted.qsize() == 0                  # connected while the owner still answers
+        os.kill(owner.pid, signal.SIGSTOP)
+        start = time.monotonic()
+        with pytest.raises(RemoteObjectError, match="did not answer"):
+            hosted.get(timeout=60)
+        assert time.monotonic() - start < 10
+    finally:
+        os.kill(owner.pid, signal.SIGKILL)
+        os.kill(owner.pid, signal.SIGCONT)
+        owner.join(30)
+        fibrl.init(**{f: getattr(previous, f) for f in previous.__dataclass_fields__})

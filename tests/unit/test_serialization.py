@@ -50,3 +50,36 @@ def test_truncated_frame_is_detected():
     frame = serialization.dumps(np.arange(100_000))
     with pytest.raises(FrameError, match="length mismatch|truncated"):
         serialization.loads(frame[:-10])
+
+
+class _FailsToPickle:
+    def __getstate__(self):
+        raise RuntimeError("refuses to be pickled")
+
+
+def test_an_error_raised_while_pickling_is_reported_with_the_object():
+    with pytest.raises(SerializationError, match="_FailsToPickle.*RuntimeError: refuses"):
+        serialization.dumps([1, _FailsToPickle()])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int64", "bool", "complex64"])
+def test_large_torch_tensors_travel_out_of_band(dtype):
+    torch = pytest.importorskip("torch")
+    tensor = (torch.rand(300, 257) * 100).to(getattr(torch, dtype))
+    parts = serialization.dumps_parts(tensor)
+    assert len(parts) == 3 and len(parts[1]) < 1000   # one buffer, a tiny pickle
+    back = serialization.loads(b"".join(parts))
+    assert back.dtype == tensor.dtype and torch.equal(back, tensor)
+    back += 1 if dtype != "bool" else True             # writable, like a received array
+
+
+def test_torch_tensor_views_and_leaf_parameters_round_trip():
+    torch = pytest.importorskip("torch")
+    strided = torch.rand(400, 300).t()[5:]               # not contiguous
+    leaf = torch.rand(200, 200, requires_grad=True)
+    param = torch.nn.Parameter(torch.rand(200, 200))
+    back = serialization.loads(serialization.dumps([strided, leaf, param, torch.arange(3)]))
+    assert torch.equal(back[0], strided)
+    assert back[1].requires_grad and back[1].is_leaf and torch.equal(back[1].detach(), leaf)
+    assert type(back[2]) is torch.nn.Parameter and torch.equal(back[2].detach(), param)
+    assert back[3].tolist() == [0, 1, 2]
