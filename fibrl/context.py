@@ -12,6 +12,7 @@ nng cannot survive a fork), ``"docker"`` and ``"kubernetes"``.
 """
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import os
 import threading
@@ -237,12 +238,12 @@ class DefaultContext(BaseContext):
         if self._config is None:
             with self._lock:
                 if self._config is None:
-                    self._config = resolve()
+                    self._config = _apply_debug(resolve())
         return self._config
 
     def init(self, **settings: Any) -> Config:
         """Set the config in force: ``settings`` > FIBRL_* env > .fibrlconfig > defaults."""
-        config = resolve(settings)
+        config = _apply_debug(resolve(settings))
         with self._lock:
             self._config = config
             self._explicit = True
@@ -283,8 +284,30 @@ def current_config() -> Config:
 def install_config(config: Config) -> None:
     """Adopt the parent's config (workers call this during start-up)."""
     with _default._lock:
-        _default._config = config
+        _default._config = _apply_debug(config)
         _default._explicit = True
+
+
+def _apply_debug(config: Config) -> Config:
+    """``debug=True``: fibrl's own log records at DEBUG and above go to stderr.
+
+    Applied when a config comes into force (never at import); workers adopt
+    their parent's config, so they log the same way.
+    """
+    logger = logging.getLogger("fibrl")
+    handlers = [h for h in logger.handlers if getattr(h, "fibrl_debug", False)]
+    if config.debug and not handlers:
+        handler = logging.StreamHandler()
+        handler.fibrl_debug = True  # type: ignore[attr-defined]
+        handler.setFormatter(logging.Formatter(
+            "[%(levelname)s/%(processName)s/%(process)d] %(name)s: %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.DEBUG)
+    elif not config.debug and handlers:
+        for handler in handlers:
+            logger.removeHandler(handler)
+        logger.setLevel(logging.NOTSET)
+    return config
 
 
 def init(**settings: Any) -> Config:

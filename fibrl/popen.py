@@ -101,7 +101,10 @@ class Popen:
         except BaseException:
             self._release()
             os.close(self._read_fd)
+            os.close(self._write_fd)
             raise
+        log.debug("%s started as %s job %s", process_obj.name, self._backend.name,
+                  self._job.id)
         if self._job.pid is not None:
             self.pid = self._job.pid
         threading.Thread(target=self._watch, daemon=True,
@@ -135,6 +138,7 @@ class Popen:
             name=process_obj.name, workdir=os.getcwd())
 
     def _connected(self, pid: Optional[int]) -> None:
+        log.debug("job %s connected back (pid %s)", getattr(self._job, "id", "?"), pid)
         self._started.set()
         if self.pid is None:
             self.pid = pid
@@ -154,6 +158,7 @@ class Popen:
     def _watch(self) -> None:
         code = self._job.wait()
         code = code if code is not None else 1
+        log.debug("job %s ended with exit code %s", self._job.id, code)
         if code != 0 and not self._started.is_set():
             self._explain_early_exit(code)
         self.returncode = code

@@ -163,6 +163,7 @@ class Listener:
                 sock.close()
                 return
             self._peers[peer.id] = peer
+        log.debug("peer %s authenticated on %s", peer.id, self.address)
         sock.add_post_pipe_remove_cb(lambda _pipe: _close_soon(sock))
         try:
             while True:
@@ -176,6 +177,7 @@ class Listener:
                 self._peers.pop(peer.id, None)
             peer.closed = True
             sock.close()
+            log.debug("peer %s of %s disconnected", peer.id, self.address)
             if self._on_lost is not None and not self._closed:
                 self._on_lost(peer)
 

@@ -1,4 +1,8 @@
 """Config precedence, parsing and validation."""
+import os
+import subprocess
+import sys
+
 import pytest
 
 from fibrl.config import Config, resolve
@@ -65,3 +69,26 @@ def test_init_sets_the_default_context():
         assert fibrl.get_start_method() == "local"
     finally:
         fibrl.init(**{k: getattr(before, k) for k in before.__dataclass_fields__})
+
+
+def test_debug_logs_fibrl_events_to_stderr_in_parent_and_workers(tmp_path):
+    script = tmp_path / "prog.py"
+    script.write_text(
+        "import fibrl\n"
+        "def noop():\n"
+        "    import logging\n"
+        "    logging.getLogger('fibrl.test').debug('hello from the worker')\n"
+        "if __name__ == '__main__':\n"
+        "    p = fibrl.Process(target=noop); p.start(); p.join(60)\n"
+        "    print('exit', p.exitcode)\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FIBRL_")}
+    runs = {}
+    for flag in ("true", "false"):
+        env["FIBRL_DEBUG"] = flag
+        runs[flag] = subprocess.run([sys.executable, str(script)], env=env, cwd=tmp_path,
+                                    capture_output=True, text=True, timeout=120)
+    assert runs["true"].stdout.strip() == "exit 0", runs["true"].stderr
+    assert "[DEBUG/" in runs["true"].stderr and "connected back" in runs["true"].stderr
+    assert "authenticated" in runs["true"].stderr
+    assert "/Process-1/" in runs["true"].stderr and "hello from the worker" in runs["true"].stderr
+    assert "[DEBUG/" not in runs["false"].stderr, runs["false"].stderr
