@@ -41,6 +41,9 @@ log = logging.getLogger(__name__)
 HELLO = b"FBHELLO1"
 _ADDR = b"FBADDR1"
 _H, _C, _A, _OK, _NO = b"FBH1", b"FBC1", b"FBA1", b"FBOK", b"FBNO"
+# Connections still authenticating, at most: each holds a socket and a thread for up
+# to auth_timeout, so an unauthenticated flood must not be able to pile them up.
+MAX_AUTHENTICATING = 128
 _NONCE = 32
 _MAC = 32
 
@@ -123,6 +126,8 @@ class Listener:
         self.address = _address_of(self._accept)
         self._peers: dict[int, Peer] = {}
         self._lock = threading.Lock()
+        self._slots = threading.Condition(self._lock)
+        self._authenticating = 0
         self._next_id = 0
         self._closed = False
         self._thread = threading.Thread(target=self._accept_loop, daemon=True,
@@ -142,11 +147,24 @@ class Listener:
                     return
 
     def _open_peer(self) -> bytes:
-        sock = _pair()
-        sock.listen(f"tcp://{self._host}:0")
-        with self._lock:
+        with self._slots:
+            if self._authenticating >= MAX_AUTHENTICATING:
+                log.warning("%d peers are still authenticating on %s; the next waits for "
+                            "one of them (at most auth_timeout)", self._authenticating,
+                            self.address)
+            # a slot frees within auth_timeout: each handshake ends by then
+            self._slots.wait_for(lambda: self._authenticating < MAX_AUTHENTICATING
+                                 or self._closed)
+            if self._closed:
+                return _NO
+            self._authenticating += 1
             self._next_id += 1
-            peer = Peer(sock, self._next_id)
+            peer = Peer(_pair(), self._next_id)
+        sock = peer._sock
+        # Armed before the handshake: the socket serves its first connection only, so
+        # no second one can slip in after (or during) the first one's authentication.
+        sock.add_post_pipe_remove_cb(lambda _pipe: _close_soon(sock))
+        sock.listen(f"tcp://{self._host}:0")
         thread = threading.Thread(target=self._serve, args=(peer,), daemon=True,
                                   name=f"fibrl-peer-{peer.id}")
         peer.thread = thread
@@ -155,16 +173,15 @@ class Listener:
 
     def _serve(self, peer: Peer) -> None:
         sock = peer._sock
-        if not self._authenticate(peer):
-            sock.close()
-            return
-        with self._lock:
-            if self._closed:
+        good = self._authenticate(peer)
+        with self._slots:
+            self._authenticating -= 1
+            self._slots.notify()
+            if not good or self._closed:
                 sock.close()
                 return
             self._peers[peer.id] = peer
         log.debug("peer %s authenticated on %s", peer.id, self.address)
-        sock.add_post_pipe_remove_cb(lambda _pipe: _close_soon(sock))
         try:
             while True:
                 try:
@@ -208,6 +225,7 @@ class Listener:
         """Stop accepting and drop every peer, waiting up to ``join`` s for their threads."""
         with self._lock:
             self._closed = True
+            self._slots.notify_all()
             peers = list(self._peers.values())
         self._accept.close()
         for peer in peers:
@@ -305,12 +323,19 @@ def _close_soon(sock: pynng.Socket) -> None:
 
 
 def _ask_address(address: str, timeout: float) -> str:
+    answer = _ask_once(address, timeout)
+    if not answer.startswith(_ADDR):
+        raise TransportError(f"{address} is not a fibrl listener (answered {answer[:16]!r}).")
+    return answer[len(_ADDR):].decode()
+
+
+def _ask_once(address: str, timeout: float) -> bytes:
     req = pynng.Req0(resend_time=-1, recv_timeout=int(timeout * 1000),
                      send_timeout=int(timeout * 1000))
     try:
         req.dial(address, block=True)
         req.send(HELLO)
-        answer = req.recv()
+        return req.recv()
     except pynng.ConnectionRefused as exc:
         raise TransportError(
             f"nothing listens at {address} (connection refused); the fibrl process that "
@@ -321,9 +346,6 @@ def _ask_address(address: str, timeout: float) -> str:
         raise TransportError(f"cannot connect to {address}: {exc}") from exc
     finally:
         req.close()
-    if not answer.startswith(_ADDR):
-        raise TransportError(f"{address} is not a fibrl listener (answered {answer[:16]!r}).")
-    return answer[len(_ADDR):].decode()
 
 
 def _client_handshake(sock: pynng.Pair1, secret: bytes, timeout: float) -> None:

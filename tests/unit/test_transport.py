@@ -132,3 +132,24 @@ def test_silent_peer_is_dropped_after_auth_timeout(echo):
 def test_nothing_listening_is_a_clear_error():
     with pytest.raises(TransportError, match="nothing listens|did not answer"):
         Channel.connect("tcp://127.0.0.1:9", SECRET, timeout=2)
+
+
+def test_peers_that_never_authenticate_cannot_pile_up(echo, monkeypatch):
+    """Each handshake holds a socket and a thread: past the limit, the next waits for a
+    slot (freed by auth_timeout at the latest) instead of opening more."""
+    import fibrl.transport as transport
+
+    listener, received, _ = echo
+    monkeypatch.setattr(transport, "MAX_AUTHENTICATING", 2)
+    silent = [_raw_pair_for(listener.address) for _ in range(2)]   # hold both slots
+    assert listener._authenticating == 2
+    start = time.monotonic()
+    good = Channel.connect(listener.address, SECRET, timeout=10)
+    waited = time.monotonic() - start
+    good.send(b"after the flood")
+    assert good.recv(5) == b"after the flood"
+    assert 0.5 < waited < 5, waited          # auth_timeout is 1 s in the fixture
+    assert received == [b"after the flood"]
+    good.close()
+    for sock in silent:
+        sock.close()
