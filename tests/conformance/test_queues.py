@@ -39,6 +39,15 @@ def sum_of_one(q, out, ready):
     out.put(float(q.get(timeout=TIMEOUT).sum()))
 
 
+def start_grandchild(carrier):
+    import fibrl
+
+    inner = carrier.get(timeout=TIMEOUT)
+    grandchild = fibrl.Process(target=inner.put, args=("from the grandchild",))
+    grandchild.start()
+    grandchild.join(TIMEOUT)
+
+
 def joinable_worker(q):
     while True:
         item = q.get(timeout=TIMEOUT)
@@ -215,10 +224,12 @@ def test_one_gib_message_arrives_whole():
 
 def test_queue_pickled_to_grandchild_via_queue(ctx):
     carrier, q = ctx.Queue(), ctx.Queue()
-    carrier.put(q)
-    inner = carrier.get(timeout=5)
-    inner.put("through a pickled handle")
-    assert q.get(timeout=5) == "through a pickled handle"
+    carrier.put(q)                                  # the queue itself travels in a queue
+    child = ctx.Process(target=start_grandchild, args=(carrier,))
+    child.start()
+    assert q.get(timeout=TIMEOUT) == "from the grandchild"
+    child.join(TIMEOUT)
+    assert child.exitcode == 0
 
 
 def test_large_item_from_one_child_to_another(ctx):
