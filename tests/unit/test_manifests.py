@@ -113,6 +113,8 @@ def test_parent_role_grants_exactly_what_the_backend_needs():
     role = next(d for d in _rbac_documents()
                 if d["kind"] == "Role" and d["metadata"]["name"] == "fibrl-parent")
     assert _granted(role) == set(REQUIRED_PERMISSIONS)
+    # workers run as this account: it must not read the namespace's Secrets
+    assert not {("get", "secrets"), ("list", "secrets"), ("watch", "secrets")} & _granted(role)
     binding = next(d for d in _rbac_documents() if d["kind"] == "RoleBinding")
     assert binding["roleRef"]["name"] == "fibrl-parent"
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "fibrl"}]
