@@ -27,7 +27,7 @@ while [[ $# -gt 0 ]]; do
         --offline) OFFLINE=1 ;;
         -t|--tag) FIBRL_IMAGE="$2"; shift ;;
         --tag=*) FIBRL_IMAGE="${1#--tag=}" ;;
-        -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
         --) shift; extra=("$@"); break ;;
         *) echo "unknown argument: $1 (see --help)" >&2; exit 2 ;;
     esac
