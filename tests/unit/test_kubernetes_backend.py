@@ -324,6 +324,26 @@ def test_image_pull_failure_is_reported_not_waited_on(kube_init, fake, caplog):
         fibrl.Process(target=sleep_forever).start()   # the next one fails at once
 
 
+def _waiting_pod(reason):
+    return {"status": {"phase": "Pending", "containerStatuses": [
+        {"name": "worker", "state": {"waiting": {"reason": reason, "message": "registry said no"}}}]}}
+
+
+@pytest.mark.parametrize("reason,stuck,fatal", [
+    ("ErrImagePull", True, False),          # retried by the kubelet: bounded by the timer
+    ("ImagePullBackOff", False, True),
+    ("CreateContainerConfigError", True, False),
+    ("ContainerCreating", False, False),    # pulling or creating: waited for
+])
+def test_waiting_reasons_that_end_or_bound_a_start(reason, stuck, fatal):
+    from fibrl.backends.kube.job import fatal_waiting, stuck_pending
+
+    assert bool(stuck_pending(_waiting_pod(reason))) is stuck
+    assert bool(fatal_waiting(_waiting_pod(reason))) is fatal
+    if stuck:
+        assert stuck_pending(_waiting_pod(reason)) == f"{reason}: registry said no"
+
+
 def test_unschedulable_pod_reports_the_schedulers_reason(kube_init):
     kube_init(kubernetes_node_selector="disktype=nonexistent", kubernetes_pending_timeout=1.5)
     p = _started(sleep_forever)

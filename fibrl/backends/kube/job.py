@@ -7,7 +7,8 @@ its pod: the backend's single watch calls :meth:`KubernetesJob.on_pod` /
 
     queued --creator--> created --watch: terminal phase / DELETED--> ended
        |                   |--watch: ImagePullBackOff, InvalidImageName --> ended (1)
-       |                   '--watch: Unschedulable longer than pending_timeout --> ended (1)
+       |                   '--watch: Unschedulable, ErrImagePull, CreateContainer*Error
+       |                             longer than pending_timeout --> ended (1)
        '--terminate()/kill() before creation --> ended (-15 / -9)
 
 Exit codes follow ``multiprocessing``: a container killed by signal N exits
@@ -33,7 +34,9 @@ log = logging.getLogger(__name__)
 LOG_TAIL_LINES = 500
 _MAX_SIGNAL = 64
 _FATAL_WAITING = ("ImagePullBackOff", "ErrImageNeverPull", "InvalidImageName")
-_STUCK_WAITING = ("CreateContainerConfigError", "CreateContainerError")
+# ErrImagePull comes before ImagePullBackOff (which ends the job at once); a kubelet that
+# keeps retrying a flaky registry may show it for long, so it starts the pending timer.
+_STUCK_WAITING = ("CreateContainerConfigError", "CreateContainerError", "ErrImagePull")
 
 
 # -- reading a pod ------------------------------------------------------------------------
