@@ -356,6 +356,24 @@ def test_unschedulable_pod_reports_the_schedulers_reason(kube_init):
     assert "kubernetes_pending_timeout" in reason
 
 
+def test_unschedulable_pod_is_reported_not_killed_with_the_default_timeouts(kube_init, caplog):
+    """Both timeouts scaled down together from their defaults (start_timeout is not
+    smaller than kubernetes_pending_timeout): the scheduler's reason, not a lost worker."""
+    defaults = Config()
+    scale = 1.5 / defaults.kubernetes_pending_timeout
+    assert defaults.start_timeout >= defaults.kubernetes_pending_timeout
+    kube_init(kubernetes_node_selector="disktype=nonexistent",
+              kubernetes_pending_timeout=defaults.kubernetes_pending_timeout * scale,
+              start_timeout=defaults.start_timeout * scale)
+    with caplog.at_level(logging.ERROR, logger="fibrl.popen"):
+        p = _started(sleep_forever)
+        p.join(WAIT)
+    assert p.exitcode == 1, p._popen.job.failure_reason()   # -9: killed as "did not connect"
+    reason = p._popen.job.failure_reason()
+    assert "Unschedulable" in reason and "kubernetes_pending_timeout" in reason
+    assert not [r for r in caplog.records if "did not connect back" in r.getMessage()]
+
+
 def test_evicted_pod_says_evicted(kube_init, fake, kube_settings):
     kube_init()
     out, go = fibrl.Queue(), fibrl.Queue()
