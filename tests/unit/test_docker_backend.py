@@ -108,11 +108,87 @@ def test_container_defaults_host_network_readonly_cwd_and_labels():
     assert kw["labels"]["fibrl.backend"] == "docker"
     assert kw["labels"]["fibrl.run"] == "r1" and kw["labels"]["fibrl.role"] == "process"
     assert kw["labels"]["fibrl.host"] == socket.gethostname()
+    assert kw["labels"]["fibrl.pidns"] == dockerbackend.pid_namespace() != ""
     assert kw["auto_remove"] is False and kw["init"] is True
     assert kw["user"] == f"{os.getuid()}:{os.getgid()}"
     assert kw["security_opt"] == ["no-new-privileges"]
     for absent in ("privileged", "cap_add", "nano_cpus", "mem_limit", "device_requests"):
         assert absent not in kw
+
+
+# -- parents that are gone: the reaper and orphan collection -----------------------------
+
+def test_pid_namespace_is_this_machines_boot_and_namespace():
+    namespace = dockerbackend.pid_namespace()
+    with open("/proc/sys/kernel/random/boot_id") as handle:
+        assert namespace.startswith(handle.read().strip() + "-")
+    assert namespace.rsplit("-", 1)[1] == str(os.stat("/proc/self/ns/pid").st_ino)
+
+
+class _Recorded:
+    """Stands in for the SDK client: records the filters of containers.list()."""
+
+    def __init__(self):
+        self.filters = []
+        self.containers = self
+
+    def list(self, all=False, filters=None):
+        self.filters.append(filters)
+        return []
+
+
+def test_orphans_are_collected_only_in_this_pid_namespace(monkeypatch):
+    client = _Recorded()
+    dockerbackend._collect_orphans(client)
+    assert f"fibrl.pidns={dockerbackend.pid_namespace()}" in client.filters[0]["label"]
+    monkeypatch.setattr(dockerbackend, "pid_namespace", lambda: "")
+    dockerbackend._collect_orphans(client)   # whose pids the labels hold is unknown: none
+    assert len(client.filters) == 1
+
+
+REAPED_PARENT = """
+import sys, time
+from fibrl.backends import docker
+docker._start_reaper()
+print("ready", flush=True)
+time.sleep(120)
+"""
+
+
+def _reapers_of(pid):
+    import psutil
+
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        cmdline = proc.info["cmdline"] or []
+        if any(arg.endswith("_docker_reaper.py") for arg in cmdline) and str(pid) in cmdline:
+            found.append(proc)
+    return found
+
+
+def test_reaper_is_detached_and_exits_after_its_parent_is_killed(tmp_path):
+    import subprocess
+    import sys
+
+    import psutil
+
+    # an engine that does not answer: the reaper only gets as far as connecting
+    env = dict(os.environ, DOCKER_HOST=f"unix://{tmp_path}/absent.sock")
+    parent = subprocess.Popen([sys.executable, "-c", REAPED_PARENT], env=env, text=True,
+                              stdout=subprocess.PIPE)
+    try:
+        assert parent.stdout.readline().strip() == "ready"
+        reapers = _reapers_of(parent.pid)
+        assert len(reapers) == 1, "one reaper per parent process"
+        assert reapers[0].ppid() != parent.pid   # not its child: survives it
+        parent.kill()
+        parent.wait(30)
+        gone, alive = psutil.wait_procs(reapers, timeout=30)
+        assert not alive, "the reaper outlived its parent's death by 30 s"
+    finally:
+        parent.kill()
+        parent.wait(30)
+        parent.stdout.close()
 
 
 def test_mount_and_workdir_options():
