@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 from typing import Optional
 
 
@@ -45,32 +44,26 @@ def main(argv: Optional[list] = None) -> int:
 
 def _arguments(argv: list) -> tuple:
     if len(argv) != 3 or not argv[0].isdigit() or not argv[1]:
-        raise SystemExit("usage: python -m fibrl.backends._docker_reaper PARENT_PID "
+        raise SystemExit("usage: python -S _docker_reaper.py PARENT_PID "
                          "PID_NAMESPACE WAIT_SECONDS < pipe")
     return int(argv[0]), argv[1], float(argv[2])
 
 
 def _reap(parent: int, namespace: str, wait: float) -> None:
-    import site
+    if sys.flags.no_site:   # started with -S: site-packages (the docker SDK) only now
+        import site
 
-    site.main()   # started with -S: site-packages (the docker SDK) only now
-    from fibrl.backends.docker import (LABEL_PARENT, LABEL_PIDNS, _label_filters,
-                                       _remove_quietly, _sdk_errors, connect)
+        site.main()
+    from fibrl.backends.docker import (LABEL_PARENT, LABEL_PIDNS, _label_filters, connect,
+                                       remove_when_stopped)
 
     filters = {"label": _label_filters() + [f"{LABEL_PARENT}={parent}",
                                             f"{LABEL_PIDNS}={namespace}"]}
     try:
         client = connect(timeout=30, pool_size=2)
-        containers = client.containers.list(all=True, filters=filters)
+        remove_when_stopped(client.containers.list(all=True, filters=filters), client, wait)
     except Exception:  # engine gone too: nothing this process can do
         return
-    deadline = time.monotonic() + wait
-    for container in containers:
-        try:  # let a worker finish exiting on its own (the SDK's timeout bounds the request)
-            container.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except _sdk_errors():
-            pass
-        _remove_quietly(client.api, container.id)
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import weakref
 from typing import Any, Optional
 
@@ -65,7 +66,7 @@ LOG_TAIL_LINES = 500  # what logs() keeps of a removed container, and shows in e
 _MAX_SIGNAL = 64
 _STOP_TIMEOUT = 10.0  # seconds to wait for a killed container's end to be reported
 _LOOPBACK = ("127.", "localhost", "::1")
-_REAP_WAIT = 5.0      # seconds the reaper lets workers of a dead parent exit by themselves
+REAP_WAIT = 5.0       # seconds workers of a dead parent get to exit before removal
 _reapers: dict = {}   # pid -> write end of the pipe its reaper waits on (one per process)
 _reapers_lock = threading.Lock()
 
@@ -200,6 +201,23 @@ def remove_containers(run: Optional[str] = None, *, force: bool = False,
     return removed
 
 
+def remove_when_stopped(containers: list, client: Any, wait: float) -> list:
+    """Give ``containers`` ``wait`` seconds in all to exit by themselves, then remove
+    them (killing any still running); return the names removed.
+
+    For workers whose parent is gone: they exit on their own as soon as they notice.
+    """
+    deadline, removed = time.monotonic() + wait, []
+    for container in containers:
+        try:  # the request's timeout bounds the wait
+            container.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except _sdk_errors():
+            pass
+        if _remove_quietly(client.api, container.id):
+            removed.append(container.name)
+    return removed
+
+
 def _remove_quietly(api: Any, container_id: str) -> bool:
     try:
         api.remove_container(container_id, force=True)
@@ -257,7 +275,7 @@ def _spawn_reaper(read_end: int) -> None:
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_docker_reaper.py")
     first = subprocess.Popen(
-        [sys.executable, "-S", script, str(os.getpid()), pid_namespace(), f"{_REAP_WAIT:g}"],
+        [sys.executable, "-S", script, str(os.getpid()), pid_namespace(), f"{REAP_WAIT:g}"],
         stdin=read_end, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
         close_fds=True, cwd="/")
     if first.wait(30) != 0:   # it exits as soon as it has forked the reaper

@@ -241,6 +241,41 @@ def test_docker_run_follow_ps_logs_stop(docker_ok, tmp_path):
     assert run not in _run_ids(["--backend", "docker"])
 
 
+# The parent container starts a docker worker, then dies of SIGKILL: its reaper dies with
+# the container, so `fibrl run` must remove the worker's container itself.
+KILLED_PARENT = textwrap.dedent("""
+    import os, signal, time, fibrl
+
+    def report_then_wait(q):
+        q.put("started")
+        time.sleep(3600)
+
+    if __name__ == "__main__":
+        q = fibrl.Queue()
+        fibrl.Process(target=report_then_wait, args=(q,)).start()
+        print("worker", q.get(timeout=120), flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)   # no cleanup of any kind
+""")
+
+
+@pytest.mark.docker
+def test_docker_run_removes_the_workers_of_a_killed_parent(docker_ok, tmp_path):
+    from fibrl.backends import docker as dockerbackend
+
+    (tmp_path / "killed.py").write_text(KILLED_PARENT)
+    out = fibrl_cli("run", "--backend", "docker", "--image", "fibrl:latest", "--follow", "--",
+                    "python", "killed.py", cwd=tmp_path)
+    run = _run_id(out)
+    try:
+        assert "worker started" in out.stdout, out.stderr
+        assert out.returncode != 0
+        left = [c.name for c in dockerbackend.list_containers(run)
+                if c.labels.get("fibrl.role") != "parent"]
+        assert not left, f"worker containers left after the parent was killed: {left}"
+    finally:
+        fibrl_cli("stop", run, "--backend", "docker")
+
+
 @pytest.mark.docker
 def test_docker_build_then_run(docker_ok, tmp_path):
     project = tmp_path / "walker"

@@ -191,6 +191,15 @@ def test_reaper_is_detached_and_exits_after_its_parent_is_killed(tmp_path):
         parent.stdout.close()
 
 
+def test_reaper_gives_up_quietly_when_the_engine_is_gone_too(tmp_path, monkeypatch):
+    from fibrl.backends import _docker_reaper
+
+    monkeypatch.setenv("DOCKER_HOST", f"unix://{tmp_path}/absent.sock")
+    _docker_reaper._reap(os.getpid(), dockerbackend.pid_namespace(), 0.1)   # no exception
+    with pytest.raises(SystemExit, match="usage"):
+        _docker_reaper._arguments(["not-a-pid", "ns", "5"])
+
+
 def test_mount_and_workdir_options():
     assert _kwargs(docker_mount_readonly=False)["volumes"]["/work/project"]["mode"] == "rw"
     kw = _kwargs(docker_mount_cwd=False)
