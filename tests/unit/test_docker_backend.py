@@ -4,6 +4,7 @@ Tests marked ``docker`` need the engine and the worker image; the others need on
 docker SDK (they never reach an engine).
 """
 import io
+import logging
 import os
 import re
 import socket
@@ -314,3 +315,54 @@ def test_image_without_python_is_explained(image_without_python, docker_init):
 def test_cpu_count_is_the_engines(docker_up):
     backend = dockerbackend.DockerBackend(Config(backend="docker"))
     assert backend.cpu_count() == docker_up.info()["NCPU"]
+
+
+# An entrypoint that lets the image probe (python -c ...) through but ends a worker
+# (python -m fibrl.bootstrap ...) before it connects back, saying why on stderr.
+REFUSING_ENTRYPOINT = b"""#!/bin/sh
+if [ "$2" = "-m" ]; then
+    echo "refusing to start the worker: simulated broken entrypoint" >&2
+    exit 3
+fi
+exec "$@"
+"""
+
+
+def _add(tar, name, data, mode=0o644):
+    info = tarfile.TarInfo(name)
+    info.size, info.mode = len(data), mode
+    tar.addfile(info, io.BytesIO(data))
+
+
+@pytest.fixture
+def refusing_image(docker_up):
+    """The worker image with an entrypoint that makes workers exit before connecting."""
+    tag = "fibrl-test-refusing:latest"
+    base = os.environ.get("FIBRL_IMAGE", "fibrl:latest")
+    dockerfile = (f"FROM {base}\nCOPY refuse.sh /usr/local/bin/refuse.sh\n"
+                  f'ENTRYPOINT ["/usr/local/bin/refuse.sh"]\n').encode()
+    context = io.BytesIO()
+    with tarfile.open(fileobj=context, mode="w") as tar:
+        _add(tar, "Dockerfile", dockerfile)
+        _add(tar, "refuse.sh", REFUSING_ENTRYPOINT, mode=0o755)
+    context.seek(0)
+    docker_up.images.build(fileobj=context, custom_context=True, tag=tag, rm=True,
+                           forcerm=True, timeout=300)
+    yield tag
+    docker_up.images.remove(tag, force=True)
+
+
+@pytest.mark.docker
+def test_container_that_exits_before_connecting_back_shows_its_logs(refusing_image,
+                                                                     docker_init, caplog):
+    docker_init(image=refusing_image)
+    with caplog.at_level(logging.ERROR, logger="fibrl.popen"):
+        p = fibrl.Process(target=os.getpid)
+        p.start()
+        p.join(60)
+    assert p.exitcode == 3
+    errors = [r.getMessage() for r in caplog.records
+              if "ended before it connected back" in r.getMessage()]
+    assert len(errors) == 1, [r.getMessage() for r in caplog.records]
+    assert "exit code 3" in errors[0] and "simulated broken entrypoint" in errors[0]
+    assert "simulated broken entrypoint" in p._popen.job.logs()
