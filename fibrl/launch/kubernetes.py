@@ -12,8 +12,9 @@ ends), never a poll::
     launch --> Job fibrl-run-<run> (backoffLimit 0, restartPolicy Never)
     wait   --> watch pod fibrl.run=<run>,fibrl.role=parent until its container runs
                (bounded by kubernetes_pending_timeout only while the Job has no pod yet
-               or its pod is stuck: Unschedulable, a container config error; a pod
-               pulling its image is waited for, a failed pull is reported at once)
+               or its pod is stuck: Unschedulable, ErrImagePull, a container config
+               error; a pod pulling its image is waited for, ImagePullBackOff is
+               reported at once)
                --follow: GET pods/log?follow=true --> out
            --> watch until Succeeded/Failed --> the container's exit status (+ why, if it
                was OOMKilled, evicted...)
@@ -296,9 +297,9 @@ class _Starting(_Until):
     """Until the script's container runs.
 
     ``kubernetes_pending_timeout`` bounds only the states nothing else ends: no pod yet
-    (a missing service account, a quota), and a pod stuck Unschedulable or on a container
-    config error. A pod pulling its image or creating its container is waited for (a large
-    image takes minutes); a failed pull reports itself (ErrImagePull, ImagePullBackOff).
+    (a missing service account, a quota), and a pod stuck Unschedulable, in ErrImagePull
+    or on a container config error. A pod pulling its image or creating its container
+    is waited for (a large image takes minutes); ImagePullBackOff ends it at once.
     """
 
     def __init__(self, launcher: KubernetesLauncher, run_id: str) -> None:
