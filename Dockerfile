@@ -3,8 +3,10 @@
 # Build it with docker/build-image.sh (or plainly: docker build -t fibrl:latest .).
 FROM python:3.11-slim
 
-# fibrl extras installed in the image (comma-separated; e.g. "rl,torch").
-ARG EXTRAS=rl
+# fibrl extras installed in the image (comma-separated; e.g. "rl,torch,docker").
+# docker and kubernetes by default: the image also runs `fibrl run` parents,
+# which start their workers through those clients.
+ARG EXTRAS=rl,docker,kubernetes
 # Empty by default, so pip installs from PyPI as usual.  For an offline build,
 # point pip at wheels shipped in the build context, e.g.
 #   --build-arg PIP_NO_INDEX=1 --build-arg PIP_FIND_LINKS=/tmp/fibrl-src/docker/wheels

@@ -13,12 +13,13 @@
 #               (docker/build-wheels.sh) and installs only from them.
 #
 # Environment: FIBRL_IMAGE (tag, default fibrl:latest), IMAGE_EXTRAS (extras
-# installed in the image, default rl), IMAGE_OFFLINE=1 (same as --offline).
+# installed in the image, default rl,docker,kubernetes: `fibrl run` parents run
+# in it too), IMAGE_OFFLINE=1 (same as --offline).
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
 FIBRL_IMAGE="${FIBRL_IMAGE:-fibrl:latest}"
-IMAGE_EXTRAS="${IMAGE_EXTRAS:-rl}"
+IMAGE_EXTRAS="${IMAGE_EXTRAS:-rl,docker,kubernetes}"
 OFFLINE="${IMAGE_OFFLINE:-0}"
 extra=()
 while [[ $# -gt 0 ]]; do
@@ -26,7 +27,7 @@ while [[ $# -gt 0 ]]; do
         --offline) OFFLINE=1 ;;
         -t|--tag) FIBRL_IMAGE="$2"; shift ;;
         --tag=*) FIBRL_IMAGE="${1#--tag=}" ;;
-        -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
         --) shift; extra=("$@"); break ;;
         *) echo "unknown argument: $1 (see --help)" >&2; exit 2 ;;
     esac

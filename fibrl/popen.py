@@ -94,8 +94,7 @@ class Popen:
         self._started = threading.Event()
         self.pid: Optional[int] = None
         self._job = None
-        self._deadline = hub.timers.call_at(time.monotonic() + config.start_timeout,
-                                            self._start_timed_out)
+        self._deadline: Optional[list] = None
         try:
             self._job = self._backend.create_job(self._spec(process_obj, hub.address))
         except BaseException:
@@ -107,6 +106,7 @@ class Popen:
                   self._job.id)
         if self._job.pid is not None:
             self.pid = self._job.pid
+        self._job.when_running(self._arm_start_deadline)
         threading.Thread(target=self._watch, daemon=True,
                          name=f"fibrl-watch-{process_obj.name}").start()
 
@@ -145,7 +145,15 @@ class Popen:
         self._backend_timers_cancel()
 
     def _backend_timers_cancel(self) -> None:
-        get_hub().timers.cancel(self._deadline)
+        if self._deadline is not None:
+            get_hub().timers.cancel(self._deadline)
+
+    def _arm_start_deadline(self) -> None:
+        # From when the job runs: a pod still waiting for a node is its backend's to
+        # report with the scheduler's reason, not a worker that failed to connect.
+        if not (self._started.is_set() or self._done.is_set()):
+            self._deadline = get_hub().timers.call_at(
+                time.monotonic() + self.config.start_timeout, self._start_timed_out)
 
     def _start_timed_out(self) -> None:
         if self._started.is_set() or self._done.is_set() or self._job is None:
@@ -184,7 +192,7 @@ class Popen:
     def _release(self) -> None:
         hub = get_hub()
         hub.unregister(self._oid)
-        hub.timers.cancel(self._deadline)
+        self._backend_timers_cancel()
 
     # -- the multiprocessing Popen surface ----------------------------------------
     def poll(self, flag: int = os.WNOHANG) -> Optional[int]:

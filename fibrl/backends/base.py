@@ -10,7 +10,7 @@ from __future__ import annotations
 import abc
 import enum
 from dataclasses import dataclass, field
-from typing import Mapping, Optional
+from typing import Callable, Mapping, Optional
 
 from ..config import Config
 
@@ -82,6 +82,13 @@ class Job(abc.ABC):
     @abc.abstractmethod
     def kill(self) -> None:
         """Stop the job now (SIGKILL)."""
+
+    def when_running(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` once the job's process runs (at once here: most jobs run
+        from creation). Popen counts ``start_timeout`` from then, so a backend whose jobs
+        wait before they run (a pod waiting for a node or its image) must bound that wait
+        itself and say why it gave up (kubernetes_pending_timeout)."""
+        callback()
 
     def logs(self) -> str:
         """Whatever the job printed, when the backend keeps it ("" otherwise)."""

@@ -23,11 +23,13 @@ Data flow of one job::
     logs, then removes the container (auto-remove is off so logs survive exit).
 
 A worker's own children run as local processes in its container: it has no
-access to the engine. Workers exit by themselves when their parent goes away;
-a SIGKILLed parent leaves *stopped* containers behind, which
-:func:`remove_containers` (``python -m fibrl.backends.docker rm``) removes, as
-does the next docker backend started on this host for containers whose parent
-process is gone.
+access to the engine. Workers exit by themselves when their parent goes away,
+and the parent's reaper (:mod:`fibrl.backends._docker_reaper`, a detached
+process started with the backend) removes their containers once the parent is
+gone, even SIGKILLed. What outlives both (the reaper killed too) is removed by
+:func:`remove_containers` (``python -m fibrl.backends.docker rm``), and by the
+next docker backend started in the same PID namespace of this machine for
+containers whose parent process is gone.
 """
 from __future__ import annotations
 
@@ -38,8 +40,10 @@ import os
 import re
 import secrets
 import socket
+import subprocess
 import sys
 import threading
+import time
 import weakref
 from typing import Any, Optional
 
@@ -48,7 +52,8 @@ from ..errors import BackendError, describe_exitcode
 from .base import Backend, Job, JobSpec, JobStatus
 
 __all__ = ["DockerBackend", "DockerJob", "connect", "container_name", "exit_code",
-           "in_worker_container", "list_containers", "remove_containers", "main"]
+           "in_worker_container", "list_containers", "pid_namespace", "remove_containers",
+           "main"]
 
 log = logging.getLogger(__name__)
 
@@ -56,10 +61,14 @@ LABEL_BACKEND = "fibrl.backend"
 LABEL_HOST = "fibrl.host"
 LABEL_RUN = "fibrl.run"
 LABEL_PARENT = "fibrl.parent"
+LABEL_PIDNS = "fibrl.pidns"   # whose pid fibrl.parent is: the parent's PID namespace
 LOG_TAIL_LINES = 500  # what logs() keeps of a removed container, and shows in errors
 _MAX_SIGNAL = 64
 _STOP_TIMEOUT = 10.0  # seconds to wait for a killed container's end to be reported
 _LOOPBACK = ("127.", "localhost", "::1")
+REAP_WAIT = 5.0       # seconds workers of a dead parent get to exit before removal
+_reapers: dict = {}   # pid -> write end of the pipe its reaper waits on (one per process)
+_reapers_lock = threading.Lock()
 
 
 # -- the SDK and the engine ------------------------------------------------------------
@@ -192,6 +201,23 @@ def remove_containers(run: Optional[str] = None, *, force: bool = False,
     return removed
 
 
+def remove_when_stopped(containers: list, client: Any, wait: float) -> list:
+    """Give ``containers`` ``wait`` seconds in all to exit by themselves, then remove
+    them (killing any still running); return the names removed.
+
+    For workers whose parent is gone: they exit on their own as soon as they notice.
+    """
+    deadline, removed = time.monotonic() + wait, []
+    for container in containers:
+        try:  # the request's timeout bounds the wait
+            container.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except _sdk_errors():
+            pass
+        if _remove_quietly(client.api, container.id):
+            removed.append(container.name)
+    return removed
+
+
 def _remove_quietly(api: Any, container_id: str) -> bool:
     try:
         api.remove_container(container_id, force=True)
@@ -201,6 +227,59 @@ def _remove_quietly(api: Any, container_id: str) -> bool:
             return False
         log.warning("could not remove container %s: %s", container_id[:12], exc)
         return False
+
+
+def pid_namespace() -> str:
+    """This process's PID namespace, unique on this machine ("" where unknown).
+
+    The boot id and the namespace's inode: a ``fibrl.parent`` pid means something
+    only to processes in the same namespace (a parent in a container sees other pids).
+
+    Example:
+        >>> pid_namespace()              # doctest: +SKIP
+        '5f0c1e0e-8e2b-4c4e-9d0a-3c7f0e6d2b1a-4026531836'
+    """
+    try:
+        inode = os.stat("/proc/self/ns/pid").st_ino
+        with open("/proc/sys/kernel/random/boot_id") as handle:
+            boot = handle.read().strip()
+    except OSError:
+        return ""
+    return f"{boot}-{inode}"
+
+
+def _start_reaper() -> None:
+    """Start this process's reaper once: it removes our containers after we are gone."""
+    with _reapers_lock:
+        if os.getpid() in _reapers or not pid_namespace():
+            return
+        read_end, write_end = os.pipe()   # not inheritable: only this process writes
+        try:
+            _spawn_reaper(read_end)
+        except (OSError, subprocess.SubprocessError) as exc:
+            os.close(write_end)
+            log.warning("could not start the container reaper (%s): this process's worker "
+                        "containers are removed when it exits, but not if it is killed. Fix: "
+                        "remove leftovers with `python -m fibrl.backends.docker rm`.", exc)
+            return
+        finally:
+            os.close(read_end)
+        _reapers[os.getpid()] = write_end
+
+
+def _spawn_reaper(read_end: int) -> None:
+    import fibrl
+
+    env = dict(os.environ)   # the reaper imports this fibrl, wherever it came from
+    root = os.path.dirname(os.path.dirname(os.path.abspath(fibrl.__file__)))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_docker_reaper.py")
+    first = subprocess.Popen(
+        [sys.executable, "-S", script, str(os.getpid()), pid_namespace(), f"{REAP_WAIT:g}"],
+        stdin=read_end, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
+        close_fds=True, cwd="/")
+    if first.wait(30) != 0:   # it exits as soon as it has forked the reaper
+        raise subprocess.SubprocessError(f"the reaper's launcher exited {first.returncode}")
 
 
 def _pid_alive(pid: int) -> bool:
@@ -214,8 +293,16 @@ def _pid_alive(pid: int) -> bool:
 
 
 def _collect_orphans(client: Any) -> None:
-    """Remove stopped containers left here by parents that no longer exist (SIGKILL)."""
-    filters = {"label": _label_filters() + [f"{LABEL_HOST}={socket.gethostname()}"],
+    """Remove stopped containers left by parents that no longer exist (their reaper died too).
+
+    Only those of parents in this process's PID namespace: elsewhere (a parent in a
+    container, or this one in a container) the same pid is another process.
+    """
+    namespace = pid_namespace()
+    if not namespace:
+        return
+    filters = {"label": _label_filters() + [f"{LABEL_HOST}={socket.gethostname()}",
+                                            f"{LABEL_PIDNS}={namespace}"],
                "status": "exited"}
     try:
         for container in client.containers.list(all=True, filters=filters):
@@ -428,6 +515,7 @@ class DockerBackend(Backend):
         with self._lock:
             if self._client is None:
                 self._client = connect()
+                _start_reaper()
                 threading.Thread(target=_collect_orphans, args=(self._client,), daemon=True,
                                  name="fibrl-docker-orphans").start()
                 atexit.register(self._remove_ended)
@@ -499,7 +587,8 @@ class DockerBackend(Backend):
 
     def _container_kwargs(self, spec: JobSpec, image: str) -> dict:
         labels = dict(spec.labels)
-        labels.update({LABEL_BACKEND: "docker", LABEL_HOST: socket.gethostname()})
+        labels.update({LABEL_BACKEND: "docker", LABEL_HOST: socket.gethostname(),
+                       LABEL_PIDNS: pid_namespace()})
         kwargs = dict(
             image=image, command=list(spec.command), environment=dict(spec.env),
             labels=labels, network_mode=self.config.docker_network, init=True,

@@ -56,7 +56,7 @@ _DEFAULTS = Config()
 _LOOPBACK = ("127.", "localhost", "::1", "[::1]")
 _START_WAIT = 60.0           # seconds create_job waits for the first watch
 _PROBE_SECONDS = 5.0         # how long the first request retries an unreachable cluster
-_IMAGE_FAILURES = ("ImagePullBackOff", "ErrImageNeverPull", "InvalidImageName")
+_IMAGE_FAILURES = ("ImagePullBackOff", "ErrImagePull", "ErrImageNeverPull", "InvalidImageName")
 
 
 class KubernetesBackend(Backend):

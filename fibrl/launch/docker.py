@@ -102,7 +102,16 @@ class DockerLauncher(Launcher):
         status = int(container.wait()["StatusCode"])
         container.reload()
         state = container.attrs.get("State") or {}
+        self._remove_workers(run_id)
         return Ended(status, "OOMKilled" if state.get("OOMKilled") else state.get("Error", ""))
+
+    def _remove_workers(self, run_id: str) -> None:
+        # A parent killed in its container takes its reaper with it (the container's
+        # processes all end): its workers' containers are removed here instead.
+        from ..backends.docker import REAP_WAIT, remove_when_stopped
+
+        workers = [c for c in self._containers(run_id) if c.labels.get("fibrl.role") != "parent"]
+        remove_when_stopped(workers, self.client, REAP_WAIT)
 
     def runs(self) -> list:
         by_run: dict = {}

@@ -11,6 +11,10 @@ ends), never a poll::
 
     launch --> Job fibrl-run-<run> (backoffLimit 0, restartPolicy Never)
     wait   --> watch pod fibrl.run=<run>,fibrl.role=parent until its container runs
+               (bounded by kubernetes_pending_timeout only while the Job has no pod yet
+               or its pod is stuck: Unschedulable, ErrImagePull, a container config
+               error; a pod pulling its image is waited for, ImagePullBackOff is
+               reported at once)
                --follow: GET pods/log?follow=true --> out
            --> watch until Succeeded/Failed --> the container's exit status (+ why, if it
                was OOMKilled, evicted...)
@@ -79,50 +83,30 @@ class KubernetesLauncher(Launcher):
 
     def wait(self, run_id: str, follow: bool, out: BinaryIO) -> Ended:
         selector = _parent_selector(run_id)
-        pod = self._wait_for(selector, self._started(run_id), self.settings.pending_timeout)
+        pod = self._wait_for(selector, _Starting(self, run_id))
         if follow:
             self._stream(pod["metadata"]["name"], out)
-        pod = self._wait_for(selector, _finished, None)
+        pod = self._wait_for(selector, _Finishing())
         terminated = _main_state(pod).get("terminated")
         if terminated is None:
             return Ended(1, f"its pod ended {pod['status'].get('phase')} before the script ran: "
                             f"{pod_failure(pod) or 'no reason given'}")
         return Ended(int(terminated.get("exitCode", 1)), pod_failure(pod))
 
-    def _started(self, run_id: str) -> Callable[[dict], Optional[dict]]:
-        first_stuck: dict = {}
-
-        def decide(pod: dict) -> Optional[dict]:
-            state = _main_state(pod)
-            if "running" in state or "terminated" in state or _finished(pod):
-                return pod
-            reason = fatal_waiting(pod)
-            if reason:
-                raise BackendError(_cannot_start(pod, reason, run_id))
-            stuck = stuck_pending(pod)
-            if not stuck:
-                first_stuck.clear()
-            elif time.monotonic() - first_stuck.setdefault("since", time.monotonic()) \
-                    > self.settings.pending_timeout:
-                raise BackendError(_cannot_start(pod, stuck, run_id))
-            return None
-        return decide
-
-    # -- waiting on one pod: list, then watch until ``decide`` says ---------------------
-    def _wait_for(self, selector: str, decide: Callable[[dict], Optional[dict]],
-                  timeout: Optional[float]) -> dict:
-        deadline = None if timeout is None else time.monotonic() + timeout
+    # -- waiting on one pod: list, then watch until ``until`` says ---------------------
+    def _wait_for(self, selector: str, until: "_Until") -> dict:
         while True:
             listing = self.api.call("list", "pods", self.api.core.list_namespaced_pod,
                                     self.namespace, namespace=self.namespace,
                                     label_selector=selector)
             for pod in listing.get("items") or []:
-                found = decide(pod)
+                found = until(pod)
                 if found is not None:
                     return found
+            deadline = until.deadline()
             if deadline is not None and time.monotonic() > deadline:
-                raise self._no_pod(selector, timeout)
-            found = self._watch(selector, decide, listing["metadata"].get("resourceVersion", ""),
+                raise until.expired()
+            found = self._watch(selector, until, listing["metadata"].get("resourceVersion", ""),
                                 deadline)
             if found is not None:
                 return found
@@ -169,8 +153,8 @@ class KubernetesLauncher(Launcher):
                 f"(fibrl stop, kubectl delete, or the cluster).")
         return decide(obj) if event.get("type") in ("ADDED", "MODIFIED", "DELETED") else None
 
-    def _no_pod(self, selector: str, timeout: float) -> BackendError:
-        run_id = selector.split(",")[0].split("=")[1]
+    def no_pod(self, run_id: str, timeout: float) -> BackendError:
+        """The error for a Job that created no pod within ``timeout`` seconds."""
         try:
             job = self.api.call("get", "jobs", self.api.batch.read_namespaced_job,
                                 job_name(run_id), self.namespace, namespace=self.namespace)
@@ -286,6 +270,74 @@ class KubernetesLauncher(Launcher):
 
 class _Relist(Exception):
     """The watch expired (410): list again."""
+
+
+class _Until:
+    """Decides, from each state of the run's parent pod, whether waiting is over."""
+
+    def __call__(self, pod: dict) -> Optional[dict]:
+        raise NotImplementedError
+
+    def deadline(self) -> Optional[float]:
+        """``time.monotonic()`` past which waiting fails with :meth:`expired` (None: none)."""
+        return None
+
+    def expired(self) -> BackendError:
+        raise NotImplementedError
+
+
+class _Finishing(_Until):
+    """Until the script's pod ends: as long as the script runs."""
+
+    def __call__(self, pod: dict) -> Optional[dict]:
+        return _finished(pod)
+
+
+class _Starting(_Until):
+    """Until the script's container runs.
+
+    ``kubernetes_pending_timeout`` bounds only the states nothing else ends: no pod yet
+    (a missing service account, a quota), and a pod stuck Unschedulable, in ErrImagePull
+    or on a container config error. A pod pulling its image or creating its container
+    is waited for (a large image takes minutes); ImagePullBackOff ends it at once.
+    """
+
+    def __init__(self, launcher: KubernetesLauncher, run_id: str) -> None:
+        self._launcher, self._run_id = launcher, run_id
+        self._timeout = launcher.settings.pending_timeout
+        self._since = time.monotonic()
+        self._pod: Optional[dict] = None
+        self._stuck = ""
+        self._stuck_since: Optional[float] = None
+
+    def __call__(self, pod: dict) -> Optional[dict]:
+        self._pod = pod
+        state = _main_state(pod)
+        if "running" in state or "terminated" in state or _finished(pod):
+            return pod
+        reason = fatal_waiting(pod)
+        if reason:
+            raise BackendError(_cannot_start(pod, reason, self._run_id))
+        self._stuck = stuck_pending(pod)
+        if not self._stuck:
+            self._stuck_since = None
+        elif self._stuck_since is None:
+            self._stuck_since = time.monotonic()
+        return None
+
+    def deadline(self) -> Optional[float]:
+        if self._pod is None:
+            return self._since + self._timeout
+        if self._stuck_since is not None:
+            return self._stuck_since + self._timeout
+        return None
+
+    def expired(self) -> BackendError:
+        if self._pod is None:
+            return self._launcher.no_pod(self._run_id, self._timeout)
+        return BackendError(_cannot_start(
+            self._pod, f"{self._stuck} (pending longer than kubernetes_pending_timeout="
+                       f"{self._timeout:g} s)", self._run_id))
 
 
 def _main_state(pod: dict) -> dict:

@@ -52,6 +52,10 @@ class PullError(Exception):
     """The image cannot be pulled (ErrImagePull)."""
 
 
+class Pulling(Exception):
+    """The image is still being pulled (a slow registry, a large image)."""
+
+
 # --------------------------------------------------------------------------- scheduler
 
 
@@ -374,6 +378,7 @@ class PodWorker:
         self.failure: tuple[str, str] | None = None     # (reason, message): Evicted, DeadlineExceeded
         self.loops: dict[str, ContainerLoop] = {}
         self._deadline: threading.Timer | None = None
+        self._pull_reported = False
         self._thread = threading.Thread(target=self._run, name=f"pod {self.namespace}/{self.name}", daemon=True)
 
     # ------------------------------------------------------------------ control (other threads)
@@ -496,11 +501,21 @@ class PodWorker:
                 return [self.kubelet.container_config(pod, c) for c in pod["spec"]["containers"]]
             except PullError as exc:
                 self._pull_backoff(pod, str(exc))
+            except Pulling as exc:
+                self._pulling(pod, str(exc))
             except ConfigError as exc:
                 self._set_waiting(pod["spec"]["containers"], "CreateContainerConfigError", str(exc))
                 self.record("Warning", "Failed", f"Error: {exc}")
             generation = self._wait_for_change(generation)
         return None
+
+    def _pulling(self, pod: dict, image: str) -> None:
+        # As a real kubelet shows a pull in progress: waiting ContainerCreating, one event.
+        if self._pull_reported:
+            return   # updating the pod again would wake this loop forever
+        self._pull_reported = True
+        self._set_waiting(pod["spec"]["containers"], "ContainerCreating")
+        self.record("Normal", "Pulling", f'Pulling image "{image}"')
 
     def _pull_backoff(self, pod: dict, message: str) -> None:
         containers = pod["spec"]["containers"]
@@ -566,6 +581,7 @@ class Kubelet:
         self.scheduler = Scheduler(settings)
         self.env = EnvResolver(api, settings, api_port)
         self.failing_images: set[str] = set()
+        self.slow_images: set[str] = set()
         self._docker_ok = docker_ok
         self._images: dict[str, bool] = {}
         self._workers: dict[str, PodWorker] = {}
@@ -613,6 +629,8 @@ class Kubelet:
         mode = self.settings.runtime
         if image in self.failing_images:
             raise PullError(_pull_message(image))
+        if image in self.slow_images:
+            raise Pulling(image)
         if mode == "process":
             return "process"
         available = self._docker_ok() and self._image_present(image)

@@ -176,12 +176,20 @@ class FakeApiServer:
         self.kubelet.failing_images.update(images)
         self.kubelet.notify()
 
+    def pull_images_slowly(self, *images: str) -> None:
+        """Pods using these images stay Pending in ContainerCreating (a pull in progress)
+        until :meth:`allow_image_pulls` lets the pull finish."""
+        self.kubelet.slow_images.update(images)
+        self.kubelet.notify()
+
     def allow_image_pulls(self, *images: str) -> None:
-        """Undo :meth:`fail_image_pulls` (all images when none given); waiting pods then start."""
-        if images:
-            self.kubelet.failing_images.difference_update(images)
-        else:
-            self.kubelet.failing_images.clear()
+        """Undo :meth:`fail_image_pulls` and :meth:`pull_images_slowly` (all images when none
+        given); waiting pods then start."""
+        for held in (self.kubelet.failing_images, self.kubelet.slow_images):
+            if images:
+                held.difference_update(images)
+            else:
+                held.clear()
         self.kubelet.notify()
 
     def set_unschedulable(self, predicate: Callable[[dict], str | None] | None) -> None:

@@ -7,15 +7,19 @@ references to it.
 """
 from __future__ import annotations
 
+import io
 import os
 import re
 import subprocess
 import sys
 import textwrap
+import threading
 import time
+import uuid
 
 import pytest
 
+from fibrl.errors import BackendError
 from fibrl.launch.build import image_tag
 
 TIMEOUT = 120
@@ -153,6 +157,62 @@ def test_run_reports_an_image_it_cannot_pull(kube, kube_cluster):
     assert f"fibrl stop {run}" in out.stderr
 
 
+@pytest.fixture
+def launcher(kube, kube_cluster):
+    """A kubernetes launcher (in this process) with kubernetes_pending_timeout=1.5 s,
+    on the fake API server (its hooks play a slow registry and a full cluster)."""
+    if kube_cluster.fake is None:
+        pytest.skip("needs the fake API server's slow image pulls and scheduling hooks")
+    from fibrl.config import Config
+    from fibrl.launch.kubernetes import KubernetesLauncher
+
+    config = Config(kubernetes_kubeconfig=kube_cluster.kubeconfig,
+                    kubernetes_namespace=kube_cluster.namespace, kubernetes_pending_timeout=1.5)
+    _, _, runs = kube
+    return KubernetesLauncher(config), runs
+
+
+def _launch(launcher, runs, image, command=("python", "-c", "print('ran')")):
+    from fibrl.launch import RunRequest
+
+    run = uuid.uuid4().hex[:12]
+    runs.append(run)
+    launcher.launch(RunRequest(run_id=run, command=command, image=image))
+    return run
+
+
+@pytest.mark.kubernetes
+def test_run_waits_for_an_image_pull_longer_than_the_pending_timeout(launcher, kube_cluster):
+    launcher, runs = launcher
+    fake, image = kube_cluster.fake, "registry.example/big/image:1"
+    fake.pull_images_slowly(image)
+    run = _launch(launcher, runs, image)
+    # the pull finishes at 3x kubernetes_pending_timeout: still a start, not an error
+    finish = threading.Timer(4.5, fake.allow_image_pulls, args=(image,))
+    finish.start()
+    try:
+        ended = launcher.wait(run, follow=False, out=io.BytesIO())
+    finally:
+        finish.cancel()
+    assert finish.finished.is_set() and (ended.status, ended.reason) == (0, "")
+
+
+@pytest.mark.kubernetes
+def test_run_reports_an_unschedulable_pod_with_the_schedulers_reason(launcher, kube_cluster):
+    launcher, runs = launcher
+    message = "0/1 nodes are available: 1 Insufficient nvidia.com/gpu."
+    kube_cluster.fake.set_unschedulable(lambda pod: message if pod["metadata"]["name"].startswith(
+        "fibrl-run-") else None)
+    run = _launch(launcher, runs, kube_cluster.image)
+    t0 = time.monotonic()
+    with pytest.raises(BackendError) as error:
+        launcher.wait(run, follow=False, out=io.BytesIO())
+    assert 1.5 <= time.monotonic() - t0 < 30
+    text = str(error.value)
+    assert "Unschedulable" in text and message in text and "created no pod" not in text
+    assert "kubernetes_pending_timeout=1.5" in text and f"fibrl stop {run}" in text
+
+
 # --------------------------------------------------------------------------- docker
 
 @pytest.fixture
@@ -179,6 +239,41 @@ def test_docker_run_follow_ps_logs_stop(docker_ok, tmp_path):
         stopped = fibrl_cli("stop", run, "--backend", "docker")
     assert f"container/fibrl-run-{run}" in stopped.stdout
     assert run not in _run_ids(["--backend", "docker"])
+
+
+# The parent container starts a docker worker, then dies of SIGKILL: its reaper dies with
+# the container, so `fibrl run` must remove the worker's container itself.
+KILLED_PARENT = textwrap.dedent("""
+    import os, signal, time, fibrl
+
+    def report_then_wait(q):
+        q.put("started")
+        time.sleep(3600)
+
+    if __name__ == "__main__":
+        q = fibrl.Queue()
+        fibrl.Process(target=report_then_wait, args=(q,)).start()
+        print("worker", q.get(timeout=120), flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)   # no cleanup of any kind
+""")
+
+
+@pytest.mark.docker
+def test_docker_run_removes_the_workers_of_a_killed_parent(docker_ok, tmp_path):
+    from fibrl.backends import docker as dockerbackend
+
+    (tmp_path / "killed.py").write_text(KILLED_PARENT)
+    out = fibrl_cli("run", "--backend", "docker", "--image", "fibrl:latest", "--follow", "--",
+                    "python", "killed.py", cwd=tmp_path)
+    run = _run_id(out)
+    try:
+        assert "worker started" in out.stdout, out.stderr
+        assert out.returncode != 0
+        left = [c.name for c in dockerbackend.list_containers(run)
+                if c.labels.get("fibrl.role") != "parent"]
+        assert not left, f"worker containers left after the parent was killed: {left}"
+    finally:
+        fibrl_cli("stop", run, "--backend", "docker")
 
 
 @pytest.mark.docker

@@ -4,6 +4,7 @@ Tests marked ``docker`` need the engine and the worker image; the others need on
 docker SDK (they never reach an engine).
 """
 import io
+import logging
 import os
 import re
 import socket
@@ -108,11 +109,96 @@ def test_container_defaults_host_network_readonly_cwd_and_labels():
     assert kw["labels"]["fibrl.backend"] == "docker"
     assert kw["labels"]["fibrl.run"] == "r1" and kw["labels"]["fibrl.role"] == "process"
     assert kw["labels"]["fibrl.host"] == socket.gethostname()
+    assert kw["labels"]["fibrl.pidns"] == dockerbackend.pid_namespace() != ""
     assert kw["auto_remove"] is False and kw["init"] is True
     assert kw["user"] == f"{os.getuid()}:{os.getgid()}"
     assert kw["security_opt"] == ["no-new-privileges"]
     for absent in ("privileged", "cap_add", "nano_cpus", "mem_limit", "device_requests"):
         assert absent not in kw
+
+
+# -- parents that are gone: the reaper and orphan collection -----------------------------
+
+def test_pid_namespace_is_this_machines_boot_and_namespace():
+    namespace = dockerbackend.pid_namespace()
+    with open("/proc/sys/kernel/random/boot_id") as handle:
+        assert namespace.startswith(handle.read().strip() + "-")
+    assert namespace.rsplit("-", 1)[1] == str(os.stat("/proc/self/ns/pid").st_ino)
+
+
+class _Recorded:
+    """Stands in for the SDK client: records the filters of containers.list()."""
+
+    def __init__(self):
+        self.filters = []
+        self.containers = self
+
+    def list(self, all=False, filters=None):
+        self.filters.append(filters)
+        return []
+
+
+def test_orphans_are_collected_only_in_this_pid_namespace(monkeypatch):
+    client = _Recorded()
+    dockerbackend._collect_orphans(client)
+    assert f"fibrl.pidns={dockerbackend.pid_namespace()}" in client.filters[0]["label"]
+    monkeypatch.setattr(dockerbackend, "pid_namespace", lambda: "")
+    dockerbackend._collect_orphans(client)   # whose pids the labels hold is unknown: none
+    assert len(client.filters) == 1
+
+
+REAPED_PARENT = """
+import sys, time
+from fibrl.backends import docker
+docker._start_reaper()
+print("ready", flush=True)
+time.sleep(120)
+"""
+
+
+def _reapers_of(pid):
+    import psutil
+
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        cmdline = proc.info["cmdline"] or []
+        if any(arg.endswith("_docker_reaper.py") for arg in cmdline) and str(pid) in cmdline:
+            found.append(proc)
+    return found
+
+
+def test_reaper_is_detached_and_exits_after_its_parent_is_killed(tmp_path):
+    import subprocess
+    import sys
+
+    import psutil
+
+    # an engine that does not answer: the reaper only gets as far as connecting
+    env = dict(os.environ, DOCKER_HOST=f"unix://{tmp_path}/absent.sock")
+    parent = subprocess.Popen([sys.executable, "-c", REAPED_PARENT], env=env, text=True,
+                              stdout=subprocess.PIPE)
+    try:
+        assert parent.stdout.readline().strip() == "ready"
+        reapers = _reapers_of(parent.pid)
+        assert len(reapers) == 1, "one reaper per parent process"
+        assert reapers[0].ppid() != parent.pid   # not its child: survives it
+        parent.kill()
+        parent.wait(30)
+        gone, alive = psutil.wait_procs(reapers, timeout=30)
+        assert not alive, "the reaper outlived its parent's death by 30 s"
+    finally:
+        parent.kill()
+        parent.wait(30)
+        parent.stdout.close()
+
+
+def test_reaper_gives_up_quietly_when_the_engine_is_gone_too(tmp_path, monkeypatch):
+    from fibrl.backends import _docker_reaper
+
+    monkeypatch.setenv("DOCKER_HOST", f"unix://{tmp_path}/absent.sock")
+    _docker_reaper._reap(os.getpid(), dockerbackend.pid_namespace(), 0.1)   # no exception
+    with pytest.raises(SystemExit, match="usage"):
+        _docker_reaper._arguments(["not-a-pid", "ns", "5"])
 
 
 def test_mount_and_workdir_options():
@@ -229,3 +315,54 @@ def test_image_without_python_is_explained(image_without_python, docker_init):
 def test_cpu_count_is_the_engines(docker_up):
     backend = dockerbackend.DockerBackend(Config(backend="docker"))
     assert backend.cpu_count() == docker_up.info()["NCPU"]
+
+
+# An entrypoint that lets the image probe (python -c ...) through but ends a worker
+# (python -m fibrl.bootstrap ...) before it connects back, saying why on stderr.
+REFUSING_ENTRYPOINT = b"""#!/bin/sh
+if [ "$2" = "-m" ]; then
+    echo "refusing to start the worker: simulated broken entrypoint" >&2
+    exit 3
+fi
+exec "$@"
+"""
+
+
+def _add(tar, name, data, mode=0o644):
+    info = tarfile.TarInfo(name)
+    info.size, info.mode = len(data), mode
+    tar.addfile(info, io.BytesIO(data))
+
+
+@pytest.fixture
+def refusing_image(docker_up):
+    """The worker image with an entrypoint that makes workers exit before connecting."""
+    tag = "fibrl-test-refusing:latest"
+    base = os.environ.get("FIBRL_IMAGE", "fibrl:latest")
+    dockerfile = (f"FROM {base}\nCOPY refuse.sh /usr/local/bin/refuse.sh\n"
+                  f'ENTRYPOINT ["/usr/local/bin/refuse.sh"]\n').encode()
+    context = io.BytesIO()
+    with tarfile.open(fileobj=context, mode="w") as tar:
+        _add(tar, "Dockerfile", dockerfile)
+        _add(tar, "refuse.sh", REFUSING_ENTRYPOINT, mode=0o755)
+    context.seek(0)
+    docker_up.images.build(fileobj=context, custom_context=True, tag=tag, rm=True,
+                           forcerm=True, timeout=300)
+    yield tag
+    docker_up.images.remove(tag, force=True)
+
+
+@pytest.mark.docker
+def test_container_that_exits_before_connecting_back_shows_its_logs(refusing_image,
+                                                                     docker_init, caplog):
+    docker_init(image=refusing_image)
+    with caplog.at_level(logging.ERROR, logger="fibrl.popen"):
+        p = fibrl.Process(target=os.getpid)
+        p.start()
+        p.join(60)
+    assert p.exitcode == 3
+    errors = [r.getMessage() for r in caplog.records
+              if "ended before it connected back" in r.getMessage()]
+    assert len(errors) == 1, [r.getMessage() for r in caplog.records]
+    assert "exit code 3" in errors[0] and "simulated broken entrypoint" in errors[0]
+    assert "simulated broken entrypoint" in p._popen.job.logs()

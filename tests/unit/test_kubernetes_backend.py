@@ -9,6 +9,7 @@ a real cluster (KUBE_TEST_KUBECONFIG).
 from __future__ import annotations
 
 import base64
+import importlib
 import json
 import logging
 import os
@@ -26,7 +27,20 @@ from fibrl.backends.kube.settings import (KubeSettings, PodIdentity, cpu_quantit
 from fibrl.config import Config
 from fibrl.errors import BackendError, ConfigError
 
-kubernetes = pytest.importorskip("kubernetes")
+
+def _require(name: str):
+    """Import ``name``, or skip this module; under CI_REQUIRE_KUBERNETES=1 a missing
+    client fails collection instead, so a broken install cannot pass CI silently."""
+    try:
+        return importlib.import_module(name)
+    except ImportError as exc:
+        if os.environ.get("CI_REQUIRE_KUBERNETES") == "1":
+            pytest.fail(f"CI_REQUIRE_KUBERNETES=1 but {name} cannot be imported: {exc}",
+                        pytrace=False)
+        pytest.skip(f"{name} is not installed ({exc})", allow_module_level=True)
+
+
+kubernetes = _require("kubernetes")
 
 pytestmark = [pytest.mark.kubernetes, pytest.mark.timeout(120)]
 
@@ -310,6 +324,26 @@ def test_image_pull_failure_is_reported_not_waited_on(kube_init, fake, caplog):
         fibrl.Process(target=sleep_forever).start()   # the next one fails at once
 
 
+def _waiting_pod(reason):
+    return {"status": {"phase": "Pending", "containerStatuses": [
+        {"name": "worker", "state": {"waiting": {"reason": reason, "message": "registry said no"}}}]}}
+
+
+@pytest.mark.parametrize("reason,stuck,fatal", [
+    ("ErrImagePull", True, False),          # retried by the kubelet: bounded by the timer
+    ("ImagePullBackOff", False, True),
+    ("CreateContainerConfigError", True, False),
+    ("ContainerCreating", False, False),    # pulling or creating: waited for
+])
+def test_waiting_reasons_that_end_or_bound_a_start(reason, stuck, fatal):
+    from fibrl.backends.kube.job import fatal_waiting, stuck_pending
+
+    assert bool(stuck_pending(_waiting_pod(reason))) is stuck
+    assert bool(fatal_waiting(_waiting_pod(reason))) is fatal
+    if stuck:
+        assert stuck_pending(_waiting_pod(reason)) == f"{reason}: registry said no"
+
+
 def test_unschedulable_pod_reports_the_schedulers_reason(kube_init):
     kube_init(kubernetes_node_selector="disktype=nonexistent", kubernetes_pending_timeout=1.5)
     p = _started(sleep_forever)
@@ -320,6 +354,24 @@ def test_unschedulable_pod_reports_the_schedulers_reason(kube_init):
     reason = p._popen.job.failure_reason()
     assert "Unschedulable" in reason and "node affinity/selector" in reason
     assert "kubernetes_pending_timeout" in reason
+
+
+def test_unschedulable_pod_is_reported_not_killed_with_the_default_timeouts(kube_init, caplog):
+    """Both timeouts scaled down together from their defaults (start_timeout is not
+    smaller than kubernetes_pending_timeout): the scheduler's reason, not a lost worker."""
+    defaults = Config()
+    scale = 1.5 / defaults.kubernetes_pending_timeout
+    assert defaults.start_timeout >= defaults.kubernetes_pending_timeout
+    kube_init(kubernetes_node_selector="disktype=nonexistent",
+              kubernetes_pending_timeout=defaults.kubernetes_pending_timeout * scale,
+              start_timeout=defaults.start_timeout * scale)
+    with caplog.at_level(logging.ERROR, logger="fibrl.popen"):
+        p = _started(sleep_forever)
+        p.join(WAIT)
+    assert p.exitcode == 1, p._popen.job.failure_reason()   # -9: killed as "did not connect"
+    reason = p._popen.job.failure_reason()
+    assert "Unschedulable" in reason and "kubernetes_pending_timeout" in reason
+    assert not [r for r in caplog.records if "did not connect back" in r.getMessage()]
 
 
 def test_evicted_pod_says_evicted(kube_init, fake, kube_settings):

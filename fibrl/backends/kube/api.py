@@ -35,11 +35,12 @@ log = logging.getLogger(__name__)
 RETRYABLE = frozenset({429, 500, 502, 503, 504})
 RBAC_HINT = ("kubectl apply -f deploy/rbac.yaml (from the fibrl source tree; it creates the "
              "service account 'fibrl' and a Role with exactly what fibrl needs)")
-# What a parent needs in its namespace: (verb, resource) as RBAC names them.
+# What a parent needs in its namespace: (verb, resource) as RBAC names them. No get or
+# list of Secrets: workers run as the parent's account, and pods reference the run's
+# Secret by name (the kubelet reads it), so reading Secrets would only widen access.
 REQUIRED_PERMISSIONS = (
     ("create", "pods"), ("get", "pods"), ("list", "pods"), ("watch", "pods"),
-    ("delete", "pods"), ("get", "pods/log"), ("create", "secrets"), ("get", "secrets"),
-    ("delete", "secrets"))
+    ("delete", "pods"), ("get", "pods/log"), ("create", "secrets"), ("delete", "secrets"))
 _FORBIDDEN = re.compile(r'User "(?P<user>[^"]*)" cannot (?P<verb>\S+) resource "(?P<res>[^"]*)"'
                         r'(?: in API group "[^"]*")?')
 

@@ -7,8 +7,13 @@ its pod: the backend's single watch calls :meth:`KubernetesJob.on_pod` /
 
     queued --creator--> created --watch: terminal phase / DELETED--> ended
        |                   |--watch: ImagePullBackOff, InvalidImageName --> ended (1)
-       |                   '--watch: Unschedulable longer than pending_timeout --> ended (1)
+       |                   '--watch: Unschedulable, ErrImagePull, CreateContainer*Error
+       |                             longer than pending_timeout --> ended (1)
        '--terminate()/kill() before creation --> ended (-15 / -9)
+
+Popen's ``start_timeout`` counts from the pod's ``Running`` phase
+(:meth:`KubernetesJob.when_running`): before that, a pending pod is this
+job's to end with its reason.
 
 Exit codes follow ``multiprocessing``: a container killed by signal N exits
 128+N, reported as -N. A pod that ends badly says why (OOMKilled, Evicted,
@@ -33,7 +38,9 @@ log = logging.getLogger(__name__)
 LOG_TAIL_LINES = 500
 _MAX_SIGNAL = 64
 _FATAL_WAITING = ("ImagePullBackOff", "ErrImageNeverPull", "InvalidImageName")
-_STUCK_WAITING = ("CreateContainerConfigError", "CreateContainerError")
+# ErrImagePull comes before ImagePullBackOff (which ends the job at once); a kubelet that
+# keeps retrying a flaky registry may show it for long, so it starts the pending timer.
+_STUCK_WAITING = ("CreateContainerConfigError", "CreateContainerError", "ErrImagePull")
 
 
 # -- reading a pod ------------------------------------------------------------------------
@@ -136,6 +143,8 @@ class KubernetesJob(Job):
         self._stuck: Optional[threading.Timer] = None
         self._removed = False
         self._final_logs = ""
+        self._running = False
+        self._on_running: list = []              # callbacks of when_running()
 
     @property
     def id(self) -> str:
@@ -152,6 +161,9 @@ class KubernetesJob(Job):
             if self._ended.is_set():
                 return
             self._pod = pod
+            started = [] if self._running else self._runs(pod)
+        for callback in started:
+            callback()
         code = ended_code(pod)
         if code is not None:
             self._end(code, pod_failure(pod) if code != 0 else "")
@@ -161,6 +173,23 @@ class KubernetesJob(Job):
             self._owner.job_failed_to_start(self, fatal)
             return
         self._watch_stuck(stuck_pending(pod))
+
+    def _runs(self, pod: dict) -> list:
+        """The when_running() callbacks to call now that ``pod`` runs (under the lock)."""
+        if (pod.get("status") or {}).get("phase") != "Running":
+            return []
+        self._running = True
+        callbacks, self._on_running = self._on_running, []
+        return callbacks
+
+    def when_running(self, callback: Callable[[], None]) -> None:
+        """``callback`` once the pod runs: until then, Unschedulable / image pull failures
+        are this job's to report (kubernetes_pending_timeout), not a missed connect-back."""
+        with self._lock:
+            if not self._running:
+                self._on_running.append(callback)
+                return
+        callback()
 
     def on_deleted(self, pod: Optional[dict]) -> None:
         """The pod is gone (DELETED, or missing from a resync)."""
