@@ -95,6 +95,11 @@ class KubernetesBackend(Backend):
     def pending_timeout(self) -> float:
         return self.settings.pending_timeout
 
+    @property
+    def start_limit(self) -> float:
+        """Seconds a pod may take to run at all, whatever holds it (see KubernetesJob)."""
+        return self.config.start_timeout + self.settings.pending_timeout
+
     def python(self) -> str:
         return "python"
 

@@ -374,6 +374,21 @@ def test_unschedulable_pod_is_reported_not_killed_with_the_default_timeouts(kube
     assert not [r for r in caplog.records if "did not connect back" in r.getMessage()]
 
 
+def test_a_pod_that_never_runs_ends_after_start_plus_pending_timeout(kube_init, fake,
+                                                                     kube_settings):
+    """A pull that never ends is no Unschedulable pod and reports no error: the start
+    still ends, after start_timeout + kubernetes_pending_timeout, saying what it saw."""
+    fake.pull_images_slowly(kube_settings["image"])
+    kube_init(start_timeout=1.0, kubernetes_pending_timeout=1.0)
+    begin = time.monotonic()
+    p = _started(sleep_forever)
+    p.join(WAIT)
+    reason = p._popen.job.failure_reason()
+    assert p.exitcode == 1, reason
+    assert "did not start running within 2 s" in reason, reason
+    assert 1.5 < time.monotonic() - begin < 15
+
+
 def test_evicted_pod_says_evicted(kube_init, fake, kube_settings):
     kube_init()
     out, go = fibrl.Queue(), fibrl.Queue()

@@ -145,6 +145,7 @@ class KubernetesJob(Job):
         self._final_logs = ""
         self._running = False
         self._on_running: list = []              # callbacks of when_running()
+        self._never_ran: Optional[threading.Timer] = None
 
     @property
     def id(self) -> str:
@@ -180,16 +181,37 @@ class KubernetesJob(Job):
             return []
         self._running = True
         callbacks, self._on_running = self._on_running, []
+        if self._never_ran is not None:
+            self._never_ran.cancel()
         return callbacks
 
     def when_running(self, callback: Callable[[], None]) -> None:
         """``callback`` once the pod runs: until then, Unschedulable / image pull failures
-        are this job's to report (kubernetes_pending_timeout), not a missed connect-back."""
+        are this job's to report (kubernetes_pending_timeout), not a missed connect-back.
+
+        A pod that never runs for a reason the pod does not report (a volume that never
+        mounts, an image pull that never ends) still ends: after ``start_limit`` seconds
+        from now (start_timeout + kubernetes_pending_timeout), with what the pod shows.
+        """
         with self._lock:
             if not self._running:
                 self._on_running.append(callback)
+                if self._never_ran is None:
+                    limit = self._owner.start_limit
+                    self._never_ran = timer = threading.Timer(limit, self._not_running_in,
+                                                              (limit,))
+                    timer.daemon = True
+                    timer.start()
                 return
         callback()
+
+    def _not_running_in(self, limit: float) -> None:
+        with self._lock:
+            pod, running = self._pod, self._running
+        if not running and not self._ended.is_set():
+            self._owner.job_failed_to_start(
+                self, f"the pod did not start running within {limit:g} s (start_timeout + "
+                      f"kubernetes_pending_timeout): {_describe_pending(self, pod)}")
 
     def on_deleted(self, pod: Optional[dict]) -> None:
         """The pod is gone (DELETED, or missing from a resync)."""
@@ -233,10 +255,12 @@ class KubernetesJob(Job):
             if self._ended.is_set():
                 return False
             self._code, self._reason = code, reason
-            timer, self._stuck = self._stuck, None
+            timers = (self._stuck, self._never_ran)
+            self._stuck = self._never_ran = None
             self._ended.set()
-        if timer is not None:
-            timer.cancel()
+        for timer in timers:
+            if timer is not None:
+                timer.cancel()
         if reason and code != self._requested:
             _report(self, code, reason)
         return True
