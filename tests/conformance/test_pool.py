@@ -294,6 +294,42 @@ def test_imap_unpicklable_item_fails_its_position(ctx):
         assert next(it) == 9
 
 
+class BrokenState:
+    """Pickling raises something other than a pickling error (a bug in __getstate__)."""
+
+    def __getstate__(self):
+        raise RuntimeError("state is broken")
+
+
+def test_imap_item_whose_pickling_raises_anything_fails_its_position(ctx):
+    pool = ctx.Pool(1)
+    try:
+        it = pool.imap(square, [1, BrokenState(), 3])
+        assert it.next(30) == 1
+        with pytest.raises(SerializationError, match="state is broken"):
+            it.next(30)
+        assert it.next(30) == 9
+        assert pool.map(square, range(5)) == [0, 1, 4, 9, 16]  # the pool still works
+        pool.close()
+        pool.join(timeout=30)
+    finally:
+        pool.terminate()
+
+
+def test_imap_of_a_non_iterable_raises_type_error_like_the_stdlib(ctx):
+    pool = ctx.Pool(1)
+    try:
+        it = pool.imap(square, 5)  # as the stdlib: the error comes from the first next()
+        with pytest.raises(TypeError, match="not iterable"):
+            it.next(30)
+        with pytest.raises(StopIteration):
+            it.next(30)
+        pool.close()
+        pool.join(timeout=30)  # no job left open
+    finally:
+        pool.terminate()
+
+
 def test_close_then_join_completes_unconsumed_imap(ctx):
     pool = ctx.Pool(2)
     source = Counting(2000)
