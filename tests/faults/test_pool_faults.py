@@ -122,6 +122,44 @@ def test_killer_task_fails_alone(ctx):
         assert outcomes == [x if x != 7 else "failed" for x in range(20)]
 
 
+def _exit_unless_in(pid):
+    if os.getpid() != pid:
+        os._exit(1)
+    return "rebuilt in the parent"
+
+
+class DiesWhenUnpickled:
+    """Unpickling it in a worker ends the worker (a native object that crashes on load)."""
+
+    def __reduce__(self):
+        return _exit_unless_in, (os.getpid(),)
+
+    def __call__(self, x):
+        return x
+
+
+def test_argument_that_kills_its_worker_while_unpickled_fails_alone(ctx):
+    items = [1, 2, DiesWhenUnpickled(), 4, 5]
+    with ctx.Pool(2, max_task_retries=1) as pool:
+        with pytest.raises(TaskFailedError, match=r"task 2 of square.*unpickl"):
+            pool.map_async(square, items, chunksize=1).get(60)
+        outcomes = []
+        it = pool.imap(square, items)
+        for _ in items:
+            try:
+                outcomes.append(it.next(60))
+            except TaskFailedError:
+                outcomes.append("failed")
+        assert outcomes == [1, 4, "failed", 16, 25]
+
+
+def test_function_that_kills_its_worker_while_unpickled_fails_alone(ctx):
+    with ctx.Pool(2, max_task_retries=1) as pool:
+        with pytest.raises(TaskFailedError, match=r"DiesWhenUnpickled.*unpickl"):
+            pool.apply_async(DiesWhenUnpickled(), (3,)).get(60)
+        assert pool.map(square, range(10)) == [x * x for x in range(10)]
+
+
 def test_replacement_of_a_killed_worker_runs_the_initializer(ctx):
     with ctx.Pool(1, initializer=remember, initargs=("ready",)) as pool:
         value, first = pool.apply(initialized)
