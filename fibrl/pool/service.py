@@ -495,19 +495,18 @@ class PoolService(Service):
     def _grant(self, worker: _Worker, effects: _Effects) -> list:
         if worker.retiring or worker.holds_careful():
             return []
-        if self._careful and not worker.held:
-            task = self._next_careful()
-            if task is not None:
-                self._hold(worker, task, self._cost(task), effects)
-                return [task]
-        return self._grant_fresh(worker, effects)
+        if not self._careful_waiting():
+            return self._grant_fresh(worker, effects)
+        if worker.held:  # let it drain: a retried task runs alone, and before fresh work
+            return []
+        task = self._careful.popleft()
+        self._hold(worker, task, self._cost(task), effects)
+        return [task]
 
-    def _next_careful(self) -> Optional[_Task]:
-        while self._careful:
-            task = self._careful.popleft()
-            if not task.done:
-                return task
-        return None
+    def _careful_waiting(self) -> bool:
+        while self._careful and self._careful[0].done:
+            self._careful.popleft()
+        return bool(self._careful)
 
     def _grant_fresh(self, worker: _Worker, effects: _Effects) -> list:
         tasks: list = []

@@ -16,7 +16,10 @@ import time
 import pytest
 
 import fibrl
+import fibrl.pool
 from fibrl.errors import SerializationError, TaskFailedError
+from fibrl.pool.protocol import Kind, Report, pack
+from fibrl.pool.service import PoolService
 
 TIMEOUT = 240
 
@@ -183,6 +186,57 @@ def test_worker_dying_half_way_through_a_chunk_loses_nothing(ctx):
         assert pool.starmap(kill_once, args, chunksize=10) == [x * x for x in range(40)]
         assert token.empty()
         assert pool._engine.service.stats["requeued"] >= 1
+
+
+class Answer:
+    """Stands for a worker's parked ``next`` call: keeps the batch it is answered with."""
+
+    peer = None
+
+    def __init__(self):
+        self.batch = None
+
+    def __call__(self, batch):
+        self.batch = batch
+        return True
+
+
+class Sink:
+    def _claim(self):
+        return True
+
+    def _deliver(self, index, outcomes, clean=False):
+        pass
+
+
+def _report(spec, seconds=0.001):
+    """What a worker sends back after running every item of ``spec``."""
+    items = list(range(spec.n))
+    return Report(spec.tid, spec.lo, spec.n - spec.lo, pack(items[spec.lo:]), seconds, True)
+
+
+def _ask(service, wid, reports=()):
+    answer = Answer()
+    service.op_next(answer, wid, list(reports))
+    return answer
+
+
+def test_retried_task_goes_before_fresh_work():
+    # Policy only (no processes): worker b keeps asking for more while it holds fast
+    # tasks; once a task of lost worker a waits, b must drain and take it, not more
+    # fresh work (else it waits for a's replacement to start: minutes for a pod).
+    service = PoolService(processes=2, max_retries=3, maxtasks=None)
+    a, b = service.reserve_workers()
+    service.submit(Sink(), pack(square), "square", Kind.MAP, fibrl.pool.chunked(range(400), 1))
+    lost = _ask(service, a).batch.tasks
+    first = _ask(service, b).batch.tasks
+    held = _ask(service, b, [_report(t) for t in first]).batch.tasks  # cost known: prefetch
+    assert len(held) > 1
+    service.lose(a, -9)
+    asked = _ask(service, b, [_report(held[0])])  # still holds the rest
+    assert asked.batch is None  # parked until it drained, rather than given fresh work
+    service.op_report(Answer(), b, [_report(t) for t in held[1:]])
+    assert [(t.tid, t.careful) for t in asked.batch.tasks] == [(lost[0].tid, True)]
 
 
 def connected_workers(pool):
