@@ -20,7 +20,9 @@ Data flow::
     ends when the service wants no workers and none is alive or starting
 
 ``terminate()`` kills every worker, including ones whose start is still in
-progress (killed as soon as their start returns), and never waits unboundedly.
+progress: the supervisor does not wait for those (a pod may wait minutes for
+a node); their starter thread kills and reaps them as soon as their start
+returns. So ``terminate()`` and ``join()`` are prompt.
 """
 from __future__ import annotations
 
@@ -149,8 +151,11 @@ class Supervisor:
 
     def _done(self) -> bool:
         with self._lock:
-            busy = self._procs or self._starting
-        return not busy and (self._killing or self._service.finished())
+            # After terminate() a start still in progress is not waited for (a pod may
+            # wait minutes for a node): its starter thread kills it once the start returns.
+            busy = self._procs or (self._starting and not self._killing)
+            killing = self._killing
+        return not busy and (killing or self._service.finished())
 
     def _drain_wake(self) -> None:
         try:
@@ -203,12 +208,24 @@ class Supervisor:
             return
         with self._lock:
             self._starting.discard(wid)
-            self._procs[wid] = proc
-            self._fresh.append(wid)
-            kill = self._killing
-        if kill:
-            _kill(proc)
+            late = self._killing
+            if not late:
+                self._procs[wid] = proc
+                self._fresh.append(wid)
+        if late:  # terminated while it started: the supervisor may be gone already
+            self._end_late(wid, proc)
         self.wake()
+
+    def _end_late(self, wid: int, proc: Any) -> None:
+        """Kill and reap a worker whose start returned after ``terminate()``."""
+        _kill(proc)
+        proc.join(_SELECT_S)
+        self._service.lose(wid, proc.exitcode)
+        if proc.exitcode is not None:
+            proc.close()
+        else:
+            log.warning("pool worker %s, started after terminate(), did not end within "
+                        "%.0f s of being killed", proc.name, _SELECT_S)
 
 
 def _kill(proc: Any) -> None:

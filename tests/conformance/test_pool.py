@@ -363,12 +363,19 @@ def test_initializer_failure_breaks_the_pool(ctx):
 
 
 class SlowFirstWorker:
-    """A context whose first worker takes seconds to start (a pod waiting for a node)."""
+    """A context whose first worker takes seconds to start (a pod waiting for a node).
+
+    ``release`` ends the delay early (the backend's start finally returns);
+    :meth:`wait_slow_one` waits until that worker was started and has ended.
+    """
 
     def __init__(self, ctx, delay):
         self._ctx, self._delay = ctx, delay
         self._starts = itertools.count()
         self.config = ctx.config
+        self.release = threading.Event()
+        self._returned = threading.Event()
+        self._slow = None
 
     def cpu_count(self):
         return self._ctx.cpu_count()
@@ -376,18 +383,53 @@ class SlowFirstWorker:
     def Process(self, *args, **kwargs):
         proc = self._ctx.Process(*args, **kwargs)
         if next(self._starts) == 0:
-            start, delay = proc.start, self._delay
-            proc.start = lambda: (time.sleep(delay), start())
+            self._slow, start = proc, proc.start
+
+            def slow_start():
+                del proc.start  # the process is pickled to start it; this closure cannot be
+                self.release.wait(self._delay)
+                try:
+                    start()
+                finally:
+                    self._returned.set()
+
+            proc.start = slow_start
         return proc
+
+    def wait_slow_one(self, timeout):
+        self.release.set()
+        assert self._returned.wait(timeout), "the slow start did not return"
+        try:
+            self._slow.join(timeout)
+            ended = self._slow.exitcode is not None
+        except ValueError:  # closed: the pool reaped it, so it had ended
+            ended = True
+        assert ended, "the slowly started worker was left running"
 
 
 def test_a_slow_starting_worker_holds_nothing_up(ctx):
     delay = 8.0
     started = time.monotonic()
-    with fibrl.pool.Pool(3, context=SlowFirstWorker(ctx, delay)) as pool:
+    slow = SlowFirstWorker(ctx, delay)
+    with fibrl.pool.Pool(3, context=slow) as pool:
         assert pool.map(square, range(30), chunksize=1) == [x * x for x in range(30)]
         assert len(pool._pool) == 2  # the other two did all the work
         assert time.monotonic() - started < delay
+    slow.wait_slow_one(TIMEOUT)
+
+
+def test_terminate_is_prompt_while_a_worker_is_slow_to_start(ctx):
+    slow = SlowFirstWorker(ctx, delay=100.0)
+    pool = fibrl.pool.Pool(2, context=slow)
+    try:
+        assert pool.apply_async(square, (3,)).get(TIMEOUT) == 9  # the other worker runs
+        started = time.monotonic()
+        pool.terminate()
+        pool.join(timeout=TIMEOUT)
+        assert time.monotonic() - started < 5
+        assert pool._pool == []
+    finally:
+        slow.wait_slow_one(TIMEOUT)  # when its start returns, the pool kills it
 
 
 def test_tasks_go_to_whichever_worker_is_ready(ctx):
