@@ -31,7 +31,7 @@ import os
 import selectors
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from .service import PoolService
 from .worker import run_worker
@@ -53,11 +53,15 @@ class Supervisor:
         make_args: the :class:`~fibrl.pool.protocol.WorkerArgs` of worker ``wid``.
         name: prefix of worker process names.
         on_done: called by the supervisor thread once every worker is gone.
+        meta: resource requests (``@fibrl.meta``) given to every worker process.
+        new_process: makes a worker process (default: ``ctx.Process``).
     """
 
     def __init__(self, ctx: Any, service: PoolService, make_args: Callable[[int], Any],
-                 name: str, on_done: Callable[[], None] = lambda: None) -> None:
-        self._ctx = ctx
+                 name: str, on_done: Callable[[], None] = lambda: None,
+                 meta: Optional[dict] = None, new_process: Optional[Callable] = None) -> None:
+        self._new_process = new_process or ctx.Process
+        self._meta = dict(meta or {})
         self._on_done = on_done
         self._service = service
         self._make_args = make_args
@@ -196,9 +200,11 @@ class Supervisor:
     # -- starter threads ----------------------------------------------------------------
     def _start_one(self, wid: int) -> None:
         try:
-            proc = self._ctx.Process(target=run_worker, args=(self._make_args(wid),),
+            proc = self._new_process(target=run_worker, args=(self._make_args(wid),),
                                      daemon=True, name=f"{self._name}-worker-{wid}")
             proc._fibrl_role = "pool-worker"
+            if self._meta:  # what a Process reads from its target's @fibrl.meta
+                proc._fibrl_meta = dict(self._meta)
             proc.start()
         except BaseException as exc:  # the backend refused: the service decides what next
             with self._lock:

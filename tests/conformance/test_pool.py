@@ -362,6 +362,50 @@ def test_initializer_failure_breaks_the_pool(ctx):
         assert isinstance(info.value.__cause__, RuntimeError)
 
 
+@fibrl.meta(cpu=0.5, memory="256m")
+def init_with_meta():
+    pass
+
+
+def test_meta_reaches_every_worker_process(ctx):
+    # Keys given to the Pool win over the initializer's @fibrl.meta; the backend turns
+    # them into container or pod limits (tests/faults checks docker's).
+    with ctx.Pool(2, initializer=init_with_meta, meta={"cpu": 1}) as pool:
+        assert pool.map(square, range(10), chunksize=1) == [x * x for x in range(10)]
+        assert pool._pool
+        assert [p._fibrl_meta for p in pool._pool] == [{"cpu": 1, "memory": "256m"}] * len(
+            pool._pool)
+    with ctx.Pool(1, initializer=init_with_meta) as pool:
+        pool.apply(square, (1,))
+        assert [p._fibrl_meta for p in pool._pool] == [{"cpu": 0.5, "memory": "256m"}]
+
+
+def test_bad_meta_is_refused_before_any_worker_starts():
+    with pytest.raises(ValueError, match=r"unknown keys \['cpus'\].*'cpu', 'gpu', 'memory'"):
+        fibrl.Pool(1, meta={"cpus": 1})
+    with pytest.raises(ValueError, match="cpu"):
+        fibrl.Pool(1, meta={"cpu": 0})
+    with pytest.raises(TypeError, match="must be a dict"):
+        fibrl.Pool(1, meta=[("cpu", 1)])
+
+
+class RecordingPool(fibrl.pool.Pool):
+    names = []
+
+    @staticmethod
+    def Process(ctx, *args, **kwds):
+        RecordingPool.names.append(kwds["name"])
+        return ctx.Process(*args, **kwds)
+
+
+def test_workers_are_made_by_the_process_staticmethod(ctx):
+    assert fibrl.pool.Pool.Process(ctx, target=square).__class__ is ctx.Process().__class__
+    RecordingPool.names.clear()
+    with RecordingPool(2, context=ctx) as pool:
+        assert pool.map(square, range(4)) == [0, 1, 4, 9]
+        assert sorted(p.name for p in pool._pool) == sorted(RecordingPool.names)
+
+
 class SlowFirstWorker:
     """A context whose first worker takes seconds to start (a pod waiting for a node).
 

@@ -239,6 +239,21 @@ def test_retried_task_goes_before_fresh_work():
     assert [(t.tid, t.careful) for t in asked.batch.tasks] == [(lost[0].tid, True)]
 
 
+def test_meta_sets_the_limits_of_pool_containers(ctx):
+    # Modelled on test_docker_faults' Process test: the same limits through a Pool.
+    if ctx.get_start_method() != "docker":
+        pytest.skip("container limits: docker only (local processes have none)")
+    import docker
+    engine = docker.from_env(timeout=30)
+    with ctx.Pool(2, meta={"cpu": 1, "memory": "256m"}) as pool:
+        assert pool.map(square, range(10), chunksize=1) == [x * x for x in range(10)]
+        assert pool._pool
+        for proc in pool._pool:
+            host = engine.containers.get(proc._popen.job.id).attrs["HostConfig"]
+            assert host["NanoCpus"] == 1_000_000_000
+            assert host["Memory"] == host["MemorySwap"] == 256 * 1024 * 1024
+
+
 def connected_workers(pool):
     """Workers that connected back (so may hold tasks): a kill during a container's or
     pod's slow start is a failed start, which the pool bounds separately."""
