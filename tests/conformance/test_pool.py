@@ -4,6 +4,7 @@ Crash cases and killed workers are in ``tests/faults/test_pool_faults.py``.
 """
 import itertools
 import multiprocessing
+import multiprocessing.pool
 import pickle
 import threading
 import time
@@ -192,6 +193,7 @@ def test_task_exception_keeps_type_and_remote_traceback(ctx):
         with pytest.raises(ValueError, match="bad item 3") as info:
             pool.apply(fail_on, (3,))
         assert isinstance(info.value.__cause__, RemoteTraceback)
+        assert isinstance(info.value.__cause__, multiprocessing.pool.RemoteTraceback)
         assert "fail_on" in str(info.value.__cause__)
         assert pool.apply(worker_name) == before  # the worker lived on
 
