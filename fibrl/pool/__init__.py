@@ -20,7 +20,8 @@ happens when something goes wrong:
 The package splits policy from mechanism: ``service`` decides which worker
 runs what and what a loss costs; ``supervisor`` starts and watches processes;
 ``worker`` is the loop inside each worker; ``feeder`` reads ``imap`` inputs
-lazily; ``results`` holds what callers wait on; ``engine`` wires them up
+lazily; ``results`` holds what callers wait on; ``salvage`` decodes, item by
+item, results the parent cannot unpickle as a block; ``engine`` wires them up
 (also for :mod:`fibrl.futures`).
 """
 from __future__ import annotations

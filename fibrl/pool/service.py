@@ -59,6 +59,7 @@ from ..errors import (RemoteTraceback, SerializationError, TaskFailedError, Work
 from ..hub import ReplySink, Service
 from .protocol import LOADING, STOP, Batch, Kind, Report, TaskSpec, describe, unpack
 from .results import Failure
+from .salvage import salvage
 
 __all__ = ["PoolService", "Hooks"]
 
@@ -159,8 +160,8 @@ class _Effects:
             if not reply(batch):
                 service._undelivered(worker, batch)
         for sink, index, payload, skip, report in self.deliveries:
-            values = _decode(payload, skip, report.count)
-            sink._deliver(index, values, report.clean and type(values[0]) is not Failure)
+            values, whole = _decode(payload, skip, report.count)
+            sink._deliver(index, values, report.clean and whole)
         for sink, index, exc in self.failures:
             sink._deliver(index, [Failure(exc)])
         for sink, exc in self.aborts:
@@ -171,12 +172,13 @@ class _Effects:
             service.hooks.wake()
 
 
-def _decode(payload: bytes, skip: int, count: int) -> list:
+def _decode(payload: bytes, skip: int, count: int) -> tuple[list, bool]:
+    """The outcomes in ``payload`` from item ``skip`` on, and whether all decoded at once."""
     try:
-        values = unpack(payload)
+        values, whole = unpack(payload), True
     except SerializationError as exc:  # e.g. a result class the parent cannot import
-        return [Failure(exc)] * (count - skip)
-    return values[skip:] if skip else values
+        values, whole = salvage(payload, count, exc), False  # fail only the items at fault
+    return (values[skip:] if skip else values), whole
 
 
 class PoolService(Service):

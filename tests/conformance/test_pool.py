@@ -5,9 +5,13 @@ Crash cases and killed workers are in ``tests/faults/test_pool_faults.py``.
 import itertools
 import multiprocessing
 import multiprocessing.pool
+import os
 import pickle
+import re
+import sys
 import threading
 import time
+import types
 
 import pytest
 
@@ -227,6 +231,49 @@ def test_unpicklable_result_fails_only_that_item(ctx):
         with pytest.raises(SerializationError, match="could not be sent back"):
             next(it)
         assert list(it) == [3, 4]
+
+
+def _rebuilt_only_in(pid):
+    if os.getpid() != pid:
+        raise RuntimeError("this object can only be rebuilt in the worker that made it")
+    return "rebuilt"
+
+
+class OnlyInWorker:
+    def __reduce__(self):
+        return _rebuilt_only_in, (os.getpid(),)
+
+
+def rebuilt_only_in_worker_on(x):
+    return OnlyInWorker() if x == 2 else x
+
+
+def of_a_class_only_the_worker_has_on(x):
+    if x != 2:
+        return x
+    module = types.ModuleType("fibrl_test_only_in_worker")
+    exec("class Thing:\n    pass\n", module.__dict__)
+    sys.modules[module.__name__] = module
+    return [x, {"inner": module.Thing()}]
+
+
+@pytest.mark.parametrize("func,pattern", [
+    (rebuilt_only_in_worker_on, "can only be rebuilt in the worker"),
+    (of_a_class_only_the_worker_has_on, "fibrl_test_only_in_worker"),
+], ids=["rebuild-raises", "class-missing"])
+def test_result_the_parent_cannot_unpickle_fails_only_that_item(ctx, func, pattern):
+    with ctx.Pool(1) as pool:
+        it = pool.imap(func, range(5), chunksize=5)  # one chunk: its results share a report
+        outcomes = []
+        for _ in range(5):
+            try:
+                outcomes.append(it.next(TIMEOUT))
+            except SerializationError as exc:
+                assert re.search(pattern, str(exc)), exc
+                outcomes.append("failed")
+        assert outcomes == [0, 1, "failed", 3, 4]
+        with pytest.raises(SerializationError, match=pattern):
+            pool.map(func, range(5), chunksize=5)
 
 
 # -- imap ---------------------------------------------------------------------------------
