@@ -419,6 +419,7 @@ class PoolService(Service):
             if task is None:
                 continue  # finished already (a duplicate from a dead worker)
             self._learn(task.job.func, report)
+            task.killed_loading = False  # a worker unpickled it: the payload is harmless
             end = report.lo + report.count
             if end <= task.lo:
                 continue

@@ -18,7 +18,7 @@ import pytest
 import fibrl
 import fibrl.pool
 from fibrl.errors import SerializationError, TaskFailedError
-from fibrl.pool.protocol import Kind, Report, pack
+from fibrl.pool.protocol import LOADING, Kind, Report, pack
 from fibrl.pool.service import PoolService
 
 TIMEOUT = 240
@@ -202,11 +202,14 @@ class Answer:
 
 
 class Sink:
+    def __init__(self):
+        self.outcomes = {}
+
     def _claim(self):
         return True
 
     def _deliver(self, index, outcomes, clean=False):
-        pass
+        self.outcomes.update(enumerate(outcomes, index))
 
 
 def _report(spec, seconds=0.001):
@@ -252,6 +255,30 @@ def test_meta_sets_the_limits_of_pool_containers(ctx):
             host = engine.containers.get(proc._popen.job.id).attrs["HostConfig"]
             assert host["NanoCpus"] == 1_000_000_000
             assert host["Memory"] == host["MemorySwap"] == 256 * 1024 * 1024
+
+
+def test_a_chunk_that_loaded_once_is_not_blamed_for_unpickling():
+    # A worker lost while unpickling a careful chunk charges all of it; once a worker
+    # ran part of it, its payload is known to load: a later killer item is the item's.
+    service = PoolService(processes=1, max_retries=2, maxtasks=None)
+    sink = Sink()
+    service.submit(sink, pack(square), "square", Kind.MAP, fibrl.pool.chunked(range(3), 3))
+    (first,) = service.reserve_workers()
+    _ask(service, first)
+    service.lose(first, -9)                       # charged once, now careful
+    (second,) = service.reserve_workers()
+    (spec,) = _ask(service, second).batch.tasks
+    service.op_report(Answer(), second, [], (spec.tid, LOADING))
+    service.lose(second, -9)                      # died unpickling: charged twice
+    (third,) = service.reserve_workers()
+    _ask(service, third)
+    service.op_report(Answer(), third, [], (spec.tid, LOADING))
+    service.op_report(Answer(), third, [Report(spec.tid, 0, 1, pack([0]), 0.001, True)],
+                      (spec.tid, 1))
+    service.lose(third, -9)                       # item 1 killed it: its third charge
+    failure = sink.outcomes[1]
+    assert isinstance(failure.exc, TaskFailedError)
+    assert "square(1)" in str(failure.exc) and "kills the process" in str(failure.exc)
 
 
 def connected_workers(pool):
