@@ -21,12 +21,14 @@ Hierarchy::
      |         |    +-- TaskFailedError          a task killed its worker too many times
      |         +-- RemoteObjectError             a hosted object vanished (owner exited)
      |         +-- SerializationError            an object cannot be pickled (also a TypeError)
-     +-- fibrl.errors.RemoteTraceback             carries a worker's formatted traceback,
+     +-- multiprocessing.pool.RemoteTraceback     (stdlib)
+          +-- fibrl.errors.RemoteTraceback        carries a worker's formatted traceback,
                                                   chained as ``__cause__`` of a remote error
 """
 from __future__ import annotations
 
 import multiprocessing
+import multiprocessing.pool  # for RemoteTraceback's base (about 3 ms more on import)
 import signal
 
 __all__ = [
@@ -80,8 +82,12 @@ class SerializationError(FibrlError, TypeError):
     """An object could not be pickled or unpickled."""
 
 
-class RemoteTraceback(Exception):
-    """The formatted traceback of an exception raised in another process."""
+class RemoteTraceback(multiprocessing.pool.RemoteTraceback):
+    """The formatted traceback of an exception raised in another process.
+
+    A ``multiprocessing.pool.RemoteTraceback``, so code written for the stdlib's
+    pool that checks an error's ``__cause__`` keeps working.
+    """
 
     def __init__(self, tb: str) -> None:
         super().__init__(tb)

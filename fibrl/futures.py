@@ -29,7 +29,7 @@ from multiprocessing import TimeoutError as MpTimeoutError
 from typing import Any, Callable, Iterator, Optional
 
 from .pool import chunked, fibrl_context
-from .pool.engine import Engine
+from .pool.engine import Engine, worker_meta
 from .pool.protocol import Kind, pack
 from .pool.results import IMapIterator, outcome
 
@@ -75,12 +75,14 @@ class ProcessPoolExecutor(_BaseExecutor):
         max_tasks_per_child: tasks a worker runs before it is replaced.
         max_task_retries: keyword-only; runs of a task whose worker was lost
             before it fails (default: the config's ``max_task_retries``).
+        meta: keyword-only; resource requests of every worker, as ``@fibrl.meta``
+            takes them; ``@fibrl.meta`` on ``initializer`` counts too (see ``Pool``).
     """
 
     def __init__(self, max_workers: Optional[int] = None, mp_context: Any = None,
                  initializer: Optional[Callable] = None, initargs: tuple = (), *,
                  max_tasks_per_child: Optional[int] = None,
-                 max_task_retries: Optional[int] = None) -> None:
+                 max_task_retries: Optional[int] = None, meta: Optional[dict] = None) -> None:
         ctx = fibrl_context(mp_context)
         max_workers = ctx.cpu_count() if max_workers is None else max_workers
         _check_args(max_workers, initializer, max_tasks_per_child)
@@ -88,7 +90,8 @@ class ProcessPoolExecutor(_BaseExecutor):
             else max_task_retries
         self._max_workers = max_workers
         self._engine = Engine(ctx, max_workers, initializer, tuple(initargs),
-                              max_tasks_per_child, retries, _BACKLOG_CHUNKS)
+                              max_tasks_per_child, retries, _BACKLOG_CHUNKS,
+                              meta=worker_meta(initializer, meta, "ProcessPoolExecutor"))
         self._shutdown_lock = threading.Lock()
         self._shutdown = False
         # Dropped without shutdown(): pending work still completes, as with the stdlib.

@@ -20,17 +20,19 @@ happens when something goes wrong:
 The package splits policy from mechanism: ``service`` decides which worker
 runs what and what a loss costs; ``supervisor`` starts and watches processes;
 ``worker`` is the loop inside each worker; ``feeder`` reads ``imap`` inputs
-lazily; ``results`` holds what callers wait on; ``engine`` wires them up
+lazily; ``results`` holds what callers wait on; ``salvage`` decodes, item by
+item, results the parent cannot unpickle as a block; ``engine`` wires them up
 (also for :mod:`fibrl.futures`).
 """
 from __future__ import annotations
 
+import functools
 import warnings
 import weakref
 from itertools import islice
 from typing import Any, Callable, Iterable, Optional
 
-from .engine import Engine
+from .engine import Engine, worker_meta
 from .protocol import Kind, pack
 from .results import (ApplyResult, AsyncResult, IMapIterator, IMapUnorderedIterator,
                       MapResult)
@@ -84,6 +86,10 @@ class Pool:
         max_task_retries: keyword-only; how many times an item whose worker was
             lost is run again before it fails (default: the config's
             ``max_task_retries``, 3).
+        meta: keyword-only; resource requests of every worker, as ``@fibrl.meta``
+            takes them (``{"cpu": 1, "memory": "2g", "gpu": 1}``); containers and pods
+            get them as limits. ``@fibrl.meta`` on ``initializer`` counts too; keys
+            given here win.
 
     Example:
         >>> import fibrl
@@ -94,7 +100,8 @@ class Pool:
 
     def __init__(self, processes: Optional[int] = None, initializer: Optional[Callable] = None,
                  initargs: Iterable = (), maxtasksperchild: Optional[int] = None,
-                 context: Any = None, *, max_task_retries: Optional[int] = None) -> None:
+                 context: Any = None, *, max_task_retries: Optional[int] = None,
+                 meta: Optional[dict] = None) -> None:
         self._state = INIT
         self._ctx = fibrl_context(context)
         processes = self._ctx.cpu_count() if processes is None else processes
@@ -105,9 +112,16 @@ class Pool:
             raise ValueError(f"max_task_retries must be 0 or more, got {retries}")
         self._processes = processes
         self._engine = Engine(self._ctx, processes, initializer, tuple(initargs),
-                              maxtasksperchild, retries, BACKLOG_CHUNKS)
+                              maxtasksperchild, retries, BACKLOG_CHUNKS,
+                              meta=worker_meta(initializer, meta),
+                              new_process=functools.partial(type(self).Process, self._ctx))
         self._state = RUN
         self._finalizer = weakref.finalize(self, self._engine.terminate)
+
+    @staticmethod
+    def Process(ctx: Any, *args: Any, **kwds: Any) -> Any:
+        """Make a worker process (as the stdlib's; a subclass may override it)."""
+        return ctx.Process(*args, **kwds)
 
     # -- submitting ---------------------------------------------------------------------
     def apply(self, func: Callable, args: tuple = (), kwds: dict = {}) -> Any:

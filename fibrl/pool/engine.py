@@ -14,17 +14,18 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Mapping, Optional
 
 from .. import serialization
 from ..errors import WorkerLostError
 from ..hub import get_hub
+from ..meta import meta as _check_meta
 from .feeder import Feeder
 from .protocol import Kind, WorkerArgs, pack
 from .service import PoolService
 from .supervisor import Supervisor
 
-__all__ = ["Engine", "func_name"]
+__all__ = ["Engine", "func_name", "worker_meta"]
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +39,32 @@ def func_name(func: Callable) -> str:
     return name if isinstance(name, str) else type(func).__name__
 
 
+def worker_meta(initializer: Optional[Callable], meta: Optional[Mapping],
+                owner: str = "Pool") -> dict:
+    """Resource requests of every worker: ``meta`` over the initializer's ``@fibrl.meta``.
+
+    Raises:
+        TypeError: ``meta`` is not a mapping.
+        ValueError: an unknown key or a bad value (as ``@fibrl.meta`` refuses it).
+    """
+    chosen = dict(getattr(initializer, "__fibrl_meta__", None) or {})
+    if meta is None:
+        return chosen
+    if not isinstance(meta, Mapping):
+        raise TypeError(f"{owner}(meta=...) must be a dict such as {{'cpu': 1, 'memory': "
+                        f"'2g'}}, not {type(meta).__name__}")
+    unknown = sorted(set(meta) - _META_KEYS)
+    if unknown:
+        raise ValueError(f"{owner}(meta=...) has unknown keys {unknown}; the valid keys are "
+                         f"{sorted(_META_KEYS)}, as for @fibrl.meta")
+    _check_meta(**meta)
+    chosen.update((k, v) for k, v in meta.items() if v is not None)
+    return chosen
+
+
+_META_KEYS = {"cpu", "memory", "gpu"}
+
+
 class Engine:
     """Service + supervisor + feeder of one pool.
 
@@ -48,11 +75,14 @@ class Engine:
         maxtasks: chunks a worker runs before it is replaced (None: no limit).
         max_retries: times an item may be charged with a lost worker.
         backlog: chunks of a lazy input fed ahead of its consumer.
+        meta: resource requests of every worker process (see :func:`worker_meta`).
+        new_process: makes a worker process (default: ``ctx.Process``).
     """
 
     def __init__(self, ctx: Any, processes: int, initializer: Optional[Callable],
                  initargs: tuple, maxtasks: Optional[int], max_retries: int,
-                 backlog: int) -> None:
+                 backlog: int, meta: Optional[dict] = None,
+                 new_process: Optional[Callable] = None) -> None:
         init = None if initializer is None else serialization.dumps((initializer, initargs))
         name = f"fibrl-pool-{next(_names)}"
         self.service = PoolService(processes, max_retries, maxtasks)
@@ -65,7 +95,7 @@ class Engine:
         self._end_lock = threading.Lock()
         self.supervisor = Supervisor(ctx, self.service,
                                      lambda wid: WorkerArgs(address, oid, wid, init), name,
-                                     on_done=self._end)
+                                     on_done=self._end, meta=meta, new_process=new_process)
         self.service.hooks = self.supervisor
         self.feeder = Feeder(self.service, name, backlog)
         self.supervisor.start()

@@ -16,8 +16,10 @@ Data flow::
                                                  end of input -> service.end_inputs(job, n)
 
 An exception raised by the input iterable is delivered at the position it
-would have filled and ends the input there; an item that cannot be pickled
-fails its own position (its whole chunk when ``chunksize`` > 1).
+would have filled and ends the input there (so does a non-iterable input, at
+position 0, as in the stdlib); an item that cannot be pickled, whatever its
+pickling raises, fails its own position (its whole chunk when ``chunksize``
+> 1) with a :class:`~fibrl.errors.SerializationError`.
 """
 from __future__ import annotations
 
@@ -59,7 +61,13 @@ class Feeder:
         self._thread: Optional[threading.Thread] = None
 
     def add(self, job: Any, sink: Any, iterable: Any, chunksize: int) -> None:
-        lazy = _Lazy(job, sink, iter(iterable), chunksize, self._backlog * chunksize)
+        try:
+            it = iter(iterable)
+        except Exception as exc:  # as the stdlib: the first next() raises it, the job ends
+            sink._deliver(0, [Failure(exc)])
+            self._service.end_inputs(job, 1)
+            return
+        lazy = _Lazy(job, sink, it, chunksize, self._backlog * chunksize)
         sink._watch(max(1, lazy.limit // 4), self._poke)
         with self._cond:
             self._inputs.append(lazy)
@@ -93,7 +101,10 @@ class Feeder:
             lazy = self._next_ready()
             if lazy is None:
                 return
-            self._feed(lazy)
+            try:
+                self._feed(lazy)
+            except Exception as exc:  # one broken input must not stall every other one
+                self._fail(lazy, exc)
 
     def _next_ready(self) -> Optional[_Lazy]:
         with self._cond:
@@ -127,9 +138,9 @@ class Feeder:
                 return self._end(lazy)
             try:
                 chunks.append((pack(items), len(items)))
-            except SerializationError as exc:
+            except Exception as exc:  # not only pickling errors: a __getstate__ may raise anything
                 self._submit(lazy, start, chunks)
-                lazy.sink._deliver(lazy.fed, [Failure(exc)] * len(items))
+                lazy.sink._deliver(lazy.fed, [Failure(_unpicklable(exc))] * len(items))
                 chunks, start = [], lazy.fed + len(items)
             lazy.fed += len(items)
         self._submit(lazy, start, chunks)
@@ -138,8 +149,30 @@ class Feeder:
         if chunks:
             self._service.add_chunks(lazy.job, start, chunks)
 
+    def _fail(self, lazy: _Lazy, exc: Exception) -> None:
+        """Feeding ``lazy`` failed unexpectedly: its caller gets the error, the job ends."""
+        error = RuntimeError(
+            f"the pool could not feed this imap input any further ({type(exc).__name__}: "
+            f"{exc}); the items read so far complete, the rest of the input is dropped. "
+            f"This is most likely a bug in fibrl; please report it with the traceback below.")
+        error.__cause__ = exc
+        lazy.sink._abort(error)
+        self._end(lazy)
+
     def _end(self, lazy: _Lazy) -> None:
         with self._cond:
             if lazy in self._inputs:
                 self._inputs.remove(lazy)
         self._service.end_inputs(lazy.job, lazy.fed)
+
+
+def _unpicklable(exc: Exception) -> Exception:
+    """The error of an input item that cannot be pickled, as a SerializationError."""
+    if isinstance(exc, SerializationError):
+        return exc
+    error = SerializationError(
+        f"an item of the imap input cannot be pickled: pickling it raised "
+        f"{type(exc).__name__}: {exc}. Fix how the item's class pickles (its __getstate__ "
+        f"or __reduce__), or pass something picklable instead.")
+    error.__cause__ = exc
+    return error

@@ -13,6 +13,7 @@ One worker's conversation::
     report(wid, [Report...])  (one-way) ------>  results while a next() is pending
     report(wid, [Report], (tid, lo))  (waits)    careful tasks: acknowledge the last
                                                  item, announce the one starting now
+                                                 (lo = LOADING: unpickling the task)
     func(fid)               ------------------>  a callable the worker no longer caches
     init_failed(wid, RemoteError) ------------>  the initializer raised: the pool breaks
                             <------------------  Batch(stop=True): exit now
@@ -29,8 +30,8 @@ from .. import serialization
 from ..errors import SerializationError
 from ..messages import RemoteError
 
-__all__ = ["Kind", "TaskSpec", "Batch", "Report", "Raised", "WorkerArgs", "message", "pack",
-           "unpack"]
+__all__ = ["Kind", "TaskSpec", "Batch", "Report", "Raised", "WorkerArgs", "LOADING", "message",
+           "pack", "unpack"]
 
 
 def pack(obj: Any) -> bytes:
@@ -114,6 +115,10 @@ class Batch:
 
 
 STOP = Batch((), {}, 0, True)
+
+# What a careful worker announces as "starting" while it unpickles a task's
+# function and arguments, before any item runs: a crash then is the payload's.
+LOADING = -1
 
 
 @message

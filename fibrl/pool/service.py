@@ -35,10 +35,12 @@ Rules that make results right:
   what is pending, and idle workers are served first, so no worker hoards
   a queue.
 * A lost worker's chunks go to the front, *careful*: from then on they are
-  run alone, and the worker announces each item before starting it and
-  reports it before the next, so the item that was running when a worker
-  died is known. The first loss charges every item the worker held once;
-  later losses charge only the announced item. An item charged more than
+  run alone, and the worker announces that it unpickles the chunk, then each
+  item before starting it, and reports it before the next, so what was
+  running when a worker died is known. The first loss charges every item
+  the worker held once; later losses charge only the announced item, or
+  every item left when the worker died unpickling the chunk (its callable or
+  arguments kill workers: no item of it can run). An item charged more than
   ``max_task_retries`` times fails with :class:`~fibrl.errors.TaskFailedError`;
   the other items go on.
 """
@@ -55,8 +57,9 @@ from typing import Any, Optional
 from ..errors import (RemoteTraceback, SerializationError, TaskFailedError, WorkerLostError,
                       describe_exitcode)
 from ..hub import ReplySink, Service
-from .protocol import STOP, Batch, Kind, Report, TaskSpec, describe, unpack
+from .protocol import LOADING, STOP, Batch, Kind, Report, TaskSpec, describe, unpack
 from .results import Failure
+from .salvage import salvage
 
 __all__ = ["PoolService", "Hooks"]
 
@@ -100,18 +103,20 @@ class _Job:
 
 class _Task:
     __slots__ = ("tid", "job", "start", "n", "payload", "lo", "holder", "careful", "running",
-                 "cost", "attempts", "codes", "base_attempts", "base_codes", "done")
+                 "cost", "attempts", "codes", "base_attempts", "base_codes", "done",
+                 "killed_loading")
 
     def __init__(self, tid: int, job: _Job, start: int, n: int, payload: bytes) -> None:
         self.tid, self.job, self.start, self.n, self.payload = tid, job, start, n, payload
         self.lo = 0
         self.holder: Optional[int] = None
         self.careful = False
-        self.running = -1     # careful: the item its holder said it started
+        self.running: Optional[int] = None  # careful: what its holder said it started
         self.cost = 0.0
         self.attempts, self.codes = 0, []          # charged to item ``lo``
         self.base_attempts, self.base_codes = 0, []  # charged to every item left
         self.done = False
+        self.killed_loading = False  # a holder died unpickling it: never unpickle it here
 
     def spec(self) -> TaskSpec:
         return TaskSpec(self.tid, self.job.func.fid, self.job.kind, self.payload, self.lo,
@@ -155,8 +160,8 @@ class _Effects:
             if not reply(batch):
                 service._undelivered(worker, batch)
         for sink, index, payload, skip, report in self.deliveries:
-            values = _decode(payload, skip, report.count)
-            sink._deliver(index, values, report.clean and type(values[0]) is not Failure)
+            values, whole = _decode(payload, skip, report.count)
+            sink._deliver(index, values, report.clean and whole)
         for sink, index, exc in self.failures:
             sink._deliver(index, [Failure(exc)])
         for sink, exc in self.aborts:
@@ -167,12 +172,13 @@ class _Effects:
             service.hooks.wake()
 
 
-def _decode(payload: bytes, skip: int, count: int) -> list:
+def _decode(payload: bytes, skip: int, count: int) -> tuple[list, bool]:
+    """The outcomes in ``payload`` from item ``skip`` on, and whether all decoded at once."""
     try:
-        values = unpack(payload)
+        values, whole = unpack(payload), True
     except SerializationError as exc:  # e.g. a result class the parent cannot import
-        return [Failure(exc)] * (count - skip)
-    return values[skip:] if skip else values
+        values, whole = salvage(payload, count, exc), False  # fail only the items at fault
+    return (values[skip:] if skip else values), whole
 
 
 class PoolService(Service):
@@ -413,6 +419,7 @@ class PoolService(Service):
             if task is None:
                 continue  # finished already (a duplicate from a dead worker)
             self._learn(task.job.func, report)
+            task.killed_loading = False  # a worker unpickled it: the payload is harmless
             end = report.lo + report.count
             if end <= task.lo:
                 continue
@@ -491,19 +498,18 @@ class PoolService(Service):
     def _grant(self, worker: _Worker, effects: _Effects) -> list:
         if worker.retiring or worker.holds_careful():
             return []
-        if self._careful and not worker.held:
-            task = self._next_careful()
-            if task is not None:
-                self._hold(worker, task, self._cost(task), effects)
-                return [task]
-        return self._grant_fresh(worker, effects)
+        if not self._careful_waiting():
+            return self._grant_fresh(worker, effects)
+        if worker.held:  # let it drain: a retried task runs alone, and before fresh work
+            return []
+        task = self._careful.popleft()
+        self._hold(worker, task, self._cost(task), effects)
+        return [task]
 
-    def _next_careful(self) -> Optional[_Task]:
-        while self._careful:
-            task = self._careful.popleft()
-            if not task.done:
-                return task
-        return None
+    def _careful_waiting(self) -> bool:
+        while self._careful and self._careful[0].done:
+            self._careful.popleft()
+        return bool(self._careful)
 
     def _grant_fresh(self, worker: _Worker, effects: _Effects) -> list:
         tasks: list = []
@@ -634,17 +640,18 @@ class PoolService(Service):
     def _requeue(self, task: _Task, exitcode: Optional[int], effects: _Effects) -> None:
         task.holder = None
         self.stats["requeued"] += 1
-        if task.careful:  # exact: charge the item it was running, if it had started one
+        if task.careful and task.running == LOADING:
+            # Its callable or arguments killed the worker as they were unpickled; no item
+            # can run without them, so every item left is charged.
+            task.killed_loading = True
+            self._charge(task, exitcode, every_item=True)
+        elif task.careful:  # exact: charge the item it was running, if it had started one
             if task.running == task.lo:
-                task.attempts += 1
-                task.codes.append(exitcode)
+                self._charge(task, exitcode, every_item=False)
         else:  # anything it held may have been running: charge every item left once
             task.careful = True
-            task.attempts += 1
-            task.codes.append(exitcode)
-            task.base_attempts += 1
-            task.base_codes.append(exitcode)
-        task.running = -1
+            self._charge(task, exitcode, every_item=True)
+        task.running = None
         while not task.done and task.attempts > self.max_retries:
             self.stats["failed"] += 1
             effects.failures.append((task.job.sink, task.start + task.lo, self._failed(task)))
@@ -652,19 +659,33 @@ class PoolService(Service):
         if not task.done:
             self._careful.appendleft(task)
 
+    @staticmethod
+    def _charge(task: _Task, exitcode: Optional[int], every_item: bool) -> None:
+        task.attempts += 1
+        task.codes.append(exitcode)
+        if every_item:
+            task.base_attempts += 1
+            task.base_codes.append(exitcode)
+
     def _failed(self, task: _Task) -> TaskFailedError:
         codes = "; ".join(_evidence(code) for code in task.codes)
+        cause = ("The worker died while unpickling the task's callable or arguments, before "
+                 "running it: fix how they unpickle (a __setstate__ or __reduce__ that "
+                 "crashes, a native module that cannot load in the worker)"
+                 if task.killed_loading else
+                 "The task itself most likely kills the process that runs it (a crash in "
+                 "native code, os._exit(), exceeding a memory limit). Fix the task")
         return TaskFailedError(
             f"task {task.start + task.lo} of {task.job.func.name}({self._args_of(task)}) was "
             f"held by a worker that died, {task.attempts} times (max_task_retries="
-            f"{self.max_retries}): {codes}. The task itself most likely kills the process "
-            f"that runs it (a crash in native code, os._exit(), exceeding a memory limit). "
-            f"Fix the task; if workers are lost for other reasons (preempted nodes, memory "
-            f"used by other work), allow more attempts with Pool(max_task_retries=...) or "
-            f"fibrl.init(max_task_retries=...).")
+            f"{self.max_retries}): {codes}. {cause}; if workers are lost for other reasons "
+            f"(preempted nodes, memory used by other work), allow more attempts with "
+            f"Pool(max_task_retries=...) or fibrl.init(max_task_retries=...).")
 
     @staticmethod
     def _args_of(task: _Task) -> str:
+        if task.killed_loading:  # unpickling them here could kill this process too
+            return "<arguments not shown: unpickling them killed workers>"
         try:
             items = unpack(task.payload)
         except Exception:

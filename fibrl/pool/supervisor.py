@@ -20,7 +20,9 @@ Data flow::
     ends when the service wants no workers and none is alive or starting
 
 ``terminate()`` kills every worker, including ones whose start is still in
-progress (killed as soon as their start returns), and never waits unboundedly.
+progress: the supervisor does not wait for those (a pod may wait minutes for
+a node); their starter thread kills and reaps them as soon as their start
+returns. So ``terminate()`` and ``join()`` are prompt.
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ import os
 import selectors
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from .service import PoolService
 from .worker import run_worker
@@ -51,11 +53,15 @@ class Supervisor:
         make_args: the :class:`~fibrl.pool.protocol.WorkerArgs` of worker ``wid``.
         name: prefix of worker process names.
         on_done: called by the supervisor thread once every worker is gone.
+        meta: resource requests (``@fibrl.meta``) given to every worker process.
+        new_process: makes a worker process (default: ``ctx.Process``).
     """
 
     def __init__(self, ctx: Any, service: PoolService, make_args: Callable[[int], Any],
-                 name: str, on_done: Callable[[], None] = lambda: None) -> None:
-        self._ctx = ctx
+                 name: str, on_done: Callable[[], None] = lambda: None,
+                 meta: Optional[dict] = None, new_process: Optional[Callable] = None) -> None:
+        self._new_process = new_process or ctx.Process
+        self._meta = dict(meta or {})
         self._on_done = on_done
         self._service = service
         self._make_args = make_args
@@ -149,8 +155,11 @@ class Supervisor:
 
     def _done(self) -> bool:
         with self._lock:
-            busy = self._procs or self._starting
-        return not busy and (self._killing or self._service.finished())
+            # After terminate() a start still in progress is not waited for (a pod may
+            # wait minutes for a node): its starter thread kills it once the start returns.
+            busy = self._procs or (self._starting and not self._killing)
+            killing = self._killing
+        return not busy and (killing or self._service.finished())
 
     def _drain_wake(self) -> None:
         try:
@@ -191,9 +200,11 @@ class Supervisor:
     # -- starter threads ----------------------------------------------------------------
     def _start_one(self, wid: int) -> None:
         try:
-            proc = self._ctx.Process(target=run_worker, args=(self._make_args(wid),),
+            proc = self._new_process(target=run_worker, args=(self._make_args(wid),),
                                      daemon=True, name=f"{self._name}-worker-{wid}")
             proc._fibrl_role = "pool-worker"
+            if self._meta:  # what a Process reads from its target's @fibrl.meta
+                proc._fibrl_meta = dict(self._meta)
             proc.start()
         except BaseException as exc:  # the backend refused: the service decides what next
             with self._lock:
@@ -203,12 +214,24 @@ class Supervisor:
             return
         with self._lock:
             self._starting.discard(wid)
-            self._procs[wid] = proc
-            self._fresh.append(wid)
-            kill = self._killing
-        if kill:
-            _kill(proc)
+            late = self._killing
+            if not late:
+                self._procs[wid] = proc
+                self._fresh.append(wid)
+        if late:  # terminated while it started: the supervisor may be gone already
+            self._end_late(wid, proc)
         self.wake()
+
+    def _end_late(self, wid: int, proc: Any) -> None:
+        """Kill and reap a worker whose start returned after ``terminate()``."""
+        _kill(proc)
+        proc.join(_SELECT_S)
+        self._service.lose(wid, proc.exitcode)
+        if proc.exitcode is not None:
+            proc.close()
+        else:
+            log.warning("pool worker %s, started after terminate(), did not end within "
+                        "%.0f s of being killed", proc.name, _SELECT_S)
 
 
 def _kill(proc: Any) -> None:

@@ -14,9 +14,10 @@ Data flow (one worker process)::
           |                <--- report(wid, reports)  flush() while a next is parked
           +--- Batch ----------> local deque of TaskSpec --> run items --> reports
 
-A *careful* task (one a lost worker held) runs alone, and each item's result
-is reported and acknowledged before the next item starts: if this worker
-dies, the parent knows exactly which item was running.
+A *careful* task (one a lost worker held) runs alone: the worker announces
+that it is unpickling the task, then each item before it starts, and each
+item's result is acknowledged before the next starts: if this worker dies,
+the parent knows exactly what it was doing.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from typing import Any, Callable
 from .. import serialization
 from ..errors import SerializationError
 from ..hub import _as_remote, get_hub
-from .protocol import STOP, Kind, Raised, Report, TaskSpec, WorkerArgs, pack, unpack
+from .protocol import LOADING, STOP, Kind, Raised, Report, TaskSpec, WorkerArgs, pack, unpack
 
 __all__ = ["run_worker", "FLUSH_S"]
 
@@ -143,31 +144,41 @@ class _Loop:
         self._local.extend(batch.tasks)
         self._refill = batch.refill
 
-    def _remember(self, fid: int, data: bytes) -> Callable:
-        try:
-            func = unpack(data)
-        except SerializationError as exc:
-            func = _Broken(exc)
-        self._funcs[fid] = func
+    def _remember(self, fid: int, data: bytes) -> None:
+        # Kept pickled until a task uses it: unpickling may crash this process, and
+        # for a careful task that must happen after the task was announced.
+        self._funcs[fid] = data
         if len(self._funcs) > _MAX_FUNCS:
             self._funcs.popitem(last=False)
-        return func
 
     def _func(self, fid: int) -> Callable:
         func = self._funcs.get(fid)
         if func is None:  # evicted: ask again
-            data = self._hub.call(self._address, self._oid, "func", fid, timeout=_CALL_TIMEOUT_S)
-            func = self._remember(fid, data)
+            func = self._hub.call(self._address, self._oid, "func", fid, timeout=_CALL_TIMEOUT_S)
+            self._remember(fid, func)
+        if isinstance(func, bytes):  # not unpickled yet (a callable is never bytes)
+            try:
+                func = unpack(func)
+            except Exception as exc:  # each call of the task raises why
+                func = _Broken(exc)
+            self._funcs[fid] = func
         return func
+
+    def _load(self, task: TaskSpec) -> tuple:
+        """The task's callable and items (a callable that raises why, if they cannot load)."""
+        func = self._func(task.fid)
+        try:
+            return func, unpack(task.payload)
+        except Exception as exc:  # every item fails with the reason
+            items = ((), {}) if task.kind == Kind.APPLY else [()] * task.n
+            return _Broken(exc), items
 
     # -- running tasks ------------------------------------------------------------------
     def _execute(self, task: TaskSpec) -> None:
+        if task.careful:  # if unpickling the task kills this worker, the parent must know
+            self._report_now([], (task.tid, LOADING))
         started = time.perf_counter()
-        func = self._func(task.fid)
-        try:
-            items = unpack(task.payload)
-        except SerializationError as exc:  # every item fails with the reason
-            func, items = _Broken(exc), ((), {}) if task.kind == Kind.APPLY else [()] * task.n
+        func, items = self._load(task)
         stop = task.n
         if task.careful:
             self._run_careful(task, func, items, stop)

@@ -161,6 +161,22 @@ def test_initializer_and_max_tasks_per_child(ctx):
         assert len(names) == 3
 
 
+@fibrl.meta(memory="256m")
+def init_with_meta():
+    pass
+
+
+def test_meta_reaches_every_worker_process(ctx):
+    with ProcessPoolExecutor(2, mp_context=ctx, initializer=init_with_meta,
+                             meta={"cpu": 1}) as executor:
+        assert executor.submit(square, 3).result(TIMEOUT) == 9
+        procs = executor._engine.supervisor.processes()
+        assert procs
+        assert [p._fibrl_meta for p in procs] == [{"cpu": 1, "memory": "256m"}] * len(procs)
+    with pytest.raises(ValueError, match="ProcessPoolExecutor.*unknown keys"):
+        ProcessPoolExecutor(1, meta={"mem": "1g"})
+
+
 def test_lost_worker_is_recovered_not_broken(ctx):
     with ProcessPoolExecutor(2, mp_context=ctx, max_task_retries=1) as executor:
         others = [executor.submit(sleep_then, 0.05, i) for i in range(10)]

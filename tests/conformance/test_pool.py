@@ -4,9 +4,14 @@ Crash cases and killed workers are in ``tests/faults/test_pool_faults.py``.
 """
 import itertools
 import multiprocessing
+import multiprocessing.pool
+import os
 import pickle
+import re
+import sys
 import threading
 import time
+import types
 
 import pytest
 
@@ -192,6 +197,7 @@ def test_task_exception_keeps_type_and_remote_traceback(ctx):
         with pytest.raises(ValueError, match="bad item 3") as info:
             pool.apply(fail_on, (3,))
         assert isinstance(info.value.__cause__, RemoteTraceback)
+        assert isinstance(info.value.__cause__, multiprocessing.pool.RemoteTraceback)
         assert "fail_on" in str(info.value.__cause__)
         assert pool.apply(worker_name) == before  # the worker lived on
 
@@ -225,6 +231,49 @@ def test_unpicklable_result_fails_only_that_item(ctx):
         with pytest.raises(SerializationError, match="could not be sent back"):
             next(it)
         assert list(it) == [3, 4]
+
+
+def _rebuilt_only_in(pid):
+    if os.getpid() != pid:
+        raise RuntimeError("this object can only be rebuilt in the worker that made it")
+    return "rebuilt"
+
+
+class OnlyInWorker:
+    def __reduce__(self):
+        return _rebuilt_only_in, (os.getpid(),)
+
+
+def rebuilt_only_in_worker_on(x):
+    return OnlyInWorker() if x == 2 else x
+
+
+def of_a_class_only_the_worker_has_on(x):
+    if x != 2:
+        return x
+    module = types.ModuleType("fibrl_test_only_in_worker")
+    exec("class Thing:\n    pass\n", module.__dict__)
+    sys.modules[module.__name__] = module
+    return [x, {"inner": module.Thing()}]
+
+
+@pytest.mark.parametrize("func,pattern", [
+    (rebuilt_only_in_worker_on, "can only be rebuilt in the worker"),
+    (of_a_class_only_the_worker_has_on, "fibrl_test_only_in_worker"),
+], ids=["rebuild-raises", "class-missing"])
+def test_result_the_parent_cannot_unpickle_fails_only_that_item(ctx, func, pattern):
+    with ctx.Pool(1) as pool:
+        it = pool.imap(func, range(5), chunksize=5)  # one chunk: its results share a report
+        outcomes = []
+        for _ in range(5):
+            try:
+                outcomes.append(it.next(TIMEOUT))
+            except SerializationError as exc:
+                assert re.search(pattern, str(exc)), exc
+                outcomes.append("failed")
+        assert outcomes == [0, 1, "failed", 3, 4]
+        with pytest.raises(SerializationError, match=pattern):
+            pool.map(func, range(5), chunksize=5)
 
 
 # -- imap ---------------------------------------------------------------------------------
@@ -294,6 +343,42 @@ def test_imap_unpicklable_item_fails_its_position(ctx):
         assert next(it) == 9
 
 
+class BrokenState:
+    """Pickling raises something other than a pickling error (a bug in __getstate__)."""
+
+    def __getstate__(self):
+        raise RuntimeError("state is broken")
+
+
+def test_imap_item_whose_pickling_raises_anything_fails_its_position(ctx):
+    pool = ctx.Pool(1)
+    try:
+        it = pool.imap(square, [1, BrokenState(), 3])
+        assert it.next(30) == 1
+        with pytest.raises(SerializationError, match="state is broken"):
+            it.next(30)
+        assert it.next(30) == 9
+        assert pool.map(square, range(5)) == [0, 1, 4, 9, 16]  # the pool still works
+        pool.close()
+        pool.join(timeout=30)
+    finally:
+        pool.terminate()
+
+
+def test_imap_of_a_non_iterable_raises_type_error_like_the_stdlib(ctx):
+    pool = ctx.Pool(1)
+    try:
+        it = pool.imap(square, 5)  # as the stdlib: the error comes from the first next()
+        with pytest.raises(TypeError, match="not iterable"):
+            it.next(30)
+        with pytest.raises(StopIteration):
+            it.next(30)
+        pool.close()
+        pool.join(timeout=30)  # no job left open
+    finally:
+        pool.terminate()
+
+
 def test_close_then_join_completes_unconsumed_imap(ctx):
     pool = ctx.Pool(2)
     source = Counting(2000)
@@ -326,13 +411,64 @@ def test_initializer_failure_breaks_the_pool(ctx):
         assert isinstance(info.value.__cause__, RuntimeError)
 
 
+@fibrl.meta(cpu=0.5, memory="256m")
+def init_with_meta():
+    pass
+
+
+def test_meta_reaches_every_worker_process(ctx):
+    # Keys given to the Pool win over the initializer's @fibrl.meta; the backend turns
+    # them into container or pod limits (tests/faults checks docker's).
+    with ctx.Pool(2, initializer=init_with_meta, meta={"cpu": 1}) as pool:
+        assert pool.map(square, range(10), chunksize=1) == [x * x for x in range(10)]
+        assert pool._pool
+        assert [p._fibrl_meta for p in pool._pool] == [{"cpu": 1, "memory": "256m"}] * len(
+            pool._pool)
+    with ctx.Pool(1, initializer=init_with_meta) as pool:
+        pool.apply(square, (1,))
+        assert [p._fibrl_meta for p in pool._pool] == [{"cpu": 0.5, "memory": "256m"}]
+
+
+def test_bad_meta_is_refused_before_any_worker_starts():
+    with pytest.raises(ValueError, match=r"unknown keys \['cpus'\].*'cpu', 'gpu', 'memory'"):
+        fibrl.Pool(1, meta={"cpus": 1})
+    with pytest.raises(ValueError, match="cpu"):
+        fibrl.Pool(1, meta={"cpu": 0})
+    with pytest.raises(TypeError, match="must be a dict"):
+        fibrl.Pool(1, meta=[("cpu", 1)])
+
+
+class RecordingPool(fibrl.pool.Pool):
+    names = []
+
+    @staticmethod
+    def Process(ctx, *args, **kwds):
+        RecordingPool.names.append(kwds["name"])
+        return ctx.Process(*args, **kwds)
+
+
+def test_workers_are_made_by_the_process_staticmethod(ctx):
+    assert fibrl.pool.Pool.Process(ctx, target=square).__class__ is ctx.Process().__class__
+    RecordingPool.names.clear()
+    with RecordingPool(2, context=ctx) as pool:
+        assert pool.map(square, range(4)) == [0, 1, 4, 9]
+        assert sorted(p.name for p in pool._pool) == sorted(RecordingPool.names)
+
+
 class SlowFirstWorker:
-    """A context whose first worker takes seconds to start (a pod waiting for a node)."""
+    """A context whose first worker takes seconds to start (a pod waiting for a node).
+
+    ``release`` ends the delay early (the backend's start finally returns);
+    :meth:`wait_slow_one` waits until that worker was started and has ended.
+    """
 
     def __init__(self, ctx, delay):
         self._ctx, self._delay = ctx, delay
         self._starts = itertools.count()
         self.config = ctx.config
+        self.release = threading.Event()
+        self._returned = threading.Event()
+        self._slow = None
 
     def cpu_count(self):
         return self._ctx.cpu_count()
@@ -340,18 +476,53 @@ class SlowFirstWorker:
     def Process(self, *args, **kwargs):
         proc = self._ctx.Process(*args, **kwargs)
         if next(self._starts) == 0:
-            start, delay = proc.start, self._delay
-            proc.start = lambda: (time.sleep(delay), start())
+            self._slow, start = proc, proc.start
+
+            def slow_start():
+                del proc.start  # the process is pickled to start it; this closure cannot be
+                self.release.wait(self._delay)
+                try:
+                    start()
+                finally:
+                    self._returned.set()
+
+            proc.start = slow_start
         return proc
+
+    def wait_slow_one(self, timeout):
+        self.release.set()
+        assert self._returned.wait(timeout), "the slow start did not return"
+        try:
+            self._slow.join(timeout)
+            ended = self._slow.exitcode is not None
+        except ValueError:  # closed: the pool reaped it, so it had ended
+            ended = True
+        assert ended, "the slowly started worker was left running"
 
 
 def test_a_slow_starting_worker_holds_nothing_up(ctx):
     delay = 8.0
     started = time.monotonic()
-    with fibrl.pool.Pool(3, context=SlowFirstWorker(ctx, delay)) as pool:
+    slow = SlowFirstWorker(ctx, delay)
+    with fibrl.pool.Pool(3, context=slow) as pool:
         assert pool.map(square, range(30), chunksize=1) == [x * x for x in range(30)]
         assert len(pool._pool) == 2  # the other two did all the work
         assert time.monotonic() - started < delay
+    slow.wait_slow_one(TIMEOUT)
+
+
+def test_terminate_is_prompt_while_a_worker_is_slow_to_start(ctx):
+    slow = SlowFirstWorker(ctx, delay=100.0)
+    pool = fibrl.pool.Pool(2, context=slow)
+    try:
+        assert pool.apply_async(square, (3,)).get(TIMEOUT) == 9  # the other worker runs
+        started = time.monotonic()
+        pool.terminate()
+        pool.join(timeout=TIMEOUT)
+        assert time.monotonic() - started < 5
+        assert pool._pool == []
+    finally:
+        slow.wait_slow_one(TIMEOUT)  # when its start returns, the pool kills it
 
 
 def test_tasks_go_to_whichever_worker_is_ready(ctx):

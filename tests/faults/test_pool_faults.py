@@ -16,7 +16,10 @@ import time
 import pytest
 
 import fibrl
+import fibrl.pool
 from fibrl.errors import SerializationError, TaskFailedError
+from fibrl.pool.protocol import LOADING, Kind, Report, pack
+from fibrl.pool.service import PoolService
 
 TIMEOUT = 240
 
@@ -122,6 +125,44 @@ def test_killer_task_fails_alone(ctx):
         assert outcomes == [x if x != 7 else "failed" for x in range(20)]
 
 
+def _exit_unless_in(pid):
+    if os.getpid() != pid:
+        os._exit(1)
+    return "rebuilt in the parent"
+
+
+class DiesWhenUnpickled:
+    """Unpickling it in a worker ends the worker (a native object that crashes on load)."""
+
+    def __reduce__(self):
+        return _exit_unless_in, (os.getpid(),)
+
+    def __call__(self, x):
+        return x
+
+
+def test_argument_that_kills_its_worker_while_unpickled_fails_alone(ctx):
+    items = [1, 2, DiesWhenUnpickled(), 4, 5]
+    with ctx.Pool(2, max_task_retries=1) as pool:
+        with pytest.raises(TaskFailedError, match=r"task 2 of square.*unpickl"):
+            pool.map_async(square, items, chunksize=1).get(60)
+        outcomes = []
+        it = pool.imap(square, items)
+        for _ in items:
+            try:
+                outcomes.append(it.next(60))
+            except TaskFailedError:
+                outcomes.append("failed")
+        assert outcomes == [1, 4, "failed", 16, 25]
+
+
+def test_function_that_kills_its_worker_while_unpickled_fails_alone(ctx):
+    with ctx.Pool(2, max_task_retries=1) as pool:
+        with pytest.raises(TaskFailedError, match=r"DiesWhenUnpickled.*unpickl"):
+            pool.apply_async(DiesWhenUnpickled(), (3,)).get(60)
+        assert pool.map(square, range(10)) == [x * x for x in range(10)]
+
+
 def test_replacement_of_a_killed_worker_runs_the_initializer(ctx):
     with ctx.Pool(1, initializer=remember, initargs=("ready",)) as pool:
         value, first = pool.apply(initialized)
@@ -145,6 +186,99 @@ def test_worker_dying_half_way_through_a_chunk_loses_nothing(ctx):
         assert pool.starmap(kill_once, args, chunksize=10) == [x * x for x in range(40)]
         assert token.empty()
         assert pool._engine.service.stats["requeued"] >= 1
+
+
+class Answer:
+    """Stands for a worker's parked ``next`` call: keeps the batch it is answered with."""
+
+    peer = None
+
+    def __init__(self):
+        self.batch = None
+
+    def __call__(self, batch):
+        self.batch = batch
+        return True
+
+
+class Sink:
+    def __init__(self):
+        self.outcomes = {}
+
+    def _claim(self):
+        return True
+
+    def _deliver(self, index, outcomes, clean=False):
+        self.outcomes.update(enumerate(outcomes, index))
+
+
+def _report(spec, seconds=0.001):
+    """What a worker sends back after running every item of ``spec``."""
+    items = list(range(spec.n))
+    return Report(spec.tid, spec.lo, spec.n - spec.lo, pack(items[spec.lo:]), seconds, True)
+
+
+def _ask(service, wid, reports=()):
+    answer = Answer()
+    service.op_next(answer, wid, list(reports))
+    return answer
+
+
+def test_retried_task_goes_before_fresh_work():
+    # Policy only (no processes): worker b keeps asking for more while it holds fast
+    # tasks; once a task of lost worker a waits, b must drain and take it, not more
+    # fresh work (else it waits for a's replacement to start: minutes for a pod).
+    service = PoolService(processes=2, max_retries=3, maxtasks=None)
+    a, b = service.reserve_workers()
+    service.submit(Sink(), pack(square), "square", Kind.MAP, fibrl.pool.chunked(range(400), 1))
+    lost = _ask(service, a).batch.tasks
+    first = _ask(service, b).batch.tasks
+    held = _ask(service, b, [_report(t) for t in first]).batch.tasks  # cost known: prefetch
+    assert len(held) > 1
+    service.lose(a, -9)
+    asked = _ask(service, b, [_report(held[0])])  # still holds the rest
+    assert asked.batch is None  # parked until it drained, rather than given fresh work
+    service.op_report(Answer(), b, [_report(t) for t in held[1:]])
+    assert [(t.tid, t.careful) for t in asked.batch.tasks] == [(lost[0].tid, True)]
+
+
+def test_meta_sets_the_limits_of_pool_containers(ctx):
+    # Modelled on test_docker_faults' Process test: the same limits through a Pool.
+    if ctx.get_start_method() != "docker":
+        pytest.skip("container limits: docker only (local processes have none)")
+    import docker
+    engine = docker.from_env(timeout=30)
+    with ctx.Pool(2, meta={"cpu": 1, "memory": "256m"}) as pool:
+        assert pool.map(square, range(10), chunksize=1) == [x * x for x in range(10)]
+        assert pool._pool
+        for proc in pool._pool:
+            host = engine.containers.get(proc._popen.job.id).attrs["HostConfig"]
+            assert host["NanoCpus"] == 1_000_000_000
+            assert host["Memory"] == host["MemorySwap"] == 256 * 1024 * 1024
+
+
+def test_a_chunk_that_loaded_once_is_not_blamed_for_unpickling():
+    # A worker lost while unpickling a careful chunk charges all of it; once a worker
+    # ran part of it, its payload is known to load: a later killer item is the item's.
+    service = PoolService(processes=1, max_retries=2, maxtasks=None)
+    sink = Sink()
+    service.submit(sink, pack(square), "square", Kind.MAP, fibrl.pool.chunked(range(3), 3))
+    (first,) = service.reserve_workers()
+    _ask(service, first)
+    service.lose(first, -9)                       # charged once, now careful
+    (second,) = service.reserve_workers()
+    (spec,) = _ask(service, second).batch.tasks
+    service.op_report(Answer(), second, [], (spec.tid, LOADING))
+    service.lose(second, -9)                      # died unpickling: charged twice
+    (third,) = service.reserve_workers()
+    _ask(service, third)
+    service.op_report(Answer(), third, [], (spec.tid, LOADING))
+    service.op_report(Answer(), third, [Report(spec.tid, 0, 1, pack([0]), 0.001, True)],
+                      (spec.tid, 1))
+    service.lose(third, -9)                       # item 1 killed it: its third charge
+    failure = sink.outcomes[1]
+    assert isinstance(failure.exc, TaskFailedError)
+    assert "square(1)" in str(failure.exc) and "kills the process" in str(failure.exc)
 
 
 def connected_workers(pool):
