@@ -9,6 +9,7 @@ broken docker set-up fails instead of skipping.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import os
 import sys
 import time
@@ -45,6 +46,18 @@ def _skip_or_fail(reason: str, required_env: str) -> None:
     if os.environ.get(required_env) == "1":
         pytest.fail(f"{required_env}=1 but: {reason}")
     pytest.skip(reason)
+
+
+def require_module(name: str, required_env: str = "CI_REQUIRE_KUBERNETES"):
+    """Import ``name``, or skip the calling test module; where ``required_env`` is 1 (CI)
+    a missing module fails collection instead, so a broken install cannot pass silently."""
+    try:
+        return importlib.import_module(name)
+    except ImportError as exc:
+        if os.environ.get(required_env) == "1":
+            pytest.fail(f"{required_env}=1 but {name} cannot be imported: {exc}",
+                        pytrace=False)
+        pytest.skip(f"{name} is not installed ({exc})", allow_module_level=True)
 
 
 _MARKS = {"docker": pytest.mark.docker, "kubernetes": pytest.mark.kubernetes}

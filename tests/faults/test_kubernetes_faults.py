@@ -6,7 +6,6 @@ checks that no pod of the run is left after each test.
 """
 from __future__ import annotations
 
-import importlib
 import os
 import select
 import signal
@@ -17,24 +16,13 @@ import time
 import uuid
 
 import pytest
+from conftest import require_module
 
 import fibrl
 from fibrl.popen import run_id
 
 
-def _require(name: str):
-    """Import ``name``, or skip this module; under CI_REQUIRE_KUBERNETES=1 a missing
-    client fails collection instead, so a broken install cannot pass CI silently."""
-    try:
-        return importlib.import_module(name)
-    except ImportError as exc:
-        if os.environ.get("CI_REQUIRE_KUBERNETES") == "1":
-            pytest.fail(f"CI_REQUIRE_KUBERNETES=1 but {name} cannot be imported: {exc}",
-                        pytrace=False)
-        pytest.skip(f"{name} is not installed ({exc})", allow_module_level=True)
-
-
-kubernetes = _require("kubernetes")
+kubernetes = require_module("kubernetes")
 
 pytestmark = [pytest.mark.kubernetes, pytest.mark.timeout(240)]
 

@@ -9,7 +9,6 @@ a real cluster (KUBE_TEST_KUBECONFIG).
 from __future__ import annotations
 
 import base64
-import importlib
 import json
 import logging
 import os
@@ -19,6 +18,7 @@ import time
 import uuid
 
 import pytest
+from conftest import require_module
 
 import fibrl
 from fibrl import backends
@@ -28,19 +28,7 @@ from fibrl.config import Config
 from fibrl.errors import BackendError, ConfigError
 
 
-def _require(name: str):
-    """Import ``name``, or skip this module; under CI_REQUIRE_KUBERNETES=1 a missing
-    client fails collection instead, so a broken install cannot pass CI silently."""
-    try:
-        return importlib.import_module(name)
-    except ImportError as exc:
-        if os.environ.get("CI_REQUIRE_KUBERNETES") == "1":
-            pytest.fail(f"CI_REQUIRE_KUBERNETES=1 but {name} cannot be imported: {exc}",
-                        pytrace=False)
-        pytest.skip(f"{name} is not installed ({exc})", allow_module_level=True)
-
-
-kubernetes = _require("kubernetes")
+kubernetes = require_module("kubernetes")
 
 pytestmark = [pytest.mark.kubernetes, pytest.mark.timeout(120)]
 

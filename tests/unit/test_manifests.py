@@ -6,11 +6,10 @@ grants exactly what the backend asks for.
 """
 from __future__ import annotations
 
-import importlib
-import os
 from pathlib import Path
 
 import pytest
+from conftest import require_module
 
 from fibrl.backends import JobSpec
 from fibrl.backends.kube.api import REQUIRED_PERMISSIONS
@@ -20,20 +19,8 @@ from fibrl.backends.kube.settings import (NEWEST_KUBERNETES, OLDEST_KUBERNETES, 
 from fibrl.config import Config
 
 
-def _require(name: str):
-    """Import ``name``, or skip this module; under CI_REQUIRE_KUBERNETES=1 a missing
-    client fails collection instead, so a broken install cannot pass CI silently."""
-    try:
-        return importlib.import_module(name)
-    except ImportError as exc:
-        if os.environ.get("CI_REQUIRE_KUBERNETES") == "1":
-            pytest.fail(f"CI_REQUIRE_KUBERNETES=1 but {name} cannot be imported: {exc}",
-                        pytrace=False)
-        pytest.skip(f"{name} is not installed ({exc})", allow_module_level=True)
-
-
-kubernetes_validate = _require("kubernetes_validate")
-yaml = _require("yaml")
+kubernetes_validate = require_module("kubernetes_validate")
+yaml = require_module("yaml")
 
 VERSIONS = [OLDEST_KUBERNETES, NEWEST_KUBERNETES]
 RBAC = Path(__file__).resolve().parents[2] / "deploy" / "rbac.yaml"
