@@ -84,6 +84,7 @@ class Popen:
         self.config = config
         self._done = threading.Event()
         self._closed = False
+        self._stopped = False    # terminate()/kill() asked for the end
         self._backend = get_backend(config)
         hub = get_hub()
         start = WorkerStart(self._pickle(process_obj), config, _preparation(process_obj),
@@ -167,8 +168,8 @@ class Popen:
         code = self._job.wait()
         code = code if code is not None else 1
         log.debug("job %s ended with exit code %s", self._job.id, code)
-        if code != 0 and not self._started.is_set():
-            self._explain_early_exit(code)
+        if code != 0 and not self._started.is_set() and not self._stopped:
+            self._explain_early_exit(code)   # not when we ended it (a pool's terminate)
         self.returncode = code
         self._release()
         # A byte, not only EOF: a process forked meanwhile (a "fork" multiprocessing
@@ -206,10 +207,12 @@ class Popen:
 
     def terminate(self) -> None:
         if self.returncode is None:
+            self._stopped = True
             self._job.terminate()
 
     def kill(self) -> None:
         if self.returncode is None:
+            self._stopped = True
             self._job.kill()
 
     def close(self) -> None:

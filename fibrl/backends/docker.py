@@ -10,12 +10,13 @@ only here, when the backend is first used.
 Data flow of one job::
 
     create_job(spec)
-      once: engine reachable, image present; once per image and mount, a probe
-            container runs ``python -c "import fibrl.bootstrap"`` (BackendError
-            with its output if that fails; concurrent starts wait for it)
+      once: engine reachable, image present
       containers.create(host network, cwd mounted, limits, labels)
       attach(stream, demux)  <- before start, so no output is lost
       start
+      once per image and mount, while that worker boots: a probe container runs
+            ``python -c "import fibrl.bootstrap"`` (BackendError with its output
+            if that fails, and the worker is removed; concurrent starts wait)
       follower thread:  frames --> parent's stdout / stderr
                         EOF (container stopped) --> wait API --> inspect
                         --> exit code (128+N -> -N), OOMKilled --> _ended.set()
@@ -540,8 +541,14 @@ class DockerBackend(Backend):
         image = spec.image or self.config.image
         kwargs = self._container_kwargs(spec, image)
         self._require_image(image)
-        self._check_image_runs(image, spec, kwargs)
         job = self._start(spec, image, kwargs)
+        try:
+            # The first start of an image and mount probes it, while this worker boots
+            # (not before: two container starts overlap instead of adding up).
+            self._check_image_runs(image, spec, kwargs)
+        except BaseException:
+            job.remove()   # kills the worker that could not run either
+            raise
         with self._lock:
             self._jobs.add(job)
         return job
