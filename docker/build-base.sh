@@ -108,7 +108,10 @@ rm -rf "$ROOTFS"/var/cache/apt/archives/*.deb "$ROOTFS"/var/cache/apt/*.bin \
        "$ROOTFS"/var/log/*.log "$ROOTFS"/var/log/apt/* "$ROOTFS"/tmp/*
 find "$ROOTFS/usr/share/locale" -mindepth 1 -maxdepth 1 ! -name 'en*' ! -name locale.alias \
      -exec rm -rf {} + 2>/dev/null || true
-find "$ROOTFS/usr" -name __pycache__ -type d -prune -exec rm -rf {} +
+# Byte-compile the standard library, as python:3.11-slim ships it: the worker image
+# runs with PYTHONDONTWRITEBYTECODE=1, so without these every worker start would
+# compile each stdlib module it imports again (about 0.3 s per container here).
+chroot "$ROOTFS" sh -c 'python3 -m compileall -q /usr/lib/python3*' >/dev/null
 
 # Unmount whatever debootstrap left before tarring.
 for m in $(awk -v r="$ROOTFS" 'index($2, r) == 1 {print $2}' /proc/mounts | sort -r); do
