@@ -164,7 +164,13 @@ class Listener:
         # Armed before the handshake: the socket serves its first connection only, so
         # no second one can slip in after (or during) the first one's authentication.
         sock.add_post_pipe_remove_cb(lambda _pipe: _close_soon(sock))
-        sock.listen(f"tcp://{self._host}:0")
+        try:
+            sock.listen(f"tcp://{self._host}:0")
+        except pynng.NNGException as exc:   # no port left, say: refuse this one only
+            log.warning("cannot open a connection for a new peer on %s: %s", self._host, exc)
+            sock.close()
+            self._handshake_done()
+            return _NO
         thread = threading.Thread(target=self._serve, args=(peer,), daemon=True,
                                   name=f"fibrl-peer-{peer.id}")
         peer.thread = thread
@@ -174,9 +180,8 @@ class Listener:
     def _serve(self, peer: Peer) -> None:
         sock = peer._sock
         good = self._authenticate(peer)
-        with self._slots:
-            self._authenticating -= 1
-            self._slots.notify()
+        self._handshake_done()
+        with self._lock:
             if not good or self._closed:
                 sock.close()
                 return
@@ -197,6 +202,11 @@ class Listener:
             log.debug("peer %s of %s disconnected", peer.id, self.address)
             if self._on_lost is not None and not self._closed:
                 self._on_lost(peer)
+
+    def _handshake_done(self) -> None:
+        with self._slots:
+            self._authenticating -= 1
+            self._slots.notify()
 
     def _authenticate(self, peer: Peer) -> bool:
         sock = peer._sock
@@ -323,19 +333,12 @@ def _close_soon(sock: pynng.Socket) -> None:
 
 
 def _ask_address(address: str, timeout: float) -> str:
-    answer = _ask_once(address, timeout)
-    if not answer.startswith(_ADDR):
-        raise TransportError(f"{address} is not a fibrl listener (answered {answer[:16]!r}).")
-    return answer[len(_ADDR):].decode()
-
-
-def _ask_once(address: str, timeout: float) -> bytes:
     req = pynng.Req0(resend_time=-1, recv_timeout=int(timeout * 1000),
                      send_timeout=int(timeout * 1000))
     try:
         req.dial(address, block=True)
         req.send(HELLO)
-        return req.recv()
+        answer = req.recv()
     except pynng.ConnectionRefused as exc:
         raise TransportError(
             f"nothing listens at {address} (connection refused); the fibrl process that "
@@ -346,6 +349,9 @@ def _ask_once(address: str, timeout: float) -> bytes:
         raise TransportError(f"cannot connect to {address}: {exc}") from exc
     finally:
         req.close()
+    if not answer.startswith(_ADDR):
+        raise TransportError(f"{address} is not a fibrl listener (answered {answer[:16]!r}).")
+    return answer[len(_ADDR):].decode()
 
 
 def _client_handshake(sock: pynng.Pair1, secret: bytes, timeout: float) -> None:
