@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import functools
 import logging
 import os
 import re
@@ -230,6 +231,7 @@ def _remove_quietly(api: Any, container_id: str) -> bool:
         return False
 
 
+@functools.lru_cache(maxsize=None)
 def pid_namespace() -> str:
     """This process's PID namespace, unique on this machine ("" where unknown).
 
@@ -279,8 +281,16 @@ def _spawn_reaper(read_end: int) -> None:
         [sys.executable, "-S", script, str(os.getpid()), pid_namespace(), f"{REAP_WAIT:g}"],
         stdin=read_end, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
         close_fds=True, cwd="/")
-    if first.wait(30) != 0:   # it exits as soon as it has forked the reaper
-        raise subprocess.SubprocessError(f"the reaper's launcher exited {first.returncode}")
+    try:
+        code = first.wait(30)   # it exits as soon as it has forked the reaper
+    except subprocess.TimeoutExpired:
+        # Killed before our write end closes: a reaper forked later would see EOF at
+        # once and remove the containers of this live process.
+        first.kill()
+        first.wait()
+        raise
+    if code != 0:
+        raise subprocess.SubprocessError(f"the reaper's launcher exited {code}")
 
 
 def _pid_alive(pid: int) -> bool:
@@ -299,14 +309,13 @@ def _collect_orphans(client: Any) -> None:
     Only those of parents in this process's PID namespace: elsewhere (a parent in a
     container, or this one in a container) the same pid is another process.
     """
-    namespace = pid_namespace()
-    if not namespace:
-        return
-    filters = {"label": _label_filters() + [f"{LABEL_HOST}={socket.gethostname()}",
-                                            f"{LABEL_PIDNS}={namespace}"],
+    namespace = pid_namespace()   # "" without /proc (Docker Desktop's host side)
+    filters = {"label": _label_filters() + [f"{LABEL_HOST}={socket.gethostname()}"],
                "status": "exited"}
     try:
         for container in client.containers.list(all=True, filters=filters):
+            if container.labels.get(LABEL_PIDNS, "") != namespace:
+                continue   # its parent's pid means another process here
             parent = container.labels.get(LABEL_PARENT, "")
             if parent.isdigit() and not _pid_alive(int(parent)):
                 _remove_quietly(client.api, container.id)
@@ -514,13 +523,14 @@ class DockerBackend(Backend):
     def client(self) -> Any:
         """The docker SDK client (connects, and cleans up orphans, on first use)."""
         with self._lock:
-            if self._client is None:
-                self._client = connect()
-                _start_reaper()
-                threading.Thread(target=_collect_orphans, args=(self._client,), daemon=True,
+            client = self._client
+            if client is None:
+                self._client = client = connect()
+                threading.Thread(target=_collect_orphans, args=(client,), daemon=True,
                                  name="fibrl-docker-orphans").start()
                 atexit.register(self._remove_ended)
-        return self._client
+        _start_reaper()   # once per process (its own lock); a forked child starts its own
+        return client
 
     def cpu_count(self) -> int:
         if self._nested_locally():

@@ -27,7 +27,6 @@ import itertools
 import threading
 from typing import Any, Iterator, Optional
 
-from ..errors import SerializationError
 from .protocol import pack
 from .results import Failure
 from .service import PoolService
@@ -138,9 +137,9 @@ class Feeder:
                 return self._end(lazy)
             try:
                 chunks.append((pack(items), len(items)))
-            except Exception as exc:  # not only pickling errors: a __getstate__ may raise anything
-                self._submit(lazy, start, chunks)
-                lazy.sink._deliver(lazy.fed, [Failure(_unpicklable(exc))] * len(items))
+            except Exception as exc:  # pack names the item: SerializationError, whatever
+                self._submit(lazy, start, chunks)  # its __getstate__/__reduce__ raised
+                lazy.sink._deliver(lazy.fed, [Failure(exc)] * len(items))
                 chunks, start = [], lazy.fed + len(items)
             lazy.fed += len(items)
         self._submit(lazy, start, chunks)
@@ -164,15 +163,3 @@ class Feeder:
             if lazy in self._inputs:
                 self._inputs.remove(lazy)
         self._service.end_inputs(lazy.job, lazy.fed)
-
-
-def _unpicklable(exc: Exception) -> Exception:
-    """The error of an input item that cannot be pickled, as a SerializationError."""
-    if isinstance(exc, SerializationError):
-        return exc
-    error = SerializationError(
-        f"an item of the imap input cannot be pickled: pickling it raised "
-        f"{type(exc).__name__}: {exc}. Fix how the item's class pickles (its __getstate__ "
-        f"or __reduce__), or pass something picklable instead.")
-    error.__cause__ = exc
-    return error

@@ -364,6 +364,8 @@ class PoolService(Service):
         task = self._tasks.get(starting[0])
         if task is not None and task.holder == wid:
             task.running = starting[1]
+            if starting[1] != LOADING:
+                task.killed_loading = False  # a worker unpickled it: the payload is harmless
 
     def op_func(self, reply: ReplySink, fid: int) -> None:
         """The pickled callable ``fid`` (for a worker that evicted it from its cache)."""

@@ -8,6 +8,8 @@ import logging
 import os
 import re
 import socket
+import subprocess
+import sys
 import tarfile
 
 import pytest
@@ -126,25 +128,42 @@ def test_pid_namespace_is_this_machines_boot_and_namespace():
     assert namespace.rsplit("-", 1)[1] == str(os.stat("/proc/self/ns/pid").st_ino)
 
 
-class _Recorded:
-    """Stands in for the SDK client: records the filters of containers.list()."""
+class _Container:
+    def __init__(self, cid, parent, namespace):
+        self.id = cid
+        self.labels = {"fibrl.parent": str(parent), "fibrl.pidns": namespace}
 
-    def __init__(self):
-        self.filters = []
-        self.containers = self
+
+class _Engine:
+    """Stands in for the SDK client: serves containers.list(), records removals."""
+
+    def __init__(self, containers):
+        self._containers = containers
+        self.containers = self.api = self
+        self.removed = []
 
     def list(self, all=False, filters=None):
-        self.filters.append(filters)
-        return []
+        return self._containers
+
+    def remove_container(self, cid, force=False):
+        self.removed.append(cid)
 
 
-def test_orphans_are_collected_only_in_this_pid_namespace(monkeypatch):
-    client = _Recorded()
-    dockerbackend._collect_orphans(client)
-    assert f"fibrl.pidns={dockerbackend.pid_namespace()}" in client.filters[0]["label"]
-    monkeypatch.setattr(dockerbackend, "pid_namespace", lambda: "")
-    dockerbackend._collect_orphans(client)   # whose pids the labels hold is unknown: none
-    assert len(client.filters) == 1
+def _dead_pid():
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+@pytest.mark.parametrize("here", ["boot-1234", ""])   # "": no /proc, as on Docker Desktop
+def test_orphans_are_collected_only_in_this_pid_namespace(monkeypatch, here):
+    monkeypatch.setattr(dockerbackend, "pid_namespace", lambda: here)
+    dead = _dead_pid()
+    engine = _Engine([_Container("mine-dead", dead, here),
+                      _Container("mine-alive", os.getpid(), here),
+                      _Container("other-namespace", dead, "boot-9999")])
+    dockerbackend._collect_orphans(engine)
+    assert engine.removed == ["mine-dead"]
 
 
 REAPED_PARENT = """

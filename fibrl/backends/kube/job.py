@@ -194,6 +194,8 @@ class KubernetesJob(Job):
         from now (start_timeout + kubernetes_pending_timeout), with what the pod shows.
         """
         with self._lock:
+            if self._ended.is_set():
+                return   # ended before it ran (creation failed): nothing to bound
             if not self._running:
                 self._on_running.append(callback)
                 if self._never_ran is None:
