@@ -61,7 +61,8 @@ def _reap(parent: int, namespace: str, wait: float) -> None:
                                             f"{LABEL_PIDNS}={namespace}"]}
     try:
         client = connect(timeout=30, pool_size=2)
-        remove_when_stopped(client.containers.list(all=True, filters=filters), client, wait)
+        containers = client.containers.list(all=True, filters=filters, ignore_removed=True)
+        remove_when_stopped(containers, client, wait)
     except Exception:  # engine gone too: nothing this process can do
         return
 

@@ -180,7 +180,9 @@ def list_containers(run: Optional[str] = None, *, running_only: bool = False,
     """
     client = client or connect()
     filters = {"label": _label_filters(run, parent)}
-    return client.containers.list(all=not running_only, filters=filters)
+    # ignore_removed: a container removed between the listing and its inspection
+    # (a reaper at work) is left out instead of failing the whole call with 404
+    return client.containers.list(all=not running_only, filters=filters, ignore_removed=True)
 
 
 def remove_containers(run: Optional[str] = None, *, force: bool = False,
@@ -313,7 +315,8 @@ def _collect_orphans(client: Any) -> None:
     filters = {"label": _label_filters() + [f"{LABEL_HOST}={socket.gethostname()}"],
                "status": "exited"}
     try:
-        for container in client.containers.list(all=True, filters=filters):
+        for container in client.containers.list(all=True, filters=filters,
+                                                ignore_removed=True):
             if container.labels.get(LABEL_PIDNS, "") != namespace:
                 continue   # its parent's pid means another process here
             parent = container.labels.get(LABEL_PARENT, "")

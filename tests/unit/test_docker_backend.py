@@ -142,7 +142,7 @@ class _Engine:
         self.containers = self.api = self
         self.removed = []
 
-    def list(self, all=False, filters=None):
+    def list(self, all=False, filters=None, ignore_removed=False):
         return self._containers
 
     def remove_container(self, cid, force=False):
