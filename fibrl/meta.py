@@ -7,7 +7,9 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional, TypeVar
 
-__all__ = ["meta"]
+__all__ = ["meta", "resources", "KEYS"]
+
+KEYS = ("cpu", "memory", "gpu")
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -27,15 +29,26 @@ def meta(*, cpu: Optional[float] = None, memory: Optional[str] = None,
         >>> work.__fibrl_meta__
         {'cpu': 1, 'memory': '256m'}
     """
-    if cpu is not None and cpu <= 0:
-        raise ValueError(f"meta(cpu=...) must be > 0, got {cpu}")
-    if gpu is not None and gpu < 0:
-        raise ValueError(f"meta(gpu=...) must be >= 0, got {gpu}")
-    values = {"cpu": cpu, "memory": memory, "gpu": gpu}
-    chosen = {k: v for k, v in values.items() if v is not None}
+    chosen = resources(cpu=cpu, memory=memory, gpu=gpu)
 
     def mark(fn: F) -> F:
         fn.__fibrl_meta__ = chosen  # type: ignore[attr-defined]
         return fn
 
     return mark
+
+
+def resources(*, cpu: Optional[float] = None, memory: Optional[str] = None,
+              gpu: Optional[int] = None) -> dict:
+    """The requests given (None left out), checked as :func:`meta` checks them.
+
+    Example:
+        >>> resources(cpu=2, gpu=None)
+        {'cpu': 2}
+    """
+    if cpu is not None and cpu <= 0:
+        raise ValueError(f"meta(cpu=...) must be > 0, got {cpu}")
+    if gpu is not None and gpu < 0:
+        raise ValueError(f"meta(gpu=...) must be >= 0, got {gpu}")
+    values = {"cpu": cpu, "memory": memory, "gpu": gpu}
+    return {k: v for k, v in values.items() if v is not None}

@@ -19,7 +19,8 @@ from typing import Any, Callable, Iterable, Mapping, Optional
 from .. import serialization
 from ..errors import WorkerLostError
 from ..hub import get_hub
-from ..meta import meta as _check_meta
+from ..meta import KEYS as META_KEYS
+from ..meta import resources
 from .feeder import Feeder
 from .protocol import Kind, WorkerArgs, pack
 from .service import PoolService
@@ -53,16 +54,12 @@ def worker_meta(initializer: Optional[Callable], meta: Optional[Mapping],
     if not isinstance(meta, Mapping):
         raise TypeError(f"{owner}(meta=...) must be a dict such as {{'cpu': 1, 'memory': "
                         f"'2g'}}, not {type(meta).__name__}")
-    unknown = sorted(set(meta) - _META_KEYS)
+    unknown = sorted(set(meta) - set(META_KEYS))
     if unknown:
         raise ValueError(f"{owner}(meta=...) has unknown keys {unknown}; the valid keys are "
-                         f"{sorted(_META_KEYS)}, as for @fibrl.meta")
-    _check_meta(**meta)
-    chosen.update((k, v) for k, v in meta.items() if v is not None)
+                         f"{sorted(META_KEYS)}, as for @fibrl.meta")
+    chosen.update(resources(**meta))
     return chosen
-
-
-_META_KEYS = {"cpu", "memory", "gpu"}
 
 
 class Engine:
