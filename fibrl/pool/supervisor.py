@@ -199,6 +199,10 @@ class Supervisor:
 
     # -- starter threads ----------------------------------------------------------------
     def _start_one(self, wid: int) -> None:
+        with self._lock:
+            if self._killing:  # queued behind other starts when terminate() came
+                self._starting.discard(wid)
+                return
         try:
             proc = self._new_process(target=run_worker, args=(self._make_args(wid),),
                                      daemon=True, name=f"{self._name}-worker-{wid}")
