@@ -33,12 +33,14 @@ import os
 import re
 import secrets
 import threading
+import time
 from multiprocessing import util as mp_util
-from typing import Optional
+from typing import Callable, Optional
 from urllib.parse import urlsplit
 
 from ..config import Config
 from ..errors import BackendError
+from ..hub import Timers
 from .base import Backend, Job, JobSpec
 from .kube.api import Api, KubeApiError, connect
 from .kube.creator import Creator
@@ -90,10 +92,26 @@ class KubernetesBackend(Backend):
         self._parent: Optional[dict] = None        # this process's pod, when it runs in one
         self._warned_address = False
         self._closed = False
+        self._timers = Timers()   # deadlines of pending pods (its thread starts on use)
 
     @property
     def pending_timeout(self) -> float:
         return self.settings.pending_timeout
+
+    def call_later(self, delay: float, fn: Callable[..., None], *args: object) -> list:
+        """Run ``fn(*args)`` after ``delay`` s; returns an entry for :meth:`cancel_timer`.
+
+        One timer thread waits for every pending pod's deadlines (not a thread per
+        pod: a pool of 500 may wait for nodes at once); ``fn`` runs in a thread of
+        its own, since ending a job calls the API.
+        """
+        def run() -> None:
+            threading.Thread(target=fn, args=args, daemon=True,
+                             name="fibrl-kube-deadline").start()
+
+        return self._timers.call_at(time.monotonic() + delay, run)
+
+    cancel_timer = staticmethod(Timers.cancel)
 
     @property
     def start_limit(self) -> float:

@@ -123,7 +123,8 @@ class KubernetesJob(Job):
     """A worker running as a pod. Created by :class:`~fibrl.backends.kubernetes.KubernetesBackend`.
 
     ``owner`` is the backend: it provides ``delete_pod(name, grace)``,
-    ``read_logs(name)``, ``job_failed_to_start(job, message)`` and ``pending_timeout``.
+    ``read_logs(name)``, ``job_failed_to_start(job, message)``, ``pending_timeout``,
+    ``start_limit`` and ``call_later(delay, fn, *args)`` / ``cancel_timer(entry)``.
     """
 
     def __init__(self, spec: JobSpec, owner: Any, name: str, namespace: str,
@@ -140,12 +141,12 @@ class KubernetesJob(Job):
         self._code: Optional[int] = None
         self._reason = ""
         self._requested = 0                      # -15 / -9 once terminate()/kill() asked
-        self._stuck: Optional[threading.Timer] = None
+        self._stuck: Optional[list] = None       # owner.call_later entries
         self._removed = False
         self._final_logs = ""
         self._running = False
         self._on_running: list = []              # callbacks of when_running()
-        self._never_ran: Optional[threading.Timer] = None
+        self._never_ran: Optional[list] = None
 
     @property
     def id(self) -> str:
@@ -182,7 +183,7 @@ class KubernetesJob(Job):
         self._running = True
         callbacks, self._on_running = self._on_running, []
         if self._never_ran is not None:
-            self._never_ran.cancel()
+            self._owner.cancel_timer(self._never_ran)
         return callbacks
 
     def when_running(self, callback: Callable[[], None]) -> None:
@@ -200,10 +201,8 @@ class KubernetesJob(Job):
                 self._on_running.append(callback)
                 if self._never_ran is None:
                     limit = self._owner.start_limit
-                    self._never_ran = timer = threading.Timer(limit, self._not_running_in,
-                                                              (limit,))
-                    timer.daemon = True
-                    timer.start()
+                    self._never_ran = self._owner.call_later(limit, self._not_running_in,
+                                                             limit)
                 return
         callback()
 
@@ -234,15 +233,13 @@ class KubernetesJob(Job):
             if not reason:
                 timer, self._stuck = self._stuck, None
             elif self._stuck is None:
-                self._stuck = timer = threading.Timer(self._owner.pending_timeout,
-                                                      self._stuck_too_long)
-                timer.daemon = True
-                timer.start()
+                self._stuck = self._owner.call_later(self._owner.pending_timeout,
+                                                     self._stuck_too_long)
                 return
             else:
                 return
         if timer is not None:
-            timer.cancel()
+            self._owner.cancel_timer(timer)
 
     def _stuck_too_long(self) -> None:
         with self._lock:
@@ -262,7 +259,7 @@ class KubernetesJob(Job):
             self._ended.set()
         for timer in timers:
             if timer is not None:
-                timer.cancel()
+                self._owner.cancel_timer(timer)
         if reason and code != self._requested:
             _report(self, code, reason)
         return True
