@@ -29,7 +29,6 @@ any service (``queues``, ``connection``, ``synchronize``, ``pool``,
 """
 from __future__ import annotations
 
-import heapq
 import itertools
 import logging
 import os
@@ -43,6 +42,7 @@ from typing import Any, Callable, Optional
 from . import serialization
 from .errors import ChannelClosed, RemoteObjectError, RemoteTraceback, TransportError
 from .messages import RAW_TYPES, Call, RemoteError, Reply, blob, wrap_raw
+from .timers import Timers
 
 __all__ = ["Hub", "Handle", "Service", "SharedService", "Client", "get_hub", "raise_remote",
            "drop_owner", "mark_pickled", "own"]
@@ -305,46 +305,6 @@ def own(handle: Any, oid: str) -> None:
     """Tie the lifetime of the hosted ``oid`` to the creating ``handle`` (see SharedService)."""
     finalizer = weakref.finalize(handle, drop_owner, weakref.ref(get_hub()), oid)
     finalizer.atexit = False  # at exit the hub closes every service itself
-
-
-class Timers:
-    """One thread that runs callbacks at deadlines (for parked replies)."""
-
-    def __init__(self) -> None:
-        self._heap: list = []
-        self._cond = threading.Condition()
-        self._seq = itertools.count()
-        self._thread: Optional[threading.Thread] = None
-
-    def call_at(self, deadline: float, fn: Callable[[], None]) -> list:
-        """Run ``fn`` at ``time.monotonic() >= deadline``; returns a cancellable entry."""
-        entry = [deadline, next(self._seq), fn]
-        with self._cond:
-            heapq.heappush(self._heap, entry)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, daemon=True,
-                                                 name="fibrl-timers")
-                self._thread.start()
-            if self._heap[0] is entry:
-                self._cond.notify()
-        return entry
-
-    @staticmethod
-    def cancel(entry: list) -> None:
-        entry[2] = None
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                while not self._heap or self._heap[0][0] > time.monotonic():
-                    delay = self._heap[0][0] - time.monotonic() if self._heap else None
-                    self._cond.wait(delay)
-                fn = heapq.heappop(self._heap)[2]
-            if fn is not None:
-                try:
-                    fn()
-                except Exception:
-                    log.exception("timer callback failed")
 
 
 class Client:

@@ -40,7 +40,7 @@ from urllib.parse import urlsplit
 
 from ..config import Config
 from ..errors import BackendError
-from ..hub import Timers
+from ..timers import Timers
 from .base import Backend, Job, JobSpec
 from .kube.api import Api, KubeApiError, connect
 from .kube.creator import Creator

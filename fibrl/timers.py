@@ -1,0 +1,58 @@
+"""Deadlines: one thread that runs callbacks at given times.
+
+Owns only that. Used by the hub (deadlines of parked replies) and by backends
+(deadlines of pending jobs); it depends on nothing else in fibrl, so any layer
+may use it.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import threading
+import time
+from typing import Callable, Optional
+
+__all__ = ["Timers"]
+
+log = logging.getLogger(__name__)
+
+
+class Timers:
+    """One thread that runs callbacks at deadlines (for parked replies)."""
+
+    def __init__(self) -> None:
+        self._heap: list = []
+        self._cond = threading.Condition()
+        self._seq = itertools.count()
+        self._thread: Optional[threading.Thread] = None
+
+    def call_at(self, deadline: float, fn: Callable[[], None]) -> list:
+        """Run ``fn`` at ``time.monotonic() >= deadline``; returns a cancellable entry."""
+        entry = [deadline, next(self._seq), fn]
+        with self._cond:
+            heapq.heappush(self._heap, entry)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, daemon=True,
+                                                 name="fibrl-timers")
+                self._thread.start()
+            if self._heap[0] is entry:
+                self._cond.notify()
+        return entry
+
+    @staticmethod
+    def cancel(entry: list) -> None:
+        entry[2] = None
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._heap or self._heap[0][0] > time.monotonic():
+                    delay = self._heap[0][0] - time.monotonic() if self._heap else None
+                    self._cond.wait(delay)
+                fn = heapq.heappop(self._heap)[2]
+            if fn is not None:
+                try:
+                    fn()
+                except Exception:
+                    log.exception("timer callback failed")
