@@ -111,7 +111,7 @@ class KubernetesLauncher(Launcher):
             if found is not None:
                 return found
 
-    def _watch(self, selector: str, decide: Callable, rv: str,
+    def _watch(self, selector: str, decide: "_Until", rv: str,
                deadline: Optional[float]) -> Optional[dict]:
         from kubernetes.watch.watch import iter_resp_lines
 
@@ -131,6 +131,8 @@ class KubernetesLauncher(Launcher):
                 found = self._event(line, decide)
                 if found is not None:
                     return found
+                if decide.deadline() != deadline:
+                    return None   # the pod just got stuck: watch again, bounded by that
         except (OSError, _Relist):
             return None   # dropped or expired stream: list again
         finally:
