@@ -30,6 +30,7 @@ from typing import Any, Iterable, Optional
 
 from . import serialization
 from .hub import drop_owner, get_hub, mark_pickled
+from .janitor import Finalizer
 from .mailbox import Mailbox
 
 __all__ = ["Connection", "Pipe", "wait"]
@@ -51,7 +52,8 @@ class Connection:
     def _attach(self, method: str = "attach") -> None:
         if self._outbox is not None:
             get_hub().call(self._address, self._outbox, method)
-            self._finalizer = weakref.finalize(self, _detach, self._address, self._outbox)
+            self._finalizer = Finalizer(self, _detach, self._address, self._outbox,
+                                        atexit=True)
 
     def __reduce__(self):
         self._check_closed()
@@ -207,16 +209,16 @@ def Pipe(duplex: bool = True) -> tuple[Connection, Connection]:
         if oid is not None:
             # the creator's handle is the pair: the pipe retires (see SharedService)
             # once both ends are collected here and nobody else uses it
-            weakref.finalize(conn1, _drop_when_both_gone, weakref.ref(hub), oid,
-                             weakref.ref(conn2)).atexit = False
+            Finalizer(conn1, _drop_when_both_gone, weakref.ref(hub), oid, weakref.ref(conn2))
     return conn1, conn2
 
 
 def _drop_when_both_gone(hub_ref, oid: str, other: "weakref.ref") -> None:
-    if other() is None:
+    conn = other()
+    if conn is None:
         drop_owner(hub_ref, oid)
     else:
-        weakref.finalize(other(), drop_owner, hub_ref, oid).atexit = False
+        Finalizer(conn, drop_owner, hub_ref, oid)
 
 
 # -- wait ---------------------------------------------------------------------------------

@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import threading
 import time
-import weakref
 from concurrent.futures import Executor as _BaseExecutor
 from concurrent.futures import Future, InvalidStateError
 from multiprocessing import TimeoutError as MpTimeoutError
 from typing import Any, Callable, Iterator, Optional
 
+from .janitor import Finalizer
 from .pool import chunked, fibrl_context
 from .pool.engine import Engine, worker_meta
 from .pool.protocol import Kind, pack
@@ -95,7 +95,7 @@ class ProcessPoolExecutor(_BaseExecutor):
         self._shutdown_lock = threading.Lock()
         self._shutdown = False
         # Dropped without shutdown(): pending work still completes, as with the stdlib.
-        self._finalizer = weakref.finalize(self, self._engine.close)
+        self._finalizer = Finalizer(self, self._engine.close, atexit=True)
 
     def submit(self, fn: Callable, /, *args: Any, **kwargs: Any) -> Future:
         """Schedule ``fn(*args, **kwargs)``; unpicklable ``fn`` or arguments raise here."""

@@ -39,9 +39,10 @@ import weakref
 from collections import deque
 from typing import Any, Callable, Optional
 
-from . import serialization
+from . import janitor, serialization
 from .errors import ChannelClosed, RemoteObjectError, RemoteTraceback, TransportError
 from .messages import RAW_TYPES, Call, RemoteError, Reply, blob, wrap_raw
+from .janitor import Finalizer
 from .timers import Timers
 
 __all__ = ["Hub", "Handle", "Service", "SharedService", "Client", "get_hub", "raise_remote",
@@ -79,7 +80,9 @@ def _as_remote(exc: BaseException) -> RemoteError:
     return RemoteError(exc, tb)
 
 
-_callback_lock = threading.Lock()  # resolving and adding callbacks: brief, rare contention
+# Resolving and adding callbacks: brief, rare contention. Reentrant: a collection on this
+# thread may run code that resolves another handle while this one is being resolved.
+_callback_lock = threading.RLock()
 
 
 class Handle:
@@ -90,28 +93,30 @@ class Handle:
         3
     """
 
-    __slots__ = ("_event", "_ok", "_value", "_callbacks", "__weakref__")
+    __slots__ = ("_event", "_done", "_ok", "_value", "_callbacks", "__weakref__")
 
     def __init__(self) -> None:
         self._event = threading.Event()
+        self._done = False
         self._ok = True
         self._value: Any = None
         self._callbacks: list[Callable[["Handle"], None]] = []
 
     def _resolve(self, ok: bool, value: Any) -> None:
         with _callback_lock:
-            if self._event.is_set():
+            if self._done:
                 return
+            self._done = True
             self._ok, self._value = ok, value
-            self._event.set()
             callbacks, self._callbacks = self._callbacks, []
+        self._event.set()  # outside the lock: waking waiters takes the event's own lock
         for cb in callbacks:
             cb(self)
 
     def add_done_callback(self, fn: Callable[["Handle"], None]) -> None:
         """Run ``fn(handle)`` once, when the result arrives (at once if it has)."""
         with _callback_lock:
-            if not self._event.is_set():
+            if not self._done:
                 self._callbacks.append(fn)
                 return
         fn(self)
@@ -303,8 +308,8 @@ def mark_pickled(address: Optional[str], oid: str) -> None:
 
 def own(handle: Any, oid: str) -> None:
     """Tie the lifetime of the hosted ``oid`` to the creating ``handle`` (see SharedService)."""
-    finalizer = weakref.finalize(handle, drop_owner, weakref.ref(get_hub()), oid)
-    finalizer.atexit = False  # at exit the hub closes every service itself
+    Finalizer(handle, drop_owner, weakref.ref(get_hub()), oid)  # not at exit: the hub
+    # closes every service itself then
 
 
 class Client:
@@ -773,7 +778,9 @@ def _shutdown_hub() -> None:
     from multiprocessing import util
 
     util._exit_function()  # joins non-daemonic children, which may still use our hub
+    janitor.stop()  # queued cleanups of collected handles: moot once the hub closes
     if _hub is not None and _hub.pid == os.getpid():
-        _hub.close()
+        _hub.close()  # also ends a remote call the janitor may be waiting on
+    janitor.join(1.0)  # nothing of ours may still be inside nng when nng exits
 
 

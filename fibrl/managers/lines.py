@@ -34,6 +34,7 @@ from typing import Any, Optional
 from .. import serialization
 from ..errors import ChannelClosed, RemoteObjectError, TransportError
 from ..hub import Hub, get_hub, raise_remote
+from ..janitor import Finalizer
 from ..messages import Call, wrap_raw
 
 __all__ = ["Line", "line_for", "hub_for", "close_lines", "note_decref", "take_decrefs",
@@ -76,7 +77,7 @@ class Line:
             hub.client(address)  # liveness pings go this way: connect now, not when stuck
         except TransportError as exc:
             raise lost_error(address, exc) from exc
-        weakref.finalize(self, self._channel.close).atexit = False
+        Finalizer(self, self._channel.close)
         _all_lines.add(self)
         self.call("hello")
 

@@ -36,6 +36,7 @@ from typing import Any, Callable, Optional
 from .. import serialization
 from ..errors import BackendError, RemoteTraceback, describe_exitcode
 from ..hub import ReplySink, Service, get_hub
+from ..janitor import Finalizer
 from .lines import MANAGER_OID, close_lines, hub_for, line_for, take_decrefs
 from .proxies import (AcquirerProxy, ArrayProxy, AsyncAutoProxy, AutoProxy, BarrierProxy,
                       ConditionProxy, DictProxy, EventProxy, IteratorProxy, ListProxy,
@@ -194,11 +195,14 @@ class BaseManager:
         finally:
             hub.unregister(oid)
         self._state.value = State.STARTED
+        # At exit and when called: inline. When the manager is collected: on the janitor's
+        # thread (a collection can run on a thread that holds one of fibrl's locks).
         self.shutdown = util.Finalize(  # type: ignore[method-assign]
-            self, type(self)._finalize_manager,
+            None, type(self)._finalize_manager,
             args=(self._process, self._address, bytes(self._authkey), self._state,
                   self._shutdown_timeout),
             exitpriority=0)
+        Finalizer(self, self.shutdown)
 
     def _check_startable(self, initializer: Any) -> None:
         if self._state.value != State.INITIAL:

@@ -28,10 +28,10 @@ from __future__ import annotations
 
 import functools
 import warnings
-import weakref
 from itertools import islice
 from typing import Any, Callable, Iterable, Optional
 
+from ..janitor import Finalizer
 from .engine import Engine, worker_meta
 from .protocol import Kind, pack
 from .results import (ApplyResult, AsyncResult, IMapIterator, IMapUnorderedIterator,
@@ -116,7 +116,7 @@ class Pool:
                               meta=worker_meta(initializer, meta),
                               new_process=functools.partial(type(self).Process, self._ctx))
         self._state = RUN
-        self._finalizer = weakref.finalize(self, self._engine.terminate)
+        self._finalizer = Finalizer(self, self._engine.terminate, atexit=True)
 
     @staticmethod
     def Process(ctx: Any, *args: Any, **kwds: Any) -> Any:
