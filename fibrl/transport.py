@@ -272,9 +272,13 @@ class Channel:
         """
         data_address = _ask_address(address, timeout)
         sock = _pair()
+        # A listener that dies mid-handshake closes the pipe, but a Pair1 recv does not
+        # end with it (nng would wait for a redial): close the socket then, so the
+        # handshake fails at once instead of after ``timeout``.
+        sock.add_post_pipe_remove_cb(lambda _pipe: _close_soon(sock))
         try:
             sock.dial(data_address, block=True)
-            _client_handshake(sock, secret, timeout)
+            _client_handshake(sock, secret, timeout, address)
         except BaseException:
             sock.close()
             raise
@@ -335,10 +339,15 @@ def _close_soon(sock: pynng.Socket) -> None:
 def _ask_address(address: str, timeout: float) -> str:
     req = pynng.Req0(resend_time=-1, recv_timeout=int(timeout * 1000),
                      send_timeout=int(timeout * 1000))
+    req.add_post_pipe_remove_cb(lambda _pipe: _close_soon(req))  # as in Channel.connect
     try:
         req.dial(address, block=True)
         req.send(HELLO)
         answer = req.recv()
+    except pynng.Closed as exc:
+        raise TransportError(
+            f"{address} went away while we asked for its data address; the fibrl process "
+            f"that owns it has exited.") from exc
     except pynng.ConnectionRefused as exc:
         raise TransportError(
             f"nothing listens at {address} (connection refused); the fibrl process that "
@@ -354,7 +363,8 @@ def _ask_address(address: str, timeout: float) -> str:
     return answer[len(_ADDR):].decode()
 
 
-def _client_handshake(sock: pynng.Pair1, secret: bytes, timeout: float) -> None:
+def _client_handshake(sock: pynng.Pair1, secret: bytes, timeout: float,
+                      address: str = "the listener") -> None:
     sock.recv_timeout = int(timeout * 1000)
     nonce = os.urandom(_NONCE)
     try:
@@ -367,6 +377,10 @@ def _client_handshake(sock: pynng.Pair1, secret: bytes, timeout: float) -> None:
                 "fibrl run or is not fibrl. Check the address and the authkey/FIBRL_SECRET.")
         sock.send(_A + _mac(secret, b"C", challenge[4:4 + _NONCE]))
         verdict = sock.recv()
+    except pynng.Closed as exc:
+        raise TransportError(
+            f"{address} went away during the authentication handshake; the fibrl process "
+            f"that owns it has exited.") from exc
     except pynng.NNGException as exc:
         raise AuthenticationError(f"authentication handshake failed: {exc}") from exc
     finally:

@@ -1,5 +1,6 @@
 """The authenticated transport: handshake, refusal of strangers, no unpickling before auth."""
 import pickle
+import socket
 import threading
 import time
 
@@ -153,3 +154,60 @@ def test_peers_that_never_authenticate_cannot_pile_up(echo, monkeypatch):
     good.close()
     for sock in silent:
         sock.close()
+
+
+def test_listener_dying_mid_handshake_fails_the_connect_at_once():
+    """A parent killed while its worker authenticates: the worker must not wait out
+    its whole connect timeout (nng keeps a Pair1 recv waiting for a redial)."""
+    data = pynng.Pair1(recv_timeout=10_000)
+    data_address = "tcp://" + str(data.listen("tcp://127.0.0.1:0").local_address)
+    rep = pynng.Rep0(recv_timeout=10_000, send_timeout=10_000)
+    address = "tcp://" + str(rep.listen("tcp://127.0.0.1:0").local_address)
+
+    def fake_listener():
+        try:
+            assert rep.recv() == HELLO
+            rep.send(b"FBADDR1" + data_address.encode())
+            data.recv()  # the client's hello: then die without answering
+        finally:
+            data.close()
+            rep.close()
+
+    thread = threading.Thread(target=fake_listener, daemon=True)
+    thread.start()
+    start = time.monotonic()
+    with pytest.raises(TransportError, match="went away during the authentication"):
+        Channel.connect(address, SECRET, timeout=30)
+    assert time.monotonic() - start < 10
+    thread.join(10)
+
+
+def test_listener_dying_before_it_gives_its_data_address_fails_at_once(monkeypatch):
+    """The connection is up (SP headers exchanged), then the listener is gone before the
+    hello is sent: a Req0 send would wait for a redial until its timeout."""
+    dial = pynng.Req0.dial
+
+    def dial_then_lose_the_pipe(sock, *args, **kwargs):
+        dial(sock, *args, **kwargs)
+        deadline = time.monotonic() + 5
+        while sock.pipes and time.monotonic() < deadline:
+            time.sleep(0.01)  # nng removes the pipe on its own threads
+
+    monkeypatch.setattr(pynng.Req0, "dial", dial_then_lose_the_pipe)
+    server = socket.create_server(("127.0.0.1", 0))
+    address = "tcp://127.0.0.1:%d" % server.getsockname()[1]
+
+    def fake_listener():
+        conn, _ = server.accept()
+        server.close()  # nothing to redial to
+        conn.recv(8)  # the client's SP header; answer as a Rep0, then die
+        conn.sendall(b"\x00SP\x00" + (0x31).to_bytes(2, "big") + b"\x00\x00")
+        conn.close()
+
+    thread = threading.Thread(target=fake_listener, daemon=True)
+    thread.start()
+    start = time.monotonic()
+    with pytest.raises(TransportError, match="went away|cannot connect"):
+        Channel.connect(address, SECRET, timeout=30)
+    assert time.monotonic() - start < 10
+    thread.join(10)
