@@ -23,6 +23,7 @@ from __future__ import annotations
 import itertools
 import os
 import selectors
+import threading
 import time
 import weakref
 from multiprocessing import BufferTooShort
@@ -254,43 +255,65 @@ def _ready_fds(objects: list, timeout: Optional[float]) -> list:
 
 def _wait_blocking(conns: list, others: list, timeout: Optional[float]) -> list:
     hub = get_hub()
-    read_fd, write_fd = os.pipe()
+    waker = _Waker()
     token = (os.getpid(), next(_tokens))
     handles = []
     try:
         for conn in conns:
             handle = hub.call_async(conn._address, conn._inbox, "poll", timeout, token)
-            handle.add_done_callback(lambda h: _poke(write_fd))
+            handle.add_done_callback(waker.poke)
             handles.append(handle)
         deadline = None if timeout is None else time.monotonic() + timeout
         with selectors.DefaultSelector() as sel:
-            sel.register(read_fd, selectors.EVENT_READ)
+            sel.register(waker.read_fd, selectors.EVENT_READ)
             for obj in others:
                 sel.register(obj, selectors.EVENT_READ)
             while True:
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())
                 keys = [k.fileobj for k, _ in sel.select(left)]
-                fds = [o for o in keys if o is not read_fd]
+                fds = [o for o in keys if o is not waker.read_fd]
                 conns_ready = [c for c, h in zip(conns, handles) if h.ready() and _true(h)]
                 if fds or conns_ready or left == 0:
                     return conns_ready + fds
-                if all(h.ready() for h in handles) and not others and read_fd in keys:
+                if all(h.ready() for h in handles) and not others and waker.read_fd in keys:
                     return []
-                if read_fd in keys:
-                    os.read(read_fd, 4096)
+                if waker.read_fd in keys:
+                    os.read(waker.read_fd, 4096)
     finally:
         for conn, handle in zip(conns, handles):
             if not handle.ready():
                 hub.call_async(conn._address, conn._inbox, "unpoll", token)
-        os.close(read_fd)
+        waker.close()
+
+
+class _Waker:
+    """The self-pipe of one wait(): poll replies poke it, until wait() closes it.
+
+    A reply may still arrive after wait() returned (the answer to an unpoll
+    that crossed it); it must not write into a descriptor number that was
+    closed and handed out again.
+    """
+
+    __slots__ = ("read_fd", "_write_fd", "_lock")
+
+    def __init__(self) -> None:
+        self.read_fd, self._write_fd = os.pipe()
+        os.set_blocking(self._write_fd, False)  # a full pipe means the reader is awake
+        self._lock = threading.Lock()
+
+    def poke(self, _handle: Any = None) -> None:
+        with self._lock:
+            if self._write_fd >= 0:
+                try:
+                    os.write(self._write_fd, b"x")
+                except OSError:
+                    pass  # full: a wake-up is pending already
+
+    def close(self) -> None:
+        with self._lock:
+            write_fd, self._write_fd = self._write_fd, -1
         os.close(write_fd)
-
-
-def _poke(fd: int) -> None:
-    try:
-        os.write(fd, b"x")
-    except OSError:
-        pass  # wait() already returned and closed the pipe
+        os.close(self.read_fd)
 
 
 def _true(handle) -> bool:

@@ -678,8 +678,8 @@ class Hub:
             clients = list(self._clients.values())
         for client in clients:
             if client.flush(timeout) and not client.lost:
-                try:
-                    client.call("hub", "ping", ()).get(timeout)
+                try:  # bounded by the peer's liveness too: a frozen peer answers nothing
+                    self.wait(client.call("hub", "ping", ()), client.address, timeout)
                 except Exception:
                     pass
 
@@ -778,7 +778,8 @@ def _shutdown_hub() -> None:
     from multiprocessing import util
 
     util._exit_function()  # joins non-daemonic children, which may still use our hub
-    janitor.stop()  # queued cleanups of collected handles: moot once the hub closes
+    janitor.flush(5.0)  # cleanups of handles collected so far (pipe ends detach, ...)
+    janitor.stop()  # what is queued after this is moot once the hub closes
     if _hub is not None and _hub.pid == os.getpid():
         _hub.close()  # also ends a remote call the janitor may be waiting on
     janitor.join(1.0)  # nothing of ours may still be inside nng when nng exits

@@ -29,6 +29,7 @@ Example:
 """
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import queue
@@ -113,8 +114,12 @@ def _collected(fn: Callable[..., Any], args: tuple) -> None:
 
 
 def _exiting() -> bool:
-    # atexit handlers run after threading's shutdown has marked the main thread stopped
-    return sys.is_finalizing() or not threading.main_thread().is_alive()
+    # weakref's exit pass calls each atexit finalizer in turn, from ordinary code on the
+    # main thread with the collector switched off: no collection can be under way, and
+    # the janitor may not get another turn. Any other call (a daemon thread late in
+    # exit included) may come from a collection and is queued.
+    return (not gc.isenabled() and threading.current_thread() is threading.main_thread()) \
+        or sys.is_finalizing()
 
 
 def _run(fn: Callable[..., Any], args: tuple) -> None:

@@ -154,7 +154,8 @@ class Popen:
         # report with the scheduler's reason, not a worker that failed to connect.
         if not (self._started.is_set() or self._done.is_set()):
             self._deadline = get_hub().timers.call_at(
-                time.monotonic() + self.config.start_timeout, self._start_timed_out)
+                time.monotonic() + self.config.start_timeout, self._start_timed_out,
+                blocking=True)  # reads the backend's logs and kills the job
 
     def _start_timed_out(self) -> None:
         if self._started.is_set() or self._done.is_set() or self._job is None:

@@ -6,6 +6,7 @@ may use it.
 """
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 import logging
@@ -27,8 +28,15 @@ class Timers:
         self._seq = itertools.count()
         self._thread: Optional[threading.Thread] = None
 
-    def call_at(self, deadline: float, fn: Callable[[], None]) -> list:
-        """Run ``fn`` at ``time.monotonic() >= deadline``; returns a cancellable entry."""
+    def call_at(self, deadline: float, fn: Callable[[], None], *,
+                blocking: bool = False) -> list:
+        """Run ``fn`` at ``time.monotonic() >= deadline``; returns a cancellable entry.
+
+        ``blocking``: ``fn`` may wait (a backend call: logs, kill), so it runs in a
+        thread of its own; the timer thread must stay free for every other deadline.
+        """
+        if blocking:
+            fn = functools.partial(_in_thread, fn)
         entry = [deadline, next(self._seq), fn]
         with self._cond:
             heapq.heappush(self._heap, entry)
@@ -56,3 +64,7 @@ class Timers:
                     fn()
                 except Exception:
                     log.exception("timer callback failed")
+
+
+def _in_thread(fn: Callable[[], None]) -> None:
+    threading.Thread(target=fn, daemon=True, name="fibrl-deadline").start()

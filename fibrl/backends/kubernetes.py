@@ -32,6 +32,7 @@ import logging
 import os
 import re
 import secrets
+import functools
 import threading
 import time
 from multiprocessing import util as mp_util
@@ -105,11 +106,8 @@ class KubernetesBackend(Backend):
         pod: a pool of 500 may wait for nodes at once); ``fn`` runs in a thread of
         its own, since ending a job calls the API.
         """
-        def run() -> None:
-            threading.Thread(target=fn, args=args, daemon=True,
-                             name="fibrl-kube-deadline").start()
-
-        return self._timers.call_at(time.monotonic() + delay, run)
+        return self._timers.call_at(time.monotonic() + delay, functools.partial(fn, *args),
+                                    blocking=True)
 
     cancel_timer = staticmethod(Timers.cancel)
 

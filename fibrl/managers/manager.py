@@ -293,7 +293,7 @@ class BaseManager:
                 proc.join(timeout=shutdown_timeout)
             if proc.is_alive():
                 proc.kill()
-                proc.join()
+                proc.join(timeout=shutdown_timeout)
         state.value = State.SHUTDOWN
         close_lines(address)
 

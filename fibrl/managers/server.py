@@ -149,10 +149,11 @@ class _Workers:
             return self._tasks.get(timeout=self._idle_timeout)
         except queue.Empty:
             with self._lock:
-                if not self._tasks.empty():  # a submit reserved us just now
+                try:  # a submit may have reserved us just now
                     return self._tasks.get_nowait()
-                self._idle -= 1
-                return None
+                except queue.Empty:  # (or another idle thread took that task)
+                    self._idle -= 1
+                    return None
 
 
 class _Lane:

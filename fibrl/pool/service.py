@@ -396,7 +396,8 @@ class PoolService(Service):
             worker.parked = None
             self._parked.pop(worker.wid, None)
         wid = worker.wid
-        self.hub.timers.call_at(time.monotonic() + LOST_GRACE_S, lambda: self._no_exit_code(wid))
+        self.hub.timers.call_at(time.monotonic() + LOST_GRACE_S, lambda: self._no_exit_code(wid),
+                                blocking=True)  # may kill the job: a backend call
 
     def _no_exit_code(self, wid: int) -> None:
         with self._lock:

@@ -4,6 +4,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import psutil
@@ -93,6 +94,39 @@ def test_a_get_on_a_queue_whose_owner_vanished_raises(tmp_path):
         with pytest.raises(RemoteObjectError, match="did not answer"):
             hosted.get(timeout=60)
         assert time.monotonic() - start < 10
+    finally:
+        os.kill(owner.pid, signal.SIGKILL)
+        os.kill(owner.pid, signal.SIGCONT)
+        owner.join(30)
+        fibrl.init(**{f: getattr(previous, f) for f in previous.__dataclass_fields__})
+
+
+def test_join_thread_with_a_frozen_queue_owner_returns(tmp_path):
+    """join_thread() waits for the owner to confirm the puts; a frozen owner answers
+    nothing, so the wait ends after parent_timeout instead of never."""
+    import fibrl
+
+    previous = fibrl.get_context().config
+    fibrl.init(backend="local", heartbeat_interval=0.5, parent_timeout=2.0)
+    carrier, stop = fibrl.Queue(), fibrl.Queue()
+    owner = fibrl.Process(target=host_a_queue, args=(carrier, stop))
+    owner.start()
+    try:
+        hosted = carrier.get(timeout=60)
+        assert hosted.qsize() == 0
+        os.kill(owner.pid, signal.SIGSTOP)
+        frozen = psutil.Process(owner.pid)
+        deadline = time.monotonic() + 30
+        while any(psutil.Process(t.id).status() != psutil.STATUS_STOPPED
+                  for t in frozen.threads()):
+            assert time.monotonic() < deadline, "the owner did not stop"
+            time.sleep(0.01)
+        hosted.put("late")
+        hosted.close()
+        joiner = threading.Thread(target=hosted.join_thread, daemon=True)
+        joiner.start()
+        joiner.join(20)
+        assert not joiner.is_alive(), "join_thread() still waits for a frozen owner"
     finally:
         os.kill(owner.pid, signal.SIGKILL)
         os.kill(owner.pid, signal.SIGCONT)

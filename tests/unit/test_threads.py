@@ -1,0 +1,90 @@
+"""The runtime's helper threads: deadlines, wake-up pipes, the manager's thread set."""
+import os
+import queue
+import threading
+import time
+
+from fibrl.connection import _Waker
+from fibrl.managers.server import _Workers
+from fibrl.timers import Timers
+
+
+def test_a_blocking_deadline_does_not_hold_up_the_others():
+    timers = Timers()
+    release, fired = threading.Event(), threading.Event()
+    now = time.monotonic()
+    timers.call_at(now, lambda: release.wait(30), blocking=True)  # a slow backend call
+    timers.call_at(now + 0.05, fired.set)
+    try:
+        assert fired.wait(5), "a deadline waited behind a blocking callback"
+    finally:
+        release.set()
+
+
+def test_a_cancelled_deadline_does_not_run():
+    timers = Timers()
+    ran, later = [], threading.Event()
+    entry = timers.call_at(time.monotonic() + 0.05, lambda: ran.append(1), blocking=True)
+    Timers.cancel(entry)
+    timers.call_at(time.monotonic() + 0.1, later.set)
+    assert later.wait(5)
+    assert ran == []
+
+
+def test_a_poke_after_close_writes_nowhere():
+    waker = _Waker()
+    waker.poke()
+    assert os.read(waker.read_fd, 10) == b"x"
+    closed = (waker.read_fd, waker._write_fd)
+    waker.close()
+    r, w = os.pipe()  # likely reuses the numbers just closed
+    try:
+        waker.poke()  # a reply that crossed the end of wait()
+        os.set_blocking(r, False)
+        try:
+            data = os.read(r, 10)
+        except BlockingIOError:
+            data = b""
+        assert data == b"", f"a late poke wrote into a reused descriptor {closed}"
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+def test_a_full_wake_up_pipe_does_not_block_the_poker():
+    waker = _Waker()
+    try:
+        for _ in range(200_000):  # far beyond a pipe's buffer
+            waker.poke()
+    finally:
+        waker.close()
+
+
+class _StolenTaskQueue(queue.SimpleQueue):
+    """A task another idle thread takes between our timeout and our second look."""
+
+    def get(self, block=True, timeout=None):
+        raise queue.Empty
+
+    def empty(self):
+        return False
+
+    def get_nowait(self):
+        raise queue.Empty
+
+
+def test_an_idle_thread_that_lost_its_task_retires_cleanly():
+    workers = _Workers(idle_timeout=0.01)
+    workers._tasks = _StolenTaskQueue()
+    assert workers._next() is None
+    assert workers._idle == 0  # else the next submit waits for a thread that is gone
+
+
+def test_elastic_threads_run_every_task():
+    workers = _Workers(idle_timeout=0.01)
+    done = queue.SimpleQueue()
+    for round_ in range(20):
+        for i in range(5):
+            workers.submit(lambda i=i: done.put(i))
+        got = sorted(done.get(timeout=5) for _ in range(5))
+        assert got == list(range(5)), round_
