@@ -75,35 +75,10 @@ def host_a_queue(carrier, stop):
     stop.get(timeout=120)
 
 
-def test_a_get_on_a_queue_whose_owner_vanished_raises(tmp_path):
-    """A frozen owner (a lost node closes no socket) fails a blocked get() within
-    parent_timeout instead of hanging."""
-    import fibrl
-    from fibrl.errors import RemoteObjectError
-
-    previous = fibrl.get_context().config
-    fibrl.init(backend="local", heartbeat_interval=0.5, parent_timeout=2.0)
-    carrier, stop = fibrl.Queue(), fibrl.Queue()
-    owner = fibrl.Process(target=host_a_queue, args=(carrier, stop))
-    owner.start()
-    try:
-        hosted = carrier.get(timeout=60)
-        assert hosted.qsize() == 0                  # connected while the owner still answers
-        os.kill(owner.pid, signal.SIGSTOP)
-        start = time.monotonic()
-        with pytest.raises(RemoteObjectError, match="did not answer"):
-            hosted.get(timeout=60)
-        assert time.monotonic() - start < 10
-    finally:
-        os.kill(owner.pid, signal.SIGKILL)
-        os.kill(owner.pid, signal.SIGCONT)
-        owner.join(30)
-        fibrl.init(**{f: getattr(previous, f) for f in previous.__dataclass_fields__})
-
-
-def test_join_thread_with_a_frozen_queue_owner_returns(tmp_path):
-    """join_thread() waits for the owner to confirm the puts; a frozen owner answers
-    nothing, so the wait ends after parent_timeout instead of never."""
+@pytest.fixture
+def hosted_queue():
+    """A queue hosted by a child process (its owner), and a function that freezes the
+    owner as a vanished node would: no socket closes, nothing answers."""
     import fibrl
 
     previous = fibrl.get_context().config
@@ -111,24 +86,46 @@ def test_join_thread_with_a_frozen_queue_owner_returns(tmp_path):
     carrier, stop = fibrl.Queue(), fibrl.Queue()
     owner = fibrl.Process(target=host_a_queue, args=(carrier, stop))
     owner.start()
-    try:
-        hosted = carrier.get(timeout=60)
-        assert hosted.qsize() == 0
+
+    def freeze():
         os.kill(owner.pid, signal.SIGSTOP)
-        frozen = psutil.Process(owner.pid)
-        deadline = time.monotonic() + 30
+        frozen, deadline = psutil.Process(owner.pid), time.monotonic() + 30
         while any(psutil.Process(t.id).status() != psutil.STATUS_STOPPED
-                  for t in frozen.threads()):
+                  for t in frozen.threads()):  # SIGSTOP lands asynchronously
             assert time.monotonic() < deadline, "the owner did not stop"
             time.sleep(0.01)
-        hosted.put("late")
-        hosted.close()
-        joiner = threading.Thread(target=hosted.join_thread, daemon=True)
-        joiner.start()
-        joiner.join(20)
-        assert not joiner.is_alive(), "join_thread() still waits for a frozen owner"
+
+    try:
+        hosted = carrier.get(timeout=60)
+        assert hosted.qsize() == 0  # connected while the owner still answers
+        yield hosted, freeze
     finally:
         os.kill(owner.pid, signal.SIGKILL)
         os.kill(owner.pid, signal.SIGCONT)
         owner.join(30)
         fibrl.init(**{f: getattr(previous, f) for f in previous.__dataclass_fields__})
+
+
+def test_a_get_on_a_queue_whose_owner_vanished_raises(hosted_queue):
+    """A frozen owner fails a blocked get() within parent_timeout instead of hanging."""
+    from fibrl.errors import RemoteObjectError
+
+    hosted, freeze = hosted_queue
+    freeze()
+    start = time.monotonic()
+    with pytest.raises(RemoteObjectError, match="did not answer"):
+        hosted.get(timeout=60)
+    assert time.monotonic() - start < 10
+
+
+def test_join_thread_with_a_frozen_queue_owner_returns(hosted_queue):
+    """join_thread() waits for the owner to confirm the puts; a frozen owner answers
+    nothing, so the wait ends after parent_timeout instead of never."""
+    hosted, freeze = hosted_queue
+    freeze()
+    hosted.put("late")
+    hosted.close()
+    joiner = threading.Thread(target=hosted.join_thread, daemon=True)
+    joiner.start()
+    joiner.join(20)
+    assert not joiner.is_alive(), "join_thread() still waits for a frozen owner"

@@ -173,13 +173,7 @@ def test_listener_dying_mid_handshake_fails_the_connect_at_once():
             data.close()
             rep.close()
 
-    thread = threading.Thread(target=fake_listener, daemon=True)
-    thread.start()
-    start = time.monotonic()
-    with pytest.raises(TransportError, match="went away during the authentication"):
-        Channel.connect(address, SECRET, timeout=30)
-    assert time.monotonic() - start < 10
-    thread.join(10)
+    _connect_fails_at_once(address, fake_listener, "went away during the authentication")
 
 
 def test_listener_dying_before_it_gives_its_data_address_fails_at_once(monkeypatch):
@@ -204,10 +198,16 @@ def test_listener_dying_before_it_gives_its_data_address_fails_at_once(monkeypat
         conn.sendall(b"\x00SP\x00" + (0x31).to_bytes(2, "big") + b"\x00\x00")
         conn.close()
 
+    _connect_fails_at_once(address, fake_listener, "went away|cannot connect")
+
+
+def _connect_fails_at_once(address, fake_listener, match):
+    """Connect (timeout 30 s) to a listener played by ``fake_listener`` that dies on
+    the way: the connect must fail within 10 s."""
     thread = threading.Thread(target=fake_listener, daemon=True)
     thread.start()
     start = time.monotonic()
-    with pytest.raises(TransportError, match="went away|cannot connect"):
+    with pytest.raises(TransportError, match=match):
         Channel.connect(address, SECRET, timeout=30)
     assert time.monotonic() - start < 10
     thread.join(10)
