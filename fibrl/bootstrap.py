@@ -47,14 +47,44 @@ def _own_listen_host(config):
     return config.replace(listen_host=host) if host and host != config.listen_host else config
 
 
-def _visible_main(preparation: dict) -> dict:
-    # The parent's main script may not exist here (a container or pod that
-    # does not mount it, or a launcher such as the ``pytest`` script): then,
-    # as for an interactive parent, __main__ is not rebuilt.
+def _visible_main(preparation: dict) -> tuple:
+    """``(preparation for spawn, (path, source) or None)``.
+
+    The parent's main script may not exist here (a container or pod that does
+    not mount it). Then it is rebuilt from the source the parent sent; without
+    one (a launcher such as the ``pytest`` script, too big a file), as for an
+    interactive parent, __main__ is not rebuilt.
+    """
+    from .popen import MAIN_SOURCE  # imported already: the start message is a popen class
+
+    preparation = dict(preparation)
+    source = preparation.pop(MAIN_SOURCE, None)
     path = preparation.get("init_main_from_path")
     if path and not os.path.isfile(path):
-        return {k: v for k, v in preparation.items() if k != "init_main_from_path"}
-    return preparation
+        del preparation["init_main_from_path"]
+        return preparation, ((path, source) if source is not None else None)
+    return preparation, None
+
+
+def _main_from_source(path: str, source: bytes) -> None:
+    """What spawn's ``init_main_from_path`` does, from the parent's copy of the script:
+    run it as ``__mp_main__`` (its ``if __name__ == "__main__"`` part stays out)."""
+    import types
+
+    module = types.ModuleType("__mp_main__")
+    module.__file__ = path
+    previous = sys.modules.get("__main__")
+    sys.modules["__main__"] = sys.modules["__mp_main__"] = module
+    try:
+        exec(compile(source, path, "exec"), module.__dict__)
+    except Exception as exc:
+        sys.modules.pop("__mp_main__", None)
+        if previous is not None:
+            sys.modules["__main__"] = previous
+        sys.stderr.write(
+            f"fibrl worker: could not rebuild __main__ from the parent's script {path} "
+            f"({type(exc).__name__}: {exc}); functions and classes defined in it cannot be "
+            f"used here. Move them into a module the worker can import.\n")
 
 
 def _become(start, hub, client, exiting):
@@ -73,7 +103,10 @@ def _become(start, hub, client, exiting):
                            exiting)).start()
     mp_process.current_process()._inheriting = True
     try:
-        mp_spawn.prepare(_visible_main(_keep_own_sys_path(start.preparation)))
+        preparation, main = _visible_main(_keep_own_sys_path(start.preparation))
+        mp_spawn.prepare(preparation)
+        if main is not None:
+            _main_from_source(*main)
         return serialization.loads(start.process)
     finally:
         del mp_process.current_process()._inheriting

@@ -87,8 +87,8 @@ class Popen:
         self._stopped = False    # terminate()/kill() asked for the end
         self._backend = get_backend(config)
         hub = get_hub()
-        start = WorkerStart(self._pickle(process_obj), config, _preparation(process_obj),
-                            hub.address)
+        start = WorkerStart(self._pickle(process_obj), config,
+                            _preparation(process_obj, config.backend != "local"), hub.address)
         self._oid = hub.register(_Handover(self, start))
         self._read_fd, self._write_fd = os.pipe()
         self.sentinel = self._read_fd
@@ -227,7 +227,14 @@ class Popen:
         return self._job
 
 
-def _preparation(process_obj: Any) -> dict:
+def _preparation(process_obj: Any, elsewhere: bool) -> dict:
+    """What spawn needs to rebuild this process's state in the worker.
+
+    ``elsewhere``: the worker runs in a container or pod, which may not see the
+    main script (only the working directory is mounted, or not even that). Its
+    source then travels along, so that functions and classes defined in the
+    script can be unpickled there as with spawn (see ``bootstrap._visible_main``).
+    """
     data = mp_spawn.get_preparation_data(process_obj._name)
     data.pop("start_method", None)  # the stdlib's own start method is not ours to change
     data.pop("log_to_stderr", None)
@@ -238,4 +245,23 @@ def _preparation(process_obj: Any) -> dict:
         data.pop("init_main_from_path")
     if sys.flags.interactive:
         data.pop("init_main_from_path", None)
+    path = data.get("init_main_from_path")
+    if path and elsewhere:
+        source = _main_source(os.path.abspath(path))
+        if source is not None:
+            data[MAIN_SOURCE] = source
     return data
+
+
+MAIN_SOURCE = "fibrl_main_source"
+_MAIN_SOURCE_LIMIT = 1 << 20
+
+
+def _main_source(path: str) -> Optional[bytes]:
+    try:
+        if os.path.getsize(path) > _MAIN_SOURCE_LIMIT:
+            return None  # not a script one writes by hand: it must be in the image
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError:
+        return None

@@ -67,3 +67,43 @@ def test_import_has_no_side_effects(tmp_path):
                          cwd=tmp_path, timeout=60, check=True).stdout
     facts = json.loads(out)
     assert facts == {"threads": 1, "heavy": [], "sockets": 0, "handlers": 0}
+
+
+def test_main_rebuilt_from_source_runs_as_mp_main(monkeypatch):
+    from fibrl import bootstrap
+
+    main = sys.modules["__main__"]
+    monkeypatch.setitem(sys.modules, "__main__", main)
+    monkeypatch.delitem(sys.modules, "__mp_main__", raising=False)
+    script = (b"def f():\n    return 7\n"
+              b"if __name__ == '__main__':\n    raise SystemExit('ran the guarded part')\n")
+    preparation, source = bootstrap._visible_main(
+        {"init_main_from_path": "/absent/train.py", "sys_argv": ["train.py"],
+         "fibrl_main_source": script})
+    assert "init_main_from_path" not in preparation and "fibrl_main_source" not in preparation
+    bootstrap._main_from_source(*source)
+    rebuilt = sys.modules["__main__"]
+    assert rebuilt is sys.modules["__mp_main__"] and rebuilt.__name__ == "__mp_main__"
+    assert rebuilt.f() == 7 and rebuilt.__file__ == "/absent/train.py"
+
+
+def test_main_that_cannot_be_rebuilt_is_explained(monkeypatch, capsys):
+    from fibrl import bootstrap
+
+    main = sys.modules["__main__"]
+    monkeypatch.setitem(sys.modules, "__main__", main)
+    monkeypatch.delitem(sys.modules, "__mp_main__", raising=False)
+    bootstrap._main_from_source("/absent/train.py", b"import sibling_module_not_in_the_image\n")
+    assert sys.modules["__main__"] is main and "__mp_main__" not in sys.modules
+    err = capsys.readouterr().err
+    assert "could not rebuild __main__" in err and "sibling_module_not_in_the_image" in err
+
+
+def test_a_visible_main_script_is_left_to_spawn(tmp_path):
+    from fibrl import bootstrap
+
+    script = tmp_path / "train.py"
+    script.write_text("x = 1\n")
+    preparation, source = bootstrap._visible_main(
+        {"init_main_from_path": str(script), "fibrl_main_source": b"x = 1\n"})
+    assert preparation == {"init_main_from_path": str(script)} and source is None

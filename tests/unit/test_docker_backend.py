@@ -385,3 +385,35 @@ def test_container_that_exits_before_connecting_back_shows_its_logs(refusing_ima
     assert len(errors) == 1, [r.getMessage() for r in caplog.records]
     assert "exit code 3" in errors[0] and "simulated broken entrypoint" in errors[0]
     assert "simulated broken entrypoint" in p._popen.job.logs()
+
+
+OUTSIDE_SCRIPT = """
+import fibrl
+
+class Box:
+    def __init__(self, value):
+        self.value = value
+
+def square(box):
+    return Box(box.value * box.value)
+
+if __name__ == "__main__":
+    fibrl.init(backend="docker")
+    with fibrl.Pool(2) as pool:
+        print(sorted(box.value for box in pool.map(square, [Box(i) for i in range(5)])))
+"""
+
+
+@pytest.mark.docker
+def test_main_script_outside_the_mounted_directory(docker_up, tmp_path):
+    """Only the working directory is mounted: a script run from elsewhere is rebuilt in
+    the container from the source the parent sends, so its functions and classes
+    unpickle there as with spawn."""
+    (tmp_path / "scripts").mkdir()
+    (tmp_path / "work").mkdir()
+    script = tmp_path / "scripts" / "main.py"
+    script.write_text(OUTSIDE_SCRIPT)
+    out = subprocess.run([sys.executable, str(script)], cwd=tmp_path / "work",
+                         capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == "[0, 1, 4, 9, 16]"
