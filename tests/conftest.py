@@ -209,6 +209,15 @@ def _children() -> list:
     return found
 
 
+def _quietly(method, *args):
+    """``method(*args)`` on a Process that its owner (a pool ending its workers) may
+    close at any moment: a closed one has ended, so it counts as not running."""
+    try:
+        return method(*args)
+    except ValueError:
+        return False
+
+
 @pytest.fixture(autouse=True)
 def no_leaks():
     """After each test: no child process of this test run is left (waits up to 10 s).
@@ -226,11 +235,11 @@ def no_leaks():
         left = _children()
     running = fibrl.active_children()
     for proc in running:
-        proc.join(max(0.1, deadline - time.monotonic()))
-    running = [proc for proc in running if proc.is_alive()]
+        _quietly(proc.join, max(0.1, deadline - time.monotonic()))
+    running = [proc for proc in running if _quietly(proc.is_alive)]
     for proc in running:
-        proc.kill()
-        proc.join(10)
+        _quietly(proc.kill)
+        _quietly(proc.join, 10)
     for proc in left:
         proc.kill()
     if left or running:
