@@ -41,8 +41,8 @@ from typing import Any, Callable, Optional
 
 from . import janitor, serialization
 from .errors import ChannelClosed, RemoteObjectError, RemoteTraceback, TransportError
-from .messages import RAW_TYPES, Call, RemoteError, Reply, blob, wrap_raw
 from .janitor import Finalizer
+from .messages import RAW_TYPES, Call, RemoteError, Reply, blob, wrap_raw
 from .timers import Timers
 
 __all__ = ["Hub", "Handle", "Service", "SharedService", "Client", "get_hub", "raise_remote",
@@ -308,8 +308,8 @@ def mark_pickled(address: Optional[str], oid: str) -> None:
 
 def own(handle: Any, oid: str) -> None:
     """Tie the lifetime of the hosted ``oid`` to the creating ``handle`` (see SharedService)."""
-    Finalizer(handle, drop_owner, weakref.ref(get_hub()), oid)  # not at exit: the hub
-    # closes every service itself then
+    # not at exit: the hub closes every service itself then
+    Finalizer(handle, drop_owner, weakref.ref(get_hub()), oid)
 
 
 class Client:

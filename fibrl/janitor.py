@@ -11,10 +11,10 @@ daemon thread runs it. Two cases run inline instead:
 - an explicit call of the :class:`Finalizer` (``close()``, ``terminate()``):
   the caller is in ordinary code and expects the work done when it returns;
 - interpreter exit (``atexit`` finalizers): the janitor thread may never get
-  another turn. At exit the process's hub calls :func:`stop` before it closes
-  and :func:`join` after: what is still queued then is dropped (the hub's
-  close ends every connection anyway), and no cleanup is left running inside
-  nng when nng's own exit handler tears it down.
+  another turn. At exit the process's hub calls :func:`flush` (bounded) and
+  :func:`stop` before it closes, and :func:`join` after: what is queued later
+  is dropped (the hub's close ends every connection anyway), and no cleanup is
+  left running inside nng when nng's own exit handler tears it down.
 
 It depends on nothing else in fibrl, so any layer may use it.
 

@@ -27,12 +27,12 @@ Outside a cluster, workers exit by themselves when the parent is gone, and
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
 import re
 import secrets
-import functools
 import threading
 import time
 from multiprocessing import util as mp_util
