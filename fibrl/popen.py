@@ -241,12 +241,9 @@ def _preparation(process_obj: Any, elsewhere: bool) -> dict:
     data.pop("log_level", None)
     data["authkey"] = bytes(data["authkey"])
     path = data.get("init_main_from_path")
-    if path and not os.path.isfile(path):
-        data.pop("init_main_from_path")
-    if sys.flags.interactive:
-        data.pop("init_main_from_path", None)
-    path = data.get("init_main_from_path")
-    if path and elsewhere:
+    if path and (sys.flags.interactive or not os.path.isfile(path)):
+        del data["init_main_from_path"]
+    elif path and elsewhere:
         source = _main_source(os.path.abspath(path))
         if source is not None:
             data[MAIN_SOURCE] = source

@@ -163,7 +163,7 @@ class Listener:
         sock = peer._sock
         # Armed before the handshake: the socket serves its first connection only, so
         # no second one can slip in after (or during) the first one's authentication.
-        sock.add_post_pipe_remove_cb(lambda _pipe: _close_soon(sock))
+        _close_on_disconnect(sock)
         try:
             sock.listen(f"tcp://{self._host}:0")
         except pynng.NNGException as exc:   # no port left, say: refuse this one only
@@ -275,7 +275,7 @@ class Channel:
         # A listener that dies mid-handshake closes the pipe, but a Pair1 recv does not
         # end with it (nng would wait for a redial): close the socket then, so the
         # handshake fails at once instead of after ``timeout``.
-        sock.add_post_pipe_remove_cb(lambda _pipe: _close_soon(sock))
+        _close_on_disconnect(sock)
         try:
             sock.dial(data_address, block=True)
             _client_handshake(sock, secret, timeout, address)
@@ -332,14 +332,16 @@ def _call_soon(fn: Callable[[], None]) -> None:
     threading.Thread(target=fn, daemon=True, name="fibrl-pipe-event").start()
 
 
-def _close_soon(sock: pynng.Socket) -> None:
-    _call_soon(sock.close)
+def _close_on_disconnect(sock: pynng.Socket) -> None:
+    """Close ``sock`` when its first pipe goes away: a one-peer socket whose peer left
+    is done (nng would keep a send or recv waiting for a redial)."""
+    sock.add_post_pipe_remove_cb(lambda _pipe: _call_soon(sock.close))
 
 
 def _ask_address(address: str, timeout: float) -> str:
     req = pynng.Req0(resend_time=-1, recv_timeout=int(timeout * 1000),
                      send_timeout=int(timeout * 1000))
-    req.add_post_pipe_remove_cb(lambda _pipe: _close_soon(req))  # as in Channel.connect
+    _close_on_disconnect(req)  # as in Channel.connect
     try:
         req.dial(address, block=True)
         req.send(HELLO)
