@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -207,6 +208,17 @@ def _children() -> list:
             continue
         found.append(proc)
     return found
+
+
+def freeze(pid: int, timeout: float = 60) -> None:
+    """SIGSTOP ``pid``, as a vanished node looks (no socket closes, nothing answers),
+    and wait until every one of its threads has stopped: the signal lands
+    asynchronously, and the kernel offers no event for it."""
+    os.kill(pid, signal.SIGSTOP)
+    proc, deadline = psutil.Process(pid), time.monotonic() + timeout
+    while any(psutil.Process(t.id).status() != psutil.STATUS_STOPPED for t in proc.threads()):
+        assert time.monotonic() < deadline, f"process {pid} did not stop"
+        time.sleep(0.01)
 
 
 def _quietly(method, *args):

@@ -18,6 +18,8 @@ import uuid
 import psutil
 import pytest
 
+from conftest import freeze
+
 import fibrl
 from fibrl.errors import AuthenticationError, RemoteObjectError
 from fibrl.managers import AsyncManager
@@ -113,8 +115,7 @@ def test_frozen_server_is_detected_within_parent_timeout(ctx):
     m = fibrl.Manager()
     lst, lock = m.list(), fibrl.Lock()
     pid = line_for(m.address, bytes(m._authkey)).call("ping")  # the server's own pid
-    os.kill(pid, signal.SIGSTOP)  # a vanished node: no socket closes, nothing answers
-    _wait_stopped(pid)
+    freeze(pid)  # a vanished node: no socket closes, nothing answers
     start, error = time.monotonic(), None
     try:
         lst.append(1)  # on this thread's line, connected before the freeze
@@ -130,14 +131,6 @@ def test_frozen_server_is_detected_within_parent_timeout(ctx):
     assert elapsed < 15, elapsed
     with lock:
         pass
-
-
-def _wait_stopped(pid):
-    """SIGSTOP takes effect asynchronously: wait until every thread is stopped."""
-    proc, deadline = psutil.Process(pid), time.monotonic() + TIMEOUT
-    while any(psutil.Process(t.id).status() != psutil.STATUS_STOPPED for t in proc.threads()):
-        assert time.monotonic() < deadline, "the server did not stop"
-        time.sleep(0.01)
 
 
 def test_dead_lock_holder_releases_the_lock(ctx):

@@ -1,4 +1,5 @@
 """Workers never outlive their parent: SIGKILLed parent, normal exit with daemons."""
+import functools
 import os
 import signal
 import subprocess
@@ -9,6 +10,7 @@ import time
 
 import psutil
 import pytest
+from conftest import freeze
 
 PARENT = textwrap.dedent("""
     import sys, time, fibrl
@@ -87,18 +89,10 @@ def hosted_queue():
     owner = fibrl.Process(target=host_a_queue, args=(carrier, stop))
     owner.start()
 
-    def freeze():
-        os.kill(owner.pid, signal.SIGSTOP)
-        frozen, deadline = psutil.Process(owner.pid), time.monotonic() + 30
-        while any(psutil.Process(t.id).status() != psutil.STATUS_STOPPED
-                  for t in frozen.threads()):  # SIGSTOP lands asynchronously
-            assert time.monotonic() < deadline, "the owner did not stop"
-            time.sleep(0.01)
-
     try:
         hosted = carrier.get(timeout=60)
         assert hosted.qsize() == 0  # connected while the owner still answers
-        yield hosted, freeze
+        yield hosted, functools.partial(freeze, owner.pid)
     finally:
         os.kill(owner.pid, signal.SIGKILL)
         os.kill(owner.pid, signal.SIGCONT)

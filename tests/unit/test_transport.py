@@ -182,10 +182,10 @@ def test_listener_dying_before_it_gives_its_data_address_fails_at_once(monkeypat
     dial = pynng.Req0.dial
 
     def dial_then_lose_the_pipe(sock, *args, **kwargs):
+        gone = threading.Event()
+        sock.add_post_pipe_remove_cb(lambda _pipe: gone.set())
         dial(sock, *args, **kwargs)
-        deadline = time.monotonic() + 5
-        while sock.pipes and time.monotonic() < deadline:
-            time.sleep(0.01)  # nng removes the pipe on its own threads
+        gone.wait(5)  # nng removes the pipe on its own threads
 
     monkeypatch.setattr(pynng.Req0, "dial", dial_then_lose_the_pipe)
     server = socket.create_server(("127.0.0.1", 0))
