@@ -32,7 +32,7 @@ from typing import Any, Iterable, Optional
 from . import serialization
 from .hub import drop_owner, get_hub, mark_pickled
 from .janitor import Finalizer
-from .mailbox import Mailbox
+from .mailbox import Mailbox, take
 
 __all__ = ["Connection", "Pipe", "wait"]
 
@@ -138,7 +138,7 @@ class Connection:
 
     # -- receiving -----------------------------------------------------------------
     def _get(self) -> Any:
-        return get_hub().call(self._address, self._inbox, "get", None)
+        return take(get_hub(), self._address, self._inbox, None)
 
     def recv(self) -> Any:
         """Receive an object sent with :meth:`send`; ``EOFError`` when the other end closed."""

@@ -93,9 +93,10 @@ class Handle:
         3
     """
 
-    __slots__ = ("_event", "_done", "_ok", "_value", "_callbacks", "__weakref__")
+    __slots__ = ("_event", "_done", "_ok", "_value", "_callbacks", "rid", "__weakref__")
 
-    def __init__(self) -> None:
+    def __init__(self, rid: int = 0) -> None:
+        self.rid = rid  # the call's id on its connection (0: a local call)
         self._event = threading.Event()
         self._done = False
         self._ok = True
@@ -343,13 +344,13 @@ class Client:
         ``inline=False`` queues it for the feeder thread like a one-way call,
         so a caller with other work to do does not wait for the send.
         """
-        handle = Handle()
         with self._lock:
             if self.lost:
+                handle = Handle()
                 handle._resolve(False, self._lost_error())
                 return handle
             rid = next(self._rids)
-            self._pending[rid] = handle
+            self._pending[rid] = handle = Handle(rid)
         self._submit(Call(rid, oid, method, _wrap(args)), inline=inline)
         return handle
 

@@ -5,9 +5,21 @@ serialized items (never unpickled here). ``get`` requests that cannot be
 answered are parked in arrival order, so an item goes to whichever consumer
 asked first and no consumer prefetches more than it asked for. Deadlines are
 the mailbox's: when a parked ``get`` times out the mailbox answers ``Empty``
-itself, which is what makes a handed-out item exactly-once. When an answer
-cannot be delivered (the asking process vanished), the item goes back to the
-front of the queue.
+itself, so an item is never handed to a getter that stopped waiting.
+
+An item handed to another process stays *unacknowledged* until that process
+confirms it received it (:func:`take` sends the acknowledgement right after the
+reply arrives). When the process's connection drops first (it died, or the
+answer could not be delivered), its unacknowledged items go back to the front
+of the queue, in order. So no item is ever lost, and an item is returned by
+more than one ``get()`` only when the process whose ``get()`` returned it died
+between receiving it and its acknowledgement reaching this owner.
+
+    consumer                       owner (Mailbox)
+    take(): get(timeout) -------->  op_get: item -> reply; unacked[peer][rid] = item
+            <------- item --------
+            ack(rid) ------------>  op_ack: forget it
+                                    drop_peer: unacked items -> front of the queue
 
 Besides the queue operations it counts the open *writer* handles of a pipe
 end (per peer, so a dead process's handles close with it) to raise
@@ -22,7 +34,7 @@ from typing import Any, Optional
 
 from .hub import ReplySink, SharedService
 
-__all__ = ["Mailbox", "EMPTY"]
+__all__ = ["Mailbox", "EMPTY", "take"]
 
 EMPTY = object()
 
@@ -53,6 +65,7 @@ class Mailbox(SharedService):
         self._lock = threading.RLock()
         self._writers: Optional[dict] = {} if pipe_end else None  # peer key -> count
         self._eof = False
+        self._unacked: dict[int, dict[int, Any]] = {}  # peer id -> {rid: item}, in order
 
     # -- helpers ---------------------------------------------------------------
     def _park(self, where, parked: _Parked, timeout: Optional[float], on_timeout) -> None:
@@ -77,15 +90,38 @@ class Mailbox(SharedService):
     def _full(self) -> bool:
         return self.maxsize > 0 and len(self._items) >= self.maxsize
 
+    def _hand(self, reply: ReplySink, payload: Any) -> bool:
+        """Answer a getter with ``payload``; a remote one holds it unacknowledged (lock held)."""
+        if not reply(payload):
+            return False
+        if reply.peer is not None and reply.wanted:
+            self._unacked.setdefault(reply.peer.id, {})[reply.rid] = payload
+        return True
+
     def _deliver(self, payload: Any) -> None:
         """Give ``payload`` to the oldest live getter, or store it (lock held)."""
         while self._getters:
             parked = self._getters.popleft()
             self._unpark(parked)
-            if parked.reply(payload):
+            if self._hand(parked.reply, payload):
                 return
         self._items.append(payload)
         self._wake_pollers(True)
+
+    def _requeue(self, payloads: list) -> None:
+        """Put items a dead consumer never acknowledged back in front, in order (lock held)."""
+        rest = deque()
+        for payload in payloads:
+            while self._getters and not rest:
+                parked = self._getters.popleft()
+                self._unpark(parked)
+                if self._hand(parked.reply, payload):
+                    break
+            else:
+                rest.append(payload)
+        if rest:
+            self._items.extendleft(reversed(rest))
+            self._wake_pollers(True)
 
     def _wake_pollers(self, value: bool) -> None:
         pollers, self._pollers = self._pollers, []
@@ -132,7 +168,7 @@ class Mailbox(SharedService):
         with self._lock:
             if self._items:
                 payload = self._items.popleft()
-                if not reply(payload):
+                if not self._hand(reply, payload):
                     self._items.appendleft(payload)
                     return
                 self._admit_putters()
@@ -143,6 +179,16 @@ class Mailbox(SharedService):
             else:
                 self._park(self._getters, _Parked(reply), timeout,
                            lambda r: r.fail(queue.Empty()))
+
+    def op_ack(self, reply: ReplySink, rid: int) -> None:
+        """The calling process received the item it asked for with call ``rid``."""
+        with self._lock:
+            held = self._unacked.get(reply.peer.id) if reply.peer is not None else None
+            if held is not None:
+                held.pop(rid, None)
+                if not held:
+                    del self._unacked[reply.peer.id]
+        reply(None)
 
     def op_poll(self, reply: ReplySink, timeout: Optional[float] = 0.0, token: Any = None) -> None:
         with self._lock:
@@ -233,11 +279,14 @@ class Mailbox(SharedService):
     # -- lifecycle -------------------------------------------------------------------
     def drop_peer(self, peer) -> None:
         with self._lock:
+            held = self._unacked.pop(peer.id, None)
             for where in (self._getters, self._putters, self._pollers):
                 for parked in [p for p in where if p.reply.peer is peer]:
                     where.remove(parked)
                     self._unpark(parked)
             self._joiners = [j for j in self._joiners if j.peer is not peer]
+            if held:
+                self._requeue(list(held.values()))
             if self._writers is not None and self._writers.pop(("peer", peer.id), None):
                 self._check_eof()
 
@@ -251,6 +300,19 @@ class Mailbox(SharedService):
         for p in parked:
             self._unpark(p)
             p.reply.fail(err)
+
+
+def take(hub: Any, address: str, oid: str, timeout: Optional[float]) -> Any:
+    """``get`` from the mailbox ``oid`` at ``address`` and acknowledge what arrived.
+
+    The acknowledgement is a one-way message sent before this returns, so the
+    owner re-queues the item only if this process dies in between.
+    """
+    handle = hub.call_async(address, oid, "get", timeout)
+    payload = hub.wait(handle, address, None)
+    if handle.rid:
+        hub.send(address, oid, "ack", handle.rid, inline=True)
+    return payload
 
 
 def _owner(reply: ReplySink, key: Any) -> Any:

@@ -26,7 +26,7 @@ from typing import Any, Optional
 
 from . import serialization
 from .hub import get_hub, mark_pickled, own
-from .mailbox import EMPTY, Mailbox
+from .mailbox import EMPTY, Mailbox, take
 
 __all__ = ["Queue", "JoinableQueue", "SimpleQueue"]
 
@@ -95,7 +95,7 @@ class Queue:
             if payload is not EMPTY:
                 return serialization.loads(payload)
         try:
-            payload = self._call("get", _timeout(block, timeout))
+            payload = take(get_hub(), self._address, self._oid, _timeout(block, timeout))
         except queue.Empty:
             raise queue.Empty from None
         return serialization.loads(payload)

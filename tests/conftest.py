@@ -221,6 +221,22 @@ def freeze(pid: int, timeout: float = 60) -> None:
         time.sleep(0.01)
 
 
+def wait_until(predicate, what: str, timeout: float = 60, interval: float = 0.01):
+    """Wait until ``predicate()`` is true; fail naming ``what`` after ``timeout`` seconds.
+
+    For conditions nothing signals (another process's state, a hub's internals).
+    Returns the predicate's last (true) value.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(interval)
+
+
 def _quietly(method, *args):
     """``method(*args)`` on a Process that its owner (a pool ending its workers) may
     close at any moment: a closed one has ended, so it counts as not running."""
