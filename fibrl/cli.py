@@ -39,6 +39,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fibrl", description="Launch a script on kubernetes or docker as the parent of "
                                   "a fibrl run, and list, follow and stop runs.")
+    parser.add_argument("--version", action="version", version=f"fibrl {_version()}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_run(commands)
     _common(commands.add_parser("ps", help="list runs and their pods / containers")) \
@@ -78,6 +79,12 @@ def _add_run(commands) -> None:
     run.add_argument("argv", nargs=argparse.REMAINDER, metavar="-- COMMAND",
                      help="the script to run, e.g. -- python train.py --steps 100")
     run.set_defaults(handler=_run)
+
+
+def _version() -> str:
+    import fibrl
+
+    return fibrl.__version__
 
 
 def _common(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

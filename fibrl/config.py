@@ -149,10 +149,11 @@ _ENV_NOT_CONFIG = frozenset({"FIBRL_SECRET", "FIBRL_RUN_ID", "FIBRL_TOKEN", "FIB
                              "FIBRL_POD_NAME", "FIBRL_POD_NAMESPACE", "FIBRL_POD_UID"})
 
 
-def _from_file(path: Path) -> dict[str, str]:
+def _from_file(path: Path) -> dict[str, tuple[str, str]]:
+    """``key -> (value, "path:line")`` from a ``.fibrlconfig`` file."""
     if not path.is_file():
         return {}
-    found: dict[str, str] = {}
+    found: dict[str, tuple[str, str]] = {}
     for lineno, raw in enumerate(path.read_text().splitlines(), 1):
         line = raw.split("#", 1)[0].strip()
         if not line or line.lower() == "[fibrl]":
@@ -160,8 +161,8 @@ def _from_file(path: Path) -> dict[str, str]:
         if "=" not in line:
             raise ConfigError(f"{path}:{lineno}: expected 'key = value', got {raw!r}.")
         key, value = (part.strip() for part in line.split("=", 1))
-        found[key] = value.strip("'\"")
-    _check_keys(found, str(path))
+        _check_keys([key], f"{path}:{lineno}")
+        found[key] = (value.strip("'\""), f"{path}:{lineno}")
     return found
 
 
@@ -181,23 +182,28 @@ def resolve(overrides: Mapping[str, Any] | None = None, *, base: Config | None =
     merged: dict[str, tuple[Any, str]] = {}
     if cwd is not None:
         path = Path(cwd) / CONFIG_FILE
-        merged.update({k: (v, str(path)) for k, v in _from_file(path).items()})
+        merged.update(_from_file(path))
     env = os.environ if environ is None else environ
     merged.update({k: (v, f"FIBRL_{k.upper()}") for k, v in _from_env(env).items()})
     merged.update({k: (v, "fibrl.init()") for k, v in overrides.items()})
     values = {k: _parse(k, v, src) for k, (v, src) in merged.items()}
     config = dataclasses.replace(base or Config(), **values)
-    _validate(config)
+    _validate(config, {k: src for k, (_, src) in merged.items()})
     return config
 
 
-def _validate(config: Config) -> None:
+def _validate(config: Config, sources: Mapping[str, str]) -> None:
+    def where(name: str) -> str:
+        return f" (set in {sources[name]})" if name in sources else ""
+
     if config.backend not in BACKENDS:
         raise ConfigError(
-            f"backend {config.backend!r} is not known. Choose one of {', '.join(BACKENDS)} "
-            f"(fibrl.init(backend=...) or FIBRL_BACKEND).")
+            f"backend {config.backend!r} is not known{where('backend')}. Choose one of "
+            f"{', '.join(BACKENDS)} (fibrl.init(backend=...) or FIBRL_BACKEND).")
     for name in ("start_timeout", "auth_timeout", "heartbeat_interval", "parent_timeout"):
         if getattr(config, name) <= 0:
-            raise ConfigError(f"config {name} must be > 0 seconds, got {getattr(config, name)}.")
+            raise ConfigError(f"config {name} must be > 0 seconds, got "
+                              f"{getattr(config, name)}{where(name)}.")
     if config.max_task_retries < 0:
-        raise ConfigError(f"config max_task_retries must be >= 0, got {config.max_task_retries}.")
+        raise ConfigError(f"config max_task_retries must be >= 0, got "
+                          f"{config.max_task_retries}{where('max_task_retries')}.")

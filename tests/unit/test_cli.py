@@ -54,6 +54,13 @@ def test_usage_errors_say_what_to_do():
     assert fibrl_cli("run", "--image", "x", "--build", "--", "true").returncode == 2
 
 
+def test_version():
+    import fibrl
+
+    out = fibrl_cli("--version")
+    assert out.returncode == 0 and out.stdout.strip() == f"fibrl {fibrl.__version__}"
+
+
 def test_image_tag():
     assert image_tag("reg.example/team/", "/src/My App", "ab12") == "reg.example/team/my-app:ab12"
     assert image_tag("", "/", "ab12") == "fibrl-project:ab12"

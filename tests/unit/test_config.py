@@ -92,3 +92,19 @@ def test_debug_logs_fibrl_events_to_stderr_in_parent_and_workers(tmp_path):
     assert "authenticated" in runs["true"].stderr
     assert "/Process-1/" in runs["true"].stderr and "hello from the worker" in runs["true"].stderr
     assert "[DEBUG/" not in runs["false"].stderr, runs["false"].stderr
+
+
+def test_file_errors_name_the_file_and_line(tmp_path):
+    path = tmp_path / ".fibrlconfig"
+    path.write_text("[fibrl]\n# comment\nimage = x\ncpu = lots\n")
+    with pytest.raises(ConfigError, match=rf"cpu.*{path}:4.*must be float"):
+        resolve(environ={}, cwd=str(tmp_path))
+    path.write_text("image = x\n\ncolour = red\n")
+    with pytest.raises(ConfigError, match=rf"colour.*{path}:3"):
+        resolve(environ={}, cwd=str(tmp_path))
+    path.write_text("backend = mesos\n")
+    with pytest.raises(ConfigError, match=rf"'mesos' is not known \(set in {path}:1\)"):
+        resolve(environ={}, cwd=str(tmp_path))
+    path.write_text("image = x\nstart_timeout = -1\n")
+    with pytest.raises(ConfigError, match=rf"start_timeout must be > 0.*{path}:2"):
+        resolve(environ={}, cwd=str(tmp_path))
