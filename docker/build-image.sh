@@ -49,6 +49,7 @@ if [[ -z "${DOCKER_BUILDKIT:-}" ]] && ! docker buildx version >/dev/null 2>&1; t
     export DOCKER_BUILDKIT=0
 fi
 
-log "docker build ${args[*]} ${extra[*]} ."
-docker build "${args[@]}" "${extra[@]}" .
+log "docker build --force-rm ${args[*]} ${extra[*]} ."
+# --force-rm: a failed step leaves no stopped container behind (legacy builder)
+docker build --force-rm "${args[@]}" "${extra[@]}" .
 docker image ls "$FIBRL_IMAGE" >&2
