@@ -114,7 +114,7 @@ class Popen:
     def _pickle(self, process_obj: Any) -> bytes:
         mp_context.set_spawning_popen(self)  # lets the authkey travel, as spawn does
         try:
-            return serialization.dumps(process_obj)
+            return serialization.dumps(process_obj, spawning=True)
         finally:
             mp_context.set_spawning_popen(None)
 

@@ -25,7 +25,7 @@ from typing import Any
 
 from .errors import FrameError, SerializationError
 
-__all__ = ["dumps", "loads", "dumps_parts", "MAGIC", "OOB_THRESHOLD"]
+__all__ = ["dumps", "loads", "dumps_parts", "MAGIC", "OOB_THRESHOLD", "stdlib_advice"]
 
 MAGIC = b"FB\x01"
 OOB_THRESHOLD = 64 * 1024  # smaller buffers are cheaper inline than out of band
@@ -33,7 +33,7 @@ _HEAD = struct.Struct("<3sI")
 _LEN = struct.Struct("<Q")
 
 
-def _pickle(obj: Any, buffers: list, by_value: bool) -> bytes:
+def _pickle(obj: Any, buffers: list, by_value: bool, spawning: bool = False) -> bytes:
     def keep(buf: pickle.PickleBuffer) -> bool:
         if buf.raw().nbytes < OOB_THRESHOLD:
             return True  # serialize in band
@@ -42,7 +42,7 @@ def _pickle(obj: Any, buffers: list, by_value: bool) -> bytes:
 
     if not by_value:
         try:
-            return _dump(pickle.Pickler, obj, keep)
+            return _dump(_SpawnPickler if spawning else pickle.Pickler, obj, keep)
         except (pickle.PicklingError, AttributeError, TypeError) as exc:
             if _is_plain_unpicklable(exc):
                 raise _unpicklable(obj, exc) from exc
@@ -51,8 +51,11 @@ def _pickle(obj: Any, buffers: list, by_value: bool) -> bytes:
             raise _unpicklable(obj, exc) from exc
     import cloudpickle  # slower; only for what pickle refuses
 
+    pickler = cloudpickle.CloudPickler
+    if spawning:
+        pickler = _refusing(pickler)
     try:
-        return _dump(cloudpickle.CloudPickler, obj, keep)
+        return _dump(pickler, obj, keep)
     except Exception as exc:  # cloudpickle raises many kinds
         raise _unpicklable(obj, exc) from exc
 
@@ -114,35 +117,143 @@ def _is_plain_unpicklable(exc: Exception) -> bool:
     return isinstance(exc, TypeError) and "cannot pickle" in str(exc)
 
 
+# multiprocessing objects that only work between processes of one machine sharing
+# its descriptors and semaphores, by (module, class) -> the fibrl object to use instead.
+_STDLIB_SHARED = {
+    ("multiprocessing.queues", "Queue"): "fibrl.Queue",
+    ("multiprocessing.queues", "JoinableQueue"): "fibrl.JoinableQueue",
+    ("multiprocessing.queues", "SimpleQueue"): "fibrl.SimpleQueue",
+    ("multiprocessing.connection", "Connection"): "fibrl.Pipe",
+    ("multiprocessing.synchronize", "Lock"): "fibrl.Lock",
+    ("multiprocessing.synchronize", "RLock"): "fibrl.RLock",
+    ("multiprocessing.synchronize", "Semaphore"): "fibrl.Semaphore",
+    ("multiprocessing.synchronize", "BoundedSemaphore"): "fibrl.BoundedSemaphore",
+    ("multiprocessing.synchronize", "Condition"): "fibrl.Condition",
+    ("multiprocessing.synchronize", "Event"): "fibrl.Event",
+    ("multiprocessing.synchronize", "Barrier"): "fibrl.Barrier",
+    ("multiprocessing.sharedctypes", "Synchronized"): "fibrl.Value",
+    ("multiprocessing.sharedctypes", "SynchronizedArray"): "fibrl.Array",
+    ("multiprocessing.sharedctypes", "SynchronizedString"): "fibrl.Array",
+    ("multiprocessing.heap", "BufferWrapper"): "fibrl.RawValue / fibrl.RawArray",
+}
+# threading objects, named in pickle's "cannot pickle '...' object" -> the fibrl object
+_THREADING = {"_thread.lock": "fibrl.Lock", "_thread.RLock": "fibrl.RLock"}
+
+
+def stdlib_advice(kind: str, replacement: str) -> str:
+    """The sentence that tells a user which fibrl object replaces a stdlib one."""
+    return (f"a {kind} cannot be shared with a fibrl process (it may run on another "
+            f"machine, in a fresh interpreter); create a {replacement} instead, which "
+            f"works from any process of the run.")
+
+
+def _refuse(obj: Any) -> tuple:
+    cls = type(obj)
+    replacement = _STDLIB_SHARED[(cls.__module__, cls.__qualname__)]
+    raise SerializationError(stdlib_advice(f"{cls.__module__}.{cls.__qualname__}",
+                                           replacement))
+
+
+def _stdlib_table() -> dict:
+    """``type -> _refuse`` for the stdlib classes above whose module is loaded (a
+    program that never imported one cannot hold its objects)."""
+    table = {}
+    for (module, name) in _STDLIB_SHARED:
+        cls = getattr(sys.modules.get(module), name, None)
+        if isinstance(cls, type):
+            table[cls] = _refuse
+    return table
+
+
+def _refusing(base: type) -> type:
+    """``base`` that refuses the stdlib's machine-bound multiprocessing objects."""
+    table = ChainMap(_stdlib_table(),
+                     getattr(base, "dispatch_table", copyreg.dispatch_table))
+    return type(f"Refusing{base.__name__}", (base,), {"dispatch_table": table})
+
+
+class _SpawnPickler(pickle.Pickler):
+    """Pickles a process object for its start: multiprocessing objects pickle "fine"
+    while a start is in progress (they take it for a spawn), then fail in the worker,
+    so they are refused here with the fibrl object to use instead."""
+
+    @property
+    def dispatch_table(self):  # type: ignore[override]
+        return ChainMap(_stdlib_table(), copyreg.dispatch_table)
+
+
+def _advice(exc: Exception) -> str:
+    text = str(exc)
+    for name, replacement in _THREADING.items():
+        if f"'{name}'" in text:
+            return " " + stdlib_advice(f"threading lock ({name})", replacement)
+    # multiprocessing's assert_spawning: "Lock objects should only be shared between
+    # processes through inheritance"
+    if text.endswith("should only be shared between processes through inheritance"):
+        kind = text.split(" ", 1)[0]
+        for (module, name), replacement in _STDLIB_SHARED.items():
+            if name == kind:
+                return " " + stdlib_advice(f"multiprocessing {kind}", replacement)
+    return (" Pass the data needed to rebuild it instead (for example a path rather "
+            "than an open file, or create the lock/socket inside the worker).")
+
+
 def _unpicklable(obj: Any, exc: Exception) -> SerializationError:
+    """The error for an object that cannot be pickled, catchable both as
+    :class:`SerializationError` and as the type pickle raised (as with the stdlib)."""
+    if isinstance(exc, SerializationError):
+        return exc
     text = repr(obj)
     if len(text) > 200:
         text = text[:200] + "..."
-    return SerializationError(
-        f"cannot pickle {text} ({type(exc).__name__}: {exc}). Objects sent to another "
-        f"process (targets, arguments, queue items, results) must be picklable; "
-        f"pass the data needed to rebuild it instead (for example a path rather than "
-        f"an open file, or create the lock/socket inside the worker).")
+    message = (f"cannot pickle {text} ({type(exc).__name__}: {exc}). Objects sent to "
+               f"another process (targets, arguments, queue items, results) must be "
+               f"picklable.{_advice(exc)}")
+    return _error_class(type(exc))(message)
 
 
-def dumps_parts(obj: Any, *, by_value: bool = False) -> list:
-    """Serialize ``obj`` into a list of byte-like parts that concatenate to one frame."""
+_error_classes: dict = {}
+
+
+def _error_class(kind: type) -> type:
+    """A subclass of SerializationError and ``kind``, so ``except kind`` still works."""
+    if issubclass(SerializationError, kind):
+        return SerializationError
+    cls = _error_classes.get(kind)
+    if cls is None:
+        try:
+            cls = type("SerializationError", (SerializationError, kind),
+                       {"__module__": SerializationError.__module__})
+            cls("probe")
+        except TypeError:  # an incompatible layout or constructor (OSError, say)
+            cls = SerializationError
+        _error_classes[kind] = cls
+    return cls
+
+
+def dumps_parts(obj: Any, *, by_value: bool = False, spawning: bool = False) -> list:
+    """Serialize ``obj`` into a list of byte-like parts that concatenate to one frame.
+
+    ``spawning``: ``obj`` is a process object being started; multiprocessing objects
+    bound to this machine (a stdlib Queue, Lock, Pipe end...) are refused with the
+    fibrl object to use instead.
+    """
     buffers: list[pickle.PickleBuffer] = []
-    data = _pickle(obj, buffers, by_value or main_is_interactive())
+    data = _pickle(obj, buffers, by_value or main_is_interactive(), spawning)
     raws = [b.raw() for b in buffers]
     head = [_HEAD.pack(MAGIC, len(raws)), _LEN.pack(len(data))]
     head += [_LEN.pack(r.nbytes) for r in raws]
     return [b"".join(head), data, *raws]
 
 
-def dumps(obj: Any, *, by_value: bool = False) -> bytes:
-    """Serialize ``obj`` into one frame (``bytes``).
+def dumps(obj: Any, *, by_value: bool = False, spawning: bool = False) -> bytes:
+    """Serialize ``obj`` into one frame (``bytes``); ``spawning``: see :func:`dumps_parts`.
 
     Example:
         >>> loads(dumps({"a": 1}))
         {'a': 1}
     """
-    parts = dumps_parts(obj, by_value=by_value)
+    parts = dumps_parts(obj, by_value=by_value, spawning=spawning)
     return b"".join(parts)
 
 

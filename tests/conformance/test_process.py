@@ -191,3 +191,18 @@ def test_cpu_count_and_start_methods():
     assert fibrl.get_context("spawn").get_start_method() == "local"
     with pytest.raises(ValueError, match="cannot find context"):
         fibrl.get_context("threads")
+
+
+@pytest.mark.parametrize("make,replacement", [
+    (lambda: __import__("multiprocessing").Queue(), "fibrl.Queue"),
+    (lambda: __import__("multiprocessing").Event(), "fibrl.Event"),
+    (lambda: __import__("threading").Lock(), "fibrl.Lock"),
+])
+def test_stdlib_objects_are_refused_at_start_naming_the_replacement(ctx, make, replacement):
+    from fibrl.errors import SerializationError
+
+    proc = ctx.Process(target=put_value, args=(make(), 1))
+    with pytest.raises(SerializationError, match=f"create a {replacement} instead") as info:
+        proc.start()
+    assert isinstance(info.value, TypeError)   # what the stdlib raises for a threading lock
+    assert fibrl.active_children() == []

@@ -83,3 +83,32 @@ def test_torch_tensor_views_and_leaf_parameters_round_trip():
     assert back[1].requires_grad and back[1].is_leaf and torch.equal(back[1].detach(), leaf)
     assert type(back[2]) is torch.nn.Parameter and torch.equal(back[2].detach(), param)
     assert back[3].tolist() == [0, 1, 2]
+
+
+class Refuses:
+    def __reduce__(self):
+        raise RuntimeError("not today")
+
+
+def test_unpicklable_keeps_the_type_pickle_raised():
+    import threading
+
+    with pytest.raises(TypeError, match="fibrl.Lock"):      # pickle's own type
+        serialization.dumps({"lock": threading.Lock()})
+    with pytest.raises(RuntimeError, match="not today") as info:   # the object's own type
+        serialization.dumps([Refuses()])
+    assert isinstance(info.value, SerializationError)
+
+
+def test_stdlib_multiprocessing_objects_name_the_fibrl_replacement():
+    import multiprocessing
+
+    queue = multiprocessing.Queue()
+    lock = multiprocessing.Lock()
+    with pytest.raises(SerializationError, match="create a fibrl.Queue instead"):
+        serialization.dumps(queue)                    # outside a start: the stdlib's check
+    for obj, replacement in ((queue, "fibrl.Queue"), (lock, "fibrl.Lock"),
+                             (multiprocessing.Pipe()[0], "fibrl.Pipe"),
+                             (multiprocessing.Value("i", 1), "fibrl.Value")):
+        with pytest.raises(SerializationError, match=f"create a {replacement} instead"):
+            serialization.dumps({"nested": [obj]}, spawning=True)   # a start: refused here
