@@ -19,6 +19,18 @@ Measures, for both libraries:
 - Process first start+join (ms): the same in a fresh interpreter, so it
   includes what the first process of a program pays (fibrl: the hub's
   listener and the local fork server). Lower is better; informational.
+- Peak memory of a large transfer (``--only rss``, MB above each process's
+  baseline): one 512 MB ``bytes`` through a Pipe and through a Queue, from a
+  sender process to a receiver process; fibrl also shows the owner of the
+  pipe or queue (the process that created it, which relays the item).
+
+The transport's floor is measured in the same run (``floor.py``): a bare
+pynng ``Pair0`` round trip between two processes for the Pipe row, a bare
+pynng stream of 1 MB frames for the 1 MB Queue rows. Uber Fiber, where a
+Python with it installed is given (``--fiber-python``, or ``FIBER_PYTHON``;
+``benchmarks/install_fiber.sh`` makes one), is measured in that interpreter,
+driven line by line from this run so that its repeats interleave with the
+others.
 
 Each library's workers are started and warmed up first (the warm-up also
 sizes each timed run to last about ``--target`` seconds); then every repeat
@@ -49,6 +61,8 @@ SMALL = 100
 LARGE = 1 << 20
 MB = 1e6
 LIBS = ("mp", "fibrl")
+FLOOR = "nng"       # the bare pynng floor (floor.py)
+FIBER = "fiber"     # Uber Fiber, run in its own interpreter
 
 
 # -- child side (runs in the workers) -------------------------------------------------
@@ -84,6 +98,35 @@ def pipe_worker(conn) -> None:
         conn.send(msg)
 
 
+def _peak_mb() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def rss_sender(chan, size: int, out: str) -> None:
+    """Send one ``size``-byte object over ``chan`` (Pipe end or Queue); write the peak."""
+    base = _peak_mb()
+    data = b"x" * size
+    (chan.send if hasattr(chan, "send") else chan.put)(data)
+    del data
+    _write(out, _peak_mb() - base)
+
+
+def rss_receiver(chan, size: int, out: str) -> None:
+    """Receive one object of ``size`` bytes; write the peak above this process's baseline."""
+    base = _peak_mb()
+    data = chan.recv() if hasattr(chan, "recv") else chan.get(timeout=600)
+    assert len(data) == size
+    del data
+    _write(out, _peak_mb() - base)
+
+
+def _write(path: str, value: float) -> None:
+    with open(path, "w") as f:
+        f.write(f"{value:.1f}")
+
+
 # -- the libraries under test -----------------------------------------------------------
 def context(name: str):
     """The factories of one library: mp's spawn context, or fibrl itself."""
@@ -91,6 +134,10 @@ def context(name: str):
         import multiprocessing
 
         return multiprocessing.get_context("spawn")
+    if name == FIBER:
+        import fiber
+
+        return fiber
     import fibrl
 
     return fibrl
@@ -183,6 +230,55 @@ class PipeBench:
         self.proc.join(60)
 
 
+class FiberBench:
+    """A :class:`QueueBench` or :class:`PipeBench` of Uber Fiber, living in Fiber's own
+    interpreter (``--serve``) and driven over its stdin/stdout, one command a line."""
+
+    def __init__(self, python: str, kind: str) -> None:
+        self.proc = subprocess.Popen([python, os.path.abspath(__file__), "--serve", kind],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self._ask()   # its workers are up
+
+    def _ask(self, *words) -> float:
+        if words:
+            self.proc.stdin.write(" ".join(map(str, words)) + "\n")
+            self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line.strip() or line.startswith("error"):
+            raise SampleFailed(line.strip() or f"exited with {self.proc.poll()}")
+        return float(line)
+
+    def child_produces(self, n: int, size: int) -> float:
+        return self._ask("child_produces", n, size)
+
+    def parent_produces(self, n: int, size: int) -> float:
+        return self._ask("parent_produces", n, size)
+
+    def rounds(self, n: int) -> float:
+        return self._ask("rounds", n)
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def serve(kind: str) -> int:
+    """``--serve``: run one bench of Fiber here, timing the commands read from stdin."""
+    bench = QueueBench(FIBER) if kind == "queue" else PipeBench(FIBER)
+    print("0", flush=True)
+    for line in sys.stdin:
+        method, *numbers = line.split()
+        try:
+            print(f"{getattr(bench, method)(*map(int, numbers)):.9f}", flush=True)
+        except Exception as exc:  # reported as a failed sample, the run goes on
+            print(f"error {type(exc).__name__}: {exc}", flush=True)
+    bench.close()
+    return 0
+
+
 def start_join(ctx) -> float:
     start = time.perf_counter()
     proc = ctx.Process(target=noop)
@@ -217,16 +313,23 @@ class Row:
     unit: str
     higher_is_better: bool
     target: str
-    samples: dict = field(default_factory=lambda: {lib: [] for lib in LIBS})
-    failures: dict = field(default_factory=lambda: {lib: [] for lib in LIBS})
+    libs: tuple = LIBS
+    samples: dict = field(default_factory=dict)
+    failures: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.samples = {lib: [] for lib in self.libs}
+        self.failures = {lib: [] for lib in self.libs}
 
     def value(self, lib: str) -> float:
-        return statistics.median(self.samples[lib]) if self.samples[lib] else float("nan")
+        vals = self.samples.get(lib)
+        return statistics.median(vals) if vals else float("nan")
 
     def spread(self, lib: str) -> float:
         """Half the range of the samples, relative to their median."""
-        vals = self.samples[lib]
-        return (max(vals) - min(vals)) / 2 / statistics.median(vals) if vals else float("nan")
+        vals = self.samples.get(lib)
+        return _div((max(vals) - min(vals)) / 2, statistics.median(vals)) if vals \
+            else float("nan")
 
 
 def sized(run_n: Callable[[int], float], warmup_n: int, target: float, lo: int, hi: int) -> int:
@@ -238,24 +341,37 @@ def sized(run_n: Callable[[int], float], warmup_n: int, target: float, lo: int, 
 def interleaved(row: Row, runs: dict, repeats: int, convert: Callable[[float], float]) -> None:
     """Run each library's ``runs[lib]()`` in turn ``repeats`` times; keep converted samples."""
     for _ in range(repeats):
-        for lib in LIBS:
+        for lib in row.libs:
             try:
                 row.samples[lib].append(convert(runs[lib]()))
             except SampleFailed as exc:
                 row.failures[lib].append(str(exc))
 
 
-def bench_queues(opts) -> list:
+def queue_benches(opts) -> dict:
     benches = {lib: QueueBench(lib) for lib in LIBS}
+    if opts.fiber_python:
+        benches[FIBER] = FiberBench(opts.fiber_python, "queue")
+    return benches
+
+
+def bench_queues(opts) -> list:
+    import floor
+
+    benches = queue_benches(opts)
+    benches[FLOOR] = floor.NngStream()
     rows = []
     try:
         for direction in ("child->parent", "parent->child"):
             for size, warm, lo, hi in ((SMALL, 2000, 500, 400_000), (LARGE, 20, 10, 300)):
                 small = size == SMALL
+                libs = tuple(lib for lib in benches if not (small and lib == FLOOR))
                 row = Row(f"Queue {'100 B' if small else '1 MB'} {direction}",
-                          "msgs/s" if small else "MB/s", True, ">= 1.0")
+                          "msgs/s" if small else "MB/s", True,
+                          ">= 1.0" if small else ">= 1.0, >= 0.9 floor", libs)
                 runs = {}
-                for lib, bench in benches.items():
+                for lib in libs:
+                    bench = benches[lib]
                     method = bench.child_produces if direction == "child->parent" \
                         else bench.parent_produces
                     n = sized(lambda k, m=method: m(k, size), warm, opts.target, lo, hi)
@@ -271,8 +387,13 @@ def bench_queues(opts) -> list:
 
 
 def bench_pipe(opts) -> list:
+    import floor
+
     benches = {lib: PipeBench(lib) for lib in LIBS}
-    row = Row("Pipe round trip 100 B", "µs", False, "<= 1.2")
+    benches[FLOOR] = floor.NngEcho()
+    if opts.fiber_python:
+        benches[FIBER] = FiberBench(opts.fiber_python, "pipe")
+    row = Row("Pipe round trip 100 B", "µs", False, "<= 1.2 floor, <= fiber", tuple(benches))
     try:
         runs = {}
         for lib, bench in benches.items():
@@ -301,8 +422,63 @@ def bench_start(opts) -> list:
     return [warm, first]
 
 
+RSS_SIZE = 512 << 20
+
+
+def rss_run(lib: str, kind: str, size: int) -> dict:
+    """``--rss``: one ``size``-byte transfer through a Pipe or Queue of ``lib``, in this
+    fresh interpreter; the peak MB above baseline of sender, receiver and owner."""
+    import tempfile
+
+    ctx = context(lib)
+    base = _peak_mb()
+    if kind == "pipe":
+        recv_end, send_end = ctx.Pipe(duplex=False)
+    else:
+        recv_end = send_end = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        outs = {side: os.path.join(tmp, side) for side in ("sender", "receiver")}
+        procs = [ctx.Process(target=rss_receiver, args=(recv_end, size, outs["receiver"])),
+                 ctx.Process(target=rss_sender, args=(send_end, size, outs["sender"]))]
+        for proc in procs:
+            proc.start()
+        for proc in procs:
+            proc.join(600)
+            if proc.exitcode != 0:
+                raise RuntimeError(f"{proc.name} exited with {proc.exitcode}")
+        result = {side: float(open(path).read()) for side, path in outs.items()}
+    result["owner"] = _peak_mb() - base
+    return result
+
+
+def bench_rss(opts) -> list:
+    import json
+
+    rows = []
+    for kind in ("pipe", "queue"):
+        sides = {side: Row(f"{kind.capitalize()} {opts.rss_size / MB:,.0f} MB peak RSS, {side}",
+                           "MB", False,
+                           "<= 1.2" if side != "owner" else "(info)")
+                 for side in ("sender", "receiver", "owner")}
+        for _ in range(opts.rss_repeats):
+            for lib in LIBS:
+                done = subprocess.run([sys.executable, os.path.abspath(__file__), "--rss", lib,
+                                       kind, str(opts.rss_size)],
+                                      capture_output=True, text=True, timeout=900)
+                if done.returncode != 0:
+                    for row in sides.values():
+                        row.failures[lib].append(done.stderr.strip()[-200:])
+                    continue
+                for side, value in json.loads(done.stdout.splitlines()[-1]).items():
+                    sides[side].samples[lib].append(value)
+        for row in sides.values():
+            _progress(row)
+        rows += sides.values()
+    return rows
+
+
 def _progress(row: Row) -> None:
-    values = ", ".join(f"{lib} {_fmt(row.value(lib))}" for lib in LIBS)
+    values = ", ".join(f"{lib} {_fmt(row.value(lib))}" for lib in row.libs)
     print(f"  {row.name}: {values} {row.unit}", flush=True)
 
 
@@ -319,20 +495,29 @@ def load() -> str:
 
 
 def table(rows: list) -> str:
-    lines = ["| measurement | unit | better | mp (spawn) | fibrl | fibrl/mp | target "
-             "| spread mp / fibrl |",
-             "|---|---|---|---:|---:|---:|---|---|"]
+    """Markdown: every library measured, then fibrl's ratio to mp, the floor and Fiber."""
+    lines = ["| measurement | unit | better | mp (spawn) | fibrl | nng floor | fiber "
+             "| fibrl/mp | fibrl/floor | fibrl/fiber | target | spread mp / fibrl |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|"]
     for row in rows:
-        mp_value, fb_value = row.value("mp"), row.value("fibrl")
+        fb_value = row.value("fibrl")
+        cells = [_fmt(row.value(lib)) if lib in row.libs else "—"
+                 for lib in ("mp", "fibrl", FLOOR, FIBER)]
+        ratios = [_ratio(_div(fb_value, row.value(lib))) if lib in row.libs else "—"
+                  for lib in ("mp", FLOOR, FIBER)]
         lines.append(
             f"| {row.name} | {row.unit} | {'higher' if row.higher_is_better else 'lower'} | "
-            f"{_fmt(mp_value)} | {_fmt(fb_value)} | {_ratio(fb_value / mp_value)} | "
+            f"{' | '.join(cells)} | {' | '.join(ratios)} | "
             f"{row.target} | ±{_pct(row.spread('mp'))} / ±{_pct(row.spread('fibrl'))} |")
     notes = [f"- {row.name}: {len(fails)} {lib} run(s) failed and are left out: "
              f"{'; '.join(sorted(set(fails)))}"
              for row in rows for lib, fails in row.failures.items() if fails]
     notes += [f"- {note}" for note in NOTES]
     return "\n".join(lines + ([""] + notes if notes else []))
+
+
+def _div(a: float, b: float) -> float:
+    return a / b if b else float("nan")
 
 
 def _ratio(value: float) -> str:
@@ -352,16 +537,24 @@ def _fmt(value: float) -> str:
 def parse(argv: list) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer, shorter runs (< 30 s)")
-    parser.add_argument("--only", choices=("queue", "pipe", "start"), action="append",
-                        help="run only these measurements (repeatable)")
+    parser.add_argument("--only", choices=("queue", "pipe", "start", "rss"), action="append",
+                        help="run only these measurements (repeatable; rss runs only when "
+                             "named: it moves GBs)")
+    parser.add_argument("--fiber-python", default=os.environ.get("FIBER_PYTHON"),
+                        help="a Python with Uber Fiber installed, measured alongside "
+                             "(default: $FIBER_PYTHON; absent: Fiber is left out)")
+    parser.add_argument("--rss-size", type=int, default=RSS_SIZE, help=argparse.SUPPRESS)
     parser.add_argument("--target", type=float, help="seconds per timed throughput run")
     parser.add_argument("--repeat", type=int, help="timed runs per measurement and library")
     parser.add_argument("--first-start", choices=LIBS, help=argparse.SUPPRESS)
+    parser.add_argument("--serve", choices=("queue", "pipe"), help=argparse.SUPPRESS)
+    parser.add_argument("--rss", nargs=3, metavar=("LIB", "KIND", "SIZE"), help=argparse.SUPPRESS)
     opts = parser.parse_args(argv)
     opts.target = opts.target or (0.12 if opts.quick else 0.4)
     opts.repeats = opts.repeat or (3 if opts.quick else 7)
     opts.starts = 5 if opts.quick else 15
     opts.first_starts = 2 if opts.quick else 5
+    opts.rss_repeats = 1 if opts.quick else 2
     return opts
 
 
@@ -371,11 +564,26 @@ def main(argv: list) -> int:
         ctx = context(opts.first_start)
         print(f"{start_join(ctx):.6f}")
         return 0
-    benches = {"queue": bench_queues, "pipe": bench_pipe, "start": bench_start}
+    if opts.serve:        # child mode: Fiber's side, in Fiber's interpreter
+        return serve(opts.serve)
+    if opts.rss:          # child mode: one large transfer in this fresh interpreter
+        import json
+
+        lib, kind, size = opts.rss
+        print(json.dumps(rss_run(lib, kind, int(size))))
+        return 0
+    benches = {"queue": bench_queues, "pipe": bench_pipe, "start": bench_start,
+               "rss": bench_rss}
+    if opts.fiber_python and not os.path.exists(opts.fiber_python):
+        NOTES.append(f"--fiber-python {opts.fiber_python} does not exist; Fiber left out")
+        opts.fiber_python = None
+    if not opts.fiber_python:
+        NOTES.append("Fiber not measured: no --fiber-python / FIBER_PYTHON given "
+                     "(benchmarks/install_fiber.sh makes one)")
     print(f"{environment()}\nload before: {load()}", flush=True)
     began = time.perf_counter()
     rows = []
-    for name in opts.only or list(benches):
+    for name in opts.only or [name for name in benches if name != "rss"]:
         rows += benches[name](opts)
     print(f"load after: {load()}; took {time.perf_counter() - began:.0f} s\n")
     print(table(rows))

@@ -1,0 +1,99 @@
+"""The transport's floor: bare pynng between two processes, for the benchmarks' ratios.
+
+Every fibrl message costs at least one pynng message, so a bare ``Pair0``
+exchange between two processes on the same transport (tcp on loopback, as
+fibrl's local backend uses) is the floor that fibrl's hot paths are measured
+against:
+
+- :class:`NngEcho`: round trip of one frame to an echo in another process;
+- :class:`NngStream`: a stream of frames in either direction, ended by a
+  one-frame acknowledgement (the receiver has them all).
+
+No authentication, pickling or dispatch: only nng. The worker is a stdlib
+spawn process, so nothing of fibrl runs on either side.
+"""
+from __future__ import annotations
+
+import multiprocessing
+import time
+
+ACK = b"ok"
+
+
+def _listen():
+    import pynng
+
+    sock = pynng.Pair0(recv_max_size=0)
+    sock.listen("tcp://127.0.0.1:0")
+    return sock, "tcp://" + str(sock.listeners[0].local_address)
+
+
+def serve(address: str) -> None:
+    """Worker: dial ``address``; echo frames, or run stream commands, until ``b"stop"``."""
+    import pynng
+
+    sock = pynng.Pair0(recv_max_size=0)
+    sock.dial(address, block=True)
+    while True:
+        msg = sock.recv()
+        if msg == b"stop":
+            return
+        if msg.startswith(b"produce "):      # send n frames of size bytes
+            _, n, size = msg.split()
+            frame = b"x" * int(size)
+            for _ in range(int(n)):
+                sock.send(frame)
+        elif msg.startswith(b"consume "):    # receive n frames, then acknowledge
+            for _ in range(int(msg.split()[1])):
+                sock.recv()
+            sock.send(ACK)
+        else:
+            sock.send(msg)
+
+
+class _Worker:
+    def __init__(self) -> None:
+        self.sock, address = _listen()
+        self.proc = multiprocessing.get_context("spawn").Process(
+            target=serve, args=(address,), daemon=True)
+        self.proc.start()
+        self.sock.recv_timeout = 120_000
+        self.sock.send(b"hello")
+        assert self.sock.recv() == b"hello"
+
+    def close(self) -> None:
+        self.sock.send(b"stop")
+        self.proc.join(60)
+        self.sock.close()
+
+
+class NngEcho(_Worker):
+    """Round trips of ``size``-byte frames (the Pipe row's floor)."""
+
+    def rounds(self, n: int, size: int = 100) -> float:
+        sock, msg = self.sock, b"x" * size
+        start = time.perf_counter()
+        for _ in range(n):
+            sock.send(msg)
+            sock.recv()
+        return time.perf_counter() - start
+
+
+class NngStream(_Worker):
+    """``n`` frames of ``size`` bytes one way (the 1 MB Queue rows' floor)."""
+
+    def child_produces(self, n: int, size: int) -> float:
+        start = time.perf_counter()
+        self.sock.send(f"produce {n} {size}".encode())
+        for _ in range(n):
+            self.sock.recv()
+        return time.perf_counter() - start
+
+    def parent_produces(self, n: int, size: int) -> float:
+        frame = b"x" * size
+        start = time.perf_counter()
+        self.sock.send(f"consume {n}".encode())
+        for _ in range(n):
+            self.sock.send(frame)
+        assert self.sock.recv() == ACK
+        return time.perf_counter() - start
