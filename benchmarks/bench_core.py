@@ -70,8 +70,10 @@ def noop() -> None:
     pass
 
 
-def queue_worker(ctl, data, ack) -> None:
-    """Serve commands from ``ctl``: ("produce", n, size), ("consume", n) or ("stop",)."""
+def queue_worker(ctl, up, down, ack) -> None:
+    """Serve commands from ``ctl``: ("produce", n, size) onto ``up``, ("consume", n) from
+    ``down``, or ("stop",). One queue per direction: Fiber's queues push each item to
+    any process that ever read from them, reading now or not."""
     ack.put("ready")
     while True:
         cmd = ctl.get()
@@ -81,10 +83,10 @@ def queue_worker(ctl, data, ack) -> None:
             _, n, size = cmd
             msg = b"x" * size
             for _ in range(n):
-                data.put(msg)
+                up.put(msg)
         else:
             for _ in range(cmd[1]):
-                data.get()
+                down.get()
             ack.put("done")
 
 
@@ -177,21 +179,26 @@ class QueueBench:
         import queue
 
         ctx = context(lib)
-        self.ctl, self.data, self.ack = ctx.Queue(), ctx.Queue(), ctx.Queue()
+        # Fiber has only SimpleQueue, whose get() takes no timeout
+        make = ctx.SimpleQueue if lib == FIBER else ctx.Queue
+        self.ctl, self.up, self.down, self.ack = make(), make(), make(), make()
+        self.timeout = {} if lib == FIBER else {"timeout": 120}
 
         def ready(timeout: float) -> bool:
             try:
-                return self.ack.get(timeout=timeout) == "ready"
+                return self.ack.get(**({} if lib == FIBER else {"timeout": timeout})) == "ready"
             except queue.Empty:
                 return False
 
-        self.proc = start_worker(lib, queue_worker, (self.ctl, self.data, self.ack), ready)
+        self.proc = start_worker(lib, queue_worker, (self.ctl, self.up, self.down, self.ack),
+                                 ready)
 
     def child_produces(self, n: int, size: int) -> float:
+        get, timeout = self.up.get, self.timeout
         start = time.perf_counter()
         self.ctl.put(("produce", n, size))
         for _ in range(n):
-            self.data.get(timeout=120)
+            get(**timeout)
         return time.perf_counter() - start
 
     def parent_produces(self, n: int, size: int) -> float:
@@ -199,8 +206,8 @@ class QueueBench:
         start = time.perf_counter()
         self.ctl.put(("consume", n))
         for _ in range(n):
-            self.data.put(msg)
-        assert self.ack.get(timeout=300) == "done"
+            self.down.put(msg)
+        assert self.ack.get(**self.timeout) == "done"
         return time.perf_counter() - start
 
     def close(self) -> None:
@@ -213,8 +220,13 @@ class PipeBench:
 
     def __init__(self, lib: str) -> None:
         self.here, there = context(lib).Pipe()
-        self.proc = start_worker(lib, pipe_worker, (there,),
-                                 lambda t: self.here.poll(t) and self.here.recv() == "ready")
+        if lib == FIBER:    # its connections cannot poll
+            def ready(timeout: float) -> bool:
+                return self.here.recv() == "ready"
+        else:
+            def ready(timeout: float) -> bool:
+                return self.here.poll(timeout) and self.here.recv() == "ready"
+        self.proc = start_worker(lib, pipe_worker, (there,), ready)
         self.msg = b"x" * SMALL
 
     def rounds(self, n: int) -> float:
