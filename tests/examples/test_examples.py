@@ -1,8 +1,10 @@
-"""Smoke tests of examples/: each example's ``main`` at a tiny size on the local backend.
+"""Smoke tests of examples/: each example's ``main`` at a tiny size.
 
 The examples are imported from their files (examples/ is not a package) and run
 in this process, as a user's ``python examples/<name>.py`` would run them; each
-test checks the example's answer, not only that it returned.
+test checks the example's answer, not only that it returned. All run on the
+local backend; ``pi_estimation`` also on docker. The ``ctx`` fixture (conftest)
+restores the config in force afterwards, since ``main`` calls ``fibrl.init``.
 """
 from __future__ import annotations
 
@@ -31,13 +33,20 @@ def load(name: str):
     return module
 
 
-def test_pi_estimation():
+LOCAL = pytest.mark.parametrize("ctx", ["local"], indirect=True)
+
+
+@pytest.mark.parametrize("ctx", ["local", pytest.param("docker", marks=pytest.mark.docker)],
+                         indirect=True)
+def test_pi_estimation(ctx):
     example = load("pi_estimation")
-    pi = example.main(example.parse(["--workers", "2", "--tasks", "4", "--samples", "20000"]))
+    pi = example.main(example.parse(["--backend", ctx.get_start_method(), "--workers", "2",
+                                     "--tasks", "4", "--samples", "20000"]))
     assert math.isclose(pi, math.pi, abs_tol=0.05)
 
 
-def test_queue_pipeline():
+@LOCAL
+def test_queue_pipeline(ctx):
     example = load("queue_pipeline")
     args = example.parse(["--producers", "2", "--consumers", "2", "--items", "25",
                           "--timeout", "60"])
@@ -46,7 +55,8 @@ def test_queue_pipeline():
     assert results[1, 7] == example.digest("item 1-7")
 
 
-def test_shared_state():
+@LOCAL
+def test_shared_state(ctx):
     example = load("shared_state")
     result = example.main(example.parse(["--workers", "3", "--increments", "10",
                                          "--timeout", "60"]))
@@ -54,7 +64,8 @@ def test_shared_state():
     assert result["log"] == [f"worker {w} done" for w in range(3)]
 
 
-def test_evolution_strategies(tmp_path):
+@LOCAL
+def test_evolution_strategies(ctx, tmp_path):
     pytest.importorskip("gymnasium", reason="the rl extra (gymnasium) is not installed")
     pytest.importorskip("matplotlib", reason="the docs extra (matplotlib) is not installed")
     example = load("evolution_strategies")
