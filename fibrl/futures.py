@@ -71,7 +71,9 @@ class ProcessPoolExecutor(_BaseExecutor):
     Args:
         max_workers: number of workers (None: ``cpu_count()`` of the backend).
         mp_context: fibrl context (or a stdlib one, mapped by its start method).
-        initializer, initargs: run in every worker before its first task.
+        initializer: called as ``initializer(*initargs)`` in every worker before its
+            first task.
+        initargs: arguments of ``initializer``.
         max_tasks_per_child: tasks a worker runs before it is replaced.
         max_task_retries: keyword-only; runs of a task whose worker was lost
             before it fails (default: the config's ``max_task_retries``).
