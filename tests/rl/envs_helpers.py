@@ -66,6 +66,7 @@ class Slow(gymnasium.Wrapper):
     def __init__(self, delay: float) -> None:
         super().__init__(gymnasium.make("CartPole-v1"))
         self.delay = delay
+        self.pid = os.getpid()
 
     def step(self, action):
         time.sleep(self.delay)
