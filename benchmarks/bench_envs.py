@@ -83,9 +83,10 @@ def _bare_worker(address: str, k: int, make) -> None:
         env.reset(seed=i)
     with pynng.Pair0(dial=address) as sock:
         while True:
-            actions = np.frombuffer(sock.recv(), dtype=np.int64)
-            if len(actions) == 0:
+            frame = sock.recv()
+            if len(frame) < 8:  # the stop byte
                 return
+            actions = np.frombuffer(frame, dtype=np.int64)
             obs = np.empty((k, 4), dtype=np.float32)
             rewards = np.empty(k, dtype=np.float64)
             flags = np.empty((2, k), dtype=np.bool_)
@@ -120,7 +121,7 @@ def bare_rate(workers: int, k: int, seconds: float, make=cartpole) -> float:
         return rate(step, workers * k, seconds)
     finally:
         for sock in socks:
-            sock.send(b"")
+            sock.send(b"x")  # shorter than an action: stop
         for proc in procs:
             proc.join(10)
         for sock in socks:

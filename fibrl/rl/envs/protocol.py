@@ -16,8 +16,16 @@ from typing import Any, Optional
 
 import numpy as np
 
-__all__ = ["Step", "Reset", "Call", "Close", "Result", "Called", "Broken", "Died",
+__all__ = ["Hello", "Step", "Reset", "Call", "Close", "Result", "Called", "Broken", "Died",
            "rows", "row", "write_rows", "stack"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Hello:
+    """A worker's first frame: which worker (and incarnation) this connection is."""
+
+    worker: int
+    gen: int
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

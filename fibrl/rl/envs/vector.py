@@ -4,16 +4,20 @@ Owns the vector env's state machine, the batching of actions and results,
 the partial-batch API (``send``/``recv``) and the restart policy (which
 worker to replace, the restart budget, the per-env step deadline). The loop
 inside each worker is :mod:`.worker`; the message types are :mod:`.protocol`.
-It uses only fibrl's public API: ``Process``, ``Pipe``, process sentinels and
-``fibrl.connection.wait``.
-
-::
+It uses only fibrl's public API: ``Process`` and its sentinel,
+``fibrl.connection.wait``, the authenticated channels of ``fibrl.transport``
+and the frames of ``fibrl.serialization`` (a pickle 5 stream, large buffers
+out of band)::
 
     this process                                          workers (any backend)
-    send(actions, ids) -- one Step per worker ---------->  worker 0: envs 0..k-1
-                       -- (requests[w], a Pipe) -------->  worker 1: envs k..2k-1
-    recv(num) <======== replies (one shared Pipe) <======  Result per half-step
-              <-- Died(w) -- watcher thread <-- process sentinels
+    send(actions, ids) -- one Step frame per worker ---->  worker 0: envs 0..k-1
+                       -- (Listener peer -> Channel) --->  worker 1: envs k..2k-1
+    recv(num) <- inbox <- reader thread per peer <======  Result frame per half-step
+                 inbox <- Died(w) <- watcher thread <---  process sentinels
+
+A worker dials the vector env's listener (as fibrl workers dial their
+parent), so the same layout works on every backend. One request and one
+reply per half-step is the floor a Pipe or a manager call would double.
 
 A dead worker (killed, OOM, container or pod gone, or past its step deadline)
 is replaced: its envs are recreated and reset with their restart seeds, the
@@ -27,9 +31,11 @@ import collections
 import functools
 import logging
 import os
+import queue
 import threading
 import time
 from multiprocessing import TimeoutError as MpTimeoutError
+from multiprocessing import current_process
 from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 import gymnasium
@@ -38,11 +44,13 @@ from gymnasium.error import AlreadyPendingCallError, ClosedEnvironmentError, NoA
 from gymnasium.vector import AutoresetMode, VectorEnv
 from gymnasium.vector.utils import batch_space, create_empty_array
 
-from ... import Pipe, get_context
+from ... import get_context, serialization
 from ...connection import wait
-from ...errors import describe_exitcode
+from ...errors import ChannelClosed, describe_exitcode
+from ...transport import Listener
 from .manager import make_gym_env
-from .protocol import Broken, Call, Called, Close, Died, Reset, Result, Step, rows, write_rows
+from .protocol import (Broken, Call, Called, Close, Died, Hello, Reset, Result, Step, rows,
+                       write_rows)
 from .worker import serve
 
 __all__ = ["RemoteVectorEnv", "EnvCrashError", "AsyncState"]
@@ -77,14 +85,14 @@ class _InfoBatch:
 
 
 class _WorkerSlot:
-    """One worker as this process sees it: its process, request pipe and open requests."""
+    """One worker as this process sees it: its process, connection and open requests."""
 
     def __init__(self, index: int, env_ids: list) -> None:
         self.index = index
         self.env_ids = env_ids
         self.gen = -1
         self.proc: Any = None
-        self.requests: Any = None
+        self.peer: Any = None        # its transport peer, once it said Hello
         self.open: list = []         # requests sent and not fully answered: (msg, sent_at)
         self.ready = False
         self.killed_for: Optional[str] = None
@@ -149,7 +157,10 @@ class RemoteVectorEnv(VectorEnv):
         self._workers = [_WorkerSlot(w, ids[lo:lo + envs_per_worker])
                          for w, lo in enumerate(range(0, self.num_envs, envs_per_worker))]
         self._where = [(w.index, j) for w in self._workers for j in range(len(w.env_ids))]
-        self._replies, self._reply_writer = Pipe(duplex=False)
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._listener = Listener(get_context().config.listen_host,
+                                  bytes(current_process().authkey),
+                                  on_frame=lambda peer, data: self._inbox.put((peer, data)))
         self._wake_r, self._wake_w = os.pipe()
         self._lock = threading.Lock()
         try:
@@ -178,9 +189,7 @@ class RemoteVectorEnv(VectorEnv):
 
     def _spawn(self, worker: _WorkerSlot) -> None:
         """Start (or replace) the process of ``worker`` with a fresh request pipe."""
-        if worker.requests is not None:
-            worker.requests.close()
-        inbox, worker.requests = Pipe(duplex=False)
+        worker.peer = None
         worker.gen += 1
         worker.ready = False
         worker.killed_for = None
@@ -190,10 +199,9 @@ class RemoteVectorEnv(VectorEnv):
             target=serve, name=f"fibrl-env-worker-{worker.index}", daemon=True,
             backend=self._backend,
             args=(worker.index, worker.gen, fns, worker.env_ids, counts,
-                  _MODES[self.autoreset_mode], self._root, self._split, inbox,
-                  self._reply_writer))
+                  _MODES[self.autoreset_mode], self._root, self._split,
+                  self._listener.address))
         proc.start()
-        inbox.close()
         with self._lock:
             worker.proc = proc
         os.write(self._wake_w, b"x")
@@ -220,7 +228,7 @@ class RemoteVectorEnv(VectorEnv):
                     reported.add((index, gen))
                     proc.join(5)
                     if not self.closed:
-                        self._reply_writer.send(Died(index, gen, proc.exitcode))
+                        self._inbox.put(Died(index, gen, proc.exitcode))
 
     # -- the receiving engine ----------------------------------------------------------
     def _pump(self, deadline: Optional[float], what: str) -> None:
@@ -230,14 +238,24 @@ class RemoteVectorEnv(VectorEnv):
         limits = [d for d in (deadline, hang) if d is not None]
         until = min(limits) if limits else None
         left = None if until is None else max(0.0, until - time.monotonic())
-        if not self._replies.poll(left):
+        try:
+            item = self._inbox.get(timeout=left)
+        except queue.Empty:
             if hang is not None and time.monotonic() >= hang:
                 self._kill_hung()
                 return
             raise MpTimeoutError(f"RemoteVectorEnv: timed out waiting for {what}; the "
                                  "envs are still running (call the wait method again), "
-                                 "or raise the timeout")
-        self._handle(self._replies.recv())
+                                 "or raise the timeout") from None
+        if isinstance(item, tuple):
+            peer, frame = item
+            item = serialization.loads(frame)
+            if isinstance(item, Hello):
+                worker = self._workers[item.worker]
+                if item.gen == worker.gen:
+                    worker.peer = peer
+                return
+        self._handle(item)
 
     def _handle(self, msg: Any) -> None:
         worker = self._workers[msg.worker]
@@ -328,7 +346,10 @@ class RemoteVectorEnv(VectorEnv):
 
     def _post(self, worker: _WorkerSlot, msg: Any) -> None:
         worker.open.append((msg, time.monotonic()))
-        worker.requests.send(msg)
+        try:
+            worker.peer.send(serialization.dumps(msg))
+        except ChannelClosed:
+            pass  # the worker died: its sentinel brings the Died message that replaces it
 
     def _next_seq(self) -> int:
         self._seq += 1
@@ -546,12 +567,11 @@ class RemoteVectorEnv(VectorEnv):
     def _shutdown(self, grace: float) -> None:
         self.closed = True
         for worker in self._workers:
-            if worker.requests is not None:
+            if worker.peer is not None:
                 try:
-                    worker.requests.send(Close())
-                    worker.requests.close()
-                except Exception:
-                    pass  # the worker or pipe is gone already
+                    worker.peer.send(serialization.dumps(Close()))
+                except ChannelClosed:
+                    pass  # the worker is gone already
         deadline = time.monotonic() + grace
         for worker in self._workers:
             proc = worker.proc
@@ -570,8 +590,7 @@ class RemoteVectorEnv(VectorEnv):
             watcher.join(10)
         for fd in (self._wake_r, self._wake_w):
             os.close(fd)
-        self._replies.close()
-        self._reply_writer.close()
+        self._listener.close()
 
     def __del__(self) -> None:
         if not getattr(self, "closed", True):

@@ -1,12 +1,13 @@
 """The loop that runs in each RemoteVectorEnv worker (a fibrl Process).
 
-A worker hosts ``k`` envs. It reads one request at a time from its own pipe
-and answers on the vector env's shared reply pipe::
+A worker hosts ``k`` envs. It connects one authenticated transport channel
+to the vector env's listener (the run's secret is its process authkey), says
+``Hello``, then answers one request at a time on that channel::
 
-    vector env                           worker w (local process, container or pod)
-    requests[w].send(Step) -----------> recv -> step envs of half 1 -> Result --+
-                                                 step envs of half 2 -> Result --+
-    replies.recv() <------------------------------------------------------------+
+    vector env (Listener)                  worker w (local process, container or pod)
+    peer.send(Step) ---------------------> recv -> step envs of half 1 -> Result --+
+                                                    step envs of half 2 -> Result --+
+    reader thread -> queue <-------------------------------------------------------+
 
 Splitting a step into two halves lets the first half travel (and the vector
 env copy it into its batch) while the second half is stepped.
@@ -25,7 +26,9 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .protocol import Broken, Call, Called, Reset, Result, Step, row, stack
+from ... import serialization
+from ...transport import Channel
+from .protocol import Broken, Call, Called, Hello, Reset, Result, Step, row, stack
 
 __all__ = ["serve", "restart_seed"]
 
@@ -83,7 +86,8 @@ class Worker:
     def close(self) -> None:
         for slot in self.slots:
             try:
-                slot.env.close()
+                if slot.env is not None:
+                    slot.env.close()
             except Exception:
                 pass  # closing at exit: nothing to report to
 
@@ -204,19 +208,35 @@ class Worker:
         return Called(self.index, self.gen, msg.seq, values)
 
 
+class _Outbox:
+    """Sends messages as fibrl frames (protocol 5, large arrays out of band)."""
+
+    def __init__(self, channel: Channel) -> None:
+        self.channel = channel
+
+    def send(self, msg: Any) -> None:
+        self.channel.send(serialization.dumps(msg))
+
+
 def serve(index: int, gen: int, fns: list, env_ids: list, restarts: list, mode: str,
-          root_seed: int, split: int, inbox: Any, outbox: Any) -> None:
+          root_seed: int, split: int, address: str) -> None:
     """Entry point of a worker process: start the envs, then answer requests until Close."""
+    import multiprocessing
+
+    channel = Channel.connect(address, bytes(multiprocessing.current_process().authkey))
+    outbox = _Outbox(channel)
+    outbox.send(Hello(index, gen))
     worker = Worker(index, gen, fns, env_ids, restarts, mode, root_seed, split, outbox)
-    if not worker.start():
-        return
     try:
+        if not worker.start():
+            return
         while True:
             try:
-                msg = inbox.recv()
-            except EOFError:
-                return  # the vector env is gone
+                msg = serialization.loads(channel.recv())
+            except EOFError:  # ChannelClosed: the vector env is gone
+                return
             if not worker.handle(msg):
                 return
     finally:
         worker.close()
+        channel.close()
