@@ -36,6 +36,9 @@ class Step:
     slots: tuple
     actions: Any
 
+    def __reduce__(self):  # the hot path: plain positional rebuild, no per-field setstate
+        return (Step, (self.seq, self.slots, self.actions))
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Reset:
@@ -82,6 +85,10 @@ class Result:
     truncated: Any
     infos: list
     restarts: tuple = ()
+
+    def __reduce__(self):  # the hot path: plain positional rebuild, no per-field setstate
+        return (Result, (self.worker, self.gen, self.seq, self.slots, self.obs, self.rewards,
+                         self.terminated, self.truncated, self.infos, self.restarts))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -90,6 +90,7 @@ class _WorkerSlot:
     def __init__(self, index: int, env_ids: list) -> None:
         self.index = index
         self.env_ids = env_ids
+        self.ids = np.array(env_ids, dtype=np.int64)
         self.gen = -1
         self.proc: Any = None
         self.peer: Any = None        # its transport peer, once it said Hello
@@ -277,7 +278,7 @@ class RemoteVectorEnv(VectorEnv):
     def _on_result(self, worker: _WorkerSlot, msg: Result) -> None:
         for slot, tb in msg.restarts:
             self._charge(worker.env_ids[slot], tb)
-        env_ids = np.array([worker.env_ids[j] for j in msg.slots], dtype=np.int64)
+        env_ids = worker.ids[list(msg.slots)]
         self._chunks.append((env_ids, msg))
         for req, _ in worker.open:
             if req.seq == msg.seq:
@@ -345,11 +346,19 @@ class RemoteVectorEnv(VectorEnv):
                 worker.proc.kill()
 
     def _post(self, worker: _WorkerSlot, msg: Any) -> None:
-        worker.open.append((msg, time.monotonic()))
-        try:
-            worker.peer.send(serialization.dumps(msg))
-        except ChannelClosed:
-            pass  # the worker died: its sentinel brings the Died message that replaces it
+        self._post_all([(worker, msg)])
+
+    def _post_all(self, posts: list) -> None:
+        # pickle every request first, then send them back to back: the first workers'
+        # replies (and the reader threads they wake) then do not slow the later sends
+        frames = [serialization.dumps(msg) for _, msg in posts]
+        now = time.monotonic()
+        for (worker, msg), frame in zip(posts, frames):
+            worker.open.append((msg, now))
+            try:
+                worker.peer.send(frame)
+            except ChannelClosed:
+                pass  # the worker died: its sentinel brings the Died message that replaces it
 
     def _next_seq(self) -> int:
         self._seq += 1
@@ -367,10 +376,12 @@ class RemoteVectorEnv(VectorEnv):
         for k, env_id in enumerate(env_ids):
             w, j = self._where[env_id]
             by_worker[w].append((j, k))
+        posts = []
         for w, pairs in by_worker.items():
             slots = tuple(j for j, _ in pairs)
             acts = rows(actions, np.array([k for _, k in pairs]))
-            self._post(self._workers[w], Step(self._next_seq(), slots, acts))
+            posts.append((self._workers[w], Step(self._next_seq(), slots, acts)))
+        self._post_all(posts)
         self._pending.update(int(i) for i in env_ids)
 
     def _collect(self, num: int, deadline: Optional[float], what: str) -> list:
