@@ -12,7 +12,7 @@ Every peer is measured in the same run and each row prints its ratio:
   then async) on fibrl, and on Fiber when benchmarks/install_fiber.sh has made
   its venv (skipped, saying so, otherwise).
 
-    python benchmarks/bench_envs.py [--seconds 3] [--demo-steps 5000]
+    python benchmarks/bench_envs.py [--seconds 2] [--rounds 3] [--demo-steps 5000]
 """
 from __future__ import annotations
 
@@ -149,32 +149,45 @@ def table(rows: list) -> str:
     return "\n".join(lines)
 
 
+def measure_round(s: float) -> dict:
+    """One round of every steps/s measurement (rounds interleave ours and the peers', so
+    a burst of load from elsewhere on the machine hits both)."""
+    burn = [BurnCPU] * 8
+    return {
+        "r8": vector_rate(RemoteVectorEnv("CartPole-v1", 8, envs_per_worker=1), s),
+        "bare8": bare_rate(8, 1, s),
+        "async8": vector_rate(gymnasium.vector.AsyncVectorEnv([cartpole] * 8), s),
+        "sync8": vector_rate(gymnasium.vector.SyncVectorEnv([cartpole] * 8), s),
+        "r64": vector_rate(RemoteVectorEnv("CartPole-v1", 64, envs_per_worker=32), s),
+        "sync64": vector_rate(gymnasium.vector.SyncVectorEnv([cartpole] * 64), s),
+        "bare64": bare_rate(2, 32, s),
+        "rburn": vector_rate(RemoteVectorEnv(burn, envs_per_worker=4), s),
+        "sburn": vector_rate(gymnasium.vector.SyncVectorEnv(burn), s),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seconds", type=float, default=3.0, help="per measurement")
+    parser.add_argument("--seconds", type=float, default=2.0, help="per measurement")
+    parser.add_argument("--rounds", type=int, default=3, help="medians over this many")
     parser.add_argument("--demo-steps", type=int, default=5000)
     args = parser.parse_args()
-    s = args.seconds
-    rows = []
-    r8 = vector_rate(RemoteVectorEnv("CartPole-v1", 8, envs_per_worker=1), s)
-    bare8 = bare_rate(8, 1, s)
-    async8 = vector_rate(gymnasium.vector.AsyncVectorEnv([cartpole] * 8), s)
-    sync8 = vector_rate(gymnasium.vector.SyncVectorEnv([cartpole] * 8), s)
-    rows += [("8 workers x 1 env vs bare pynng loop, steps/s", r8, bare8, "higher", ">= 0.9x"),
-             ("8 workers x 1 env vs AsyncVectorEnv(8), steps/s", r8, async8, "higher", ""),
-             ("bare pynng loop 8x1 vs AsyncVectorEnv(8), steps/s", bare8, async8, "higher", ""),
-             ("8 workers x 1 env vs SyncVectorEnv(8), steps/s", r8, sync8, "higher", "")]
-    r64 = vector_rate(RemoteVectorEnv("CartPole-v1", 64, envs_per_worker=32), s)
-    sync64 = vector_rate(gymnasium.vector.SyncVectorEnv([cartpole] * 64), s)
-    bare64 = bare_rate(2, 32, s)
-    rows += [("2 workers x 32 envs vs SyncVectorEnv(64), steps/s", r64, sync64, "higher",
-              ">= 1.0x"),
-             ("2 workers x 32 envs vs bare pynng loop 2x32, steps/s", r64, bare64, "higher", "")]
-    burn = [BurnCPU] * 8
-    rburn = vector_rate(RemoteVectorEnv(burn, envs_per_worker=4), s)
-    sburn = vector_rate(gymnasium.vector.SyncVectorEnv(burn), s)
-    rows.append(("1 ms env, 2 workers x 4 envs vs SyncVectorEnv(8), steps/s", rburn, sburn,
-                 "higher", ">= 1.8x"))
+    rounds = [measure_round(args.seconds) for _ in range(args.rounds)]
+    m = {key: float(np.median([r[key] for r in rounds])) for key in rounds[0]}
+    rows = [
+        ("8 workers x 1 env vs bare pynng loop, steps/s", m["r8"], m["bare8"], "higher",
+         ">= 0.9x"),
+        ("8 workers x 1 env vs AsyncVectorEnv(8), steps/s", m["r8"], m["async8"], "higher", ""),
+        ("bare pynng loop 8x1 vs AsyncVectorEnv(8), steps/s", m["bare8"], m["async8"],
+         "higher", ""),
+        ("8 workers x 1 env vs SyncVectorEnv(8), steps/s", m["r8"], m["sync8"], "higher", ""),
+        ("2 workers x 32 envs vs SyncVectorEnv(64), steps/s", m["r64"], m["sync64"], "higher",
+         ">= 1.0x"),
+        ("2 workers x 32 envs vs bare pynng loop 2x32, steps/s", m["r64"], m["bare64"],
+         "higher", ""),
+        ("1 ms env, 2 workers x 4 envs vs SyncVectorEnv(8), steps/s", m["rburn"], m["sburn"],
+         "higher", ">= 1.8x"),
+    ]
     ours = demo("fibrl", sys.executable, args.demo_steps)
     note = ""
     if FIBER_PYTHON.exists():
@@ -186,6 +199,7 @@ def main() -> None:
     else:
         note = (f"Fiber not measured: no venv at {FIBER_PYTHON} (benchmarks/install_fiber.sh); "
                 f"fibrl's demo: sync {ours['sync_s']:.2f} s, async {ours['async_s']:.2f} s")
+    print(f"medians of {args.rounds} rounds of {args.seconds:g} s each")
     print(table(rows))
     if note:
         print(note)

@@ -52,3 +52,22 @@ def test_remote_vector_env(ctx):
                 np.testing.assert_array_equal(a, b)
     finally:
         envs.close()
+
+
+def test_killed_worker_is_replaced(ctx):
+    """SIGKILL on local, docker kill of the container, deletion of the pod."""
+    envs = fibrl.rl.RemoteVectorEnv("CartPole-v1", 4, envs_per_worker=2)
+    try:
+        envs.reset(seed=0)
+        victim = envs.processes[1]
+        victim.kill()
+        victim.join(60)
+        obs, rewards, terms, truncs, infos = envs.step(np.zeros(4, np.int64))
+        assert truncs[2:].tolist() == [True, True]
+        assert infos["_fibrl_restarted"].tolist() == [False, False, True, True]
+        assert envs.processes[1] is not victim
+        for _ in range(5):
+            *_, infos = envs.step(np.zeros(4, np.int64))
+            assert "fibrl_restarted" not in infos
+    finally:
+        envs.close()

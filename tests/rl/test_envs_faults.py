@@ -96,3 +96,12 @@ def test_hung_step_hits_the_step_deadline():
         assert truncs[0] and infos["_fibrl_restarted"].tolist() == [True, False]
     finally:
         envs.close()
+
+
+def broken_factory():
+    raise ImportError("no module named 'simulator' (the env cannot even be made)")
+
+
+def test_env_that_cannot_be_made_fails_the_constructor_with_a_clear_error():
+    with pytest.raises(EnvCrashError, match="no module named 'simulator'"):
+        RemoteVectorEnv([envs_helpers.Pid, broken_factory], envs_per_worker=1, max_restarts=1)

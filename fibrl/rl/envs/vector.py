@@ -176,6 +176,13 @@ class RemoteVectorEnv(VectorEnv):
         self._watcher.start()
         self._setup_spaces(meta)
 
+    @property
+    def processes(self) -> list:
+        """The ``fibrl.Process`` of each worker, in worker order (env ``i`` lives in worker
+        ``i // envs_per_worker``). A worker that dies is replaced by a new process."""
+        with self._lock:
+            return [w.proc for w in self._workers]
+
     # -- set-up ---------------------------------------------------------------------------
     def _setup_spaces(self, meta: dict) -> None:
         self.single_observation_space = meta["observation_space"]
