@@ -1,7 +1,6 @@
 """The seed snippet (RemoteEnvManager) and RemoteVectorEnv on every backend."""
 from __future__ import annotations
 
-import pytest
 
 from conftest import require_module
 

@@ -38,7 +38,6 @@ from multiprocessing import TimeoutError as MpTimeoutError
 from multiprocessing import current_process
 from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
-import gymnasium
 import numpy as np
 from gymnasium.error import AlreadyPendingCallError, ClosedEnvironmentError, NoAsyncCallError
 from gymnasium.vector import AutoresetMode, VectorEnv
@@ -274,11 +273,13 @@ class RemoteVectorEnv(VectorEnv):
         elif isinstance(msg, Called):
             self._on_called(worker, msg)
         elif isinstance(msg, Broken):
-            env_id = worker.env_ids[msg.slot]
-            self._charge(env_id, msg.traceback)
+            # the worker exits: all its envs start over in the next one
+            self._charge(worker.env_ids[msg.slot], msg.traceback, worker.env_ids)
             self._replace(worker)
         elif isinstance(msg, Died):
-            reason = worker.killed_for or f"its worker process ended ({describe_exitcode(msg.exitcode)})"
+            reason = worker.killed_for or (f"its worker process ended "
+                                           f"({describe_exitcode(msg.exitcode)})")
+            reason = f"worker {worker.index} (envs {worker.env_ids}): {reason}"
             self._charge(worker.env_ids[0], reason, worker.env_ids)
             self._replace(worker)
 
@@ -287,12 +288,12 @@ class RemoteVectorEnv(VectorEnv):
             self._charge(worker.env_ids[slot], tb)
         env_ids = worker.ids[list(msg.slots)]
         self._chunks.append((env_ids, msg))
-        for req, _ in worker.open:
+        for req, sent in worker.open:
             if req.seq == msg.seq:
                 left = tuple(s for s in req.slots if s not in msg.slots)
-                worker.open.remove((req, _))
+                worker.open.remove((req, sent))
                 if left:
-                    worker.open.append((_narrow(req, left), _))
+                    worker.open.append((_narrow(req, left), sent))
                 break
 
     def _on_called(self, worker: _WorkerSlot, msg: Called) -> None:
@@ -498,7 +499,8 @@ class RemoteVectorEnv(VectorEnv):
                 self._state)
         ids = np.arange(self.num_envs) if env_ids is None else np.asarray(env_ids, np.int64)
         busy = sorted(self._pending.intersection(ids.tolist()))
-        if busy or len(set(ids.tolist())) != len(ids) or ids.min() < 0 or ids.max() >= self.num_envs:
+        bad = len(set(ids.tolist())) != len(ids) or ids.min() < 0 or ids.max() >= self.num_envs
+        if busy or bad:
             raise ValueError(f"RemoteVectorEnv.send: env_ids {ids.tolist()} must be distinct "
                              f"ids in [0, {self.num_envs}) and not running; running: {busy}")
         self._send_steps(actions, ids)
