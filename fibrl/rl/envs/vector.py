@@ -90,6 +90,7 @@ class _WorkerSlot:
         self.index = index
         self.env_ids = env_ids
         self.ids = np.array(env_ids, dtype=np.int64)
+        self.slots = tuple(range(len(env_ids)))
         self.gen = -1
         self.proc: Any = None
         self.peer: Any = None        # its transport peer, once it said Hello
@@ -115,8 +116,11 @@ class RemoteVectorEnv(VectorEnv):
             declared hung, killed and replaced (``None``: no deadline).
         max_restarts, restart_window: more than ``max_restarts`` restarts
             within ``restart_window`` seconds raise :class:`EnvCrashError`.
-        split: a step of at least this many envs on one worker comes back in
-            two halves, so one half travels while the other is stepped.
+        split: when >= 2, a request for at least this many envs of one worker
+            comes back in two halves, so the first half travels (and ``recv``
+            can return it) while the second is stepped. Off by default: each
+            extra reply costs CPU on both sides, more than the overlap saves
+            for small observations (see docs/envs.md).
         start_timeout: seconds to wait for a worker to start.
         seed: root of the restart seeds (random when ``None``).
 
@@ -132,7 +136,7 @@ class RemoteVectorEnv(VectorEnv):
                  autoreset_mode: Union[str, AutoresetMode] = AutoresetMode.NEXT_STEP,
                  backend: Optional[str] = None, env_kwargs: Optional[dict] = None,
                  wrappers: Iterable[Callable] = (), step_timeout: Optional[float] = None,
-                 max_restarts: int = 10, restart_window: float = 60.0, split: int = 8,
+                 max_restarts: int = 10, restart_window: float = 60.0, split: int = 0,
                  start_timeout: float = 300.0, seed: Optional[int] = None) -> None:
         self._fns = _env_fns(env_fns, num_envs, env_kwargs, tuple(wrappers))
         self.num_envs = len(self._fns)
@@ -141,7 +145,7 @@ class RemoteVectorEnv(VectorEnv):
         self.autoreset_mode = AutoresetMode(autoreset_mode)
         self._backend, self._step_timeout = backend, step_timeout
         self._max_restarts, self._window = max_restarts, restart_window
-        self._split, self._start_timeout = max(2, split), start_timeout
+        self._split, self._start_timeout = (split if split >= 2 else 0), start_timeout
         self._root = int(seed if seed is not None else np.random.SeedSequence().entropy % 2**63)
         self._restart_counts = [0] * self.num_envs
         self._restart_times: collections.deque = collections.deque()
@@ -379,18 +383,25 @@ class RemoteVectorEnv(VectorEnv):
             raise ClosedEnvironmentError("RemoteVectorEnv: the vector env is closed")
 
     # -- sending and collecting --------------------------------------------------------
-    def _send_steps(self, actions: Any, env_ids: np.ndarray) -> None:
-        by_worker: dict = collections.defaultdict(list)
-        for k, env_id in enumerate(env_ids):
-            w, j = self._where[env_id]
-            by_worker[w].append((j, k))
+    def _send_steps(self, actions: Any, env_ids: Optional[np.ndarray]) -> None:
+        """One Step per worker concerned; ``env_ids`` None: every env (the common case)."""
         posts = []
-        for w, pairs in by_worker.items():
-            slots = tuple(j for j, _ in pairs)
-            acts = rows(actions, np.array([k for _, k in pairs]))
-            posts.append((self._workers[w], Step(self._next_seq(), slots, acts)))
+        if env_ids is None:
+            for w in self._workers:
+                acts = rows(actions, slice(w.env_ids[0], w.env_ids[-1] + 1))
+                posts.append((w, Step(self._next_seq(), w.slots, acts)))
+            self._pending.update(range(self.num_envs))
+        else:
+            by_worker: dict = collections.defaultdict(list)
+            for k, env_id in enumerate(env_ids.tolist()):
+                w, j = self._where[env_id]
+                by_worker[w].append((j, k))
+            for w, pairs in by_worker.items():
+                slots = tuple(j for j, _ in pairs)
+                acts = rows(actions, np.array([k for _, k in pairs]))
+                posts.append((self._workers[w], Step(self._next_seq(), slots, acts)))
+            self._pending.update(env_ids.tolist())
         self._post_all(posts)
-        self._pending.update(int(i) for i in env_ids)
 
     def _collect(self, num: int, deadline: Optional[float], what: str) -> list:
         """The first ``num`` finished envs, as a list of (env_ids, Result) pieces."""
@@ -410,26 +421,32 @@ class RemoteVectorEnv(VectorEnv):
             self._pending.difference_update(env_ids.tolist())
         return got
 
-    def _assemble(self, got: list, n: int, positions: Optional[dict]) -> tuple:
-        """Batch the pieces; ``positions`` maps env id -> row (None: arrival order)."""
-        obs = create_empty_array(self.single_observation_space, n, fn=np.zeros)
+    def _assemble(self, got: list, n: int, by_id: bool) -> tuple:
+        """Batch the pieces: row ``i`` is env ``i`` (``by_id``) or rows in arrival order.
+
+        Every piece also updates the latest observations (``self._obs``), which a masked
+        reset returns for the envs it does not reset."""
+        obs = None if by_id else create_empty_array(self.single_observation_space, n,
+                                                     fn=np.zeros)
         rewards = np.zeros(n, dtype=np.float64)
         terms, truncs = np.zeros(n, dtype=np.bool_), np.zeros(n, dtype=np.bool_)
-        infos, batch, start = {}, _InfoBatch(n), 0
-        order = []
+        infos, start, order = {}, 0, []
         for env_ids, msg in got:
-            idx = (np.array([positions[i] for i in env_ids.tolist()]) if positions is not None
-                   else np.arange(start, start + len(env_ids)))
-            start += len(env_ids)
-            write_rows(obs, idx, msg.obs)
             write_rows(self._obs, env_ids, msg.obs)
+            if by_id:
+                idx = env_ids
+            else:
+                idx = np.arange(start, start + len(env_ids))
+                start += len(env_ids)
+                write_rows(obs, idx, msg.obs)
             if msg.rewards is not None:
                 rewards[idx], terms[idx], truncs[idx] = msg.rewards, msg.terminated, msg.truncated
-            order.extend(zip(idx.tolist(), msg.infos))
-        for i, info in sorted(order, key=lambda p: p[0]):
-            if info:
+            order.extend((i, info) for i, info in zip(idx.tolist(), msg.infos) if info)
+        if order:
+            batch = _InfoBatch(n)
+            for i, info in sorted(order, key=lambda p: p[0]):
                 infos = batch._add_info(infos, info, i)
-        return obs, rewards, terms, truncs, infos
+        return (_copy(self._obs) if by_id else obs), rewards, terms, truncs, infos
 
     # -- gymnasium's API ---------------------------------------------------------------
     def reset(self, *, seed: Union[int, Sequence[Optional[int]], None] = None,
@@ -464,9 +481,8 @@ class RemoteVectorEnv(VectorEnv):
         deadline = None if timeout is None else time.monotonic() + timeout
         got = self._collect(len(self._pending), deadline, "reset")
         self._state = AsyncState.DEFAULT
-        _, _, _, _, infos = self._assemble(got, self.num_envs,
-                                           {i: i for i in range(self.num_envs)})
-        return self._obs.copy() if isinstance(self._obs, np.ndarray) else _copy(self._obs), infos
+        obs, _, _, _, infos = self._assemble(got, self.num_envs, True)
+        return obs, infos
 
     def step(self, actions: Any) -> tuple:
         """Step every env with its action; returns gymnasium's 5-tuple of batches."""
@@ -476,7 +492,7 @@ class RemoteVectorEnv(VectorEnv):
     def step_async(self, actions: Any) -> None:
         self._check_alive()
         self._expect_idle("step_async")
-        self._send_steps(actions, np.arange(self.num_envs))
+        self._send_steps(actions, None)
         self._state = AsyncState.WAITING_STEP
 
     def step_wait(self, timeout: Optional[float] = None) -> tuple:
@@ -486,7 +502,7 @@ class RemoteVectorEnv(VectorEnv):
         deadline = None if timeout is None else time.monotonic() + timeout
         got = self._collect(len(self._pending), deadline, "step")
         self._state = AsyncState.DEFAULT
-        return self._assemble(got, self.num_envs, {i: i for i in range(self.num_envs)})
+        return self._assemble(got, self.num_envs, True)
 
     # -- partial batches ---------------------------------------------------------------
     def send(self, actions: Any, env_ids: Optional[Sequence[int]] = None) -> None:
@@ -520,7 +536,7 @@ class RemoteVectorEnv(VectorEnv):
         got = self._collect(num, deadline, f"{num} envs")
         if not self._pending:
             self._state = AsyncState.DEFAULT
-        obs, rewards, terms, truncs, infos = self._assemble(got, num, None)
+        obs, rewards, terms, truncs, infos = self._assemble(got, num, False)
         infos["env_id"] = np.concatenate([ids for ids, _ in got])
         return obs, rewards, terms, truncs, infos
 

@@ -9,8 +9,9 @@ to the vector env's listener (the run's secret is its process authkey), says
                                                     step envs of half 2 -> Result --+
     reader thread -> queue <-------------------------------------------------------+
 
-Splitting a step into two halves lets the first half travel (and the vector
-env copy it into its batch) while the second half is stepped.
+With ``split`` on, a request for many envs is answered in two halves: the
+first half travels (and the vector env can hand it to ``recv``) while the
+second half is stepped.
 
 Autoreset follows gymnasium's ``SyncVectorEnv`` exactly, env by env. An env
 that raises is recreated here and reset with its restart seed; that env's
@@ -142,7 +143,7 @@ class Worker:
 
     def _step(self, msg: Step) -> bool:
         n = len(msg.slots)
-        cut = n // 2 if n >= self.split else n
+        cut = n // 2 if self.split and n >= self.split else n
         for lo, hi in ((0, cut), (cut, n)):
             if hi > lo and not self._step_part(msg, lo, hi):
                 return False
