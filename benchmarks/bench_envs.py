@@ -156,7 +156,9 @@ def measure_round(s: float) -> dict:
     return {
         "r8": vector_rate(RemoteVectorEnv("CartPole-v1", 8, envs_per_worker=1), s),
         "bare8": bare_rate(8, 1, s),
-        "async8": vector_rate(gymnasium.vector.AsyncVectorEnv([cartpole] * 8), s),
+        # spawn: a child forked after nng started aborts in nng ("not fork-reentrant safe")
+        "async8": vector_rate(gymnasium.vector.AsyncVectorEnv([cartpole] * 8,
+                                                              context="spawn"), s),
         "sync8": vector_rate(gymnasium.vector.SyncVectorEnv([cartpole] * 8), s),
         "r64": vector_rate(RemoteVectorEnv("CartPole-v1", 64, envs_per_worker=32), s),
         "sync64": vector_rate(gymnasium.vector.SyncVectorEnv([cartpole] * 64), s),

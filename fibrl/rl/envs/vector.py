@@ -167,6 +167,10 @@ class RemoteVectorEnv(VectorEnv):
                                   on_frame=lambda peer, data: self._inbox.put((peer, data)))
         self._wake_r, self._wake_w = os.pipe()
         self._lock = threading.Lock()
+        # watching from the start: a worker that dies while starting is replaced too
+        self._watcher = threading.Thread(target=self._watch, name="fibrl-envs-watcher",
+                                         daemon=True)
+        self._watcher.start()
         try:
             for worker in self._workers:
                 self._spawn(worker)
@@ -174,9 +178,6 @@ class RemoteVectorEnv(VectorEnv):
         except BaseException:
             self._shutdown(0.0)
             raise
-        self._watcher = threading.Thread(target=self._watch, name="fibrl-envs-watcher",
-                                         daemon=True)
-        self._watcher.start()
         self._setup_spaces(meta)
 
     @property
@@ -199,7 +200,7 @@ class RemoteVectorEnv(VectorEnv):
         self._obs = create_empty_array(self.single_observation_space, self.num_envs, fn=np.zeros)
 
     def _spawn(self, worker: _WorkerSlot) -> None:
-        """Start (or replace) the process of ``worker`` with a fresh request pipe."""
+        """Start (or replace) the process of ``worker``; it dials our listener."""
         worker.peer = None
         worker.gen += 1
         worker.ready = False
