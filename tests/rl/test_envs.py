@@ -95,7 +95,8 @@ def test_dict_and_tuple_observations():
 
 
 def test_send_recv_one_slow_env_does_not_hold_up_the_others():
-    fns = [functools.partial(envs_helpers.Slow, 1.5)] + [envs_helpers.Pid] * 3
+    # env 0 sleeps 3 s per step; the fast envs are driven for 1 s (2 s of margin under load)
+    fns = [functools.partial(envs_helpers.Slow, 3.0)] + [envs_helpers.Pid] * 3
     envs = RemoteVectorEnv(fns, envs_per_worker=1)
     try:
         envs.reset(seed=0)
