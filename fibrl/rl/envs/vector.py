@@ -1,0 +1,722 @@
+"""``RemoteVectorEnv``: a gymnasium ``VectorEnv`` whose envs live in fibrl workers.
+
+Owns the vector env's state machine, the batching of actions and results,
+the partial-batch API (``send``/``recv``) and the restart policy (which
+worker to replace, the restart budget, the per-env step deadline). The loop
+inside each worker is :mod:`.worker`; the message types are :mod:`.protocol`.
+It uses only fibrl's public API: ``Process`` and its sentinel,
+``fibrl.connection.wait``, the authenticated channels of ``fibrl.transport``
+and the frames of ``fibrl.serialization`` (a pickle 5 stream, large buffers
+out of band)::
+
+    this process                                          workers (any backend)
+    send(actions, ids) -- one Step frame per worker ---->  worker 0: envs 0..k-1
+                       -- (Listener peer -> Channel) --->  worker 1: envs k..2k-1
+    recv(num) <- inbox <- reader thread per peer <======  Result frame per half-step
+                 inbox <- Died(w) <- watcher thread <---  process sentinels
+
+A worker dials the vector env's listener (as fibrl workers dial their
+parent), so the same layout works on every backend. One request and one
+reply per half-step is the floor a Pipe or a manager call would double.
+
+A dead worker (killed, OOM, container or pod gone, or past its step deadline)
+is replaced: its envs are recreated and reset with their restart seeds, the
+requests it held are sent again, and each of its envs reports its next result
+with ``truncated=True`` and ``info["fibrl_restarted"]``. Restarts past
+``max_restarts`` within ``restart_window`` seconds raise :class:`EnvCrashError`.
+"""
+from __future__ import annotations
+
+import collections
+import functools
+import logging
+import os
+import queue
+import threading
+import time
+from multiprocessing import TimeoutError as MpTimeoutError
+from multiprocessing import current_process
+from typing import Any, Callable, Iterable, Optional, Sequence, Union
+
+import numpy as np
+from gymnasium.error import AlreadyPendingCallError, ClosedEnvironmentError, NoAsyncCallError
+from gymnasium.vector import AutoresetMode, VectorEnv
+from gymnasium.vector.utils import batch_space, create_empty_array
+
+from ... import get_context, serialization
+from ...connection import wait
+from ...errors import ChannelClosed, describe_exitcode
+from ...transport import Listener
+from .manager import make_gym_env
+from .protocol import (Broken, Call, Called, Close, Died, Hello, Reset, Result, Step, rows,
+                       write_rows)
+from .worker import serve
+
+__all__ = ["RemoteVectorEnv", "EnvCrashError", "AsyncState"]
+
+log = logging.getLogger(__name__)
+
+
+class EnvCrashError(RuntimeError):
+    """Envs crashed more often than the restart budget allows."""
+
+
+class AsyncState:
+    """What the vector env waits for (as gymnasium's ``AsyncVectorEnv``)."""
+
+    DEFAULT = "default"
+    WAITING_RESET = "reset"
+    WAITING_STEP = "step"
+    PARTIAL = "send/recv"
+
+
+_MODES = {AutoresetMode.NEXT_STEP: "next_step", AutoresetMode.SAME_STEP: "same_step",
+          AutoresetMode.DISABLED: "disabled"}
+
+
+class _InfoBatch:
+    """Builds gymnasium's batched info dict for ``num_envs`` envs (VectorEnv's own code)."""
+
+    _add_info = VectorEnv._add_info
+
+    def __init__(self, num_envs: int) -> None:
+        self.num_envs = num_envs
+
+
+class _WorkerSlot:
+    """One worker as this process sees it: its process, connection and open requests."""
+
+    def __init__(self, index: int, env_ids: list) -> None:
+        self.index = index
+        self.env_ids = env_ids
+        self.ids = np.array(env_ids, dtype=np.int64)
+        self.slots = tuple(range(len(env_ids)))
+        self.gen = -1
+        self.proc: Any = None
+        self.peer: Any = None        # its transport peer, once it said Hello
+        self.open: list = []         # requests sent and not fully answered: (msg, sent_at)
+        self.ready = False
+        self.killed_for: Optional[str] = None
+
+
+class RemoteVectorEnv(VectorEnv):
+    """A ``gymnasium.vector.VectorEnv`` stepping its envs in fibrl workers, batched.
+
+    Args:
+        env_fns: a gymnasium env id, or a sequence of callables returning envs.
+        num_envs: number of envs (only with an env id; else ``len(env_fns)``).
+        envs_per_worker: envs hosted by each worker; each worker gets one
+            message per step carrying the actions of all its envs.
+        autoreset_mode: a ``gymnasium.vector.AutoresetMode`` (or its value).
+        backend: ``"local"``, ``"docker"`` or ``"kubernetes"``; default: the
+            context's.
+        env_kwargs: keyword arguments for ``gymnasium.make`` (env id only).
+        wrappers: callables applied to each env made from an env id.
+        step_timeout: seconds one request may take before its worker is
+            declared hung, killed and replaced (``None``: no deadline).
+        max_restarts, restart_window: more than ``max_restarts`` restarts
+            within ``restart_window`` seconds raise :class:`EnvCrashError`.
+        split: when >= 2, a request for at least this many envs of one worker
+            comes back in two halves, so the first half travels (and ``recv``
+            can return it) while the second is stepped. Off by default: each
+            extra reply costs CPU on both sides, more than the overlap saves
+            for small observations (see docs/envs.md).
+        start_timeout: seconds to wait for a worker to start.
+        seed: root of the restart seeds (random when ``None``).
+
+    Example:
+        >>> envs = RemoteVectorEnv("CartPole-v1", 8, envs_per_worker=4)
+        >>> obs, infos = envs.reset(seed=0)
+        >>> obs, rewards, terminated, truncated, infos = envs.step(envs.action_space.sample())
+        >>> envs.close()
+    """
+
+    def __init__(self, env_fns: Union[str, Sequence[Callable[[], Any]]],
+                 num_envs: Optional[int] = None, *, envs_per_worker: int = 1,
+                 autoreset_mode: Union[str, AutoresetMode] = AutoresetMode.NEXT_STEP,
+                 backend: Optional[str] = None, env_kwargs: Optional[dict] = None,
+                 wrappers: Iterable[Callable] = (), step_timeout: Optional[float] = None,
+                 max_restarts: int = 10, restart_window: float = 60.0, split: int = 0,
+                 start_timeout: float = 300.0, seed: Optional[int] = None) -> None:
+        self._fns = _env_fns(env_fns, num_envs, env_kwargs, tuple(wrappers))
+        self.num_envs = len(self._fns)
+        if envs_per_worker < 1:
+            raise ValueError(f"envs_per_worker must be >= 1, got {envs_per_worker}")
+        self.autoreset_mode = AutoresetMode(autoreset_mode)
+        self._backend, self._step_timeout = backend, step_timeout
+        self._max_restarts, self._window = max_restarts, restart_window
+        self._split, self._start_timeout = (split if split >= 2 else 0), start_timeout
+        self._root = int(seed if seed is not None else np.random.SeedSequence().entropy % 2**63)
+        self._restart_counts = [0] * self.num_envs
+        self._restart_times: collections.deque = collections.deque()
+        self._seeds: list = [None] * self.num_envs
+        self._seq = 0
+        self._state = AsyncState.DEFAULT
+        self._error: Optional[BaseException] = None
+        self.closed = False
+        self._chunks: collections.deque = collections.deque()   # finished (env_ids, Result)
+        self._pending: set = set()
+        self._called: dict = {}
+        ids = list(range(self.num_envs))
+        self._workers = [_WorkerSlot(w, ids[lo:lo + envs_per_worker])
+                         for w, lo in enumerate(range(0, self.num_envs, envs_per_worker))]
+        self._where = [(w.index, j) for w in self._workers for j in range(len(w.env_ids))]
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._listener = Listener(get_context().config.listen_host,
+                                  bytes(current_process().authkey),
+                                  on_frame=lambda peer, data: self._inbox.put((peer, data)))
+        self._wake_r, self._wake_w = os.pipe()
+        self._lock = threading.Lock()
+        # watching from the start: a worker that dies while starting is replaced too
+        self._watcher = threading.Thread(target=self._watch, name="fibrl-envs-watcher",
+                                         daemon=True)
+        self._watcher.start()
+        try:
+            for worker in self._workers:
+                self._spawn(worker)
+            meta = self._await_ready(time.monotonic() + start_timeout)
+        except BaseException:
+            self._shutdown(0.0)
+            raise
+        self._setup_spaces(meta)
+
+    @property
+    def processes(self) -> list:
+        """The ``fibrl.Process`` of each worker, in worker order (env ``i`` lives in worker
+        ``i // envs_per_worker``). A worker that dies is replaced by a new process."""
+        with self._lock:
+            return [w.proc for w in self._workers]
+
+    # -- set-up ---------------------------------------------------------------------------
+    def _setup_spaces(self, meta: dict) -> None:
+        self.single_observation_space = meta["observation_space"]
+        self.single_action_space = meta["action_space"]
+        self.observation_space = batch_space(self.single_observation_space, self.num_envs)
+        self.action_space = batch_space(self.single_action_space, self.num_envs)
+        self.metadata = dict(meta["metadata"] or {})
+        self.metadata["autoreset_mode"] = self.autoreset_mode
+        self.render_mode = meta["render_mode"]
+        self.spec = meta["spec"]
+        self._obs = create_empty_array(self.single_observation_space, self.num_envs, fn=np.zeros)
+
+    def _spawn(self, worker: _WorkerSlot) -> None:
+        """Start (or replace) the process of ``worker``; it dials our listener."""
+        worker.peer = None
+        worker.gen += 1
+        worker.ready = False
+        worker.killed_for = None
+        fns = [self._fns[i] for i in worker.env_ids]
+        counts = [self._restart_counts[i] for i in worker.env_ids]
+        proc = get_context().Process(
+            target=serve, name=f"fibrl-env-worker-{worker.index}", daemon=True,
+            backend=self._backend,
+            args=(worker.index, worker.gen, fns, worker.env_ids, counts,
+                  _MODES[self.autoreset_mode], self._root, self._split,
+                  self._listener.address))
+        proc.start()
+        with self._lock:
+            worker.proc = proc
+        os.write(self._wake_w, b"x")
+
+    def _await_ready(self, deadline: float) -> dict:
+        while not all(w.ready for w in self._workers):
+            self._pump(deadline, "the workers to start")
+        return self._called.pop((0, 0))[0]
+
+    # -- the watcher thread ------------------------------------------------------------
+    def _watch(self) -> None:
+        """Post a Died message for each worker process that ends (sentinels, no polling)."""
+        reported: set = set()
+        while not self.closed:
+            with self._lock:
+                procs = {w.proc.sentinel: (w.index, w.gen, w.proc) for w in self._workers
+                         if w.proc is not None and (w.index, w.gen) not in reported}
+            ready = wait(list(procs) + [self._wake_r])
+            if self._wake_r in ready:
+                os.read(self._wake_r, 4096)
+            for fd in ready:
+                if fd in procs:
+                    index, gen, proc = procs[fd]
+                    reported.add((index, gen))
+                    proc.join(5)
+                    if not self.closed:
+                        self._inbox.put(Died(index, gen, proc.exitcode))
+
+    # -- the receiving engine ----------------------------------------------------------
+    def _pump(self, deadline: Optional[float], what: str) -> None:
+        """Handle one reply; raise ``multiprocessing.TimeoutError`` past ``deadline``."""
+        self._check_alive()
+        hang = self._hang_deadline()
+        limits = [d for d in (deadline, hang) if d is not None]
+        until = min(limits) if limits else None
+        left = None if until is None else max(0.0, until - time.monotonic())
+        try:
+            item = self._inbox.get(timeout=left)
+        except queue.Empty:
+            if hang is not None and time.monotonic() >= hang:
+                self._kill_hung()
+                return
+            raise MpTimeoutError(f"RemoteVectorEnv: timed out waiting for {what}; the "
+                                 "envs are still running (call the wait method again), "
+                                 "or raise the timeout") from None
+        if isinstance(item, tuple):
+            peer, frame = item
+            item = serialization.loads(frame)
+            if isinstance(item, Hello):
+                worker = self._workers[item.worker]
+                if item.gen == worker.gen:
+                    worker.peer = peer
+                return
+        self._handle(item)
+
+    def _handle(self, msg: Any) -> None:
+        worker = self._workers[msg.worker]
+        if msg.gen != worker.gen:
+            return  # from a worker already replaced
+        if isinstance(msg, Result):
+            self._on_result(worker, msg)
+        elif isinstance(msg, Called):
+            self._on_called(worker, msg)
+        elif isinstance(msg, Broken):
+            # the worker exits: all its envs start over in the next one
+            self._charge(worker.env_ids[msg.slot], msg.traceback, worker.env_ids)
+            self._replace(worker)
+        elif isinstance(msg, Died):
+            reason = worker.killed_for or (f"its worker process ended "
+                                           f"({describe_exitcode(msg.exitcode)})")
+            reason = f"worker {worker.index} (envs {worker.env_ids}): {reason}"
+            self._charge(worker.env_ids[0], reason, worker.env_ids)
+            self._replace(worker)
+
+    def _on_result(self, worker: _WorkerSlot, msg: Result) -> None:
+        for slot, tb in msg.restarts:
+            self._charge(worker.env_ids[slot], tb)
+        env_ids = worker.ids[list(msg.slots)]
+        self._chunks.append((env_ids, msg))
+        for req, sent in worker.open:
+            if req.seq == msg.seq:
+                left = tuple(s for s in req.slots if s not in msg.slots)
+                worker.open.remove((req, sent))
+                if left:
+                    worker.open.append((_narrow(req, left), sent))
+                break
+
+    def _on_called(self, worker: _WorkerSlot, msg: Called) -> None:
+        if msg.seq == 0:
+            worker.ready = True
+            self._called.setdefault((0, 0), msg.values)
+            return
+        worker.open = [(r, t) for r, t in worker.open if r.seq != msg.seq]
+        self._called[(msg.seq, worker.index)] = msg
+
+    def _charge(self, env_id: int, why: str, env_ids: Sequence[int] = ()) -> None:
+        """Count one restart against the budget; past it, fail for good."""
+        now = time.monotonic()
+        self._restart_times.append(now)
+        while self._restart_times and self._restart_times[0] < now - self._window:
+            self._restart_times.popleft()
+        for i in env_ids or (env_id,):
+            self._restart_counts[i] += 1
+        log.warning("RemoteVectorEnv: env %d restarted: %s", env_id, why.strip()[-300:])
+        if len(self._restart_times) > self._max_restarts:
+            self._error = EnvCrashError(
+                f"env {env_id} crashed and the restart budget is spent: "
+                f"{len(self._restart_times)} restarts within {self._window:g} s "
+                f"(max_restarts={self._max_restarts}). Likely cause: the env fails every "
+                f"time (a bug in its step/reset, a missing dependency on the worker's "
+                f"backend, or too little memory). Last failure of env {env_id}:\n"
+                f"{why.rstrip()}\nFix the env, or raise max_restarts/restart_window if "
+                f"these crashes are expected.")
+            raise self._error
+
+    def _replace(self, worker: _WorkerSlot) -> None:
+        """Start a new incarnation of ``worker`` and send it the requests it held."""
+        old = worker.proc
+        if old is not None and old.is_alive():
+            old.kill()
+        held = worker.open
+        worker.open = []
+        self._spawn(worker)
+        deadline = time.monotonic() + self._start_timeout
+        while not worker.ready:
+            self._pump(deadline, f"worker {worker.index} to restart")
+        for msg, _ in held:
+            self._post(worker, msg)
+
+    def _hang_deadline(self) -> Optional[float]:
+        if self._step_timeout is None:
+            return None
+        sent = [t for w in self._workers for _, t in w.open if t != float("inf")]
+        return min(sent) + self._step_timeout if sent else None
+
+    def _kill_hung(self) -> None:
+        now = time.monotonic()
+        for worker in self._workers:
+            if any(now - t >= self._step_timeout for _, t in worker.open):
+                worker.killed_for = (f"its step took longer than step_timeout="
+                                     f"{self._step_timeout:g} s; the worker was killed")
+                worker.open = [(m, float("inf")) for m, _ in worker.open]
+                worker.proc.kill()
+
+    def _post(self, worker: _WorkerSlot, msg: Any) -> None:
+        self._post_all([(worker, msg)])
+
+    def _post_all(self, posts: list) -> None:
+        # pickle every request first, then send them back to back: the first workers'
+        # replies (and the reader threads they wake) then do not slow the later sends
+        frames = [serialization.dumps(msg) for _, msg in posts]
+        now = time.monotonic()
+        for (worker, msg), frame in zip(posts, frames):
+            worker.open.append((msg, now))
+            try:
+                worker.peer.send(frame)
+            except ChannelClosed:
+                pass  # the worker died: its sentinel brings the Died message that replaces it
+
+    def _next_seq(self) -> int:
+        self._seq += 1
+        return self._seq
+
+    def _check_alive(self) -> None:
+        if self._error is not None:
+            raise self._error
+        if self.closed:
+            raise ClosedEnvironmentError("RemoteVectorEnv: the vector env is closed")
+
+    # -- sending and collecting --------------------------------------------------------
+    def _send_steps(self, actions: Any, env_ids: Optional[np.ndarray]) -> None:
+        """One Step per worker concerned; ``env_ids`` None: every env (the common case)."""
+        posts = []
+        if env_ids is None:
+            for w in self._workers:
+                acts = rows(actions, slice(w.env_ids[0], w.env_ids[-1] + 1))
+                posts.append((w, Step(self._next_seq(), w.slots, acts)))
+            self._pending.update(range(self.num_envs))
+        else:
+            by_worker: dict = collections.defaultdict(list)
+            for k, env_id in enumerate(env_ids.tolist()):
+                w, j = self._where[env_id]
+                by_worker[w].append((j, k))
+            for w, pairs in by_worker.items():
+                slots = tuple(j for j, _ in pairs)
+                acts = rows(actions, np.array([k for _, k in pairs]))
+                posts.append((self._workers[w], Step(self._next_seq(), slots, acts)))
+            self._pending.update(env_ids.tolist())
+        self._post_all(posts)
+
+    def _collect(self, num: int, deadline: Optional[float], what: str) -> list:
+        """The first ``num`` finished envs, as a list of (env_ids, Result) pieces."""
+        got, count = [], 0
+        while count < num:
+            if not self._chunks:
+                self._pump(deadline, what)
+                continue
+            env_ids, msg = self._chunks.popleft()
+            take = min(num - count, len(env_ids))
+            if take < len(env_ids):
+                self._chunks.appendleft((env_ids[take:], _result_tail(msg, take)))
+                env_ids, msg = env_ids[:take], _result_head(msg, take)
+            got.append((env_ids, msg))
+            count += take
+        for env_ids, _ in got:
+            self._pending.difference_update(env_ids.tolist())
+        return got
+
+    def _assemble(self, got: list, n: int, by_id: bool) -> tuple:
+        """Batch the pieces: row ``i`` is env ``i`` (``by_id``) or rows in arrival order.
+
+        Every piece also updates the latest observations (``self._obs``), which a masked
+        reset returns for the envs it does not reset."""
+        obs = None if by_id else create_empty_array(self.single_observation_space, n,
+                                                     fn=np.zeros)
+        rewards = np.zeros(n, dtype=np.float64)
+        terms, truncs = np.zeros(n, dtype=np.bool_), np.zeros(n, dtype=np.bool_)
+        infos, start, order = {}, 0, []
+        for env_ids, msg in got:
+            write_rows(self._obs, env_ids, msg.obs)
+            if by_id:
+                idx = env_ids
+            else:
+                idx = np.arange(start, start + len(env_ids))
+                start += len(env_ids)
+                write_rows(obs, idx, msg.obs)
+            if msg.rewards is not None:
+                rewards[idx], terms[idx], truncs[idx] = msg.rewards, msg.terminated, msg.truncated
+            order.extend((i, info) for i, info in zip(idx.tolist(), msg.infos) if info)
+        if order:
+            batch = _InfoBatch(n)
+            for i, info in sorted(order, key=lambda p: p[0]):
+                infos = batch._add_info(infos, info, i)
+        return (_copy(self._obs) if by_id else obs), rewards, terms, truncs, infos
+
+    # -- gymnasium's API ---------------------------------------------------------------
+    def reset(self, *, seed: Union[int, Sequence[Optional[int]], None] = None,
+              options: Optional[dict] = None) -> tuple:
+        """Reset all envs (or those of ``options["reset_mask"]``); returns ``(obs, infos)``."""
+        self.reset_async(seed=seed, options=options)
+        return self.reset_wait()
+
+    def reset_async(self, seed: Union[int, Sequence[Optional[int]], None] = None,
+                    options: Optional[dict] = None) -> None:
+        self._check_alive()
+        self._expect_idle("reset_async")
+        seeds = _seeds(seed, self.num_envs)
+        options = dict(options) if options is not None else None
+        mask = options.pop("reset_mask", None) if options is not None else None
+        ids = np.arange(self.num_envs) if mask is None else _mask_ids(mask, self.num_envs)
+        for i in ids.tolist():
+            if seeds[i] is not None:
+                self._seeds[i] = seeds[i]
+        for worker in self._workers:
+            slots = tuple(j for j, i in enumerate(worker.env_ids) if i in set(ids.tolist()))
+            if slots:
+                self._post(worker, Reset(self._next_seq(), slots,
+                                         tuple(seeds[worker.env_ids[j]] for j in slots),
+                                         options))
+        self._pending.update(ids.tolist())
+        self._reset_ids = ids
+        self._state = AsyncState.WAITING_RESET
+
+    def reset_wait(self, timeout: Optional[float] = None) -> tuple:
+        self._expect(AsyncState.WAITING_RESET, "reset_wait", "reset_async")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        got = self._collect(len(self._pending), deadline, "reset")
+        self._state = AsyncState.DEFAULT
+        obs, _, _, _, infos = self._assemble(got, self.num_envs, True)
+        return obs, infos
+
+    def step(self, actions: Any) -> tuple:
+        """Step every env with its action; returns gymnasium's 5-tuple of batches."""
+        self.step_async(actions)
+        return self.step_wait()
+
+    def step_async(self, actions: Any) -> None:
+        self._check_alive()
+        self._expect_idle("step_async")
+        self._send_steps(actions, None)
+        self._state = AsyncState.WAITING_STEP
+
+    def step_wait(self, timeout: Optional[float] = None) -> tuple:
+        """Wait for the step sent by :meth:`step_async`; ``multiprocessing.TimeoutError``
+        after ``timeout`` seconds (the step stays pending: call ``step_wait`` again)."""
+        self._expect(AsyncState.WAITING_STEP, "step_wait", "step_async")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        got = self._collect(len(self._pending), deadline, "step")
+        self._state = AsyncState.DEFAULT
+        return self._assemble(got, self.num_envs, True)
+
+    # -- partial batches ---------------------------------------------------------------
+    def send(self, actions: Any, env_ids: Optional[Sequence[int]] = None) -> None:
+        """Step the envs ``env_ids`` (default: all) with ``actions`` (one row each), without
+        waiting; envs still running from an earlier ``send`` cannot be sent again."""
+        self._check_alive()
+        if self._state not in (AsyncState.DEFAULT, AsyncState.PARTIAL):
+            raise AlreadyPendingCallError(
+                f"RemoteVectorEnv.send while a {self._state} call is pending; finish it first",
+                self._state)
+        ids = np.arange(self.num_envs) if env_ids is None else np.asarray(env_ids, np.int64)
+        busy = sorted(self._pending.intersection(ids.tolist()))
+        bad = len(set(ids.tolist())) != len(ids) or ids.min() < 0 or ids.max() >= self.num_envs
+        if busy or bad:
+            raise ValueError(f"RemoteVectorEnv.send: env_ids {ids.tolist()} must be distinct "
+                             f"ids in [0, {self.num_envs}) and not running; running: {busy}")
+        self._send_steps(actions, ids)
+        self._state = AsyncState.PARTIAL
+
+    def recv(self, num: Optional[int] = None, timeout: Optional[float] = None) -> tuple:
+        """The first ``num`` envs to finish (default: all sent), as ``(obs, rewards,
+        terminated, truncated, infos)`` batches of ``num`` rows in finishing order, with
+        the env of each row in ``infos["env_id"]``."""
+        if self._state != AsyncState.PARTIAL:
+            raise NoAsyncCallError("RemoteVectorEnv.recv without a send", self._state)
+        num = len(self._pending) if num is None else num
+        if not 0 < num <= len(self._pending):
+            raise ValueError(f"RemoteVectorEnv.recv: num={num}, but {len(self._pending)} "
+                             "envs are running")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        got = self._collect(num, deadline, f"{num} envs")
+        if not self._pending:
+            self._state = AsyncState.DEFAULT
+        obs, rewards, terms, truncs, infos = self._assemble(got, num, False)
+        infos["env_id"] = np.concatenate([ids for ids, _ in got])
+        return obs, rewards, terms, truncs, infos
+
+    # -- call, get_attr, set_attr ------------------------------------------------------
+    def call(self, name: str, *args: Any, **kwargs: Any) -> tuple:
+        """Call ``name`` on every env (or read it, if not callable); a tuple, one per env."""
+        return self._call_all(Call(0, name, args, kwargs))
+
+    def get_attr(self, name: str) -> tuple:
+        """The attribute ``name`` of every env."""
+        return self._call_all(Call(0, name))
+
+    def set_attr(self, name: str, values: Any) -> None:
+        """Set ``name`` on every env: one value each (list/tuple) or the same value."""
+        if not isinstance(values, (list, tuple)):
+            values = [values] * self.num_envs
+        if len(values) != self.num_envs:
+            raise ValueError(f"set_attr needs {self.num_envs} values, got {len(values)}")
+        for worker in self._workers:
+            worker_values = tuple(values[i] for i in worker.env_ids)
+            self._call_one(worker, Call(self._next_seq(), name, values=worker_values))
+        self._gather("set_attr")
+
+    def _call_all(self, template: Call) -> tuple:
+        for worker in self._workers:
+            self._call_one(worker, Call(self._next_seq(), template.name, template.args,
+                                        template.kwargs))
+        return tuple(v for called in self._gather(template.name) for v in called.values)
+
+    def _call_one(self, worker: _WorkerSlot, msg: Call) -> None:
+        self._check_alive()
+        self._expect_idle("call")
+        self._post(worker, msg)
+
+    def _gather(self, what: str) -> list:
+        wanted = {(r.seq, w.index) for w in self._workers for r, _ in w.open
+                  if isinstance(r, Call)}
+        while not wanted.issubset(self._called):
+            self._pump(None, f"{what} on every env")
+        results = [self._called.pop(key) for key in sorted(wanted, key=lambda k: k[1])]
+        for called in results:
+            if called.error is not None:
+                raise called.error
+        return results
+
+    # -- state machine -----------------------------------------------------------------
+    def _expect_idle(self, what: str) -> None:
+        if self._state != AsyncState.DEFAULT:
+            raise AlreadyPendingCallError(
+                f"RemoteVectorEnv.{what} while a {self._state} call is pending; call its "
+                f"wait method (or recv) first", self._state)
+
+    def _expect(self, state: str, what: str, before: str) -> None:
+        self._check_alive()
+        if self._state != state:
+            raise NoAsyncCallError(f"RemoteVectorEnv.{what} without a pending {before}",
+                                   state)
+
+    # -- closing -----------------------------------------------------------------------
+    def close_extras(self, timeout: Optional[float] = None, terminate: bool = False,
+                     **kwargs: Any) -> None:
+        self._shutdown(0.0 if terminate else (5.0 if timeout is None else timeout))
+
+    def _shutdown(self, grace: float) -> None:
+        self.closed = True
+        for worker in self._workers:
+            if worker.peer is not None:
+                try:
+                    worker.peer.send(serialization.dumps(Close()))
+                except ChannelClosed:
+                    pass  # the worker is gone already
+        deadline = time.monotonic() + grace
+        for worker in self._workers:
+            proc = worker.proc
+            if proc is None:
+                continue
+            proc.join(max(0.0, deadline - time.monotonic()))
+            if proc.is_alive():
+                proc.kill()
+                proc.join(10)
+        try:
+            os.write(self._wake_w, b"x")
+        except OSError:
+            pass
+        watcher = getattr(self, "_watcher", None)
+        if watcher is not None:
+            watcher.join(10)
+        for fd in (self._wake_r, self._wake_w):
+            os.close(fd)
+        self._listener.close()
+
+    def __del__(self) -> None:
+        if not getattr(self, "closed", True):
+            try:
+                self.close(terminate=True)
+            except Exception:
+                pass  # interpreter shutdown: the workers exit when this process goes
+
+    def __repr__(self) -> str:
+        return (f"RemoteVectorEnv(num_envs={self.num_envs}, workers={len(self._workers)}, "
+                f"autoreset_mode={self.autoreset_mode.value})")
+
+
+# -- helpers ----------------------------------------------------------------------------
+def _env_fns(env_fns: Any, num_envs: Optional[int], env_kwargs: Optional[dict],
+             wrappers: tuple) -> list:
+    if isinstance(env_fns, str):
+        if num_envs is None or num_envs < 1:
+            raise ValueError("RemoteVectorEnv(env_id, num_envs): num_envs must be >= 1")
+        fn = functools.partial(_make_wrapped, env_fns, env_kwargs or {}, wrappers)
+        return [fn] * num_envs
+    fns = list(env_fns)
+    if not fns or not all(callable(f) for f in fns):
+        raise TypeError("RemoteVectorEnv: env_fns must be an env id or a non-empty sequence "
+                        "of callables returning envs")
+    if num_envs is not None and num_envs != len(fns):
+        raise ValueError(f"num_envs={num_envs} but {len(fns)} env_fns were given")
+    return fns
+
+
+def _make_wrapped(env_id: str, env_kwargs: dict, wrappers: tuple) -> Any:
+    env = make_gym_env(env_id, **env_kwargs)
+    for wrapper in wrappers:
+        env = wrapper(env)
+    return env
+
+
+def _seeds(seed: Any, n: int) -> list:
+    if seed is None:
+        return [None] * n
+    if isinstance(seed, (int, np.integer)):
+        return [int(seed) + i for i in range(n)]
+    seeds = list(seed)
+    if len(seeds) != n:
+        raise ValueError(f"If seeds are passed as a list the length must match num_envs={n} "
+                         f"but got length={len(seeds)}.")
+    return seeds
+
+
+def _mask_ids(mask: Any, n: int) -> np.ndarray:
+    if not isinstance(mask, np.ndarray) or mask.dtype != np.bool_ or mask.shape != (n,):
+        raise TypeError(f"options['reset_mask'] must be a numpy bool array of shape ({n},), "
+                        f"got {type(mask).__name__} {getattr(mask, 'dtype', '')} "
+                        f"{getattr(mask, 'shape', '')}")
+    if not mask.any():
+        raise ValueError("options['reset_mask'] must contain at least one True value")
+    return np.flatnonzero(mask)
+
+
+def _narrow(req: Any, slots: tuple) -> Any:
+    """``req`` restricted to the slots still unanswered (a half came back already)."""
+    if isinstance(req, Step):
+        keep = np.array([req.slots.index(s) for s in slots])
+        return Step(req.seq, slots, rows(req.actions, keep))
+    if isinstance(req, Reset):
+        return Reset(req.seq, slots, tuple(req.seeds[req.slots.index(s)] for s in slots),
+                     req.options)
+    return req
+
+
+def _cut(msg: Result, sl: slice) -> Result:
+    pick = np.arange(len(msg.slots))[sl]
+    rewards = None if msg.rewards is None else msg.rewards[sl]
+    return Result(msg.worker, msg.gen, msg.seq, msg.slots[sl], rows(msg.obs, pick), rewards,
+                  None if msg.terminated is None else msg.terminated[sl],
+                  None if msg.truncated is None else msg.truncated[sl], msg.infos[sl], ())
+
+
+def _result_head(msg: Result, n: int) -> Result:
+    return _cut(msg, slice(0, n))
+
+
+def _result_tail(msg: Result, n: int) -> Result:
+    return _cut(msg, slice(n, None))
+
+
+def _copy(obs: Any) -> Any:
+    if isinstance(obs, dict):
+        return {k: _copy(v) for k, v in obs.items()}
+    if isinstance(obs, tuple):
+        return tuple(_copy(v) for v in obs)
+    return np.array(obs, copy=True)

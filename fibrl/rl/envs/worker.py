@@ -1,0 +1,243 @@
+"""The loop that runs in each RemoteVectorEnv worker (a fibrl Process).
+
+A worker hosts ``k`` envs. It connects one authenticated transport channel
+to the vector env's listener (the run's secret is its process authkey), says
+``Hello``, then answers one request at a time on that channel::
+
+    vector env (Listener)                  worker w (local process, container or pod)
+    peer.send(Step) ---------------------> recv -> step envs of half 1 -> Result --+
+                                                    step envs of half 2 -> Result --+
+    reader thread -> queue <-------------------------------------------------------+
+
+With ``split`` on, a request for many envs is answered in two halves: the
+first half travels (and the vector env can hand it to ``recv``) while the
+second half is stepped.
+
+Autoreset follows gymnasium's ``SyncVectorEnv`` exactly, env by env. An env
+that raises is recreated here and reset with its restart seed; that env's
+current result is the fresh reset observation with ``truncated=True`` and
+``info["fibrl_restarted"]``, and the traceback travels back so the vector env
+can charge its restart budget. A worker started to replace a dead one resets
+every env that way before serving requests.
+"""
+from __future__ import annotations
+
+import traceback
+from typing import Any, Callable
+
+import numpy as np
+
+from ... import serialization
+from ...transport import Channel
+from .protocol import Broken, Call, Called, Hello, Reset, Result, Step, row, stack
+
+__all__ = ["serve", "restart_seed"]
+
+NEXT_STEP, SAME_STEP, DISABLED = "next_step", "same_step", "disabled"
+RESTARTED = "fibrl_restarted"
+
+
+def restart_seed(root: int, env_id: int, restarts: int) -> int:
+    """The seed an env is reset with after its ``restarts``-th restart (deterministic)."""
+    return int(np.random.SeedSequence([root, env_id, restarts]).generate_state(1)[0])
+
+
+class _Slot:
+    """One env of this worker and what the next step must do with it."""
+
+    __slots__ = ("fn", "env_id", "env", "obs", "needs_reset", "restarted", "restarts")
+
+    def __init__(self, fn: Callable[[], Any], env_id: int, restarts: int) -> None:
+        self.fn, self.env_id, self.restarts = fn, env_id, restarts
+        self.env = None
+        self.obs = None
+        self.needs_reset = False
+        self.restarted = False
+
+
+class Worker:
+    """Steps its envs for one vector env; see the module docstring."""
+
+    def __init__(self, index: int, gen: int, fns: list, env_ids: list, restarts: list,
+                 mode: str, root_seed: int, split: int, outbox: Any) -> None:
+        self.index, self.gen, self.mode, self.root = index, gen, mode, root_seed
+        self.split, self.outbox = split, outbox
+        self.slots = [_Slot(fn, i, r) for fn, i, r in zip(fns, env_ids, restarts)]
+
+    # -- lifecycle ----------------------------------------------------------------------
+    def start(self) -> bool:
+        for j, slot in enumerate(self.slots):
+            try:
+                slot.env = slot.fn()
+            except Exception:
+                self.outbox.send(Broken(self.index, self.gen, j, traceback.format_exc()))
+                return False
+        if self.gen > 0:  # a replacement: every env starts over, reseeded
+            for slot in self.slots:
+                slot.restarts -= 1  # the vector env counted this restart already
+                if not self._recreate(slot, fresh=False):
+                    return False
+        env = self.slots[0].env
+        self.outbox.send(Called(self.index, self.gen, 0, [{
+            "observation_space": env.observation_space, "action_space": env.action_space,
+            "metadata": getattr(env, "metadata", {}), "render_mode": env.render_mode,
+            "spec": getattr(env, "spec", None)}]))
+        return True
+
+    def close(self) -> None:
+        for slot in self.slots:
+            try:
+                if slot.env is not None:
+                    slot.env.close()
+            except Exception:
+                pass  # closing at exit: nothing to report to
+
+    def _recreate(self, slot: _Slot, fresh: bool = True) -> bool:
+        """Recreate (when ``fresh``) and reset one env with its next restart seed."""
+        slot.restarts += 1
+        seed = restart_seed(self.root, slot.env_id, slot.restarts)
+        try:
+            if fresh:
+                try:
+                    slot.env.close()
+                except Exception:
+                    pass  # the env is broken already; its replacement matters
+                slot.env = slot.fn()
+            slot.obs, _ = slot.env.reset(seed=seed)
+        except Exception:
+            self.outbox.send(Broken(self.index, self.gen, self.slots.index(slot),
+                                    traceback.format_exc()))
+            return False
+        slot.restarted = True
+        slot.needs_reset = False
+        return True
+
+    # -- requests -----------------------------------------------------------------------
+    def handle(self, msg: Any) -> bool:
+        if isinstance(msg, Step):
+            return self._step(msg)
+        if isinstance(msg, Reset):
+            return self._reset(msg)
+        if isinstance(msg, Call):
+            self.outbox.send(self._call(msg))
+            return True
+        return False  # Close
+
+    def _reset(self, msg: Reset) -> bool:
+        obs, infos, restarts = [], [], []
+        for j, seed in zip(msg.slots, msg.seeds):
+            slot = self.slots[j]
+            try:
+                slot.obs, info = slot.env.reset(seed=seed, options=msg.options)
+                slot.restarted = slot.needs_reset = False
+            except Exception:
+                restarts.append((j, traceback.format_exc()))
+                if not self._recreate(slot):
+                    return False
+                info, slot.restarted = {RESTARTED: True}, False
+            obs.append(slot.obs)
+            infos.append(info or None)
+        self.outbox.send(Result(self.index, self.gen, msg.seq, msg.slots, stack(obs), None,
+                                None, None, infos, tuple(restarts)))
+        return True
+
+    def _step(self, msg: Step) -> bool:
+        n = len(msg.slots)
+        cut = n // 2 if self.split and n >= self.split else n
+        for lo, hi in ((0, cut), (cut, n)):
+            if hi > lo and not self._step_part(msg, lo, hi):
+                return False
+        return True
+
+    def _step_part(self, msg: Step, lo: int, hi: int) -> bool:
+        m = hi - lo
+        obs, infos, restarts = [], [], []
+        rewards = np.zeros(m, dtype=np.float64)
+        terms, truncs = np.zeros(m, dtype=np.bool_), np.zeros(m, dtype=np.bool_)
+        for k in range(m):
+            j = msg.slots[lo + k]
+            slot = self.slots[j]
+            try:
+                info, rewards[k], terms[k], truncs[k] = self._step_one(slot,
+                                                                       row(msg.actions, lo + k))
+            except Exception:
+                restarts.append((j, traceback.format_exc()))
+                if not self._recreate(slot):
+                    return False
+                info, rewards[k], terms[k], truncs[k] = self._step_one(slot, None)
+            obs.append(slot.obs)
+            infos.append(info or None)
+        self.outbox.send(Result(self.index, self.gen, msg.seq, msg.slots[lo:hi], stack(obs),
+                                rewards, terms, truncs, infos, tuple(restarts)))
+        return True
+
+    def _step_one(self, slot: _Slot, action: Any) -> tuple:
+        if slot.restarted:  # report the restart in place of this step
+            slot.restarted = False
+            slot.needs_reset = self.mode == NEXT_STEP
+            info = {RESTARTED: True}
+            if self.mode == SAME_STEP:
+                info = {"final_obs": slot.obs, "final_info": {RESTARTED: True}, RESTARTED: True}
+            return info, 0.0, False, True
+        if self.mode == NEXT_STEP and slot.needs_reset:
+            slot.obs, info = slot.env.reset()
+            slot.needs_reset = False
+            return info, 0.0, False, False
+        slot.obs, reward, term, trunc, info = slot.env.step(action)
+        if self.mode == NEXT_STEP:
+            slot.needs_reset = bool(term or trunc)
+        elif self.mode == SAME_STEP and (term or trunc):
+            final = {"final_obs": slot.obs, "final_info": info}
+            slot.obs, info = slot.env.reset()
+            info = {**final, **info}
+        return info, reward, term, trunc
+
+    def _call(self, msg: Call) -> Called:
+        values = []
+        try:
+            for k, slot in enumerate(self.slots):
+                if msg.values is not None:
+                    setattr(slot.env, msg.name, msg.values[k])
+                    values.append(None)
+                    continue
+                attr = slot.env.get_wrapper_attr(msg.name)
+                if msg.kwargs is not None and callable(attr):
+                    attr = attr(*msg.args, **msg.kwargs)
+                values.append(attr)
+        except Exception as exc:
+            return Called(self.index, self.gen, msg.seq, [], exc)
+        return Called(self.index, self.gen, msg.seq, values)
+
+
+class _Outbox:
+    """Sends messages as fibrl frames (protocol 5, large arrays out of band)."""
+
+    def __init__(self, channel: Channel) -> None:
+        self.channel = channel
+
+    def send(self, msg: Any) -> None:
+        self.channel.send(serialization.dumps(msg))
+
+
+def serve(index: int, gen: int, fns: list, env_ids: list, restarts: list, mode: str,
+          root_seed: int, split: int, address: str) -> None:
+    """Entry point of a worker process: start the envs, then answer requests until Close."""
+    import multiprocessing
+
+    channel = Channel.connect(address, bytes(multiprocessing.current_process().authkey))
+    outbox = _Outbox(channel)
+    outbox.send(Hello(index, gen))
+    worker = Worker(index, gen, fns, env_ids, restarts, mode, root_seed, split, outbox)
+    try:
+        if not worker.start():
+            return
+        while True:
+            try:
+                msg = serialization.loads(channel.recv())
+            except EOFError:  # ChannelClosed: the vector env is gone
+                return
+            if not worker.handle(msg):
+                return
+    finally:
+        worker.close()
+        channel.close()

@@ -1,0 +1,91 @@
+"""Environments for the RemoteVectorEnv tests: importable by the workers (by reference)."""
+from __future__ import annotations
+
+import os
+import time
+
+import gymnasium
+import numpy as np
+from gymnasium import spaces
+
+
+class DictTupleEnv(gymnasium.Env):
+    """Dict observations holding a Box, a Discrete and a Tuple; ends after 7 steps."""
+
+    def __init__(self) -> None:
+        self.observation_space = spaces.Dict({
+            "pos": spaces.Box(-10, 10, (3,), np.float32),
+            "mode": spaces.Discrete(4),
+            "pair": spaces.Tuple((spaces.Discrete(5), spaces.Box(0, 1, (2, 2), np.float64))),
+        })
+        self.action_space = spaces.Discrete(3)
+        self.t = 0
+
+    def _obs(self):
+        return {"pos": self.np_random.uniform(-1, 1, 3).astype(np.float32),
+                "mode": int(self.np_random.integers(4)),
+                "pair": (int(self.np_random.integers(5)), self.np_random.random((2, 2)))}
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.t = 0
+        return self._obs(), {"t": self.t}
+
+    def step(self, action):
+        self.t += 1
+        return self._obs(), float(action) + 0.5, self.t >= 7, False, {"t": self.t}
+
+
+class CrashAt(gymnasium.Wrapper):
+    """CartPole that raises on its ``crash_at``-th step (each new instance counts afresh)."""
+
+    def __init__(self, crash_at: int = 50) -> None:
+        super().__init__(gymnasium.make("CartPole-v1"))
+        self.crash_at, self.steps = crash_at, 0
+
+    def step(self, action):
+        self.steps += 1
+        if self.steps == self.crash_at:
+            raise RuntimeError(f"boom at step {self.steps}")
+        return self.env.step(action)
+
+
+class AlwaysCrash(CrashAt):
+    """Raises on every step."""
+
+    def __init__(self) -> None:
+        super().__init__(crash_at=1)
+
+    def step(self, action):
+        raise RuntimeError("this env always crashes")
+
+
+class Slow(gymnasium.Wrapper):
+    """CartPole whose step sleeps ``delay`` seconds (a slow simulator)."""
+
+    def __init__(self, delay: float) -> None:
+        super().__init__(gymnasium.make("CartPole-v1"))
+        self.delay = delay
+        self.pid = os.getpid()
+
+    def step(self, action):
+        time.sleep(self.delay)
+        return self.env.step(action)
+
+
+class HangAt(CrashAt):
+    """Hangs (sleeps an hour) on its ``crash_at``-th step."""
+
+    def step(self, action):
+        self.steps += 1
+        if self.steps == self.crash_at:
+            time.sleep(3600)
+        return self.env.step(action)
+
+
+class Pid(gymnasium.Wrapper):
+    """CartPole that knows the pid of its worker (``get_attr("pid")``)."""
+
+    def __init__(self) -> None:
+        super().__init__(gymnasium.make("CartPole-v1"))
+        self.pid = os.getpid()

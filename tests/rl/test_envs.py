@@ -1,0 +1,169 @@
+"""RemoteVectorEnv behaves as gymnasium's SyncVectorEnv, batch for batch, plus send/recv."""
+from __future__ import annotations
+
+import functools
+import multiprocessing
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import require_module
+
+gymnasium = require_module("gymnasium", "CI_REQUIRE_DOCKER")
+np = require_module("numpy", "CI_REQUIRE_DOCKER")
+
+from gymnasium.error import AlreadyPendingCallError, NoAsyncCallError  # noqa: E402
+from gymnasium.vector import AutoresetMode, SyncVectorEnv  # noqa: E402
+
+from fibrl.rl import RemoteVectorEnv  # noqa: E402
+
+import envs_helpers  # noqa: E402
+
+MODES = [AutoresetMode.NEXT_STEP, AutoresetMode.SAME_STEP, AutoresetMode.DISABLED]
+
+
+def assert_same(a, b, where=""):
+    """Deep equality of batches and info dicts (numpy arrays, object arrays, dicts, tuples)."""
+    if isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), f"{where}: {a.keys()} != {b.keys()}"
+        for k in a:
+            assert_same(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, tuple):
+        assert len(a) == len(b), where
+        for j, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{where}[{j}]")
+    elif isinstance(a, np.ndarray) and a.dtype == object:
+        assert b.dtype == object and a.shape == b.shape, where
+        for j, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{where}[{j}]")
+    elif a is None:
+        assert b is None, where
+    else:
+        assert np.asarray(a).dtype == np.asarray(b).dtype, f"{where}: dtypes differ"
+        np.testing.assert_array_equal(a, b, err_msg=where)
+
+
+def run_both(remote, sync, steps, seed=7):
+    """Drive both with the same seeds and actions; compare everything, return #episodes ended."""
+    rng = np.random.default_rng(seed)
+    assert_same(remote.reset(seed=seed), sync.reset(seed=seed), "reset")
+    ended = 0
+    for t in range(steps):
+        actions = rng.integers(0, 2, remote.num_envs)
+        got, want = remote.step(actions), sync.step(actions)
+        assert_same(got, want, f"step {t}")
+        done = want[2] | want[3]
+        ended += int(done.sum())
+        if remote.autoreset_mode == AutoresetMode.DISABLED and done.any():
+            options = {"reset_mask": done}
+            assert_same(remote.reset(options=dict(options)), sync.reset(options=dict(options)),
+                        f"masked reset after step {t}")
+    return ended
+
+
+@pytest.mark.parametrize("envs_per_worker", [1, 3, 8])
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: m.value)
+def test_same_as_sync_vector_env(mode, envs_per_worker):
+    fn = functools.partial(gymnasium.make, "CartPole-v1", max_episode_steps=12)
+    sync = SyncVectorEnv([fn] * 8, autoreset_mode=mode)
+    remote = RemoteVectorEnv("CartPole-v1", 8, envs_per_worker=envs_per_worker,
+                             autoreset_mode=mode, env_kwargs={"max_episode_steps": 12},
+                             split=4)
+    try:
+        assert remote.metadata["autoreset_mode"] == mode
+        assert remote.single_observation_space == sync.single_observation_space
+        assert remote.observation_space == sync.observation_space
+        assert remote.action_space == sync.action_space
+        ended = run_both(remote, sync, 60)
+        assert ended > 16  # both terminations and truncations (12 steps) happened
+    finally:
+        remote.close()
+        sync.close()
+
+
+def test_dict_and_tuple_observations():
+    sync = SyncVectorEnv([envs_helpers.DictTupleEnv] * 5)
+    remote = RemoteVectorEnv([envs_helpers.DictTupleEnv] * 5, envs_per_worker=2, split=2)
+    try:
+        assert remote.observation_space == sync.observation_space
+        run_both(remote, sync, 20)
+    finally:
+        remote.close()
+        sync.close()
+
+
+def test_send_recv_one_slow_env_does_not_hold_up_the_others():
+    # env 0 sleeps 3 s per step; the fast envs are driven for 1 s (2 s of margin under load)
+    fns = [functools.partial(envs_helpers.Slow, 3.0)] + [envs_helpers.Pid] * 3
+    envs = RemoteVectorEnv(fns, envs_per_worker=1)
+    try:
+        envs.reset(seed=0)
+        envs.send(np.zeros(4, dtype=np.int64))
+        fast_rounds, start = 0, time.monotonic()
+        while time.monotonic() - start < 1.0:
+            obs, rewards, terms, truncs, infos = envs.recv(num=3, timeout=1.0)
+            assert sorted(infos["env_id"].tolist()) == [1, 2, 3]
+            assert obs.shape == (3, 4) and set(rewards.tolist()) <= {0.0, 1.0}  # 0: autoreset
+            envs.send(np.ones(3, dtype=np.int64), env_ids=infos["env_id"])
+            fast_rounds += 1
+        assert fast_rounds >= 5  # the fast envs kept stepping while env 0 slept
+        with pytest.raises(ValueError, match="running"):
+            envs.send(np.zeros(1, dtype=np.int64), env_ids=[1])
+        *_, infos = envs.recv(num=3, timeout=10)  # the last send of 1, 2, 3
+        assert sorted(infos["env_id"].tolist()) == [1, 2, 3]
+        obs, rewards, *_, infos = envs.recv(num=1, timeout=10)
+        assert infos["env_id"].tolist() == [0] and obs.shape == (1, 4)
+        with pytest.raises(NoAsyncCallError):
+            envs.recv()
+    finally:
+        envs.close()
+
+
+def test_step_wait_timeout_and_state_errors():
+    envs = RemoteVectorEnv([functools.partial(envs_helpers.Slow, 0.5)] * 2, envs_per_worker=1)
+    try:
+        envs.reset(seed=1)
+        with pytest.raises(NoAsyncCallError):
+            envs.step_wait()
+        envs.step_async(np.zeros(2, dtype=np.int64))
+        with pytest.raises(AlreadyPendingCallError):
+            envs.step_async(np.zeros(2, dtype=np.int64))
+        with pytest.raises(AlreadyPendingCallError):
+            envs.reset()
+        with pytest.raises(multiprocessing.TimeoutError):
+            envs.step_wait(timeout=0.05)
+        obs, rewards, *_ = envs.step_wait(timeout=10)  # the same step, still pending
+        assert obs.shape == (2, 4) and rewards.tolist() == [1.0, 1.0]
+    finally:
+        envs.close()
+    with pytest.raises(gymnasium.error.ClosedEnvironmentError):
+        envs.step(np.zeros(2, dtype=np.int64))
+
+
+def test_call_get_attr_set_attr_and_wrappers():
+    envs = RemoteVectorEnv([envs_helpers.Pid] * 3, envs_per_worker=2)
+    try:
+        pids = envs.get_attr("pid")
+        assert len(pids) == 3 and pids[0] == pids[1] != pids[2]
+        envs.set_attr("delay_marker", [1, 2, 3])
+        assert envs.get_attr("delay_marker") == (1, 2, 3)
+        assert envs.call("get_wrapper_attr", "delay_marker") == (1, 2, 3)
+        wrapped = gymnasium.wrappers.vector.RecordEpisodeStatistics(envs)
+        wrapped.reset(seed=0)
+        episodes = 0
+        for _ in range(60):
+            *_, infos = wrapped.step(np.zeros(3, dtype=np.int64))
+            episodes += int(infos.get("_episode", np.zeros(3, bool)).sum())
+        assert episodes >= 3  # always pushing left ends CartPole within ~10 steps
+    finally:
+        envs.close()
+
+
+def test_import_fibrl_rl_imports_neither_gymnasium_nor_numpy():
+    code = ("import sys, fibrl, fibrl.rl; "
+            "print(sorted({'gymnasium', 'numpy'} & set(sys.modules)))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, check=True).stdout.strip()
+    assert out == "[]"

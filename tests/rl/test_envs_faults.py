@@ -1,0 +1,107 @@
+"""RemoteVectorEnv survives crashing envs and killed workers, within a restart budget."""
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import time
+
+import pytest
+
+from conftest import require_module
+
+gymnasium = require_module("gymnasium", "CI_REQUIRE_DOCKER")
+np = require_module("numpy", "CI_REQUIRE_DOCKER")
+
+from fibrl.rl import RemoteVectorEnv  # noqa: E402
+from fibrl.rl.envs import EnvCrashError  # noqa: E402
+from fibrl.rl.envs.worker import restart_seed  # noqa: E402
+
+import envs_helpers  # noqa: E402
+
+
+def test_env_that_raises_at_step_50_is_recreated_and_reseeded():
+    fns = [envs_helpers.Pid, functools.partial(envs_helpers.CrashAt, 50), envs_helpers.Pid]
+    # same-step autoreset: every vector step is one env.step() call
+    envs = RemoteVectorEnv(fns, envs_per_worker=3, seed=1234, autoreset_mode="SameStep")
+    try:
+        envs.reset(seed=0)
+        for t in range(1, 50):
+            obs, rewards, terms, truncs, infos = envs.step(np.array([0, 1, 0]) if t % 2 else
+                                                           np.array([1, 0, 1]))
+            assert "fibrl_restarted" not in infos
+        obs, rewards, terms, truncs, infos = envs.step(np.zeros(3, dtype=np.int64))
+        assert infos["final_info"]["_fibrl_restarted"].tolist() == [False, True, False]
+        assert truncs[1] and not terms[1] and rewards[1] == 0.0
+        assert infos["_fibrl_restarted"].tolist() == [False, True, False]
+        fresh = gymnasium.make("CartPole-v1")
+        expected, _ = fresh.reset(seed=restart_seed(1234, 1, 1))
+        np.testing.assert_array_equal(obs[1], expected)  # deterministic reseed
+        for _ in range(20):  # still usable, env 1 included
+            obs, *_ = envs.step(np.zeros(3, dtype=np.int64))
+        assert obs.shape == (3, 4)
+    finally:
+        envs.close()
+
+
+def test_sigkilled_worker_mid_step_is_replaced():
+    fns = [functools.partial(envs_helpers.Slow, 0.3)] * 2 + [envs_helpers.Pid] * 2
+    envs = RemoteVectorEnv(fns, envs_per_worker=2)
+    try:
+        envs.reset(seed=0)
+        pids = envs.get_attr("pid")
+        assert pids[0] != pids[2]
+        envs.step_async(np.zeros(4, dtype=np.int64))
+        time.sleep(0.1)  # worker 0 is inside its 0.3 s step now
+        os.kill(pids[0], signal.SIGKILL)
+        obs, rewards, terms, truncs, infos = envs.step_wait(timeout=120)
+        assert truncs[:2].tolist() == [True, True]
+        assert infos["_fibrl_restarted"].tolist() == [True, True, False, False]
+        new_pids = envs.get_attr("pid")
+        assert new_pids[0] != pids[0] and new_pids[2] == pids[2]
+        for _ in range(5):
+            obs, rewards, terms, truncs, infos = envs.step(np.zeros(4, dtype=np.int64))
+            assert "fibrl_restarted" not in infos
+    finally:
+        envs.close()
+
+
+def test_always_crashing_env_spends_the_budget_with_a_clear_error():
+    fns = [envs_helpers.Pid, envs_helpers.AlwaysCrash]
+    envs = RemoteVectorEnv(fns, envs_per_worker=1, max_restarts=3, restart_window=60)
+    try:
+        envs.reset(seed=0)
+        with pytest.raises(EnvCrashError) as info:
+            for _ in range(10):
+                envs.step(np.zeros(2, dtype=np.int64))
+        message = str(info.value)
+        assert "env 1 crashed" in message and "max_restarts=3" in message
+        assert "RuntimeError: this env always crashes" in message  # its last traceback
+        with pytest.raises(EnvCrashError):  # broken for good, and says so
+            envs.step(np.zeros(2, dtype=np.int64))
+    finally:
+        envs.close()
+
+
+def test_hung_step_hits_the_step_deadline():
+    fns = [functools.partial(envs_helpers.HangAt, 3), envs_helpers.Pid]
+    envs = RemoteVectorEnv(fns, envs_per_worker=1, step_timeout=1.0)
+    try:
+        envs.reset(seed=0)
+        envs.step(np.ones(2, dtype=np.int64))
+        envs.step(np.ones(2, dtype=np.int64))
+        start = time.monotonic()
+        obs, rewards, terms, truncs, infos = envs.step(np.ones(2, dtype=np.int64))
+        assert time.monotonic() - start < 60
+        assert truncs[0] and infos["_fibrl_restarted"].tolist() == [True, False]
+    finally:
+        envs.close()
+
+
+def broken_factory():
+    raise ImportError("no module named 'simulator' (the env cannot even be made)")
+
+
+def test_env_that_cannot_be_made_fails_the_constructor_with_a_clear_error():
+    with pytest.raises(EnvCrashError, match="no module named 'simulator'"):
+        RemoteVectorEnv([envs_helpers.Pid, broken_factory], envs_per_worker=1, max_restarts=1)
