@@ -246,15 +246,27 @@ class FiberBench:
     """A :class:`QueueBench` or :class:`PipeBench` of Uber Fiber, living in Fiber's own
     interpreter (``--serve``) and driven over its stdin/stdout, one command a line."""
 
+    TIMEOUT = 120   # a run that never ends: Fiber lost a message (it drops frames over
+                    # nanomsg's 1 MiB receive limit without a word)
+
     def __init__(self, python: str, kind: str) -> None:
         self.proc = subprocess.Popen([python, os.path.abspath(__file__), "--serve", kind],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.broken = ""
         self._ask()   # its workers are up
 
     def _ask(self, *words) -> float:
+        import select
+
+        if self.broken:
+            raise SampleFailed(self.broken)
         if words:
             self.proc.stdin.write(" ".join(map(str, words)) + "\n")
             self.proc.stdin.flush()
+        if not select.select([self.proc.stdout], [], [], self.TIMEOUT)[0]:
+            self.broken = f"no answer within {self.TIMEOUT} s (items lost)"
+            self.proc.kill()
+            raise SampleFailed(self.broken)
         line = self.proc.stdout.readline()
         if not line.strip() or line.startswith("error"):
             raise SampleFailed(line.strip() or f"exited with {self.proc.poll()}")
@@ -270,11 +282,12 @@ class FiberBench:
         return self._ask("rounds", n)
 
     def close(self) -> None:
-        self.proc.stdin.close()
         try:
+            self.proc.stdin.close()
             self.proc.wait(60)
-        except subprocess.TimeoutExpired:
+        except (OSError, subprocess.TimeoutExpired):
             self.proc.kill()
+
 
 
 def serve(kind: str) -> int:
@@ -376,6 +389,9 @@ def bench_queues(opts) -> list:
     try:
         for direction in ("child->parent", "parent->child"):
             for size, warm, lo, hi in ((SMALL, 2000, 500, 400_000), (LARGE, 20, 10, 300)):
+                if getattr(benches.get(FIBER), "broken", ""):   # a fresh one per row
+                    benches[FIBER].close()
+                    benches[FIBER] = FiberBench(opts.fiber_python, "queue")
                 small = size == SMALL
                 libs = tuple(lib for lib in benches if not (small and lib == FLOOR))
                 row = Row(f"Queue {'100 B' if small else '1 MB'} {direction}",
@@ -386,7 +402,11 @@ def bench_queues(opts) -> list:
                     bench = benches[lib]
                     method = bench.child_produces if direction == "child->parent" \
                         else bench.parent_produces
-                    n = sized(lambda k, m=method: m(k, size), warm, opts.target, lo, hi)
+                    try:
+                        n = sized(lambda k, m=method: m(k, size), warm, opts.target, lo, hi)
+                    except SampleFailed as exc:
+                        runs[lib] = _failing(str(exc))
+                        continue
                     runs[lib] = lambda m=method, n=n: (n, m(n, size))
                 rate = (lambda r: r[0] / r[1]) if small else (lambda r: r[0] * size / MB / r[1])
                 interleaved(row, runs, opts.repeats, rate)
@@ -396,6 +416,12 @@ def bench_queues(opts) -> list:
         for bench in benches.values():
             bench.close()
     return rows
+
+
+def _failing(reason: str) -> Callable[[], tuple]:
+    def run() -> tuple:
+        raise SampleFailed(reason)
+    return run
 
 
 def bench_pipe(opts) -> list:
