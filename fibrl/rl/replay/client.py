@@ -278,7 +278,7 @@ class ReplayStore:
                            snapshot_path=_shard_path(snapshot_path, i, num_shards),
                            snapshot_every=snapshot_every)
                    for i in range(num_shards)]
-        self._start(ctx, start_timeout, [("ReplayShard", (c,)) for c in configs])
+        self._start(ctx, start_timeout, [("ReplayShard", (c,)) for c in configs], seed)
 
     @classmethod
     def queue(cls, size: int, **options: Any) -> "ReplayStore":
@@ -308,10 +308,11 @@ class ReplayStore:
                              snapshot_path=_shard_path(snapshot_path, i, num_shards),
                              snapshot_every=snapshot_every)
             calls.append(("ReplayRestore", (_shard_path(path, i, num_shards), overrides)))
-        store._start(ctx, start_timeout, calls)
+        store._start(ctx, start_timeout, calls, None)
         return store
 
-    def _start(self, ctx: Any, start_timeout: Optional[float], calls: list) -> None:
+    def _start(self, ctx: Any, start_timeout: Optional[float], calls: list,
+               seed: Optional[int]) -> None:
         self._managers: Optional[list] = []
         self._shards: list = []
         try:
@@ -323,10 +324,11 @@ class ReplayStore:
         except BaseException:
             self.close()
             raise
-        self._setup_client()
+        self._setup_client(seed)
 
-    def _setup_client(self) -> None:
-        self._rng = np.random.default_rng()
+    def _setup_client(self, seed: Optional[int] = None) -> None:
+        # the creator's shard draws are seeded with the store; other processes' are not
+        self._rng = np.random.default_rng(None if seed is None else seed + 10_007)
         self._turn = itertools.cycle(np.roll(np.arange(len(self._shards)),
                                              os.getpid() % len(self._shards)).tolist())
 

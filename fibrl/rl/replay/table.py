@@ -394,7 +394,6 @@ class ReplayTable:
         self.max_priority = max(self.max_priority, float(prios[rows].max()))
         for index in self.indexes:
             index.update(slots, prios[rows])
-        self.cond.notify_all()
         return len(keep)
 
     def _evict(self, count: int) -> None:
