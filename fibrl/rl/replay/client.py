@@ -377,12 +377,11 @@ class ReplayStore:
             return self._shards[0].sample(batch_size, timeout=timeout, as_torch=as_torch)
         shards = self._shards
         masses = [s._wait(h) for s, h in zip(shards, [s._call_later("mass") for s in shards])]
-        mass = np.asarray([m for m, _ in masses], dtype=np.float64)
-        size = sum(n for _, n in masses)
-        if mass.sum() <= 0:
-            shares = np.asarray([n for _, n in masses], dtype=np.float64)
-            mass = shares if shares.sum() > 0 else np.ones(len(shards))
-        counts = self._rng.multinomial(int(batch_size), mass / mass.sum())
+        mass = np.asarray([m for m, _n, _r in masses], dtype=np.float64)
+        size = sum(n for _m, n, _r in masses)
+        if mass.sum() <= 0:  # empty: let the shards' rate limiters decide how to wait
+            mass = np.ones(len(shards))
+        counts = _split(int(batch_size), mass / mass.sum(), self._rng, masses[0][2])
         pending = [(s, shards[s]._call_later("sample", int(c), timeout))
                    for s, c in enumerate(counts.tolist()) if c]
         raws = [shards[s]._wait(h) for s, h in pending]
@@ -449,6 +448,17 @@ class ReplayStore:
 
     def __repr__(self) -> str:
         return f"<ReplayStore {self.num_shards} shard(s)>"
+
+
+def _split(k: int, shares: np.ndarray, rng: np.random.Generator, random: bool) -> np.ndarray:
+    """How many of ``k`` items each shard gives: a multinomial draw for random samplers
+    (exact probabilities), the largest-remainder rounding of ``k * shares`` for ordered ones."""
+    if random:
+        return rng.multinomial(k, shares)
+    exact = k * shares
+    counts = np.floor(exact).astype(np.int64)
+    counts[np.argsort(counts - exact)[:k - counts.sum()]] += 1
+    return counts
 
 
 def _merge(raws: list, total_mass: float, size: int) -> dict:

@@ -34,7 +34,7 @@ import numpy as np
 from .errors import RateLimiterTimeout
 from .limiters import Limiter, LimiterSpec
 from .persist import WriteAheadLog, read_log, read_snapshot, write_snapshot
-from .selectors import Fifo, SelectorSpec, Uniform, index_key, make_index
+from .selectors import Fifo, Prioritized, SelectorSpec, Uniform, index_key, make_index
 
 __all__ = ["NStep", "TableConfig", "ReplayTable", "TABLE_METHODS"]
 
@@ -220,9 +220,11 @@ class ReplayTable:
         return self.config.capacity - len(self.free)
 
     def mass(self) -> tuple:
-        """``(sampler mass, size)``: what a sharded client splits a batch by."""
+        """``(sampler mass, size, random)``: what a sharded client splits a batch by
+        (at random for uniform/prioritized samplers, in proportion for ordered ones)."""
         with self.cond:
-            return self.sampler_index.mass(), self.size()
+            return (self.sampler_index.mass(), self.size(),
+                    isinstance(self.config.sampler, (Uniform, Prioritized)))
 
     def stats(self) -> dict:
         with self.cond:
