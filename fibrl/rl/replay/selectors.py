@@ -86,18 +86,18 @@ class SumTree:
     """A binary sum tree over ``capacity`` leaves, updated and searched a batch at a time."""
 
     def __init__(self, capacity: int) -> None:
-        self.size = 1 << max(1, int(capacity - 1).bit_length())
+        self.depth = max(1, int(capacity - 1).bit_length())
+        self.size = 1 << self.depth
         self.tree = np.zeros(2 * self.size, dtype=np.float64)
 
     def set(self, leaves: np.ndarray, values: np.ndarray) -> None:
         idx = np.asarray(leaves, dtype=np.int64) + self.size
-        self.tree[idx] = values
-        idx = np.unique(idx >> 1)
-        while idx[0] >= 1:
-            self.tree[idx] = self.tree[2 * idx] + self.tree[2 * idx + 1]
-            if idx[0] == 1:
-                break
-            idx = np.unique(idx >> 1)
+        tree = self.tree
+        tree[idx] = values
+        for _level in range(self.depth):
+            # duplicates just recompute the same parent: cheaper than np.unique per level
+            idx >>= 1
+            tree[idx] = tree[2 * idx] + tree[2 * idx + 1]
 
     def total(self) -> float:
         return float(self.tree[1])
@@ -105,17 +105,21 @@ class SumTree:
     def leaf(self, leaves: np.ndarray) -> np.ndarray:
         return self.tree[np.asarray(leaves, dtype=np.int64) + self.size]
 
-    def find(self, u: np.ndarray) -> np.ndarray:
+    def find(self, u: np.ndarray, rng: np.random.Generator) -> np.ndarray:
         """The leaves where the prefix sums cross ``u`` (values in ``[0, total)``)."""
         idx = np.ones(len(u), dtype=np.int64)
         u = u.copy()
         tree = self.tree
-        while idx[0] < self.size:
+        for _level in range(self.depth):
             left = tree[2 * idx]
-            right = (u >= left) & (tree[2 * idx + 1] > 0)  # rounding never picks an empty leaf
-            u = np.where(right, u - left, u)
+            right = u >= left
+            u -= left * right
             idx = 2 * idx + right
-        return idx - self.size
+        leaves = idx - self.size
+        empty = tree[idx] <= 0
+        if empty.any():  # rounding walked past the last non-empty leaf: redraw those
+            leaves[empty] = self.find(rng.random(int(empty.sum())) * self.total(), rng)
+        return leaves
 
 
 class TreeIndex:
@@ -147,12 +151,12 @@ class TreeIndex:
         """``k`` slots and their probabilities (distinct ones without replacement)."""
         total = self.tree.total()
         if not distinct:
-            slots = self.tree.find(rng.random(k) * total)
+            slots = self.tree.find(rng.random(k) * total, rng)
             return slots, self.tree.leaf(slots) / total
         chosen: list = []
         saved = []
         while len(chosen) < k and self.tree.total() > 0:
-            slots = np.unique(self.tree.find(rng.random(k - len(chosen)) * self.tree.total()))
+            slots = np.unique(self.tree.find(rng.random(k - len(chosen)) * self.tree.total(), rng))
             saved.append((slots, self.tree.leaf(slots)))
             self.tree.set(slots, np.zeros(len(slots)))
             chosen.extend(slots.tolist())

@@ -16,9 +16,10 @@ caller's timeout) until another call changes the counters::
     learner threads --sample/update-+--> Condition(lock) -+--> indexes (sampler, remover)
     snapshot thread --copy under lock, write after--------+--> write-ahead log (before ack)
 
-Ids are ``local_counter * num_shards + shard``: unique across shards and
-never reused, so a priority update for an evicted item finds no slot and is
-ignored.
+An id is ``(sequence * capacity + slot) * num_shards + shard``: the shard and
+slot are read off the id (no lookup table), and the sequence number makes it
+unique across shards and never reused, so a priority update for an evicted
+item finds another id (or none) in its slot and is ignored.
 """
 from __future__ import annotations
 
@@ -126,7 +127,6 @@ class ReplayTable:
         self.priorities = np.zeros(cap, dtype=np.float64)
         self.times_sampled = np.zeros(cap, dtype=np.int64)
         self.free = list(range(cap - 1, -1, -1))
-        self.id_to_slot: dict = {}
         self.max_priority = 1.0
         self.pending_steps: dict = {}
         indexes: dict = {}
@@ -275,7 +275,6 @@ class ReplayTable:
         live = np.flatnonzero(self.slot_ids >= 0)
         live = live[np.argsort(self.slot_ids[live], kind="stable")]  # insertion order
         self.free = sorted(set(range(self.config.capacity)) - set(live.tolist()), reverse=True)
-        self.id_to_slot = dict(zip(self.slot_ids[live].tolist(), live.tolist()))
         for index in self.indexes:
             index.add(live, self.slot_ids[live], self.priorities[live])
         self.counters.update(meta["counters"])
@@ -349,9 +348,10 @@ class ReplayTable:
         del self.free[-n:]
         cfg = self.config
         if ids is None:
-            ids = (np.arange(self.next_local, self.next_local + n, dtype=np.int64)
-                   * cfg.num_shards + cfg.shard)
-        self.next_local = max(self.next_local, int(ids.max()) // cfg.num_shards + 1)
+            seqs = np.arange(self.next_local, self.next_local + n, dtype=np.int64)
+            ids = (seqs * cfg.capacity + slots) * cfg.num_shards + cfg.shard
+        self.next_local = max(self.next_local,
+                              int(ids.max()) // cfg.num_shards // cfg.capacity + 1)
         if prios is None:
             prios = np.full(n, self.max_priority)
         elif n:
@@ -361,7 +361,6 @@ class ReplayTable:
         self.slot_ids[slots] = ids
         self.priorities[slots] = prios
         self.times_sampled[slots] = 0
-        self.id_to_slot.update(zip(ids.tolist(), slots.tolist()))
         for index in self.indexes:
             index.add(slots, ids, prios)
         self.counters["inserts"] += n
@@ -385,18 +384,19 @@ class ReplayTable:
                                  f"insert)")
 
     def _update_locked(self, ids: np.ndarray, prios: np.ndarray) -> int:
-        found = [(i, self.id_to_slot.get(item)) for i, item in enumerate(ids.tolist())]
-        keep = [(i, slot) for i, slot in found if slot is not None]
-        self.counters["stale_updates"] += len(ids) - len(keep)
-        if not keep:
+        cfg = self.config
+        slots = (ids // cfg.num_shards) % cfg.capacity
+        held = (ids >= 0) & (ids % cfg.num_shards == cfg.shard) & (self.slot_ids[slots] == ids)
+        self.counters["stale_updates"] += int(len(ids) - held.sum())
+        if not held.all():
+            slots, prios = slots[held], prios[held]
+        if not len(slots):
             return 0
-        rows = np.asarray([i for i, _ in keep], dtype=np.int64)
-        slots = np.asarray([slot for _, slot in keep], dtype=np.int64)
-        self.priorities[slots] = prios[rows]
-        self.max_priority = max(self.max_priority, float(prios[rows].max()))
+        self.priorities[slots] = prios
+        self.max_priority = max(self.max_priority, float(prios.max()))
         for index in self.indexes:
-            index.update(slots, prios[rows])
-        return len(keep)
+            index.update(slots, prios)
+        return len(slots)
 
     def _evict(self, count: int) -> None:
         slots, _ = self.remover_index.select(count, self.rng, distinct=True)
@@ -406,8 +406,6 @@ class ReplayTable:
     def _remove(self, slots: np.ndarray) -> None:
         if not len(slots):
             return
-        for item in self.slot_ids[slots].tolist():
-            self.id_to_slot.pop(item, None)
         self.slot_ids[slots] = -1
         for index in self.indexes:
             index.remove(slots)
