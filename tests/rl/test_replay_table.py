@@ -271,3 +271,27 @@ def test_write_ahead_log_replays_and_drops_a_torn_tail(tmp_path):
     again.wal.close()
     third = table(10, wal_path=wal)
     assert sorted(third.columns["x"][third.slot_ids >= 0].tolist()) == list(range(3, 13))
+
+
+def test_point_in_time_copy_ignores_writes_made_while_it_runs():
+    from fibrl.rl.replay.table import PointInTimeCopy
+    t = table(50, sampler=Prioritized(), max_times_sampled=3, seed=5)
+    t.insert(items(40), np.arange(40, dtype=float))
+    expected = {"data.x": t.columns["x"].copy(), "data.obs": t.columns["obs"].copy(),
+                "slot_ids": t.slot_ids.copy(), "priorities": t.priorities.copy(),
+                "times_sampled": t.times_sampled.copy()}
+    with t.cond:
+        copy = t.copy = PointInTimeCopy(t)
+    copy.rows = 7
+    step = 0
+    while not copy.done():
+        with t.cond:
+            copy.copy_chunk()
+        step += 1
+        t.insert(items(5, 100 + 5 * step), np.full(5, 9.0))      # evicts once full
+        t.update_priorities(t.slot_ids[t.slot_ids >= 0][:10], np.ones(10))
+        t.sample(8)
+    t.copy = None
+    for name, want in expected.items():
+        np.testing.assert_array_equal(copy.out[name], want, err_msg=name)
+    assert not np.array_equal(t.slot_ids, expected["slot_ids"])

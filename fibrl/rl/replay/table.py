@@ -102,6 +102,7 @@ class ReplayTable:
         self.limiter = config.validate()
         self.cond = threading.Condition()
         self.snapshot_lock = threading.Lock()
+        self.copy: Optional[PointInTimeCopy] = None  # a snapshot in progress
         self.rng = np.random.default_rng(config.seed)
         self._reset()
         self.counters = dict(inserts=0, samples=0, evictions=0, insert_blocked_s=0.0,
@@ -238,28 +239,40 @@ class ReplayTable:
 
     # -- persistence -------------------------------------------------------------------------
     def snapshot(self, path: Optional[str] = None) -> dict:
-        """Write every item to ``path``; holds the lock only to copy the arrays."""
+        """Write the items held now to ``path``, a chunk at a time (see :class:`PointInTimeCopy`).
+
+        Returns ``path``, ``items``, ``stall_s`` (the longest time the lock was held
+        for the copy: what a concurrent insert or sample may wait) and ``write_s``.
+        """
         path = path or self.config.snapshot_path
         if not path:
             raise ValueError("snapshot() needs a path (or create the store with snapshot_path)")
         with self.snapshot_lock:
             start = time.perf_counter()
             with self.cond:
-                arrays = {f"data.{name}": col.copy() for name, col in self.columns.items()}
-                arrays.update(slot_ids=self.slot_ids.copy(), priorities=self.priorities.copy(),
-                              times_sampled=self.times_sampled.copy())
+                copy = self.copy = PointInTimeCopy(self)
                 meta = dict(config=self.config, counters=dict(self.counters),
                             next_local=self.next_local, max_priority=self.max_priority,
                             wal_path=self.config.wal_path,
                             wal_offset=self.wal.offset if self.wal is not None else 0)
                 items = self.size()
             stall = time.perf_counter() - start
-            write_snapshot(path, arrays, meta)
+            try:
+                while not copy.done():
+                    held = time.perf_counter()
+                    with self.cond:
+                        copy.copy_chunk()
+                    stall = max(stall, time.perf_counter() - held)
+            finally:
+                with self.cond:
+                    self.copy = None
+            copied = time.perf_counter()
+            write_snapshot(path, copy.out, meta)
             with self.cond:
                 self.counters["snapshots"] += 1
                 self.counters["last_snapshot_stall_s"] = stall
-        return dict(path=path, items=items, stall_s=stall,
-                    write_s=time.perf_counter() - start - stall)
+        return dict(path=path, items=items, stall_s=stall, copy_s=copied - start,
+                    write_s=time.perf_counter() - copied)
 
     def _load(self, path: str) -> None:
         arrays, meta = read_snapshot(path)
@@ -356,6 +369,7 @@ class ReplayTable:
             prios = np.full(n, self.max_priority)
         elif n:
             self.max_priority = max(self.max_priority, float(prios.max()))
+        self._touch(slots)
         for name, column in self.columns.items():
             column[slots] = batch[name]
         self.slot_ids[slots] = ids
@@ -392,6 +406,7 @@ class ReplayTable:
             slots, prios = slots[held], prios[held]
         if not len(slots):
             return 0
+        self._touch(slots)
         self.priorities[slots] = prios
         self.max_priority = max(self.max_priority, float(prios.max()))
         for index in self.indexes:
@@ -406,12 +421,18 @@ class ReplayTable:
     def _remove(self, slots: np.ndarray) -> None:
         if not len(slots):
             return
+        self._touch(slots)
         self.slot_ids[slots] = -1
         for index in self.indexes:
             index.remove(slots)
         self.free.extend(slots.tolist())
 
+    def _touch(self, slots: np.ndarray) -> None:
+        if self.copy is not None:
+            self.copy.before_write(slots)
+
     def _count_samples(self, slots: np.ndarray) -> None:
+        self._touch(slots)
         np.add.at(self.times_sampled, slots, 1)
         limit = self.config.max_times_sampled
         if limit is not None:
@@ -433,6 +454,50 @@ class ReplayTable:
                 items.append(_nstep_item(pending, spec.gamma))
                 pending.pop(0)
         return items
+
+
+class PointInTimeCopy:
+    """A copy of the table as it was when the copy began, made a chunk of rows at a time.
+
+    The table's lock is held for one chunk (a few MB) at a time, so inserts and
+    samples go on between chunks. A row that a write is about to change before its
+    chunk was copied is saved first (:meth:`before_write`, called under the lock),
+    and the chunk copy keeps the saved row: copy-on-write, by rows.
+    """
+
+    CHUNK_BYTES = 2 << 20
+
+    def __init__(self, table: "ReplayTable") -> None:
+        sources = {f"data.{name}": col for name, col in table.columns.items()}
+        sources.update(slot_ids=table.slot_ids, priorities=table.priorities,
+                       times_sampled=table.times_sampled)
+        self.sources = sources  # references: a clear() replaces them, leaving these intact
+        self.out = {name: np.empty_like(src) for name, src in sources.items()}
+        self.capacity = table.config.capacity
+        self.saved = np.zeros(self.capacity, dtype=bool)
+        row_bytes = sum(src[:1].nbytes for src in sources.values())
+        self.rows = max(1024, self.CHUNK_BYTES // max(1, row_bytes))
+        self.copied = 0
+
+    def done(self) -> bool:
+        return self.copied >= self.capacity
+
+    def before_write(self, slots: np.ndarray) -> None:
+        slots = np.asarray(slots, dtype=np.int64)
+        slots = slots[slots >= self.copied]
+        slots = slots[~self.saved[slots]]
+        if len(slots):
+            for name, src in self.sources.items():
+                self.out[name][slots] = src[slots]
+            self.saved[slots] = True
+
+    def copy_chunk(self) -> None:
+        lo, hi = self.copied, min(self.capacity, self.copied + self.rows)
+        keep = ~self.saved[lo:hi]
+        for name, src in self.sources.items():
+            where = keep.reshape((-1,) + (1,) * (src.ndim - 1))
+            np.copyto(self.out[name][lo:hi], src[lo:hi], where=where)
+        self.copied = hi
 
 
 def _nstep_item(window: list, gamma: float) -> dict:
