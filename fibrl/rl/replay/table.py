@@ -249,20 +249,22 @@ class ReplayTable:
             raise ValueError("snapshot() needs a path (or create the store with snapshot_path)")
         with self.snapshot_lock:
             start = time.perf_counter()
+            spare = PointInTimeCopy.spare(self)
             with self.cond:
-                copy = self.copy = PointInTimeCopy(self)
+                held = time.perf_counter()
+                copy = self.copy = PointInTimeCopy(self, spare)
                 meta = dict(config=self.config, counters=dict(self.counters),
                             next_local=self.next_local, max_priority=self.max_priority,
                             wal_path=self.config.wal_path,
                             wal_offset=self.wal.offset if self.wal is not None else 0)
                 items = self.size()
-            stall = time.perf_counter() - start
+                stall = time.perf_counter() - held
             try:
                 while not copy.done():
-                    held = time.perf_counter()
-                    with self.cond:
+                    with self.cond:  # the time to get the lock is not a stall of others
+                        held = time.perf_counter()
                         copy.copy_chunk()
-                    stall = max(stall, time.perf_counter() - held)
+                        stall = max(stall, time.perf_counter() - held)
             finally:
                 with self.cond:
                     self.copy = None
@@ -465,19 +467,38 @@ class PointInTimeCopy:
     and the chunk copy keeps the saved row: copy-on-write, by rows.
     """
 
-    CHUNK_BYTES = 2 << 20
+    CHUNK_BYTES = 1 << 20
 
-    def __init__(self, table: "ReplayTable") -> None:
-        sources = {f"data.{name}": col for name, col in table.columns.items()}
-        sources.update(slot_ids=table.slot_ids, priorities=table.priorities,
-                       times_sampled=table.times_sampled)
+    def __init__(self, table: "ReplayTable", spare: Optional[dict] = None) -> None:
+        sources = self.arrays(table)
         self.sources = sources  # references: a clear() replaces them, leaving these intact
-        self.out = {name: np.empty_like(src) for name, src in sources.items()}
+        spare = spare or {}
+        self.out = {name: spare[name] if _same_layout(spare.get(name), src)
+                    else np.empty_like(src) for name, src in sources.items()}
         self.capacity = table.config.capacity
         self.saved = np.zeros(self.capacity, dtype=bool)
         row_bytes = sum(src[:1].nbytes for src in sources.values())
         self.rows = max(1024, self.CHUNK_BYTES // max(1, row_bytes))
         self.copied = 0
+
+    @staticmethod
+    def arrays(table: "ReplayTable") -> dict:
+        sources = {f"data.{name}": col for name, col in table.columns.items()}
+        sources.update(slot_ids=table.slot_ids, priorities=table.priorities,
+                       times_sampled=table.times_sampled)
+        return sources
+
+    @classmethod
+    def spare(cls, table: "ReplayTable") -> dict:
+        """Output arrays made outside the lock, their pages touched (a first touch of
+        fresh memory under the lock would stall writers for tens of ms)."""
+        with table.cond:
+            layout = {name: (src.shape, src.dtype) for name, src in cls.arrays(table).items()}
+        spare = {}
+        for name, (shape, dtype) in layout.items():
+            spare[name] = np.empty(shape, dtype)
+            spare[name].fill(0)
+        return spare
 
     def done(self) -> bool:
         return self.copied >= self.capacity
@@ -498,6 +519,10 @@ class PointInTimeCopy:
             where = keep.reshape((-1,) + (1,) * (src.ndim - 1))
             np.copyto(self.out[name][lo:hi], src[lo:hi], where=where)
         self.copied = hi
+
+
+def _same_layout(a: Optional[np.ndarray], b: np.ndarray) -> bool:
+    return a is not None and a.shape == b.shape and a.dtype == b.dtype
 
 
 def _nstep_item(window: list, gamma: float) -> dict:
