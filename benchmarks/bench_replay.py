@@ -11,8 +11,10 @@ int64, reward float32, done bool: 49 bytes). Measured in one run:
 - fibrl, shared: 8 writer processes insert batches of 64 into a prioritized
   ``ReplayStore`` while the learner (this process) samples batches of 256 and
   updates their priorities: inserted transitions/s (all writers), sampled
-  transitions/s, p50/p99 latency of ``sample`` + ``update_priorities``;
-- the same learner loop with no writers, and the writers with no learner;
+  transitions/s, p50/p99 latency of one learner step (``sample`` with the
+  previous step's priority update carried in the same call);
+- the learner loop with no writers (the update as its own call, and carried
+  by the next sample), and the writers with no learner;
 - the snapshot stall: a ``snapshot()`` taken during the shared run; the time
   the server held its lock (``stall_s``), and the learner's slowest call in
   the snapshot's window against its p99 outside it;
@@ -63,15 +65,21 @@ def writer(store: ReplayStore, index: int, ready, go, stop) -> None:
         store.insert(batch, prios, timeout=60)
 
 
-def learner_loop(store: Any, seconds: float, latencies: list) -> int:
-    """Sample + update for ``seconds``; returns the transitions sampled."""
+def learner_loop(store: Any, seconds: float, latencies: list, combined: bool) -> int:
+    """Sample + update for ``seconds``; returns the transitions sampled. ``combined``
+    sends each update with the next sample call (one round trip per step)."""
     rng = np.random.default_rng(1)
     end = time.perf_counter() + seconds
     sampled = 0
+    update = None
     while time.perf_counter() < end:
         t0 = time.perf_counter()
-        batch = store.sample(SAMPLE_BATCH, timeout=60)
-        store.update_priorities(batch.ids, rng.random(SAMPLE_BATCH) + 0.1)
+        if combined:
+            batch = store.sample(SAMPLE_BATCH, timeout=60, update=update)
+            update = (batch.ids, rng.random(SAMPLE_BATCH) + 0.1)
+        else:
+            batch = store.sample(SAMPLE_BATCH, timeout=60)
+            store.update_priorities(batch.ids, rng.random(SAMPLE_BATCH) + 0.1)
         t1 = time.perf_counter()
         latencies.append((t0, t1 - t0))
         sampled += SAMPLE_BATCH
@@ -110,11 +118,13 @@ def bench_fibrl(args, results: dict) -> None:
         fill = transitions(10_000)
         for _ in range(args.prefill // 10_000):
             store.insert(fill, np.random.default_rng(0).random(10_000) + 0.1)
-        lat: list = []
-        results["fibrl learner alone: sampled/s"] = learner_loop(store, args.seconds, lat) \
-            / args.seconds
-        results["fibrl learner alone: p50 ms"] = pct([l for _, l in lat], 0.5) * 1e3
-        results["fibrl learner alone: p99 ms"] = pct([l for _, l in lat], 0.99) * 1e3
+        for combined, name in ((False, "2 calls"), (True, "1 call")):
+            lat: list = []
+            label = f"fibrl learner alone, {name}"
+            results[f"{label}: sampled/s"] = learner_loop(store, args.seconds, lat, combined) \
+                / args.seconds
+            results[f"{label}: p50 ms"] = pct([l for _, l in lat], 0.5) * 1e3
+            results[f"{label}: p99 ms"] = pct([l for _, l in lat], 0.99) * 1e3
 
         writers = Writers(store, args.writers)
         before = store.stats()["inserts"]
@@ -127,13 +137,13 @@ def bench_fibrl(args, results: dict) -> None:
         lat = []
         before = store.stats()["inserts"]
         t0 = time.perf_counter()
-        sampled = learner_loop(store, args.seconds / 2, lat)
+        sampled = learner_loop(store, args.seconds / 2, lat, True)
         path = os.path.join(tempfile.mkdtemp(), "replay.snap")
         snap: dict = {}
         thread = threading.Thread(target=lambda: snap.update(store.snapshot(path)))
         snap_start = time.perf_counter()
         thread.start()
-        sampled += learner_loop(store, args.seconds / 2, lat)
+        sampled += learner_loop(store, args.seconds / 2, lat, True)
         thread.join(120)
         elapsed = time.perf_counter() - t0
         inserted = store.stats()["inserts"] - before
@@ -250,13 +260,14 @@ def main() -> None:
         print(f"{key:<{width}}  {value:>14,.1f}")
     print()
     for peer in ("cpprb", "torchrl"):
-        if f"{peer} sampled/s" in results:
-            print(f"fibrl learner alone / {peer} sampled/s: "
-                  f"{results['fibrl learner alone: sampled/s'] / results[f'{peer} sampled/s']:.2f}"
-                  f"   fibrl shared / {peer}: "
-                  f"{results['fibrl shared: sampled/s'] / results[f'{peer} sampled/s']:.2f}"
-                  f"   fibrl shared inserts / {peer} inserts: "
-                  f"{results['fibrl shared: inserted/s'] / results[f'{peer} inserted/s']:.2f}")
+        if f"{peer} sampled/s" not in results:
+            continue
+        for key in ("fibrl learner alone, 2 calls", "fibrl learner alone, 1 call",
+                    "fibrl shared"):
+            print(f"{key} / {peer}, sampled/s: "
+                  f"{results[f'{key}: sampled/s'] / results[f'{peer} sampled/s']:.2f}")
+        print(f"fibrl shared / {peer}, inserted/s: "
+              f"{results['fibrl shared: inserted/s'] / results[f'{peer} inserted/s']:.2f}")
 
 
 if __name__ == "__main__":

@@ -177,8 +177,10 @@ def learn(args: Args, store: ReplayStore, shared, returns) -> list:
     publish(net, shared, 0)
     curve, actor_returns = [], []
     start = time.monotonic()
+    new_priorities = None  # sent with the next sample: one round trip per step
     for update in range(1, args.max_updates + 1):
-        batch = store.sample(args.batch_size, timeout=120, as_torch=True)
+        batch = store.sample(args.batch_size, timeout=120, as_torch=True,
+                             update=new_priorities)
         obs, act = batch["obs"], batch["action"].long()
         q = net(obs).gather(1, act[:, None])[:, 0]
         with torch.no_grad():
@@ -188,7 +190,7 @@ def learn(args: Args, store: ReplayStore, shared, returns) -> list:
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-        store.update_priorities(batch.ids, (y - q).detach().abs().numpy())
+        new_priorities = (batch.ids, (y - q).detach().abs().numpy())
         if update % args.target_every == 0:
             target.load_state_dict(net.state_dict())
         if update % args.publish_every == 0:

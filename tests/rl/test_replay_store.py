@@ -135,6 +135,12 @@ def test_torch_tensors_in_and_out():
         batch = store.sample(4, as_torch=True)
         assert isinstance(batch["obs"], torch.Tensor) and batch["obs"].shape == (4, 3)
         assert isinstance(batch.weights, torch.Tensor)
+        store.sample(2, update=(batch.ids, torch.full((4,), 3.0)))
+        assert store.stats()["samples"] == 6
+        later = store.sample(200)
+        updated = np.isin(later.ids, batch.ids)
+        assert updated.any() and np.all(later.priorities[updated] == 3.0)
+        assert np.all(later.priorities[~updated] == 1.0)
 
 
 def test_manager_replay_store_on_a_custom_manager():

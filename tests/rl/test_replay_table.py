@@ -63,6 +63,13 @@ def test_priority_update_changes_the_distribution_and_stale_ids_are_ignored():
     assert t.sample(500)["priorities"].max() == 1.0  # the new items kept their priority
 
 
+def test_a_priority_update_carried_by_sample_applies_first():
+    t = table(8, sampler=MaxHeap())
+    ids = t.insert(items(4), np.ones(4))
+    out = t.sample(1, update=(ids[2:3], np.array([7.0])))
+    assert out["ids"].tolist() == [ids[2]] and t.stats()["stale_updates"] == 0
+
+
 def test_uniform_sampling_is_uniform():
     t = table(16, sampler=Uniform(), seed=99)
     ids = t.insert(items(8))
@@ -230,7 +237,7 @@ def test_snapshot_during_concurrent_inserts_restores_equal_contents(tmp_path):
 
     def write():
         start = 1000
-        while not stop.is_set():
+        while not stop.is_set() and start < 40_000:  # never evicts: capacity 50,000
             t.insert(items(50, start))
             start += 50
 

@@ -79,6 +79,14 @@ def _optional_array(value: Any) -> Optional[np.ndarray]:
     return None if value is None else _as_array(value)
 
 
+def _as_update(update: Any) -> Optional[tuple]:
+    if update is None:
+        return None
+    ids, priorities = update
+    return (_as_array(ids).astype(np.int64).reshape(-1),
+            _as_array(priorities).astype(np.float64).reshape(-1))
+
+
 def _finish(raw: dict, as_torch: bool) -> SampleBatch:
     """Importance weights ``(N * P) ** -beta / max`` and the requested array type."""
     probs, beta = raw["probabilities"], raw["beta"]
@@ -146,9 +154,11 @@ class ReplayTableProxy(BaseProxy):
         return self._call("append", _as_batch(steps), _as_array(env_ids), timeout)
 
     def sample(self, batch_size: int, *, timeout: Optional[float] = None,
-               as_torch: bool = False) -> SampleBatch:
-        """Draw ``batch_size`` items (waits for the rate limiter up to ``timeout``)."""
-        return _finish(self._call("sample", int(batch_size), timeout), as_torch)
+               as_torch: bool = False, update: Any = None) -> SampleBatch:
+        """Draw ``batch_size`` items (waits for the rate limiter up to ``timeout``);
+        ``update=(ids, priorities)`` sends a priority update in the same call."""
+        return _finish(self._call("sample", int(batch_size), timeout, _as_update(update)),
+                       as_torch)
 
     def update_priorities(self, ids: Any, priorities: Any) -> int:
         """Set new priorities; ids no longer held are ignored. Returns how many applied."""
@@ -370,11 +380,18 @@ class ReplayStore:
         return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
 
     def sample(self, batch_size: int, *, timeout: Optional[float] = None,
-               as_torch: bool = False) -> SampleBatch:
+               as_torch: bool = False, update: Any = None) -> SampleBatch:
         """Draw ``batch_size`` items: :class:`SampleBatch` with data, ids and (prioritized)
-        importance weights; ``as_torch=True`` returns torch tensors."""
+        importance weights; ``as_torch=True`` returns torch tensors.
+
+        ``update=(ids, priorities)`` applies a priority update first; with one shard it
+        travels in the same call (one round trip for a learner's update + sample).
+        """
         if self.num_shards == 1:
-            return self._shards[0].sample(batch_size, timeout=timeout, as_torch=as_torch)
+            return self._shards[0].sample(batch_size, timeout=timeout, as_torch=as_torch,
+                                          update=update)
+        if update is not None:
+            self.update_priorities(*update)
         shards = self._shards
         masses = [s._wait(h) for s, h in zip(shards, [s._call_later("mass") for s in shards])]
         mass = np.asarray([m for m, _n, _r in masses], dtype=np.float64)

@@ -197,10 +197,15 @@ class ReplayTable:
             self.cond.notify_all()
 
     # -- reads -------------------------------------------------------------------------------
-    def sample(self, k: int, timeout: Optional[float] = None) -> dict:
-        """``k`` items: columns stacked, ids, probabilities, the size they were drawn from."""
+    def sample(self, k: int, timeout: Optional[float] = None, update: Any = None) -> dict:
+        """``k`` items: columns stacked, ids, probabilities, the size they were drawn from.
+
+        ``update=(ids, priorities)`` applies a priority update first, in the same call.
+        """
         if not isinstance(k, (int, np.integer)) or k < 1:
             raise ValueError(f"batch_size must be a positive int, got {k!r}")
+        if update is not None:
+            self.update_priorities(*update)
         with self.cond:
             self.limiter.check_batch("sample", int(k))
             self._admit("sample", int(k), timeout)
@@ -372,8 +377,13 @@ class ReplayTable:
         elif n:
             self.max_priority = max(self.max_priority, float(prios.max()))
         self._touch(slots)
-        for name, column in self.columns.items():
-            column[slots] = batch[name]
+        try:
+            for name, column in self.columns.items():
+                column[slots] = batch[name]
+        except (TypeError, ValueError) as exc:
+            self.free.extend(slots[::-1].tolist())  # nothing of this batch becomes visible
+            raise ValueError(f"could not store this batch: {exc}; give every column the "
+                             f"dtype and item shape of the first insert") from exc
         self.slot_ids[slots] = ids
         self.priorities[slots] = prios
         self.times_sampled[slots] = 0
@@ -394,6 +404,10 @@ class ReplayTable:
                              f"{sorted(self.columns)}; every insert must carry the same keys")
         for name, value in batch.items():
             want = self.columns[name].shape[1:]
+            kind = self.columns[name].dtype
+            if not np.can_cast(np.asarray(value).dtype, kind, "same_kind"):
+                raise ValueError(f"column {name!r}: items of dtype {np.asarray(value).dtype} "
+                                 f"cannot be stored as {kind} (set by the first insert)")
             if np.shape(value)[1:] != want:
                 raise ValueError(f"column {name!r}: items of shape {np.shape(value)[1:]}, but "
                                  f"the store holds items of shape {want} (set by the first "
