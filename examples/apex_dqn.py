@@ -185,7 +185,8 @@ def learn(args: Args, store: ReplayStore, shared, returns) -> list:
         q = net(obs).gather(1, act[:, None])[:, 0]
         with torch.no_grad():
             best = net(batch["next_obs"]).argmax(1, keepdim=True)
-            y = batch["reward"] + batch["discount"] * target(batch["next_obs"]).gather(1, best)[:, 0]
+            bootstrap = target(batch["next_obs"]).gather(1, best)[:, 0]
+            y = batch["reward"] + batch["discount"] * bootstrap
         loss = (batch.weights * F.smooth_l1_loss(q, y, reduction="none")).mean()
         optimizer.zero_grad()
         loss.backward()

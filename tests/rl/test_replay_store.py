@@ -10,6 +10,7 @@ import time
 
 import numpy as np
 import pytest
+from conftest import wait_until
 
 import fibrl
 from fibrl.managers import SyncManager
@@ -170,7 +171,8 @@ def test_killed_store_gives_clients_a_clear_error():
         results = fibrl.Queue()
         waiter = fibrl.Process(target=blocked_sample, args=(store, results))
         waiter.start()
-        time.sleep(0.5)  # let the waiter park in the rate limiter (nothing signals it)
+        wait_until(lambda: store.stats()["samples_waiting"] == 1,
+                   "the sampler to wait in the rate limiter")
         os.kill(store.server_pids()[0], signal.SIGKILL)
         error = results.get(timeout=60)
         waiter.join(30)
@@ -185,33 +187,33 @@ def test_killed_store_gives_clients_a_clear_error():
 
 def test_wal_keeps_every_acknowledged_insert_after_sigkill(tmp_path):
     wal = str(tmp_path / "store.wal")
-    store = ReplayStore(10_000, sampler=Fifo(), wal_path=wal)
+    store = ReplayStore(200_000, sampler=Fifo(), wal_path=wal)
     acked = []
     try:
         pid = store.server_pids()[0]
-        stop = threading.Event()
+        twenty = threading.Event()
 
         def write():
             try:
-                for start in range(0, 10_000, 50):
-                    if stop.is_set():
-                        return
+                for start in range(0, 200_000, 50):  # seconds of work: killed midway
                     acked.append(store.insert({"x": np.arange(start, start + 50)}))
+                    if len(acked) == 20:
+                        twenty.set()
             except ReplayStoreLost:
                 return
 
         writer = threading.Thread(target=write)
         writer.start()
-        while len(acked) < 20:
-            time.sleep(0.01)  # the writer's progress is only visible here
+        assert twenty.wait(120)
         os.kill(pid, signal.SIGKILL)
         writer.join(60)
-        stop.set()
+        assert not writer.is_alive()
     finally:
         store.close()
-    with ReplayStore(10_000, sampler=Fifo(), wal_path=wal) as again:
+    with ReplayStore(200_000, sampler=Fifo(), wal_path=wal) as again:
         have = set(everything(again).ids.tolist())
         want = set(np.concatenate(acked).tolist())
+        assert len(want) < 200_000  # the kill came before the writer was done
         assert want <= have and len(have) - len(want) <= 50  # at most the unacknowledged batch
 
 

@@ -9,10 +9,11 @@ gone. It does not own the stored items (``table``).
 
 ::
 
-    writer process ──ReplayStore.insert──> shard proxy (round robin) ──manager call──> ReplayTable
-    learner ──sample(k)── 1 shard: one call
-                          n shards: mass() on each ─> multinomial split of k ─> sample(c_s) on each
-                                    (async, in parallel)  probabilities rescaled to the global total
+    writer ──insert──> shard proxy (shards in turn) ──manager call──> ReplayTable
+    learner ──sample(k)── 1 shard: one call (carrying the last priority update)
+                          n shards: mass() on each ─> multinomial split of k
+                                    ─> sample(c_s) on each (async, in parallel)
+                                    ─> probabilities rescaled to the global total
 
 A batch is a dict of numpy arrays, so it crosses the wire as a handful of raw
 buffers (pickle protocol 5, large ones out of band), never one object per item.
@@ -32,7 +33,7 @@ from fibrl.managers import BaseManager, BaseProxy
 
 from .errors import ReplayStoreLost
 from .limiters import LimiterSpec
-from .selectors import SelectorSpec, as_selector
+from .selectors import as_selector
 from .table import TABLE_METHODS, NStep, ReplayTable, TableConfig
 
 __all__ = ["ReplayStore", "ReplayManager", "ReplayTableProxy", "SampleBatch",

@@ -106,7 +106,8 @@ class ReplayTable:
         self.rng = np.random.default_rng(config.seed)
         self._reset()
         self.counters = dict(inserts=0, samples=0, evictions=0, insert_blocked_s=0.0,
-                             sample_blocked_s=0.0, snapshots=0, last_snapshot_stall_s=0.0,
+                             sample_blocked_s=0.0, inserts_waiting=0, samples_waiting=0,
+                             snapshots=0, last_snapshot_stall_s=0.0,
                              stale_updates=0)
         self.next_local = 0
         self.wal_start = 0
@@ -334,14 +335,20 @@ class ReplayTable:
         if ready():
             return
         start = time.monotonic()
-        ok = self.cond.wait_for(ready, timeout)
+        self.counters[f"{side}s_waiting"] += 1
+        try:
+            ok = self.cond.wait_for(ready, timeout)
+        finally:
+            self.counters[f"{side}s_waiting"] -= 1
         self.counters[f"{side}_blocked_s"] += time.monotonic() - start
         if not ok:
             other = "learners to sample" if side == "insert" else "writers to insert"
+            state = self.limiter.describe(self.size(), self.counters["inserts"],
+                                          self.counters["samples"])
             raise RateLimiterTimeout(
                 f"replay {side} of {n} items waited {timeout} s for the rate limiter and "
                 f"timed out: the store was waiting for {other}. State: "
-                f"{self.limiter.describe(self.size(), self.counters['inserts'], self.counters['samples'])}."
+                f"{state}."
                 f" Check that the other side is running, or pass a longer timeout, or "
                 f"widen the limiter's error_buffer.")
 
