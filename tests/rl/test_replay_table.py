@@ -113,6 +113,14 @@ def test_prioritized_remover_removes_high_priority_items():
     assert 2 not in t.columns["x"][t.slot_ids >= 0].tolist()
 
 
+def test_uniform_remover_evicts_distinct_old_items():
+    t = table(5, remover=Uniform(), seed=11)
+    t.insert(items(5))
+    t.insert(items(3, 100))
+    held = set(t.columns["x"][t.slot_ids >= 0].tolist())
+    assert len(held) == 5 and {100, 101, 102} <= held and t.stats()["evictions"] == 3
+
+
 def test_max_times_sampled_removes_items():
     t = table(10, sampler=Fifo(), max_times_sampled=2)
     t.insert(items(3))

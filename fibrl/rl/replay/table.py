@@ -212,8 +212,6 @@ class ReplayTable:
             self._admit("sample", int(k), timeout)
             size = self.size()
             slots, probs = self.sampler_index.select(int(k), self.rng)
-            if probs is None and isinstance(self.config.sampler, Uniform):
-                probs = np.full(len(slots), 1.0 / size)
             out = dict(data={name: col[slots] for name, col in self.columns.items()},
                        ids=self.slot_ids[slots].copy(), priorities=self.priorities[slots],
                        probabilities=probs, size=size, mass=self.sampler_index.mass(),
