@@ -218,7 +218,7 @@ def test_wal_keeps_every_acknowledged_insert_after_sigkill(tmp_path):
 
 
 def test_snapshot_while_writing_then_restore(tmp_path):
-    path = str(tmp_path / "snap.npz")
+    path = str(tmp_path / "snap.bin")
     with ReplayStore(20_000, sampler=Fifo(), num_shards=2) as store:
         write_items(store, 0, 2000, 100)
         writer = threading.Thread(target=write_items, args=(store, 1, 4000, 100))

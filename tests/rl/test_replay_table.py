@@ -238,7 +238,7 @@ def test_n_step_items_assembled_per_environment():
 
 # -- persistence -------------------------------------------------------------------------------
 def test_snapshot_during_concurrent_inserts_restores_equal_contents(tmp_path):
-    path = str(tmp_path / "snap.npz")
+    path = str(tmp_path / "snap.bin")
     t = table(50_000, sampler=Prioritized(), remover=Fifo())
     t.insert(items(1000), np.random.default_rng(0).random(1000))
     stop = threading.Event()

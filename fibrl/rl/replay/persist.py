@@ -2,10 +2,11 @@
 
 Owns both file formats and nothing else (the table decides when to write).
 
-- A snapshot is a ``.npz`` archive (numpy's zip of raw arrays): every stored
-  column, the slot bookkeeping, and one ``meta`` entry holding the pickled
-  configuration and counters. It is written to ``path + ".tmp"`` and renamed
-  over ``path``, so a reader sees the previous snapshot or the new one, whole.
+- A snapshot is a magic line, a pickled header (the configuration, the
+  counters and each array's name, dtype and shape), then each array's raw
+  bytes: every stored column and the slot bookkeeping. It is written to
+  ``path + ".tmp"`` and renamed over ``path``, so a reader sees the previous
+  snapshot or the new one, whole.
 - The write-ahead log is a sequence of records ``length:u64 | crc32:u32 |
   pickle`` appended with one ``os.write`` each. A record is acknowledged to
   the client only after its write returned, so a SIGKILLed store loses no
@@ -27,15 +28,27 @@ import numpy as np
 __all__ = ["write_snapshot", "read_snapshot", "WriteAheadLog", "read_log"]
 
 _RECORD = struct.Struct("<QI")
+_MAGIC = b"FIBRL-REPLAY-SNAPSHOT-1\n"
+_LEN = struct.Struct("<Q")
+_SLICE = 1 << 20
 
 
 def write_snapshot(path: str, arrays: dict, meta: dict) -> None:
-    """Write ``arrays`` and ``meta`` atomically to ``path`` (an ``.npz`` file)."""
+    """Write ``arrays`` and ``meta`` atomically to ``path``.
+
+    Arrays are written 1 MB at a time: each slice is one ``write`` that releases
+    the GIL, so the store's other threads keep answering calls meanwhile (one
+    whole-array write or copy would hold it for tens of ms).
+    """
+    layout = [(name, value.dtype.str, value.shape) for name, value in arrays.items()]
+    header = pickle.dumps(dict(meta=meta, layout=layout), protocol=5)
     tmp = f"{path}.tmp"
     with open(tmp, "wb") as out:
-        payload = {f"col:{name}": value for name, value in arrays.items()}
-        payload["meta"] = np.frombuffer(pickle.dumps(meta, protocol=5), dtype=np.uint8)
-        np.savez(out, **payload)
+        out.write(_MAGIC + _LEN.pack(len(header)) + header)
+        for value in arrays.values():
+            flat = np.ascontiguousarray(value).reshape(-1).view(np.uint8)
+            for lo in range(0, len(flat), _SLICE):
+                out.write(flat[lo:lo + _SLICE])
         out.flush()
         os.fsync(out.fileno())
     os.replace(tmp, path)
@@ -44,16 +57,26 @@ def write_snapshot(path: str, arrays: dict, meta: dict) -> None:
 def read_snapshot(path: str) -> tuple:
     """``(arrays, meta)`` as written by :func:`write_snapshot`."""
     try:
-        archive = np.load(path, allow_pickle=False)
+        src = open(path, "rb")
     except FileNotFoundError as exc:
         raise FileNotFoundError(
             f"no replay snapshot at {path!r} on the store server's filesystem (the path is "
             f"read by the store process, which may run in a container or pod: use a "
             f"volume both can see)") from exc
-    with archive:
-        meta = pickle.loads(archive["meta"].tobytes())
-        arrays = {name[4:]: archive[name] for name in archive.files if name.startswith("col:")}
-    return arrays, meta
+    with src:
+        magic = src.read(len(_MAGIC))
+        if magic != _MAGIC:
+            raise ValueError(f"{path!r} is not a fibrl replay snapshot (it starts with "
+                             f"{magic!r}, not {_MAGIC!r})")
+        (length,) = _LEN.unpack(src.read(_LEN.size))
+        header = pickle.loads(src.read(length))
+        arrays = {}
+        for name, dtype, shape in header["layout"]:
+            count = int(np.prod(shape, dtype=np.int64))
+            arrays[name] = np.fromfile(src, dtype=np.dtype(dtype), count=count).reshape(shape)
+            if arrays[name].size != count:
+                raise ValueError(f"the replay snapshot {path!r} is truncated (column {name!r})")
+    return arrays, header["meta"]
 
 
 class WriteAheadLog:

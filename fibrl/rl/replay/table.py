@@ -516,7 +516,9 @@ class PointInTimeCopy:
         spare = {}
         for name, (shape, dtype) in layout.items():
             spare[name] = np.empty(shape, dtype)
-            spare[name].fill(0)
+            rows = max(1, cls.CHUNK_BYTES // max(1, spare[name][:1].nbytes))
+            for lo in range(0, len(spare[name]), rows):  # short GIL holds, like the copy
+                spare[name][lo:lo + rows] = 0
         return spare
 
     def done(self) -> bool:
