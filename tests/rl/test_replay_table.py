@@ -310,3 +310,10 @@ def test_point_in_time_copy_ignores_writes_made_while_it_runs():
     for name, want in expected.items():
         np.testing.assert_array_equal(copy.out[name], want, err_msg=name)
     assert not np.array_equal(t.slot_ids, expected["slot_ids"])
+
+
+def test_public_names():
+    import fibrl.rl
+    import fibrl.rl.replay as replay
+    assert all(hasattr(replay, name) for name in replay.__all__)
+    assert fibrl.rl.ReplayStore is replay.ReplayStore
