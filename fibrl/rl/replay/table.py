@@ -269,6 +269,7 @@ class ReplayTable:
                         held = time.perf_counter()
                         copy.copy_chunk()
                         stall = max(stall, time.perf_counter() - held)
+                    time.sleep(0)  # hand the GIL to the threads serving calls between chunks
             finally:
                 with self.cond:
                     self.copy = None
