@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import pickle
 import struct
+import time
 import zlib
 from typing import Any, Iterator
 
@@ -49,6 +50,7 @@ def write_snapshot(path: str, arrays: dict, meta: dict) -> None:
             flat = np.ascontiguousarray(value).reshape(-1).view(np.uint8)
             for lo in range(0, len(flat), _SLICE):
                 out.write(flat[lo:lo + _SLICE])
+                time.sleep(0)  # let the threads serving calls take the GIL first
         out.flush()
         os.fsync(out.fileno())
     os.replace(tmp, path)

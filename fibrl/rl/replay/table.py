@@ -269,7 +269,9 @@ class ReplayTable:
                         held = time.perf_counter()
                         copy.copy_chunk()
                         stall = max(stall, time.perf_counter() - held)
-                    time.sleep(0)  # hand the GIL to the threads serving calls between chunks
+                    # hand the GIL over between chunks: a thread that never blocks keeps it
+                    # for the whole switch interval each time a serving thread gives it up
+                    time.sleep(0)
             finally:
                 with self.cond:
                     self.copy = None
@@ -518,8 +520,9 @@ class PointInTimeCopy:
         for name, (shape, dtype) in layout.items():
             spare[name] = np.empty(shape, dtype)
             rows = max(1, cls.CHUNK_BYTES // max(1, spare[name][:1].nbytes))
-            for lo in range(0, len(spare[name]), rows):  # short GIL holds, like the copy
+            for lo in range(0, len(spare[name]), rows):
                 spare[name][lo:lo + rows] = 0
+                time.sleep(0)  # a thread that never blocks would starve the serving ones
         return spare
 
     def done(self) -> bool:
