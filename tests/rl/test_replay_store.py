@@ -262,3 +262,18 @@ def test_store_server_and_writer_on_each_backend(ctx):
         batch = store.sample(16)
         assert set(batch.ids.tolist()) <= set(ids.tolist())
         assert batch["obs"].shape == (16, 8)
+
+
+def test_n_step_items_from_sharded_appends():
+    from fibrl.rl.replay import NStep
+    with ReplayStore(100, sampler=Fifo(), n_step=NStep(n=2, gamma=1.0), num_shards=2) as store:
+        for step in range(3):                       # 3 envs x 3 steps, no episode end
+            store.append({"obs": np.full((3, 1), step, np.float32),
+                          "action": np.zeros(3, np.int64),
+                          "reward": np.ones(3, np.float32),
+                          "next_obs": np.full((3, 1), step + 1, np.float32),
+                          "done": np.zeros(3, bool)}, env_ids=[0, 1, 2])
+        assert len(store) == 6                       # 2 complete 2-step items per env
+        batch = store.sample(6)
+        assert sorted(batch["reward"].tolist()) == [2.0] * 6
+        assert sorted(batch["next_obs"][:, 0].tolist()) == [2.0] * 3 + [3.0] * 3

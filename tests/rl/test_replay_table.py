@@ -317,3 +317,26 @@ def test_public_names():
     import fibrl.rl.replay as replay
     assert all(hasattr(replay, name) for name in replay.__all__)
     assert fibrl.rl.ReplayStore is replay.ReplayStore
+
+
+def test_restore_replays_only_the_log_written_after_the_snapshot(tmp_path):
+    wal, snap = str(tmp_path / "wal"), str(tmp_path / "snap.bin")
+    t = table(100, sampler=Fifo(), wal_path=wal, seed=1)
+    t.insert(items(10))
+    t.snapshot(snap)
+    ids = t.insert(items(5, 10))
+    t.update_priorities(ids[:1], [9.0])
+    t.wal.close()                                   # the store is gone; its files remain
+    again = ReplayTable(TableConfig(100, sampler=Fifo(), wal_path=wal), restore_path=snap)
+    assert again.sample(15)["data"]["x"].tolist() == list(range(15))   # each item once
+    assert again.priorities[again.slot_ids == ids[0]].tolist() == [9.0]
+
+
+def test_periodic_snapshots(tmp_path):
+    from conftest import wait_until
+    path = str(tmp_path / "periodic.bin")
+    t = table(10, snapshot_path=path, snapshot_every=0.05)
+    t.insert(items(3))
+    wait_until(lambda: t.stats()["snapshots"] >= 2, "two periodic snapshots")
+    t.stop.set()
+    assert ReplayTable(TableConfig(10), restore_path=path).size() == 3
