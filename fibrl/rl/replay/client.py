@@ -105,9 +105,9 @@ def _finish(raw: dict, as_torch: bool) -> SampleBatch:
     return batch
 
 
-def _lost(proxy: BaseProxy, exc: BaseException) -> ReplayStoreLost:
+def _lost(exc: BaseException) -> ReplayStoreLost:
     return ReplayStoreLost(
-        f"the replay store server at {proxy._token.address} is gone ({exc}): it was shut "
+        f"the replay store server is gone ({exc}): it was shut "
         f"down, killed, or its machine or container vanished, so its items are gone with it. "
         f"Start a new store, or recreate it with ReplayStore.restore(snapshot_path, "
         f"wal_path=...) if it wrote snapshots or a write-ahead log.")
@@ -129,13 +129,13 @@ class ReplayTableProxy(BaseProxy):
         except ReplayStoreLost:
             raise
         except RemoteObjectError as exc:
-            raise _lost(self, exc) from exc
+            raise _lost(exc) from exc
 
     def _call_later(self, method: str, *args: Any) -> Any:
         try:
             return self._call_async(method, args)
         except RemoteObjectError as exc:
-            raise _lost(self, exc) from exc
+            raise _lost(exc) from exc
 
     def _wait(self, handle: Any) -> Any:
         try:
@@ -143,7 +143,7 @@ class ReplayTableProxy(BaseProxy):
         except ReplayStoreLost:
             raise
         except RemoteObjectError as exc:
-            raise _lost(self, exc) from exc
+            raise _lost(exc) from exc
 
     def insert(self, batch: dict, priorities: Any = None, *,
                timeout: Optional[float] = None) -> np.ndarray:
