@@ -1,0 +1,279 @@
+"""Replay benchmark: a shared fibrl ReplayStore against in-process prioritized buffers.
+
+Run::
+
+    python benchmarks/bench_replay.py            # about two minutes
+    python benchmarks/bench_replay.py --quick    # about 40 seconds
+
+Items are CartPole-sized transitions (obs and next_obs 4 x float32, action
+int64, reward float32, done bool: 49 bytes). Measured in one run:
+
+- fibrl, shared: 8 writer processes insert batches of 64 into a prioritized
+  ``ReplayStore`` while the learner (this process) samples batches of 256 and
+  updates their priorities: inserted transitions/s (all writers), sampled
+  transitions/s, p50/p99 latency of one learner step (``sample`` with the
+  previous step's priority update carried in the same call);
+- the learner loop with no writers (the update as its own call, and carried
+  by the next sample), and the writers with no learner;
+- the snapshot stall: a ``snapshot()`` taken during the shared run; the time
+  the server held its lock (``stall_s``), and the learner's slowest call in
+  the snapshot's window against its p99 outside it;
+- peers, driven by one process (no sharing): cpprb's
+  ``PrioritizedReplayBuffer`` and torchrl's ``PrioritizedReplayBuffer``
+  (``LazyTensorStorage``) doing the same inserts and the same sample+update
+  loop. A peer that is not importable is skipped, saying so.
+
+Ratios are fibrl / peer (higher is better for rates). Numbers to read, not
+assertions.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import tempfile
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+import fibrl
+from fibrl.rl import ReplayStore
+from fibrl.rl.replay import Prioritized
+
+INSERT_BATCH, SAMPLE_BATCH = 64, 256
+
+
+def transitions(n: int, seed: int = 0) -> dict:
+    rng = np.random.default_rng(seed)
+    return {"obs": rng.standard_normal((n, 4)).astype(np.float32),
+            "action": rng.integers(0, 2, n).astype(np.int64),
+            "reward": np.ones(n, np.float32),
+            "next_obs": rng.standard_normal((n, 4)).astype(np.float32),
+            "done": np.zeros(n, bool)}
+
+
+def writer(store: ReplayStore, index: int, ready, go, stop) -> None:
+    batch = transitions(INSERT_BATCH, index)
+    prios = np.random.default_rng(index).random(INSERT_BATCH) + 0.1
+    ready.put(index)
+    go.wait(120)
+    while not stop.is_set():
+        store.insert(batch, prios, timeout=60)
+
+
+def learner_loop(store: Any, seconds: float, latencies: list, combined: bool) -> int:
+    """Sample + update for ``seconds``; returns the transitions sampled. ``combined``
+    sends each update with the next sample call (one round trip per step)."""
+    rng = np.random.default_rng(1)
+    end = time.perf_counter() + seconds
+    sampled = 0
+    update = None
+    while time.perf_counter() < end:
+        t0 = time.perf_counter()
+        if combined:
+            batch = store.sample(SAMPLE_BATCH, timeout=60, update=update)
+            update = (batch.ids, rng.random(SAMPLE_BATCH) + 0.1)
+        else:
+            batch = store.sample(SAMPLE_BATCH, timeout=60)
+            store.update_priorities(batch.ids, rng.random(SAMPLE_BATCH) + 0.1)
+        t1 = time.perf_counter()
+        latencies.append((t0, t1 - t0))
+        sampled += SAMPLE_BATCH
+    return sampled
+
+
+def pct(values: list, q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
+
+
+class Writers:
+    """N writer processes that start together and stop on an event."""
+
+    def __init__(self, store: ReplayStore, n: int) -> None:
+        self.ready, self.go, self.stop = fibrl.Queue(), fibrl.Event(), fibrl.Event()
+        self.procs = [fibrl.Process(target=writer, args=(store, i, self.ready, self.go,
+                                                         self.stop)) for i in range(n)]
+        for proc in self.procs:
+            proc.start()
+        for _ in self.procs:
+            self.ready.get(timeout=120)
+
+    def start(self) -> None:
+        self.go.set()
+
+    def close(self) -> None:
+        self.stop.set()
+        for proc in self.procs:
+            proc.join(60)
+
+
+def bench_fibrl(args, results: dict) -> None:
+    spec = Prioritized(alpha=0.6, beta=0.4)
+    with ReplayStore(args.capacity, sampler=spec, num_shards=args.shards, seed=0) as store:
+        fill = transitions(10_000)
+        for _ in range(args.prefill // 10_000):
+            store.insert(fill, np.random.default_rng(0).random(10_000) + 0.1)
+        for combined, name in ((False, "2 calls"), (True, "1 call")):
+            lat: list = []
+            label = f"fibrl learner alone, {name}"
+            results[f"{label}: sampled/s"] = learner_loop(store, args.seconds, lat, combined) \
+                / args.seconds
+            results[f"{label}: p50 ms"] = pct([l for _, l in lat], 0.5) * 1e3
+            results[f"{label}: p99 ms"] = pct([l for _, l in lat], 0.99) * 1e3
+
+        writers = Writers(store, args.writers)
+        before = store.stats()["inserts"]
+        t0 = time.perf_counter()
+        writers.start()
+        time.sleep(args.seconds)  # the writers run meanwhile; nothing to wait on here
+        results["fibrl writers alone: inserted/s"] = (store.stats()["inserts"] - before) \
+            / (time.perf_counter() - t0)
+
+        lat = []
+        before = store.stats()["inserts"]
+        t0 = time.perf_counter()
+        sampled = learner_loop(store, args.seconds / 2, lat, True)
+        path = os.path.join(tempfile.mkdtemp(), "replay.snap")
+        snap: dict = {}
+        def take() -> None:
+            snap.update(store.snapshot(path))
+            snap["end"] = time.perf_counter()
+
+        thread = threading.Thread(target=take)
+        snap_start = time.perf_counter()
+        thread.start()
+        sampled += learner_loop(store, args.seconds / 2, lat, True)
+        thread.join(120)
+        elapsed = time.perf_counter() - t0
+        inserted = store.stats()["inserts"] - before
+        writers.close()
+        results["fibrl shared: inserted/s"] = inserted / elapsed
+        results["fibrl shared: sampled/s"] = sampled / elapsed
+        results["fibrl shared: p50 ms"] = pct([l for _, l in lat], 0.5) * 1e3
+        results["fibrl shared: p99 ms"] = pct([l for _, l in lat], 0.99) * 1e3
+        window_end = snap["end"]  # from the call to its return
+        inside = [l for t, l in lat if snap_start <= t + l and t <= window_end]
+        outside = [l for t, l in lat if not (snap_start <= t + l and t <= window_end)]
+        results["snapshot: items"] = snap["items"]
+        results["snapshot: server lock held ms"] = snap["stall_s"] * 1e3
+        results["snapshot: file written in ms"] = snap["write_s"] * 1e3
+        results["snapshot: slowest learner call in window ms"] = max(inside) * 1e3 \
+            if inside else float("nan")
+        results["snapshot: slowest learner call outside it ms"] = max(outside) * 1e3
+        os.remove(path)
+
+
+def bench_cpprb(args, results: dict) -> None:
+    try:
+        from cpprb import PrioritizedReplayBuffer
+    except ImportError as exc:
+        print(f"skipping cpprb: not importable ({exc}); pip install cpprb")
+        return
+    env = {"obs": {"shape": 4, "dtype": np.float32}, "act": {"dtype": np.int64},
+           "rew": {"dtype": np.float32}, "next_obs": {"shape": 4, "dtype": np.float32},
+           "done": {"dtype": np.bool_}}
+    rb = PrioritizedReplayBuffer(args.capacity, env, alpha=0.6)
+    t = transitions(INSERT_BATCH)
+    kw = dict(obs=t["obs"], act=t["action"], rew=t["reward"], next_obs=t["next_obs"],
+              done=t["done"])
+    prios = np.random.default_rng(0).random(INSERT_BATCH) + 0.1
+    for _ in range(args.prefill // INSERT_BATCH):
+        rb.add(**kw, priorities=prios)
+    results["cpprb inserted/s"] = _rate(lambda: rb.add(**kw, priorities=prios), args.seconds,
+                                        INSERT_BATCH)
+    rng = np.random.default_rng(1)
+
+    def step():
+        batch = rb.sample(SAMPLE_BATCH, beta=0.4)
+        rb.update_priorities(batch["indexes"], rng.random(SAMPLE_BATCH) + 0.1)
+
+    results["cpprb sampled/s"] = _rate(step, args.seconds, SAMPLE_BATCH)
+
+
+def bench_torchrl(args, results: dict) -> None:
+    try:
+        import torch
+        from tensordict import TensorDict
+        from torchrl.data import LazyTensorStorage, PrioritizedReplayBuffer
+    except Exception as exc:  # torchrl fails in many ways when its build mismatches torch
+        print(f"skipping torchrl: not importable ({type(exc).__name__}: {exc}); "
+              f"pip install --no-deps torchrl tensordict (versions matching your torch)")
+        return
+    torch.set_num_threads(1)
+    try:
+        rb = PrioritizedReplayBuffer(alpha=0.6, beta=0.4,
+                                     storage=LazyTensorStorage(args.capacity),
+                                     batch_size=SAMPLE_BATCH)
+    except RuntimeError as exc:  # its C++ sum tree is missing or built for another torch
+        print(f"skipping torchrl: its PrioritizedReplayBuffer cannot be built here ({exc}); "
+              f"torchrl's compiled extension must match the installed torch "
+              f"{torch.__version__}")
+        return
+    t = {k: torch.from_numpy(v) for k, v in transitions(INSERT_BATCH).items()}
+    td = TensorDict(t, batch_size=[INSERT_BATCH])
+    prios = torch.rand(INSERT_BATCH) + 0.1
+    for _ in range(args.prefill // INSERT_BATCH):
+        rb.extend(td)
+
+    def insert():
+        idx = rb.extend(td)
+        rb.update_priority(idx, prios)
+
+    results["torchrl inserted/s"] = _rate(insert, args.seconds, INSERT_BATCH)
+
+    def step():
+        batch, info = rb.sample(return_info=True)
+        rb.update_priority(info["index"], torch.rand(SAMPLE_BATCH) + 0.1)
+
+    results["torchrl sampled/s"] = _rate(step, args.seconds, SAMPLE_BATCH)
+
+
+def _rate(fn, seconds: float, per_call: int) -> float:
+    end = time.perf_counter() + seconds
+    calls = 0
+    start = time.perf_counter()
+    while time.perf_counter() < end:
+        fn()
+        calls += 1
+    return calls * per_call / (time.perf_counter() - start)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="shorter runs")
+    parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument("--writers", type=int, default=8)
+    parser.add_argument("--shards", type=int, default=1)
+    parser.add_argument("--capacity", type=int, default=1_000_000)
+    parser.add_argument("--prefill", type=int, default=100_000)
+    args = parser.parse_args()
+    if args.quick:
+        args.seconds = 4.0
+    print(f"python {platform.python_version()}, {os.cpu_count()} cpus, {platform.machine()}, "
+          f"capacity {args.capacity}, {args.writers} writers x batches of {INSERT_BATCH}, "
+          f"learner batches of {SAMPLE_BATCH}, shards {args.shards}", flush=True)
+    results: dict = {}
+    for bench in (bench_fibrl, bench_cpprb, bench_torchrl):
+        bench(args, results)
+        print(f"{bench.__name__} done", file=sys.stderr, flush=True)
+    width = max(map(len, results))
+    for key, value in results.items():
+        print(f"{key:<{width}}  {value:>14,.1f}")
+    print()
+    for peer in ("cpprb", "torchrl"):
+        if f"{peer} sampled/s" not in results:
+            continue
+        for key in ("fibrl learner alone, 2 calls", "fibrl learner alone, 1 call",
+                    "fibrl shared"):
+            print(f"{key} / {peer}, sampled/s: "
+                  f"{results[f'{key}: sampled/s'] / results[f'{peer} sampled/s']:.2f}")
+        print(f"fibrl shared / {peer}, inserted/s: "
+              f"{results['fibrl shared: inserted/s'] / results[f'{peer} inserted/s']:.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,490 @@
+"""What writers and learners hold: :class:`ReplayStore`, its shard proxies, its manager.
+
+Owns the client side: starting one store server per shard (a fibrl manager
+server, so a local process, a docker container or a kubernetes pod), turning
+torch tensors into numpy arrays and back, spreading inserts over shards,
+drawing a sharded batch in proportion to each shard's priority mass, turning
+probabilities into importance weights, and the clear error when a server is
+gone. It does not own the stored items (``table``).
+
+::
+
+    writer ──insert──> shard proxy (shards in turn) ──manager call──> ReplayTable
+    learner ──sample(k)── 1 shard: one call (carrying the last priority update)
+                          n shards: mass() on each ─> multinomial split of k
+                                    ─> sample(c_s) on each (async, in parallel)
+                                    ─> probabilities rescaled to the global total
+
+A batch is a dict of numpy arrays, so it crosses the wire as a handful of raw
+buffers (pickle protocol 5, large ones out of band), never one object per item.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import os
+import sys
+from typing import Any, Optional
+
+import numpy as np
+
+from fibrl.errors import RemoteObjectError
+from fibrl.managers import BaseManager, BaseProxy
+
+from .errors import ReplayStoreLost
+from .limiters import LimiterSpec
+from .selectors import as_selector
+from .table import TABLE_METHODS, NStep, ReplayTable, TableConfig
+
+__all__ = ["ReplayStore", "ReplayManager", "ReplayTableProxy", "SampleBatch",
+           "register_replay_store"]
+
+
+@dataclasses.dataclass
+class SampleBatch:
+    """One sampled batch: ``data`` (column -> stacked array), item ``ids``, and for
+    prioritized sampling the normalized importance ``weights`` and ``probabilities``.
+
+    ``batch["obs"]`` is ``batch.data["obs"]``.
+    """
+
+    data: dict
+    ids: np.ndarray
+    weights: Optional[Any] = None
+    probabilities: Optional[np.ndarray] = None
+    priorities: Optional[np.ndarray] = None
+
+    def __getitem__(self, key: str) -> Any:
+        return self.data[key]
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
+# -- conversions ---------------------------------------------------------------------------------
+def _as_array(value: Any) -> np.ndarray:
+    torch = sys.modules.get("torch")  # never imported here: only if the program uses it
+    if torch is not None and isinstance(value, torch.Tensor):
+        return value.detach().cpu().numpy()
+    return np.asarray(value)
+
+
+def _as_batch(batch: Any) -> dict:
+    if not isinstance(batch, dict):
+        raise TypeError(f"a replay batch is a dict of arrays (one row per item), got "
+                        f"{type(batch).__name__}")
+    return {str(name): _as_array(value) for name, value in batch.items()}
+
+
+def _optional_array(value: Any) -> Optional[np.ndarray]:
+    return None if value is None else _as_array(value)
+
+
+def _as_update(update: Any) -> Optional[tuple]:
+    if update is None:
+        return None
+    ids, priorities = update
+    return (_as_array(ids).astype(np.int64).reshape(-1),
+            _as_array(priorities).astype(np.float64).reshape(-1))
+
+
+def _finish(raw: dict, as_torch: bool) -> SampleBatch:
+    """Importance weights ``(N * P) ** -beta / max`` and the requested array type."""
+    probs, beta = raw["probabilities"], raw["beta"]
+    weights = None
+    if beta is not None and probs is not None and len(probs):
+        weights = (raw["size"] * probs) ** (-beta)
+        weights = (weights / weights.max()).astype(np.float32)
+    batch = SampleBatch(raw["data"], raw["ids"], weights, probs, raw["priorities"])
+    if as_torch:
+        import torch  # requested by the caller, so it is installed
+        batch.data = {name: torch.from_numpy(np.ascontiguousarray(value))
+                      for name, value in batch.data.items()}
+        if weights is not None:
+            batch.weights = torch.from_numpy(weights)
+    return batch
+
+
+def _lost(exc: BaseException) -> ReplayStoreLost:
+    return ReplayStoreLost(
+        f"the replay store server is gone ({exc}): it was shut "
+        f"down, killed, or its machine or container vanished, so its items are gone with it. "
+        f"Start a new store, or recreate it with ReplayStore.restore(snapshot_path, "
+        f"wal_path=...) if it wrote snapshots or a write-ahead log.")
+
+
+# -- one shard -----------------------------------------------------------------------------------
+class ReplayTableProxy(BaseProxy):
+    """A proxy for one store server: the whole :class:`ReplayStore` API for one shard.
+
+    What ``manager.ReplayStore(capacity, ...)`` returns from a :class:`ReplayManager`
+    (or any manager passed to :func:`register_replay_store`).
+    """
+
+    _exposed_ = TABLE_METHODS
+
+    def _call(self, method: str, *args: Any) -> Any:
+        try:
+            return self._callmethod(method, args)
+        except ReplayStoreLost:
+            raise
+        except RemoteObjectError as exc:
+            raise _lost(exc) from exc
+
+    def _call_later(self, method: str, *args: Any) -> Any:
+        try:
+            return self._call_async(method, args)
+        except RemoteObjectError as exc:
+            raise _lost(exc) from exc
+
+    def _wait(self, handle: Any) -> Any:
+        try:
+            return handle.get()
+        except ReplayStoreLost:
+            raise
+        except RemoteObjectError as exc:
+            raise _lost(exc) from exc
+
+    def insert(self, batch: dict, priorities: Any = None, *,
+               timeout: Optional[float] = None) -> np.ndarray:
+        """Insert a batch; returns the item ids (int64)."""
+        return self._call("insert", _as_batch(batch), _optional_array(priorities), timeout)
+
+    def append(self, steps: dict, env_ids: Any, *, timeout: Optional[float] = None) -> np.ndarray:
+        """Add environment steps (n-step stores); returns the ids of the items completed."""
+        return self._call("append", _as_batch(steps), _as_array(env_ids), timeout)
+
+    def sample(self, batch_size: int, *, timeout: Optional[float] = None,
+               as_torch: bool = False, update: Any = None) -> SampleBatch:
+        """Draw ``batch_size`` items (waits for the rate limiter up to ``timeout``);
+        ``update=(ids, priorities)`` sends a priority update in the same call."""
+        return _finish(self._call("sample", int(batch_size), timeout, _as_update(update)),
+                       as_torch)
+
+    def update_priorities(self, ids: Any, priorities: Any) -> int:
+        """Set new priorities; ids no longer held are ignored. Returns how many applied."""
+        return self._call("update_priorities", _as_array(ids), _as_array(priorities))
+
+    def __len__(self) -> int:
+        return self._call("size")
+
+    def clear(self) -> None:
+        self._call("clear")
+
+    def stats(self) -> dict:
+        """inserts, samples, samples_per_insert, insert/sample_blocked_s, size, ..."""
+        return self._call("stats")
+
+    def snapshot(self, path: Optional[str] = None) -> dict:
+        """Write the items to ``path`` on the server's filesystem; see :class:`ReplayStore`."""
+        return self._call("snapshot", path)
+
+    def server_pid(self) -> int:
+        return self._call("server_pid")
+
+
+def make_table(capacity: int, **options: Any) -> ReplayTable:
+    """The server side of ``manager.ReplayStore(capacity, **options)`` (one shard)."""
+    return ReplayTable(_config(capacity, **options))
+
+
+def make_shard(config: TableConfig, restore_path: Optional[str] = None) -> ReplayTable:
+    return ReplayTable(config, restore_path)
+
+
+def restore_shard(path: str, overrides: dict) -> ReplayTable:
+    from .persist import read_snapshot
+    _arrays, meta = read_snapshot(path)
+    return ReplayTable(dataclasses.replace(meta["config"], **overrides), path)
+
+
+def register_replay_store(manager_class: type) -> type:
+    """Add ``ReplayStore(capacity, ...)`` (one shard) to a manager class; returns it.
+
+    Example:
+        >>> from fibrl.managers import SyncManager
+        >>> class Mgr(SyncManager): pass
+        >>> register_replay_store(Mgr)  # doctest: +ELLIPSIS
+        <class ...Mgr'>
+    """
+    manager_class.register("ReplayStore", make_table, proxytype=ReplayTableProxy)
+    manager_class.register("ReplayShard", make_shard, proxytype=ReplayTableProxy)
+    manager_class.register("ReplayRestore", restore_shard, proxytype=ReplayTableProxy)
+    return manager_class
+
+
+class ReplayManager(BaseManager):
+    """A manager serving replay stores: ``ReplayManager().start(); m.ReplayStore(1000)``."""
+
+
+register_replay_store(ReplayManager)
+
+
+def _config(capacity: int, *, sampler: Any = "uniform", remover: Any = "fifo",
+            rate_limiter: Optional[LimiterSpec] = None, max_times_sampled: Optional[int] = None,
+            n_step: Optional[NStep] = None, seed: Optional[int] = None, shard: int = 0,
+            num_shards: int = 1, wal_path: Optional[str] = None, wal_fsync: bool = False,
+            snapshot_path: Optional[str] = None,
+            snapshot_every: Optional[float] = None) -> TableConfig:
+    config = TableConfig(capacity, as_selector(sampler, "sampler"),
+                         as_selector(remover, "remover"), rate_limiter, max_times_sampled,
+                         n_step, seed, shard, num_shards, wal_path, wal_fsync, snapshot_path,
+                         snapshot_every)
+    config.validate()
+    return config
+
+
+def _shard_path(path: Optional[str], shard: int, num_shards: int) -> Optional[str]:
+    return path if path is None or num_shards == 1 else f"{path}.shard{shard}"
+
+
+# -- the store -----------------------------------------------------------------------------------
+class ReplayStore:
+    """A replay buffer served by ``num_shards`` fibrl processes, shared by every process
+    that holds it (it pickles: pass it to Process/Pool workers or through a Queue).
+
+    Args:
+        capacity: items held in total (split evenly over the shards).
+        sampler: ``"uniform"``, ``"prioritized"`` / :class:`Prioritized` (alpha, beta,
+            eps), ``"fifo"``, ``"lifo"``, ``"min_heap"``, ``"max_heap"``.
+        remover: which item goes when full: any sampler name, ``"fifo"`` by default
+            (``"lowest_priority"`` is ``"min_heap"``).
+        rate_limiter: :class:`MinSize` (default ``MinSize(1)``), :class:`SampleToInsertRatio`,
+            :class:`Queue` or :class:`Stack`; one that can deadlock raises ``ValueError``.
+        max_times_sampled: remove an item after it was sampled this many times.
+        n_step: :class:`NStep` to assemble n-step items from :meth:`append`.
+        num_shards: store servers; inserts rotate over them, prioritized sampling
+            stays exact across them.
+        seed: seeds the servers' random generators (shard ``i`` gets ``seed + i``).
+        wal_path: write-ahead log file on the server (``.shard<i>`` appended when
+            sharded); an existing log is replayed at start.
+        wal_fsync: fsync each log record (survives a machine crash, not only a kill).
+        snapshot_path, snapshot_every: periodic snapshots (seconds between them).
+        ctx: the fibrl context whose backend runs the servers (default: current).
+        start_timeout: seconds to wait for each server to start.
+
+    Example:
+        >>> store = ReplayStore(100_000, sampler=Prioritized(alpha=0.6, beta=0.4))
+        >>> ids = store.insert({"obs": obs, "action": act}, priorities=td_error)
+        >>> batch = store.sample(256)       # batch["obs"], batch.ids, batch.weights
+        >>> store.update_priorities(batch.ids, new_td_error)
+    """
+
+    def __init__(self, capacity: int, *, sampler: Any = "uniform", remover: Any = "fifo",
+                 rate_limiter: Optional[LimiterSpec] = None,
+                 max_times_sampled: Optional[int] = None, n_step: Optional[NStep] = None,
+                 num_shards: int = 1, seed: Optional[int] = None,
+                 wal_path: Optional[str] = None, wal_fsync: bool = False,
+                 snapshot_path: Optional[str] = None, snapshot_every: Optional[float] = None,
+                 ctx: Any = None, start_timeout: Optional[float] = None) -> None:
+        if not isinstance(num_shards, int) or num_shards < 1:
+            raise ValueError(f"num_shards must be a positive int, got {num_shards!r}")
+        if capacity < num_shards:
+            raise ValueError(f"capacity {capacity} is smaller than num_shards {num_shards}")
+        configs = [_config(-(-capacity // num_shards), sampler=sampler, remover=remover,
+                           rate_limiter=rate_limiter, max_times_sampled=max_times_sampled,
+                           n_step=n_step, seed=None if seed is None else seed + i, shard=i,
+                           num_shards=num_shards,
+                           wal_path=_shard_path(wal_path, i, num_shards), wal_fsync=wal_fsync,
+                           snapshot_path=_shard_path(snapshot_path, i, num_shards),
+                           snapshot_every=snapshot_every)
+                   for i in range(num_shards)]
+        self._start(ctx, start_timeout, [("ReplayShard", (c,)) for c in configs], seed)
+
+    @classmethod
+    def queue(cls, size: int, **options: Any) -> "ReplayStore":
+        """A bounded FIFO queue: each item sampled once, oldest first, writers wait when full."""
+        from .limiters import Queue
+        return cls(size, sampler="fifo", remover="fifo", max_times_sampled=1,
+                   rate_limiter=Queue(size), **options)
+
+    @classmethod
+    def stack(cls, size: int, **options: Any) -> "ReplayStore":
+        """Like :meth:`queue`, newest first."""
+        from .limiters import Stack
+        return cls(size, sampler="lifo", remover="lifo", max_times_sampled=1,
+                   rate_limiter=Stack(size), **options)
+
+    @classmethod
+    def restore(cls, path: str, *, num_shards: int = 1, wal_path: Optional[str] = None,
+                wal_fsync: bool = False, snapshot_path: Optional[str] = None,
+                snapshot_every: Optional[float] = None, ctx: Any = None,
+                start_timeout: Optional[float] = None) -> "ReplayStore":
+        """A new store holding what :meth:`snapshot` wrote to ``path`` (with the same
+        configuration), plus the records of ``wal_path`` written after that snapshot."""
+        store = cls.__new__(cls)
+        calls = []
+        for i in range(num_shards):
+            overrides = dict(wal_path=_shard_path(wal_path, i, num_shards), wal_fsync=wal_fsync,
+                             snapshot_path=_shard_path(snapshot_path, i, num_shards),
+                             snapshot_every=snapshot_every)
+            calls.append(("ReplayRestore", (_shard_path(path, i, num_shards), overrides)))
+        store._start(ctx, start_timeout, calls, None)
+        return store
+
+    def _start(self, ctx: Any, start_timeout: Optional[float], calls: list,
+               seed: Optional[int]) -> None:
+        self._managers: Optional[list] = []
+        self._shards: list = []
+        try:
+            for typeid, args in calls:
+                manager = ReplayManager(ctx=ctx)
+                manager.start(timeout=start_timeout)
+                self._managers.append(manager)
+                self._shards.append(getattr(manager, typeid)(*args))
+        except BaseException:
+            self.close()
+            raise
+        self._setup_client(seed)
+
+    def _setup_client(self, seed: Optional[int] = None) -> None:
+        # the creator's shard draws are seeded with the store; other processes' are not
+        self._rng = np.random.default_rng(None if seed is None else seed + 10_007)
+        self._turn = itertools.cycle(np.roll(np.arange(len(self._shards)),
+                                             os.getpid() % len(self._shards)).tolist())
+
+    # -- pickling: shards travel, the servers stay owned by the creating process -----------
+    def __getstate__(self) -> dict:
+        return {"shards": self._shards}
+
+    def __setstate__(self, state: dict) -> None:
+        self._shards = state["shards"]
+        self._managers = None
+        self._setup_client()
+
+    @property
+    def num_shards(self) -> int:
+        return len(self._shards)
+
+    # -- the API ------------------------------------------------------------------------------
+    def insert(self, batch: dict, priorities: Any = None, *,
+               timeout: Optional[float] = None) -> np.ndarray:
+        """Insert a batch (dict of equal-length arrays or tensors) into one shard.
+
+        ``priorities`` default to the largest priority seen. Returns the item ids.
+        Waits up to ``timeout`` seconds (None: no limit) if the rate limiter holds
+        writers back, then raises :class:`RateLimiterTimeout`.
+        """
+        return self._shards[next(self._turn)].insert(batch, priorities, timeout=timeout)
+
+    def append(self, steps: dict, env_ids: Any, *, timeout: Optional[float] = None) -> np.ndarray:
+        """Add one step per row for environment ``env_ids[row]``; the server assembles
+        n-step items (see :class:`NStep`). An environment's steps always go to one shard."""
+        env_ids = _as_array(env_ids).reshape(-1)
+        if self.num_shards == 1:
+            return self._shards[0].append(steps, env_ids, timeout=timeout)
+        steps = _as_batch(steps)
+        owner = np.asarray([hash(int(e)) % self.num_shards for e in env_ids.tolist()])
+        out = [self._shards[s].append({k: v[owner == s] for k, v in steps.items()},
+                                      env_ids[owner == s], timeout=timeout)
+               for s in np.unique(owner).tolist()]
+        return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
+
+    def sample(self, batch_size: int, *, timeout: Optional[float] = None,
+               as_torch: bool = False, update: Any = None) -> SampleBatch:
+        """Draw ``batch_size`` items: :class:`SampleBatch` with data, ids and (prioritized)
+        importance weights; ``as_torch=True`` returns torch tensors.
+
+        ``update=(ids, priorities)`` applies a priority update first; with one shard it
+        travels in the same call (one round trip for a learner's update + sample).
+        """
+        if self.num_shards == 1:
+            return self._shards[0].sample(batch_size, timeout=timeout, as_torch=as_torch,
+                                          update=update)
+        if update is not None:
+            self.update_priorities(*update)
+        shards = self._shards
+        masses = [s._wait(h) for s, h in zip(shards, [s._call_later("mass") for s in shards])]
+        mass = np.asarray([m for m, _n, _r in masses], dtype=np.float64)
+        size = sum(n for _m, n, _r in masses)
+        if mass.sum() <= 0:  # empty: let the shards' rate limiters decide how to wait
+            mass = np.ones(len(shards))
+        counts = _split(int(batch_size), mass / mass.sum(), self._rng, masses[0][2])
+        pending = [(s, shards[s]._call_later("sample", int(c), timeout))
+                   for s, c in enumerate(counts.tolist()) if c]
+        raws = [shards[s]._wait(h) for s, h in pending]
+        return _finish(_merge(raws, mass.sum(), size), as_torch)
+
+    def update_priorities(self, ids: Any, priorities: Any) -> int:
+        """Set new priorities; ids already evicted are ignored. Returns how many applied."""
+        ids = _as_array(ids).astype(np.int64).reshape(-1)
+        priorities = _as_array(priorities).astype(np.float64).reshape(-1)
+        if self.num_shards == 1:
+            return self._shards[0].update_priorities(ids, priorities)
+        owner = ids % self.num_shards
+        pending = [(s, self._shards[s]._call_later("update_priorities", ids[owner == s],
+                                                   priorities[owner == s]))
+                   for s in np.unique(owner).tolist()]
+        return sum(self._shards[s]._wait(h) for s, h in pending)
+
+    def __len__(self) -> int:
+        return sum(len(shard) for shard in self._shards)
+
+    def clear(self) -> None:
+        """Remove every item (ids are never reused)."""
+        for shard in self._shards:
+            shard.clear()
+
+    def stats(self) -> dict:
+        """Totals over the shards: inserts, samples, samples_per_insert, insert_blocked_s,
+        sample_blocked_s, size, evictions, stale_updates, last_snapshot_stall_s; and
+        ``shards``, each shard's own."""
+        shards = [shard.stats() for shard in self._shards]
+        total = {key: sum(s[key] for s in shards) for key in shards[0]
+                 if key not in ("samples_per_insert", "last_snapshot_stall_s")}
+        total["samples_per_insert"] = (total["samples"] / total["inserts"]
+                                       if total["inserts"] else 0.0)
+        total["last_snapshot_stall_s"] = max(s["last_snapshot_stall_s"] for s in shards)
+        total["shards"] = shards
+        return total
+
+    def snapshot(self, path: Optional[str] = None) -> dict:
+        """Write every item to ``path`` (``path.shard<i>`` per shard) on the servers'
+        filesystem. Inserts and samples go on meanwhile: a shard's lock is held only
+        while its arrays are copied in memory (``stall_s``); the file is written after."""
+        results = [shard.snapshot(_shard_path(path, i, self.num_shards))
+                   for i, shard in enumerate(self._shards)]
+        return dict(paths=[r["path"] for r in results], items=sum(r["items"] for r in results),
+                    stall_s=max(r["stall_s"] for r in results),
+                    write_s=sum(r["write_s"] for r in results))
+
+    def server_pids(self) -> list:
+        """Each shard server's process id (as its own machine or container sees it)."""
+        return [shard.server_pid() for shard in self._shards]
+
+    def close(self) -> None:
+        """Stop the store servers (only in the process that created the store)."""
+        for manager in self._managers or ():
+            manager.shutdown()
+        self._managers = []
+
+    def __enter__(self) -> "ReplayStore":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<ReplayStore {self.num_shards} shard(s)>"
+
+
+def _split(k: int, shares: np.ndarray, rng: np.random.Generator, random: bool) -> np.ndarray:
+    """How many of ``k`` items each shard gives: a multinomial draw for random samplers
+    (exact probabilities), the largest-remainder rounding of ``k * shares`` for ordered ones."""
+    if random:
+        return rng.multinomial(k, shares)
+    exact = k * shares
+    counts = np.floor(exact).astype(np.int64)
+    counts[np.argsort(counts - exact)[:k - counts.sum()]] += 1
+    return counts
+
+
+def _merge(raws: list, total_mass: float, size: int) -> dict:
+    """One raw sample from several shards' raws, probabilities over the global mass."""
+    data = {name: np.concatenate([raw["data"][name] for raw in raws]) for name in raws[0]["data"]}
+    probs = None
+    if all(raw["probabilities"] is not None for raw in raws):
+        probs = np.concatenate([raw["probabilities"] * (raw["mass"] / total_mass) for raw in raws])
+    return dict(data=data, ids=np.concatenate([raw["ids"] for raw in raws]),
+                priorities=np.concatenate([raw["priorities"] for raw in raws]),
+                probabilities=probs, size=size, beta=raws[0]["beta"])

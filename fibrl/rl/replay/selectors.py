@@ -1,0 +1,266 @@
+"""Which items a replay table samples or removes: the selector specs and their indexes.
+
+Owns the six selection strategies (Reverb's set) twice over: as small picklable
+specs that users pass (:class:`Uniform`, :class:`Prioritized`, :class:`Fifo`,
+:class:`Lifo`, :class:`MinHeap`, :class:`MaxHeap`) and as the index each one
+builds inside the store server (a sum tree, an insertion-order deque, a lazy
+heap). It does not own storage, locking or rate limiting (``table``).
+
+Every index is keyed by *slot* (the row of the table's arrays) and checks an
+entry against the table's ``slot_ids`` array, so removed items are dropped
+lazily and a stale entry can never select a reused slot.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import heapq
+from typing import Any, Optional, Union
+
+import numpy as np
+
+__all__ = ["Uniform", "Prioritized", "Fifo", "Lifo", "MinHeap", "MaxHeap", "SelectorSpec",
+           "as_selector", "SumTree"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Uniform:
+    """Every live item equally likely (with replacement within a batch)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Prioritized:
+    """Item ``i`` drawn with probability ``(p_i + eps) ** alpha / sum_j (p_j + eps) ** alpha``.
+
+    Importance weights are ``(N * P(i)) ** -beta`` divided by the batch's largest.
+    """
+
+    alpha: float = 0.6
+    beta: float = 0.4
+    eps: float = 1e-6
+
+    def __post_init__(self) -> None:
+        if not (self.alpha >= 0 and self.beta >= 0 and self.eps >= 0):
+            raise ValueError(f"Prioritized needs alpha, beta, eps >= 0, got {self!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Fifo:
+    """The oldest items first: a batch of k is the k oldest (repeated if fewer exist)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Lifo:
+    """The newest items first: a batch of k is the k newest (repeated if fewer exist)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MinHeap:
+    """The lowest priorities first: a batch of k is the k lowest."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MaxHeap:
+    """The highest priorities first: a batch of k is the k highest."""
+
+
+SelectorSpec = Union[Uniform, Prioritized, Fifo, Lifo, MinHeap, MaxHeap]
+_NAMES = {"uniform": Uniform, "prioritized": Prioritized, "fifo": Fifo, "lifo": Lifo,
+          "min_heap": MinHeap, "max_heap": MaxHeap, "lowest_priority": MinHeap}
+
+
+def as_selector(spec: Any, what: str) -> SelectorSpec:
+    """A selector spec from a spec or its name (``"fifo"``, ``"prioritized"``, ...)."""
+    if isinstance(spec, str):
+        cls = _NAMES.get(spec.lower())
+        if cls is None:
+            raise ValueError(f"unknown {what} {spec!r}; choose one of {sorted(_NAMES)} or pass "
+                             f"an instance such as fibrl.rl.replay.Prioritized(alpha=0.6)")
+        return cls()
+    if isinstance(spec, (Uniform, Prioritized, Fifo, Lifo, MinHeap, MaxHeap)):
+        return spec
+    raise TypeError(f"{what} must be a selector name or spec, got {type(spec).__name__}")
+
+
+class SumTree:
+    """A binary sum tree over ``capacity`` leaves, updated and searched a batch at a time."""
+
+    def __init__(self, capacity: int) -> None:
+        self.depth = max(1, int(capacity - 1).bit_length())
+        self.size = 1 << self.depth
+        self.tree = np.zeros(2 * self.size, dtype=np.float64)
+
+    def set(self, leaves: np.ndarray, values: np.ndarray) -> None:
+        idx = np.asarray(leaves, dtype=np.int64) + self.size
+        tree = self.tree
+        tree[idx] = values
+        for _level in range(self.depth):
+            # duplicates just recompute the same parent: cheaper than np.unique per level
+            idx >>= 1
+            tree[idx] = tree[2 * idx] + tree[2 * idx + 1]
+
+    def total(self) -> float:
+        return float(self.tree[1])
+
+    def leaf(self, leaves: np.ndarray) -> np.ndarray:
+        return self.tree[np.asarray(leaves, dtype=np.int64) + self.size]
+
+    def find(self, u: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+        """The leaves where the prefix sums cross ``u`` (values in ``[0, total)``)."""
+        idx = np.ones(len(u), dtype=np.int64)
+        u = u.copy()
+        tree = self.tree
+        for _level in range(self.depth):
+            left = tree[2 * idx]
+            right = u >= left
+            u -= left * right
+            idx = 2 * idx + right
+        leaves = idx - self.size
+        empty = tree[idx] <= 0
+        if empty.any():  # rounding walked past the last non-empty leaf: redraw those
+            leaves[empty] = self.find(rng.random(int(empty.sum())) * self.total(), rng)
+        return leaves
+
+
+class TreeIndex:
+    """Uniform and prioritized selection: a sum tree of each slot's weight."""
+
+    def __init__(self, spec: SelectorSpec, capacity: int, slot_ids: np.ndarray) -> None:
+        self.spec = spec
+        self.tree = SumTree(capacity)
+        self.slot_ids = slot_ids
+
+    def _weights(self, priorities: np.ndarray) -> np.ndarray:
+        if isinstance(self.spec, Prioritized):
+            return (np.abs(priorities) + self.spec.eps) ** self.spec.alpha
+        return np.ones(len(priorities))
+
+    def add(self, slots: np.ndarray, ids: np.ndarray, priorities: np.ndarray) -> None:
+        self.tree.set(slots, self._weights(priorities))
+
+    def update(self, slots: np.ndarray, priorities: np.ndarray) -> None:
+        self.tree.set(slots, self._weights(priorities))
+
+    def remove(self, slots: np.ndarray) -> None:
+        self.tree.set(slots, np.zeros(len(slots)))
+
+    def mass(self) -> float:
+        return self.tree.total()
+
+    def select(self, k: int, rng: np.random.Generator, distinct: bool = False):
+        """``k`` slots and their probabilities (distinct ones without replacement)."""
+        total = self.tree.total()
+        if not distinct:
+            slots = self.tree.find(rng.random(k) * total, rng)
+            return slots, self.tree.leaf(slots) / total
+        chosen: list = []
+        saved = []
+        while len(chosen) < k and self.tree.total() > 0:
+            slots = np.unique(self.tree.find(rng.random(k - len(chosen)) * self.tree.total(), rng))
+            saved.append((slots, self.tree.leaf(slots)))
+            self.tree.set(slots, np.zeros(len(slots)))
+            chosen.extend(slots.tolist())
+        for slots, weights in saved:  # the caller removes them; keep the tree unchanged here
+            self.tree.set(slots, weights)
+        return np.asarray(chosen, dtype=np.int64), None
+
+
+class OrderIndex:
+    """FIFO and LIFO: slots in insertion order, dead entries skipped (and dropped at the ends)."""
+
+    def __init__(self, spec: SelectorSpec, capacity: int, slot_ids: np.ndarray) -> None:
+        self.newest_first = isinstance(spec, Lifo)
+        self.order: collections.deque = collections.deque()
+        self.slot_ids = slot_ids
+
+    def add(self, slots: np.ndarray, ids: np.ndarray, priorities: np.ndarray) -> None:
+        self.order.extend(zip(ids.tolist(), slots.tolist()))
+
+    def update(self, slots: np.ndarray, priorities: np.ndarray) -> None:
+        pass
+
+    def remove(self, slots: np.ndarray) -> None:
+        pass  # lazily: an entry whose slot holds another id is dead
+
+    def mass(self) -> float:
+        return float(np.count_nonzero(self.slot_ids >= 0))
+
+    def _live(self, newest_first: bool):
+        order, ids = self.order, self.slot_ids
+        pop = order.pop if newest_first else order.popleft
+        end = -1 if newest_first else 0
+        while order and ids[order[end][1]] != order[end][0]:
+            pop()  # dead entries at the end we read from
+        for item_id, slot in (reversed(order) if newest_first else order):
+            if ids[slot] == item_id:
+                yield slot
+
+    def select(self, k: int, rng: np.random.Generator, distinct: bool = False):
+        import itertools
+        slots = list(itertools.islice(self._live(self.newest_first), k))
+        if slots and not distinct and len(slots) < k:
+            slots = (slots * (k // len(slots) + 1))[:k]
+        return np.asarray(slots, dtype=np.int64), None
+
+
+class HeapIndex:
+    """Lowest or highest priority first: a heap with lazy deletion of stale entries."""
+
+    def __init__(self, spec: SelectorSpec, capacity: int, slot_ids: np.ndarray) -> None:
+        self.sign = -1.0 if isinstance(spec, MaxHeap) else 1.0
+        self.heap: list = []
+        self.slot_ids = slot_ids
+        self.priorities = np.zeros(capacity, dtype=np.float64)
+
+    def add(self, slots: np.ndarray, ids: np.ndarray, priorities: np.ndarray) -> None:
+        self.priorities[slots] = priorities
+        for key, item_id, slot in zip((self.sign * priorities).tolist(), ids.tolist(),
+                                      slots.tolist()):
+            heapq.heappush(self.heap, (key, item_id, slot))
+        self._compact()
+
+    def update(self, slots: np.ndarray, priorities: np.ndarray) -> None:
+        self.add(slots, self.slot_ids[slots], priorities)
+
+    def remove(self, slots: np.ndarray) -> None:
+        pass  # lazily
+
+    def mass(self) -> float:
+        return float(np.count_nonzero(self.slot_ids >= 0))
+
+    def _valid(self, entry: tuple) -> bool:
+        key, item_id, slot = entry
+        return self.slot_ids[slot] == item_id and self.sign * self.priorities[slot] == key
+
+    def _compact(self) -> None:
+        live = int(np.count_nonzero(self.slot_ids >= 0))
+        if len(self.heap) > 2 * live + 1024:
+            self.heap = [entry for entry in self.heap if self._valid(entry)]
+            heapq.heapify(self.heap)
+
+    def select(self, k: int, rng: np.random.Generator, distinct: bool = False):
+        taken: list = []
+        while self.heap and len(taken) < k:
+            entry = heapq.heappop(self.heap)
+            if self._valid(entry):
+                taken.append(entry)
+        for entry in taken:
+            heapq.heappush(self.heap, entry)
+        slots = [slot for _key, _id, slot in taken]
+        if slots and not distinct and len(slots) < k:
+            slots = (slots * (k // len(slots) + 1))[:k]
+        return np.asarray(slots, dtype=np.int64), None
+
+
+def make_index(spec: SelectorSpec, capacity: int, slot_ids: np.ndarray) -> Any:
+    """The server-side index for ``spec``."""
+    if isinstance(spec, (Uniform, Prioritized)):
+        return TreeIndex(spec, capacity, slot_ids)
+    if isinstance(spec, (Fifo, Lifo)):
+        return OrderIndex(spec, capacity, slot_ids)
+    return HeapIndex(spec, capacity, slot_ids)
+
+
+def index_key(spec: SelectorSpec) -> Optional[tuple]:
+    """Specs with equal keys can share one index (a FIFO sampler and FIFO remover)."""
+    return (type(spec).__name__, dataclasses.astuple(spec))

@@ -1,0 +1,575 @@
+"""The replay table: the object a store server hosts (one per shard).
+
+Owns the stored items (one preallocated numpy array per column, one row per
+slot), item ids, priorities, sample counts, eviction, rate limiting, n-step
+assembly, snapshots and the write-ahead log of one shard. It does not own
+the process it runs in or how clients reach it (``client`` starts it in a
+fibrl manager server), nor how items are chosen (``selectors``) or admitted
+(``limiters``).
+
+Every sync manager call runs on the server thread of the calling client
+thread, so calls arrive concurrently; one condition variable guards the
+state, and a call that the rate limiter holds back waits on it (with the
+caller's timeout) until another call changes the counters::
+
+    writer threads --insert/append--+                     +--> columns[name][slot]
+    learner threads --sample/update-+--> Condition(lock) -+--> indexes (sampler, remover)
+    snapshot thread --copy under lock, write after--------+--> write-ahead log (before ack)
+
+An id is ``(sequence * capacity + slot) * num_shards + shard``: the shard and
+slot are read off the id (no lookup table), and the sequence number makes it
+unique across shards and never reused, so a priority update for an evicted
+item finds another id (or none) in its slot and is ignored.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import threading
+import time
+from typing import Any, Optional
+
+import numpy as np
+
+from .errors import RateLimiterTimeout
+from .limiters import Limiter, LimiterSpec
+from .persist import WriteAheadLog, read_log, read_snapshot, write_snapshot
+from .selectors import Fifo, Prioritized, SelectorSpec, Uniform, index_key, make_index
+
+__all__ = ["NStep", "TableConfig", "ReplayTable", "TABLE_METHODS"]
+
+log = logging.getLogger(__name__)
+
+TABLE_METHODS = ("insert", "append", "sample", "update_priorities", "size", "clear", "stats",
+                 "mass", "snapshot", "server_pid")
+
+
+@dataclasses.dataclass(frozen=True)
+class NStep:
+    """n-step returns assembled on the server from per-environment step streams.
+
+    Steps appended with :meth:`ReplayStore.append` carry ``obs``, ``action``,
+    ``reward``, ``next_obs``, ``done`` (terminated) and optionally ``truncated``;
+    the stored item keeps the first step's other columns, with ``reward`` the
+    discounted sum of up to ``n`` rewards, ``next_obs`` the last step's, and
+    ``discount`` ``gamma ** m`` (0 after a termination).
+    """
+
+    n: int = 3
+    gamma: float = 0.99
+
+    def __post_init__(self) -> None:
+        if self.n < 1 or not 0 <= self.gamma <= 1:
+            raise ValueError(f"NStep needs n >= 1 and 0 <= gamma <= 1, got {self!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class TableConfig:
+    """Everything one shard's table is built from (picklable, stored in snapshots)."""
+
+    capacity: int
+    sampler: SelectorSpec = Uniform()
+    remover: SelectorSpec = Fifo()
+    rate_limiter: Optional[LimiterSpec] = None
+    max_times_sampled: Optional[int] = None
+    n_step: Optional[NStep] = None
+    seed: Optional[int] = None
+    shard: int = 0
+    num_shards: int = 1
+    wal_path: Optional[str] = None
+    wal_fsync: bool = False
+    snapshot_path: Optional[str] = None
+    snapshot_every: Optional[float] = None
+
+    def validate(self) -> Limiter:
+        """Raise ``ValueError`` for a bad or deadlocking configuration; the limiter."""
+        if not isinstance(self.capacity, int) or self.capacity < 1:
+            raise ValueError(f"capacity must be a positive int, got {self.capacity!r}")
+        if self.max_times_sampled is not None and self.max_times_sampled < 1:
+            raise ValueError(f"max_times_sampled must be >= 1 or None, got "
+                             f"{self.max_times_sampled!r}")
+        if self.snapshot_every is not None and not self.snapshot_path:
+            raise ValueError("snapshot_every needs snapshot_path (where to write them)")
+        return Limiter(self.rate_limiter, self.capacity, self.max_times_sampled)
+
+
+class ReplayTable:
+    """One shard's items; its public methods are what the proxy calls."""
+
+    def __init__(self, config: TableConfig, restore_path: Optional[str] = None) -> None:
+        self.config = config
+        self.limiter = config.validate()
+        self.cond = threading.Condition()
+        self.snapshot_lock = threading.Lock()
+        self.copy: Optional[PointInTimeCopy] = None  # a snapshot in progress
+        self.rng = np.random.default_rng(config.seed)
+        self._reset()
+        self.counters = dict(inserts=0, samples=0, evictions=0, insert_blocked_s=0.0,
+                             sample_blocked_s=0.0, inserts_waiting=0, samples_waiting=0,
+                             snapshots=0, last_snapshot_stall_s=0.0,
+                             stale_updates=0)
+        self.next_local = 0
+        self.wal_start = 0
+        if restore_path is not None:
+            self._load(restore_path)
+        self.wal = None
+        if config.wal_path:
+            self._replay_log(config.wal_path, self.wal_start)
+            self.wal = WriteAheadLog(config.wal_path, config.wal_fsync)
+        self.stop = threading.Event()
+        if config.snapshot_every:
+            threading.Thread(target=self._periodic_snapshots, daemon=True,
+                             name="fibrl-replay-snapshots").start()
+
+    def _reset(self) -> None:
+        cap = self.config.capacity
+        self.columns: dict = {}
+        self.slot_ids = np.full(cap, -1, dtype=np.int64)
+        self.priorities = np.zeros(cap, dtype=np.float64)
+        self.times_sampled = np.zeros(cap, dtype=np.int64)
+        self.free = list(range(cap - 1, -1, -1))
+        self.max_priority = 1.0
+        self.pending_steps: dict = {}
+        indexes: dict = {}
+        remover = self.config.remover
+        for spec in (self.config.sampler, remover):
+            key = index_key(spec)
+            if key not in indexes:
+                indexes[key] = make_index(spec, cap, self.slot_ids)
+        self.sampler_index = indexes[index_key(self.config.sampler)]
+        self.remover_index = indexes[index_key(remover)]
+        self.indexes = list(indexes.values())
+
+    # -- writes ------------------------------------------------------------------------------
+    def insert(self, batch: dict, priorities: Any = None,
+               timeout: Optional[float] = None) -> np.ndarray:
+        """Insert a batch (dict of equal-length arrays); returns the new ids."""
+        n = _batch_length(batch)
+        if n > self.config.capacity:
+            raise ValueError(f"a batch of {n} items does not fit a shard of capacity "
+                             f"{self.config.capacity}; split it or raise the capacity")
+        prios = self._priorities(priorities, n)
+        with self.cond:
+            self.limiter.check_batch("insert", n)
+            self._admit("insert", n, timeout)
+            ids = self._insert_locked(batch, prios, None)
+            if self.wal is not None:
+                self.wal.append(("insert", ids, batch, prios))
+            self.cond.notify_all()
+        return ids
+
+    def append(self, steps: dict, env_ids: Any, timeout: Optional[float] = None) -> np.ndarray:
+        """Add per-environment steps; stores the n-step items they complete (their ids)."""
+        if self.config.n_step is None:
+            raise ValueError("append() assembles n-step items; create the store with "
+                             "n_step=NStep(n, gamma) (or call insert() with whole items)")
+        n = _batch_length(steps)
+        env_ids = np.asarray(env_ids).reshape(-1)
+        if len(env_ids) != n:
+            raise ValueError(f"append() got {n} steps but {len(env_ids)} env_ids")
+        missing = {"obs", "action", "reward", "next_obs", "done"} - set(steps)
+        if missing:
+            raise ValueError(f"append() steps lack {sorted(missing)}; each step needs obs, "
+                             f"action, reward, next_obs, done (and optionally truncated)")
+        with self.cond:
+            items = self._assemble(steps, env_ids)
+        if not items:
+            return np.zeros(0, dtype=np.int64)
+        batch = {key: np.stack([item[key] for item in items]) for key in items[0]}
+        return self.insert(batch, None, timeout)  # new items get the largest priority seen
+
+    def update_priorities(self, ids: Any, priorities: Any) -> int:
+        """Set the priorities of the items still held; returns how many were."""
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        prios = self._priorities(priorities, len(ids))
+        with self.cond:
+            applied = self._update_locked(ids, prios)
+            if self.wal is not None:
+                self.wal.append(("update", ids, prios))
+        return applied
+
+    def clear(self) -> None:
+        """Remove every item (ids keep counting up, so old ids stay unknown)."""
+        with self.cond:
+            self._reset()
+            if self.wal is not None:
+                self.wal.append(("clear",))
+            self.cond.notify_all()
+
+    # -- reads -------------------------------------------------------------------------------
+    def sample(self, k: int, timeout: Optional[float] = None, update: Any = None) -> dict:
+        """``k`` items: columns stacked, ids, probabilities, the size they were drawn from.
+
+        ``update=(ids, priorities)`` applies a priority update first, in the same call.
+        """
+        if not isinstance(k, (int, np.integer)) or k < 1:
+            raise ValueError(f"batch_size must be a positive int, got {k!r}")
+        if update is not None:
+            self.update_priorities(*update)
+        with self.cond:
+            self.limiter.check_batch("sample", int(k))
+            self._admit("sample", int(k), timeout)
+            size = self.size()
+            slots, probs = self.sampler_index.select(int(k), self.rng)
+            out = dict(data={name: col[slots] for name, col in self.columns.items()},
+                       ids=self.slot_ids[slots].copy(), priorities=self.priorities[slots],
+                       probabilities=probs, size=size, mass=self.sampler_index.mass(),
+                       beta=getattr(self.config.sampler, "beta", None))
+            self.counters["samples"] += len(slots)
+            self._count_samples(slots)
+            self.cond.notify_all()
+        return out
+
+    def size(self) -> int:
+        return self.config.capacity - len(self.free)
+
+    def mass(self) -> tuple:
+        """``(sampler mass, size, random)``: what a sharded client splits a batch by
+        (at random for uniform/prioritized samplers, in proportion for ordered ones)."""
+        with self.cond:
+            return (self.sampler_index.mass(), self.size(),
+                    isinstance(self.config.sampler, (Uniform, Prioritized)))
+
+    def stats(self) -> dict:
+        with self.cond:
+            out = dict(self.counters, size=self.size(), capacity=self.config.capacity)
+        out["samples_per_insert"] = out["samples"] / out["inserts"] if out["inserts"] else 0.0
+        return out
+
+    def server_pid(self) -> int:
+        """The store server's process id (as its own machine or container sees it)."""
+        return os.getpid()
+
+    # -- persistence -------------------------------------------------------------------------
+    def snapshot(self, path: Optional[str] = None) -> dict:
+        """Write the items held now to ``path``, a chunk at a time (see :class:`PointInTimeCopy`).
+
+        Returns ``path``, ``items``, ``stall_s`` (the longest time the lock was held
+        for the copy: what a concurrent insert or sample may wait) and ``write_s``.
+        """
+        path = path or self.config.snapshot_path
+        if not path:
+            raise ValueError("snapshot() needs a path (or create the store with snapshot_path)")
+        with self.snapshot_lock:
+            start = time.perf_counter()
+            spare = PointInTimeCopy.spare(self)
+            with self.cond:
+                held = time.perf_counter()
+                copy = self.copy = PointInTimeCopy(self, spare)
+                meta = dict(config=self.config, counters=dict(self.counters),
+                            next_local=self.next_local, max_priority=self.max_priority,
+                            wal_path=self.config.wal_path,
+                            wal_offset=self.wal.offset if self.wal is not None else 0)
+                items = self.size()
+                stall = time.perf_counter() - held
+            try:
+                while not copy.done():
+                    with self.cond:  # the time to get the lock is not a stall of others
+                        held = time.perf_counter()
+                        copy.copy_chunk()
+                        stall = max(stall, time.perf_counter() - held)
+                    # hand the GIL over between chunks: a thread that never blocks keeps it
+                    # for the whole switch interval each time a serving thread gives it up
+                    time.sleep(0)
+            finally:
+                with self.cond:
+                    self.copy = None
+            copied = time.perf_counter()
+            write_snapshot(path, copy.out, meta)
+            with self.cond:
+                self.counters["snapshots"] += 1
+                self.counters["last_snapshot_stall_s"] = stall
+        return dict(path=path, items=items, stall_s=stall, copy_s=copied - start,
+                    write_s=time.perf_counter() - copied)
+
+    def _load(self, path: str) -> None:
+        arrays, meta = read_snapshot(path)
+        if meta["config"].capacity != self.config.capacity:
+            raise ValueError(f"the snapshot at {path!r} holds a shard of capacity "
+                             f"{meta['config'].capacity}, not {self.config.capacity}; "
+                             f"restore it with the same capacity and number of shards")
+        self.columns = {name[5:]: value for name, value in arrays.items()
+                        if name.startswith("data.")}
+        self.slot_ids[:] = arrays["slot_ids"]
+        self.priorities[:] = arrays["priorities"]
+        self.times_sampled[:] = arrays["times_sampled"]
+        live = np.flatnonzero(self.slot_ids >= 0)
+        live = live[np.argsort(self.slot_ids[live], kind="stable")]  # insertion order
+        self.free = sorted(set(range(self.config.capacity)) - set(live.tolist()), reverse=True)
+        for index in self.indexes:
+            index.add(live, self.slot_ids[live], self.priorities[live])
+        self.counters.update(meta["counters"])
+        self.next_local = meta["next_local"]
+        self.max_priority = meta["max_priority"]
+        if meta["wal_path"] and meta["wal_path"] == self.config.wal_path:
+            self.wal_start = meta["wal_offset"]
+
+    def _replay_log(self, path: str, offset: int) -> None:
+        for record, _end in read_log(path, offset):
+            if record[0] == "insert":
+                _kind, ids, batch, prios = record
+                overflow = self.size() + len(ids) - self.config.capacity
+                if overflow > 0:
+                    self._evict(overflow)
+                self._insert_locked(batch, prios, ids)
+            elif record[0] == "update":
+                self._update_locked(record[1], record[2])
+            else:
+                self._reset()
+
+    def _periodic_snapshots(self) -> None:
+        while not self.stop.wait(self.config.snapshot_every):
+            try:
+                self.snapshot()
+            except Exception:  # keep serving; the next period tries again
+                log.exception("periodic replay snapshot to %s failed",
+                              self.config.snapshot_path)
+
+    # -- under the lock ----------------------------------------------------------------------
+    def _admit(self, side: str, n: int, timeout: Optional[float]) -> None:
+        check = self.limiter.can_insert if side == "insert" else self.limiter.can_sample
+
+        def ready() -> bool:
+            return check(n, self.size(), self.counters["inserts"], self.counters["samples"])
+
+        if ready():
+            return
+        start = time.monotonic()
+        self.counters[f"{side}s_waiting"] += 1
+        try:
+            ok = self.cond.wait_for(ready, timeout)
+        finally:
+            self.counters[f"{side}s_waiting"] -= 1
+        self.counters[f"{side}_blocked_s"] += time.monotonic() - start
+        if not ok:
+            other = "learners to sample" if side == "insert" else "writers to insert"
+            state = self.limiter.describe(self.size(), self.counters["inserts"],
+                                          self.counters["samples"])
+            raise RateLimiterTimeout(
+                f"replay {side} of {n} items waited {timeout} s for the rate limiter and "
+                f"timed out: the store was waiting for {other}. State: "
+                f"{state}."
+                f" Check that the other side is running, or pass a longer timeout, or "
+                f"widen the limiter's error_buffer.")
+
+    def _priorities(self, priorities: Any, n: int) -> Optional[np.ndarray]:
+        if priorities is None:
+            return None
+        prios = np.asarray(priorities, dtype=np.float64).reshape(-1)
+        if len(prios) != n:
+            raise ValueError(f"got {len(prios)} priorities for {n} items")
+        if not np.all(np.isfinite(prios)) or np.any(prios < 0):
+            bad = prios[~np.isfinite(prios) | (prios < 0)][:5]
+            raise ValueError(f"priorities must be finite and >= 0, got {bad.tolist()} "
+                             f"(a NaN loss upstream is the usual cause)")
+        return prios
+
+    def _insert_locked(self, batch: dict, prios: Optional[np.ndarray],
+                       ids: Optional[np.ndarray]) -> np.ndarray:
+        n = _batch_length(batch)
+        self._check_columns(batch, n)
+        overflow = self.size() + n - self.config.capacity
+        if overflow > 0:
+            self._evict(overflow)
+        slots = np.asarray(self.free[-n:][::-1], dtype=np.int64)
+        del self.free[-n:]
+        cfg = self.config
+        if ids is None:
+            seqs = np.arange(self.next_local, self.next_local + n, dtype=np.int64)
+            ids = (seqs * cfg.capacity + slots) * cfg.num_shards + cfg.shard
+        self.next_local = max(self.next_local,
+                              int(ids.max()) // cfg.num_shards // cfg.capacity + 1)
+        if prios is None:
+            prios = np.full(n, self.max_priority)
+        elif n:
+            self.max_priority = max(self.max_priority, float(prios.max()))
+        self._touch(slots)
+        try:
+            for name, column in self.columns.items():
+                column[slots] = batch[name]
+        except (TypeError, ValueError) as exc:
+            self.free.extend(slots[::-1].tolist())  # nothing of this batch becomes visible
+            raise ValueError(f"could not store this batch: {exc}; give every column the "
+                             f"dtype and item shape of the first insert") from exc
+        self.slot_ids[slots] = ids
+        self.priorities[slots] = prios
+        self.times_sampled[slots] = 0
+        for index in self.indexes:
+            index.add(slots, ids, prios)
+        self.counters["inserts"] += n
+        return ids
+
+    def _check_columns(self, batch: dict, n: int) -> None:
+        if not self.columns:
+            cap = self.config.capacity
+            for name, value in batch.items():
+                value = np.asarray(value)
+                self.columns[name] = np.zeros((cap,) + value.shape[1:], dtype=value.dtype)
+            return
+        if set(batch) != set(self.columns):
+            raise ValueError(f"this batch has columns {sorted(batch)} but the store holds "
+                             f"{sorted(self.columns)}; every insert must carry the same keys")
+        for name, value in batch.items():
+            want = self.columns[name].shape[1:]
+            kind = self.columns[name].dtype
+            if not np.can_cast(np.asarray(value).dtype, kind, "same_kind"):
+                raise ValueError(f"column {name!r}: items of dtype {np.asarray(value).dtype} "
+                                 f"cannot be stored as {kind} (set by the first insert)")
+            if np.shape(value)[1:] != want:
+                raise ValueError(f"column {name!r}: items of shape {np.shape(value)[1:]}, but "
+                                 f"the store holds items of shape {want} (set by the first "
+                                 f"insert)")
+
+    def _update_locked(self, ids: np.ndarray, prios: np.ndarray) -> int:
+        cfg = self.config
+        slots = (ids // cfg.num_shards) % cfg.capacity
+        held = (ids >= 0) & (ids % cfg.num_shards == cfg.shard) & (self.slot_ids[slots] == ids)
+        self.counters["stale_updates"] += int(len(ids) - held.sum())
+        if not held.all():
+            slots, prios = slots[held], prios[held]
+        if not len(slots):
+            return 0
+        self._touch(slots)
+        self.priorities[slots] = prios
+        self.max_priority = max(self.max_priority, float(prios.max()))
+        for index in self.indexes:
+            index.update(slots, prios)
+        return len(slots)
+
+    def _evict(self, count: int) -> None:
+        slots, _ = self.remover_index.select(count, self.rng, distinct=True)
+        self._remove(slots)
+        self.counters["evictions"] += len(slots)
+
+    def _remove(self, slots: np.ndarray) -> None:
+        if not len(slots):
+            return
+        self._touch(slots)
+        self.slot_ids[slots] = -1
+        for index in self.indexes:
+            index.remove(slots)
+        self.free.extend(slots.tolist())
+
+    def _touch(self, slots: np.ndarray) -> None:
+        if self.copy is not None:
+            self.copy.before_write(slots)
+
+    def _count_samples(self, slots: np.ndarray) -> None:
+        self._touch(slots)
+        np.add.at(self.times_sampled, slots, 1)
+        limit = self.config.max_times_sampled
+        if limit is not None:
+            self._remove(np.unique(slots[self.times_sampled[slots] >= limit]))
+
+    def _assemble(self, steps: dict, env_ids: np.ndarray) -> list:
+        spec = self.config.n_step
+        items = []
+        truncated = steps.get("truncated")
+        for row, env in enumerate(env_ids.tolist()):
+            pending = self.pending_steps.setdefault(env, [])
+            pending.append({key: np.asarray(value[row]) for key, value in steps.items()
+                            if key != "truncated"})
+            ended = bool(steps["done"][row]) or (truncated is not None and bool(truncated[row]))
+            if ended:
+                items.extend(_nstep_item(pending[j:], spec.gamma) for j in range(len(pending)))
+                pending.clear()
+            elif len(pending) == spec.n:
+                items.append(_nstep_item(pending, spec.gamma))
+                pending.pop(0)
+        return items
+
+
+class PointInTimeCopy:
+    """A copy of the table as it was when the copy began, made a chunk of rows at a time.
+
+    The table's lock is held for one chunk (a few MB) at a time, so inserts and
+    samples go on between chunks. A row that a write is about to change before its
+    chunk was copied is saved first (:meth:`before_write`, called under the lock),
+    and the chunk copy keeps the saved row: copy-on-write, by rows.
+    """
+
+    CHUNK_BYTES = 1 << 20
+
+    def __init__(self, table: "ReplayTable", spare: Optional[dict] = None) -> None:
+        sources = self.arrays(table)
+        self.sources = sources  # references: a clear() replaces them, leaving these intact
+        spare = spare or {}
+        self.out = {name: spare[name] if _same_layout(spare.get(name), src)
+                    else np.empty_like(src) for name, src in sources.items()}
+        self.capacity = table.config.capacity
+        self.saved = np.zeros(self.capacity, dtype=bool)
+        row_bytes = sum(src[:1].nbytes for src in sources.values())
+        self.rows = max(1024, self.CHUNK_BYTES // max(1, row_bytes))
+        self.copied = 0
+
+    @staticmethod
+    def arrays(table: "ReplayTable") -> dict:
+        sources = {f"data.{name}": col for name, col in table.columns.items()}
+        sources.update(slot_ids=table.slot_ids, priorities=table.priorities,
+                       times_sampled=table.times_sampled)
+        return sources
+
+    @classmethod
+    def spare(cls, table: "ReplayTable") -> dict:
+        """Output arrays made outside the lock, their pages touched (a first touch of
+        fresh memory under the lock would stall writers for tens of ms)."""
+        with table.cond:
+            layout = {name: (src.shape, src.dtype) for name, src in cls.arrays(table).items()}
+        spare = {}
+        for name, (shape, dtype) in layout.items():
+            spare[name] = np.empty(shape, dtype)
+            rows = max(1, cls.CHUNK_BYTES // max(1, spare[name][:1].nbytes))
+            for lo in range(0, len(spare[name]), rows):
+                spare[name][lo:lo + rows] = 0
+                time.sleep(0)  # a thread that never blocks would starve the serving ones
+        return spare
+
+    def done(self) -> bool:
+        return self.copied >= self.capacity
+
+    def before_write(self, slots: np.ndarray) -> None:
+        slots = np.asarray(slots, dtype=np.int64)
+        slots = slots[slots >= self.copied]
+        slots = slots[~self.saved[slots]]
+        if len(slots):
+            for name, src in self.sources.items():
+                self.out[name][slots] = src[slots]
+            self.saved[slots] = True
+
+    def copy_chunk(self) -> None:
+        lo, hi = self.copied, min(self.capacity, self.copied + self.rows)
+        keep = ~self.saved[lo:hi]
+        for name, src in self.sources.items():
+            where = keep.reshape((-1,) + (1,) * (src.ndim - 1))
+            np.copyto(self.out[name][lo:hi], src[lo:hi], where=where)
+        self.copied = hi
+
+
+def _same_layout(a: Optional[np.ndarray], b: np.ndarray) -> bool:
+    return a is not None and a.shape == b.shape and a.dtype == b.dtype
+
+
+def _nstep_item(window: list, gamma: float) -> dict:
+    first, last = window[0], window[-1]
+    ret = sum((gamma ** i) * float(step["reward"]) for i, step in enumerate(window))
+    done = bool(last["done"])
+    item = dict(first)
+    item["reward"] = np.float32(ret)
+    item["next_obs"] = last["next_obs"]
+    item["done"] = last["done"]
+    item["discount"] = np.float32(0.0 if done else gamma ** len(window))
+    return item
+
+
+def _batch_length(batch: Any) -> int:
+    if not isinstance(batch, dict) or not batch:
+        raise TypeError(f"a replay batch is a non-empty dict of arrays (one row per item), "
+                        f"got {type(batch).__name__}")
+    lengths = {name: len(value) for name, value in batch.items()}
+    if len(set(lengths.values())) != 1:
+        raise ValueError(f"the columns of a batch must have equal lengths, got {lengths}")
+    n = next(iter(lengths.values()))
+    if n < 1:
+        raise ValueError("a replay batch needs at least one item")
+    return n
