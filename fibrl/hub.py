@@ -25,7 +25,9 @@ Data flow::
 
 This module owns the dispatching and waiting. It does not own the meaning of
 any service (``queues``, ``connection``, ``synchronize``, ``pool``,
-``managers``) nor the wire (``transport``, ``serialization``).
+``managers``) nor the wire (``transport``, ``serialization``), nor which hub is
+this process's and when it closes (``runtime``: this module only builds the hub
+the first time one is asked for).
 """
 from __future__ import annotations
 
@@ -39,7 +41,10 @@ import weakref
 from collections import deque
 from typing import Any, Callable, Optional
 
-from . import janitor, serialization
+from multiprocessing.process import current_process
+
+from . import runtime, serialization
+from .config import Config
 from .errors import ChannelClosed, RemoteObjectError, RemoteTraceback, TransportError
 from .janitor import Finalizer
 from .messages import RAW_TYPES, Call, RemoteError, Reply, blob, wrap_raw
@@ -497,12 +502,16 @@ class Hub:
     """This process's host of services and its connections to other hubs."""
 
     def __init__(self, secret: bytes, host: str = "127.0.0.1", auth_timeout: float = 10.0,
-                 connect_timeout: float = 30.0, port: int = 0) -> None:
+                 connect_timeout: float = 30.0, port: int = 0, *,
+                 heartbeat_interval: float = Config.heartbeat_interval,
+                 parent_timeout: float = Config.parent_timeout) -> None:
         self.secret = secret
         self.host = host
         self.port = port
         self.auth_timeout = auth_timeout
         self.connect_timeout = connect_timeout
+        self.heartbeat_interval = heartbeat_interval
+        self.parent_timeout = parent_timeout
         self.timers = Timers()
         self._services: dict[str, Service] = {}
         self._clients: dict[str, Client] = {}
@@ -510,6 +519,20 @@ class Hub:
         self._listener = None
         self.pid = os.getpid()
         self.register(_HubService(), "hub")
+
+    @classmethod
+    def from_config(cls, config: Config, secret: bytes, *, host: Optional[str] = None,
+                    port: int = 0) -> "Hub":
+        """The hub of a process whose config is ``config`` (the process hub, a manager
+        server's, a worker's): it listens on ``host`` (default ``config.listen_host``)."""
+        return cls(bytes(secret), host or config.listen_host, config.auth_timeout,
+                   config.start_timeout, port, heartbeat_interval=config.heartbeat_interval,
+                   parent_timeout=config.parent_timeout)
+
+    def use_timings(self, config: Config) -> None:
+        """Adopt the liveness timings of a config put in force after this hub was built."""
+        self.heartbeat_interval = config.heartbeat_interval
+        self.parent_timeout = config.parent_timeout
 
     # -- hosting -------------------------------------------------------------
     @property
@@ -628,19 +651,16 @@ class Hub:
         """
         if handle.ready() or self.is_local(address):
             return handle.get(timeout)
-        from .context import current_config
-
-        config = current_config()
+        interval = self.heartbeat_interval
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            step = config.heartbeat_interval if left is None else min(left,
-                                                                     config.heartbeat_interval)
+            step = interval if left is None else min(left, interval)
             if handle.wait(step):
                 return handle.get(0)
-            if left is not None and left <= config.heartbeat_interval:
+            if left is not None and left <= interval:
                 raise TimeoutError(f"no result within {timeout} s")
-            self.ensure_alive(address, config.parent_timeout)
+            self.ensure_alive(address, self.parent_timeout)
 
     def ensure_alive(self, address: str, limit: float, oid: str = "hub") -> None:
         """Raise :class:`RemoteObjectError` when the hub at ``address`` does not answer a
@@ -730,59 +750,15 @@ class _HubService(Service):
         reply(os.getpid())
 
 
-_hub: Optional[Hub] = None
-_hub_lock = threading.Lock()
-
-
 def get_hub() -> Hub:
-    """This process's hub, created on first use with the process's authkey as secret."""
-    global _hub
-    if _hub is None or _hub.pid != os.getpid():
-        with _hub_lock:
-            if _hub is None or _hub.pid != os.getpid():
-                from .context import current_config
-                from .process import current_process
-
-                config = current_config()
-                hub = Hub(bytes(current_process().authkey), config.listen_host,
-                          config.auth_timeout, config.start_timeout)
-                _register_exit()
-                _hub = hub
-    return _hub
-
-
-def install_hub(hub: Hub) -> None:
-    """Make ``hub`` this process's hub (a worker builds its own from FIBRL_SECRET)."""
-    global _hub
-    with _hub_lock:
-        _register_exit()
-        _hub = hub
-
-
-_exit_registered = False
-
-
-def _register_exit() -> None:
-    global _exit_registered
-    if _exit_registered:
-        return
-    import atexit
-
-    from . import transport  # noqa: F401  (pynng registers its exit handler first)
-
-    atexit.register(_shutdown_hub)
-    _exit_registered = True
-
-
-def _shutdown_hub() -> None:
-    """At exit: end children as multiprocessing does, then close the hub."""
-    from multiprocessing import util
-
-    util._exit_function()  # joins non-daemonic children, which may still use our hub
-    janitor.flush(5.0)  # cleanups of handles collected so far (pipe ends detach, ...)
-    janitor.stop()  # what is queued after this is moot once the hub closes
-    if _hub is not None and _hub.pid == os.getpid():
-        _hub.close()  # also ends a remote call the janitor may be waiting on
-    janitor.join(1.0)  # nothing of ours may still be inside nng when nng exits
-
-
+    """This process's hub (see ``runtime``), built on first use from the config in force,
+    with the process's authkey as secret."""
+    hub = runtime.installed_hub()
+    if hub is None:
+        with runtime.hub_lock:
+            hub = runtime.installed_hub()
+            if hub is None:
+                hub = Hub.from_config(runtime.current_config(),
+                                      bytes(current_process().authkey))
+                runtime.install_hub(hub)
+    return hub

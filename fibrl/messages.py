@@ -9,9 +9,11 @@ import pickle
 from dataclasses import dataclass
 from typing import Any
 
+from .config import Config
 from .serialization import OOB_THRESHOLD
 
-__all__ = ["Call", "Reply", "RemoteError", "blob", "wrap_raw", "RAW_TYPES"]
+__all__ = ["Call", "Reply", "RemoteError", "WorkerStart", "MAIN_SOURCE", "blob", "wrap_raw",
+           "RAW_TYPES"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +57,24 @@ class RemoteError:
     def __reduce__(self):
         return (RemoteError, (self.exc, self.tb))
 
+
+@dataclass(frozen=True)
+class WorkerStart:
+    """What a worker needs to become the process object: sent after authentication.
+
+    Defined here, not by the parent's ``popen``, so that a worker unpickles it
+    without importing popen and the backends.
+    """
+
+    process: bytes
+    config: Config
+    preparation: dict
+    parent_address: str
+
+
+# The key, in ``WorkerStart.preparation``, of the main script's source for a worker that
+# cannot see the script (see ``popen._preparation`` and ``bootstrap._visible_main``).
+MAIN_SOURCE = "fibrl_main_source"
 
 RAW_TYPES = (bytes, bytearray, memoryview)
 

@@ -23,16 +23,16 @@ import secrets
 import sys
 import threading
 import time
-from dataclasses import dataclass
 from multiprocessing import context as mp_context
 from multiprocessing import spawn as mp_spawn
 from typing import Any, Optional
 
-from . import serialization
+from . import runtime, serialization
 from .backends import JobSpec, get_backend
 from .config import Config
 from .errors import BackendError
 from .hub import ReplySink, Service, get_hub
+from .messages import MAIN_SOURCE, WorkerStart
 
 __all__ = ["Popen", "WorkerStart", "run_id"]
 
@@ -47,16 +47,6 @@ def run_id() -> str:
     if _run_id is None:
         _run_id = os.environ.get("FIBRL_RUN_ID") or secrets.token_hex(6)
     return _run_id
-
-
-@dataclass(frozen=True)
-class WorkerStart:
-    """What a worker needs to become the process object: sent after authentication."""
-
-    process: bytes
-    config: Config
-    preparation: dict
-    parent_address: str
 
 
 class _Handover(Service):
@@ -85,7 +75,7 @@ class Popen:
         self._done = threading.Event()
         self._closed = False
         self._stopped = False    # terminate()/kill() asked for the end
-        self._backend = get_backend(config)
+        self._backend = _backend_for(config)
         hub = get_hub()
         start = WorkerStart(self._pickle(process_obj), config,
                             _preparation(process_obj, config.backend != "local"), hub.address)
@@ -227,6 +217,18 @@ class Popen:
         return self._job
 
 
+_closed_at_exit: set = set()
+
+
+def _backend_for(config: Config):
+    """The backend for ``config``, whose ``close_at_exit`` joins the exit sequence once."""
+    backend = get_backend(config)
+    if id(backend) not in _closed_at_exit:   # backends live as long as the process
+        _closed_at_exit.add(id(backend))
+        runtime.at_exit(runtime.BACKENDS, backend.close_at_exit)
+    return backend
+
+
 def _preparation(process_obj: Any, elsewhere: bool) -> dict:
     """What spawn needs to rebuild this process's state in the worker.
 
@@ -250,7 +252,6 @@ def _preparation(process_obj: Any, elsewhere: bool) -> dict:
     return data
 
 
-MAIN_SOURCE = "fibrl_main_source"
 _MAIN_SOURCE_LIMIT = 1 << 20
 
 

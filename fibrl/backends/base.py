@@ -124,6 +124,14 @@ class Backend(abc.ABC):
         """The interpreter command that workers of this backend run."""
         return "python"
 
+    def close_at_exit(self) -> None:
+        """Free what outlives this process's jobs (ended containers, a watch, pods left).
+
+        Called once at interpreter exit, after this process's children ended and
+        before its hub closes (``runtime``'s exit sequence, step BACKENDS). A
+        backend registers nothing at exit by itself.
+        """
+
     def listen_host(self) -> str:
         """Address the parent must listen on so workers can reach it."""
         return self.config.listen_host

@@ -34,7 +34,6 @@ containers whose parent process is gone.
 """
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import functools
 import logging
@@ -531,7 +530,6 @@ class DockerBackend(Backend):
                 self._client = client = connect()
                 threading.Thread(target=_collect_orphans, args=(client,), daemon=True,
                                  name="fibrl-docker-orphans").start()
-                atexit.register(self._remove_ended)
         _start_reaper()   # once per process (its own lock); a forked child starts its own
         return client
 
@@ -715,8 +713,8 @@ class DockerBackend(Backend):
         job._begin()
         return job
 
-    def _remove_ended(self) -> None:
-        """At exit: remove the containers of jobs that ended but were not removed yet."""
+    def close_at_exit(self) -> None:
+        """Remove the containers of jobs that ended but were not removed yet."""
         with self._lock:
             jobs = [job for job in self._jobs if job._ended.is_set()]
         for job in jobs:

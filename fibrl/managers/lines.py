@@ -28,10 +28,9 @@ import itertools
 import threading
 import weakref
 from collections import deque
-from multiprocessing import util
 from typing import Any, Optional
 
-from .. import serialization
+from .. import runtime, serialization
 from ..errors import ChannelClosed, RemoteObjectError, TransportError
 from ..hub import Hub, get_hub, raise_remote
 from ..janitor import Finalizer
@@ -62,12 +61,10 @@ class Line:
     """One thread's dedicated connection to the manager server at ``address``."""
 
     def __init__(self, address: str, authkey: bytes) -> None:
-        from ..context import current_config
         from ..transport import Channel
 
         hub = hub_for(authkey)
-        config = current_config()
-        self._slice, self._limit = config.heartbeat_interval, config.parent_timeout
+        self._slice, self._limit = hub.heartbeat_interval, hub.parent_timeout
         self.address = address
         self.authkey = authkey
         self.broken = False
@@ -150,8 +147,8 @@ def hub_for(authkey: bytes) -> Hub:
     with _hubs_lock:
         other = _hubs.get(bytes(authkey))
         if other is None:
-            other = _hubs[bytes(authkey)] = Hub(bytes(authkey), hub.host, hub.auth_timeout,
-                                                  hub.connect_timeout)
+            other = _hubs[bytes(authkey)] = Hub.from_config(runtime.current_config(), authkey,
+                                                              host=hub.host)
             _hook_exit()
     return other
 
@@ -183,11 +180,11 @@ def take_decrefs(address: str) -> tuple:
 
 
 def _hook_exit() -> None:
-    """Close lines and extra hubs at exit, after managers shut down, before nng's exit."""
+    """Close lines and extra hubs at exit, after managers shut down and children ended,
+    before the process hub closes."""
     global _exit_hooked
     if not _exit_hooked:
-        get_hub()  # registers the hub's exit handler, which runs multiprocessing's finalizers
-        util.Finalize(None, _close_everything, exitpriority=-10)
+        runtime.at_exit(runtime.CONNECTIONS, _close_everything)
         _exit_hooked = True
 
 

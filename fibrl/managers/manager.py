@@ -213,9 +213,9 @@ class BaseManager:
             raise TypeError("initializer must be a callable")
 
     def _make_process(self, report: StartReport, initializer: Any, initargs: tuple) -> Any:
-        from ..context import _default
+        from ..context import default_context
 
-        ctx = self._ctx or _default
+        ctx = self._ctx or default_context
         proc = ctx.Process(target=_run_server,
                            args=(self._registry, self._address, bytes(self._authkey),
                                  self._serializer, report, initializer, initargs))

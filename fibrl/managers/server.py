@@ -39,6 +39,7 @@ from typing import Any, Callable, Optional
 from .. import serialization
 from ..errors import RemoteObjectError
 from ..hub import Hub, ReplySink, Service
+from ..runtime import current_config
 from ..synchronize.services import answer
 from .lines import MANAGER_OID
 
@@ -375,14 +376,12 @@ class Server:
 
     def __init__(self, registry: dict, address: Any, authkey: bytes,
                  serializer: str = "pickle") -> None:
-        from ..context import current_config
-
         config = current_config()
         host, port = listen_address(address, config.listen_host)
         self.registry = registry
         self.authkey = bytes(authkey)
         self.nonce = secrets.token_hex(4)
-        self.hub = Hub(self.authkey, host, config.auth_timeout, config.start_timeout, port=port)
+        self.hub = Hub.from_config(config, self.authkey, host=host, port=port)
         self.service = ManagerService(self)
         self.hub.register(self.service, MANAGER_OID)
         self.hub.register(_Ping(), "hub")

@@ -49,13 +49,13 @@ def fibrl_context(context: Any) -> Any:
 
     Anything with a ``config`` and a ``Process`` factory is used as it is.
     """
-    from ..context import _default
+    from ..context import default_context
 
     if context is None:
-        return _default
+        return default_context
     if hasattr(context, "config") and hasattr(context, "Process"):
         return context
-    return _default.get_context(context.get_start_method())
+    return default_context.get_context(context.get_start_method())
 
 
 def chunked(iterable: Iterable, size: int) -> list:
