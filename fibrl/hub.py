@@ -36,7 +36,6 @@ import logging
 import os
 import threading
 import time
-import traceback
 import weakref
 from collections import deque
 from typing import Any, Callable, Optional
@@ -45,13 +44,14 @@ from multiprocessing.process import current_process
 
 from . import runtime, serialization
 from .config import Config
-from .errors import ChannelClosed, RemoteObjectError, RemoteTraceback, TransportError
+from .errors import (ChannelClosed, RemoteObjectError, TransportError, object_gone,
+                     owner_gone)
 from .janitor import Finalizer
 from .messages import RAW_TYPES, Call, RemoteError, Reply, blob, wrap_raw
 from .timers import Timers
 
-__all__ = ["Hub", "Handle", "Service", "SharedService", "Client", "get_hub", "raise_remote",
-           "drop_owner", "mark_pickled", "own"]
+__all__ = ["Hub", "Handle", "Service", "SharedService", "Client", "get_hub", "drop_owner",
+           "mark_pickled", "own"]
 
 log = logging.getLogger(__name__)
 
@@ -61,28 +61,6 @@ _ids = itertools.count(1)
 def new_oid(kind: str) -> str:
     """A process-unique object id such as ``queue-7``."""
     return f"{kind}-{next(_ids)}"
-
-
-def raise_remote(err: RemoteError) -> None:
-    """Raise a remote exception with its own type and its traceback as ``__cause__``."""
-    exc = err.exc
-    if err.tb:
-        raise exc from RemoteTraceback(err.tb)
-    raise exc
-
-
-def _as_remote(exc: BaseException) -> RemoteError:
-    tb = ""
-    if exc.__traceback__ is not None:
-        text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-        tb = f'\n"""\n{text}"""'
-    try:
-        serialization.dumps(exc)
-    except Exception:
-        exc = RemoteObjectError(f"{type(exc).__name__}: {exc}")
-    exc.__traceback__ = None
-    exc.__context__ = exc.__cause__ = None
-    return RemoteError(exc, tb)
 
 
 # Resolving and adding callbacks: brief, rare contention. Reentrant: a collection on this
@@ -143,9 +121,7 @@ class Handle:
         if not self._event.wait(timeout):
             raise TimeoutError(f"no result within {timeout} s")
         if not self._ok:
-            if isinstance(self._value, RemoteError):
-                raise_remote(self._value)
-            raise self._value
+            raise self._value  # a remote one has its traceback as __cause__ already
         return self._value
 
 
@@ -175,7 +151,9 @@ class _LocalReply(ReplySink):
         return True
 
     def fail(self, exc: BaseException) -> bool:
-        self.handle._resolve(False, _as_remote(exc) if exc.__traceback__ else exc)
+        # what a remote caller would get: the service's frames as __cause__, not live ones
+        self.handle._resolve(False, RemoteError.capture(exc).rebuilt() if exc.__traceback__
+                             else exc)
         return True
 
 
@@ -216,7 +194,7 @@ class _PeerReply(ReplySink):
         if self.rid == 0:
             log.error("one-way call failed: %r", exc, exc_info=exc)
             return True
-        return self._send(Reply(self.rid, False, _as_remote(exc)))
+        return self._send(Reply(self.rid, False, RemoteError.capture(exc)))
 
 
 class Service:
@@ -451,9 +429,7 @@ class Client:
                     handle._resolve(*_decode(reply))
 
     def _lost_error(self) -> RemoteObjectError:
-        return RemoteObjectError(
-            f"lost the connection to the fibrl process at {self.address}: it exited or was "
-            f"killed, so the objects it hosted (queues, locks, managers...) are gone.")
+        return owner_gone(self.address, "its connection dropped")
 
     def _on_lost(self) -> None:
         with self._lock:
@@ -581,9 +557,7 @@ class Hub:
             reply = _PeerReply(peer, call.rid)
             service = self._services.get(call.oid)
             if service is None:
-                reply.fail(RemoteObjectError(
-                    f"object {call.oid!r} no longer exists in process {self.pid}: it was "
-                    f"closed or garbage-collected by its owner."))
+                reply.fail(object_gone(call.oid, f"process {self.pid}"))
             else:
                 service.dispatch(call.method, call.args, reply)
 
@@ -629,7 +603,7 @@ class Hub:
             handle = Handle()
             service = self._services.get(oid)
             if service is None:
-                handle._resolve(False, RemoteObjectError(f"object {oid!r} no longer exists"))
+                handle._resolve(False, object_gone(oid, "this process"))
             else:
                 service.dispatch(method, args, _LocalReply(handle))
             return handle
@@ -668,9 +642,7 @@ class Hub:
         try:
             ping = self.call_async(address, oid, "ping")
         except TransportError as exc:
-            raise RemoteObjectError(
-                f"cannot reach the process at {address} that hosts this object ({exc}); it "
-                f"exited or was killed, so the objects it hosted are gone.") from exc
+            raise owner_gone(address, exc) from exc
         if not ping.wait(limit):
             raise RemoteObjectError(
                 f"the process at {address} that hosts this object did not answer a liveness "
@@ -688,7 +660,7 @@ class Hub:
         if self.is_local(address):
             service = self._services.get(oid)
             if service is None:
-                raise RemoteObjectError(f"object {oid!r} no longer exists")
+                raise object_gone(oid, "this process")
             service.dispatch(method, args, _NO_REPLY)
             return
         self.client(address).send(oid, method, args, inline)

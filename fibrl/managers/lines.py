@@ -31,8 +31,8 @@ from collections import deque
 from typing import Any, Optional
 
 from .. import runtime, serialization
-from ..errors import ChannelClosed, RemoteObjectError, TransportError
-from ..hub import Hub, get_hub, raise_remote
+from ..errors import ChannelClosed, RemoteObjectError, TransportError, owner_gone
+from ..hub import Hub, get_hub
 from ..janitor import Finalizer
 from ..messages import Call, wrap_raw
 
@@ -50,11 +50,8 @@ _exit_hooked = False
 
 
 def lost_error(address: str, detail: Any = "") -> RemoteObjectError:
-    extra = f" ({detail})" if detail else ""
-    return RemoteObjectError(
-        f"lost the manager server at {address}{extra}: it was shut down, killed or its "
-        f"machine is gone, so the objects it managed are gone. Start a new manager (or "
-        f"check the server's logs if it should still be running).")
+    """The manager server at ``address`` is gone (``errors.owner_gone``'s wording)."""
+    return owner_gone(address, detail, owner="manager server", hosted="managed objects")
 
 
 class Line:
@@ -95,7 +92,7 @@ class Line:
             raise
         value = serialization.loads(reply.value) if reply.encoded else reply.value
         if not reply.ok:
-            raise_remote(value)
+            raise value  # unpickled with the server's traceback as __cause__
         return value
 
     def _receive(self, rid: int):

@@ -140,9 +140,13 @@ class Report:
 
 @message
 class Raised:
-    """An item's outcome when the call raised (or its result could not be pickled)."""
+    """An item's outcome when the call raised (or its result could not be pickled).
 
-    error: RemoteError
+    The worker builds it with a :class:`~fibrl.messages.RemoteError`; the parent
+    unpickles the exception itself, its traceback chained as ``__cause__``.
+    """
+
+    error: "RemoteError | BaseException"
 
 
 @message

@@ -25,7 +25,6 @@ from collections import deque
 from multiprocessing import TimeoutError as MpTimeoutError
 from typing import Any, Callable, Optional
 
-from ..errors import RemoteTraceback
 from .protocol import Raised
 
 __all__ = ["ApplyResult", "AsyncResult", "MapResult", "IMapIterator",
@@ -47,10 +46,7 @@ def outcome(item: Any) -> tuple[bool, Any]:
     """``(True, value)`` or ``(False, exception)`` with the remote traceback as ``__cause__``."""
     kind = type(item)
     if kind is Raised:
-        exc = item.error.exc
-        if item.error.tb:
-            exc.__cause__ = RemoteTraceback(item.error.tb)
-        return False, exc
+        return False, item.error  # unpickled with the worker's traceback as __cause__
     if kind is Failure:
         return False, item.exc
     return True, item

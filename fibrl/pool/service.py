@@ -54,7 +54,7 @@ import time
 from collections import OrderedDict, deque
 from typing import Any, Optional
 
-from ..errors import (RemoteTraceback, SerializationError, TaskFailedError, WorkerLostError,
+from ..errors import (SerializationError, TaskFailedError, WorkerLostError,
                       describe_exitcode)
 from ..hub import ReplySink, Service
 from .protocol import LOADING, STOP, Batch, Kind, Report, TaskSpec, describe, unpack
@@ -375,11 +375,9 @@ class PoolService(Service):
             raise KeyError(f"the pool no longer knows callable {fid}")
         reply(func.data)
 
-    def op_init_failed(self, reply: ReplySink, wid: int, error: Any) -> None:
+    def op_init_failed(self, reply: ReplySink, wid: int, error: BaseException) -> None:
         """The initializer raised in worker ``wid``: every task would fail the same way."""
-        exc = error.exc
-        if error.tb:
-            exc.__cause__ = RemoteTraceback(error.tb)
+        exc = error  # unpickled with the worker's traceback as __cause__
         broken = WorkerLostError(
             f"the pool's initializer raised {type(exc).__name__}: {exc} (in worker {wid}), so "
             f"no worker can run tasks; the pool is broken and its pending tasks fail. Fix the "

@@ -23,7 +23,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from ..errors import RemoteObjectError, TransportError
+from ..errors import RemoteObjectError, TransportError, object_gone, owner_gone
 from ..hub import Handle, Hub, ReplySink, SharedService, drop_owner, get_hub
 
 __all__ = ["Owner", "owner_of", "wait_reply", "ensure_alive", "call_owner", "gone_error",
@@ -60,9 +60,7 @@ def ensure_alive(hub: Hub, address: str, limit: float, oid: str = "hub") -> None
 
 
 def gone_error(address: Optional[str], exc: BaseException) -> RemoteObjectError:
-    return RemoteObjectError(
-        f"cannot reach the process at {address} that hosts this object ({exc}); it exited "
-        f"or was killed, so the lock/event/value it hosted is gone.")
+    return owner_gone(address, exc)
 
 
 def call_owner(address: Optional[str], oid: str, method: str, *args: Any) -> Any:
@@ -294,7 +292,7 @@ class LockService(HostedService):
         with self.mutex:
             waiters, self.waiters = list(self.waiters), deque()
         for waiter in waiters:
-            waiter.reply.fail(RemoteObjectError(f"{self.oid} was closed by its owner"))
+            waiter.reply.fail(object_gone(self.oid, "its process", "closed"))
         for oid in self.conditions:
             self.hub.unregister(oid)
 
@@ -360,7 +358,7 @@ class ConditionService(HostedService):
         with self.mutex:
             waiters, self.waiters = list(self.waiters), deque()
         for waiter in waiters:
-            waiter.reply.fail(RemoteObjectError(f"{self.oid} was closed by its owner"))
+            waiter.reply.fail(object_gone(self.oid, "its process", "closed"))
 
 
 class EventService(HostedService):
