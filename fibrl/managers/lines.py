@@ -100,9 +100,7 @@ class Line:
             try:
                 reply = serialization.loads(self._channel.recv(self._slice))
             except TimeoutError:
-                from ..synchronize.services import ensure_alive
-
-                ensure_alive(hub_for(self.authkey), self.address, self._limit)
+                hub_for(self.authkey).ensure_alive(self.address, self._limit)
                 continue
             if reply.rid == rid:
                 return reply

@@ -40,7 +40,7 @@ from .. import serialization
 from ..errors import RemoteObjectError
 from ..hub import Hub, ReplySink, Service
 from ..runtime import current_config
-from ..synchronize.services import answer
+from ..hosted import answer
 from .lines import MANAGER_OID
 
 __all__ = ["Server", "ManagerService", "Token", "ProxyRef", "Created", "Registration",
@@ -362,11 +362,6 @@ _FALLBACKS: dict[str, Callable[[Any], Any]] = {
 }
 
 
-class _Ping(Service):
-    def op_ping(self, reply: ReplySink) -> None:
-        reply(os.getpid())
-
-
 class Server:
     """Serves the objects of one manager on an address guarded by its authkey.
 
@@ -384,7 +379,6 @@ class Server:
         self.hub = Hub.from_config(config, self.authkey, host=host, port=port)
         self.service = ManagerService(self)
         self.hub.register(self.service, MANAGER_OID)
-        self.hub.register(_Ping(), "hub")
         self.address = self.hub.address
         self.stop_event = threading.Event()
 
