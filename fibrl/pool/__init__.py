@@ -33,14 +33,13 @@ from typing import Any, Callable, Iterable, Optional
 
 from ..janitor import Finalizer
 from .engine import Engine, worker_meta
-from .protocol import Kind, pack
+from .protocol import CLOSE, INIT, RUN, TERMINATE, Kind, pack
 from .results import (ApplyResult, AsyncResult, IMapIterator, IMapUnorderedIterator,
                       MapResult)
 
 __all__ = ["Pool", "ApplyResult", "AsyncResult", "MapResult", "IMapIterator",
            "IMapUnorderedIterator"]
 
-INIT, RUN, CLOSE, TERMINATE = "INIT", "RUN", "CLOSE", "TERMINATE"
 BACKLOG_CHUNKS = 256
 
 
