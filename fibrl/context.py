@@ -18,7 +18,8 @@ import os
 from typing import Any, Optional
 
 from . import process, runtime
-from .config import BACKENDS, Config, resolve
+from .backends.base import BACKENDS
+from .config import Config, resolve
 from .errors import AuthenticationError
 from .runtime import current_config, install_config
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import os
-import secrets
 import sys
 import threading
 import time
@@ -29,6 +28,7 @@ from typing import Any, Optional
 
 from . import runtime, serialization
 from .backends import JobSpec, get_backend
+from .backends.base import job_labels, run_id
 from .config import Config
 from .errors import BackendError
 from .hub import ReplySink, Service, get_hub
@@ -37,17 +37,6 @@ from .messages import MAIN_SOURCE, WorkerStart
 __all__ = ["Popen", "WorkerStart", "run_id"]
 
 log = logging.getLogger(__name__)
-
-_run_id: Optional[str] = None
-
-
-def run_id() -> str:
-    """Identifier shared by every process of this program run (labels its jobs)."""
-    global _run_id
-    if _run_id is None:
-        _run_id = os.environ.get("FIBRL_RUN_ID") or secrets.token_hex(6)
-    return _run_id
-
 
 class _Handover(Service):
     """Gives the pickled process to the worker that connects for it, once."""
@@ -124,8 +113,7 @@ class Popen:
             env={"FIBRL_SECRET": bytes(process_obj.authkey).hex(), "FIBRL_RUN_ID": run_id()},
             cpu=meta.get("cpu", config.cpu), memory=meta.get("memory", config.memory),
             gpu=meta.get("gpu", config.gpu),
-            labels={"fibrl.run": run_id(), "fibrl.parent": str(os.getpid()),
-                    "fibrl.role": getattr(process_obj, "_fibrl_role", "process")},
+            labels=job_labels(getattr(process_obj, "_fibrl_role", "process")),
             name=process_obj.name, workdir=os.getcwd())
 
     def _connected(self, pid: Optional[int]) -> None:

@@ -50,7 +50,9 @@ from typing import Any, Optional
 
 from ..config import Config
 from ..errors import BackendError, describe_exitcode
-from .base import Backend, Job, JobSpec, JobStatus
+from . import base
+from .base import (LABEL_BACKEND, LABEL_PARENT, LABEL_ROLE, LABEL_RUN, Backend, Job, JobSpec,
+                   JobStatus)
 
 __all__ = ["DockerBackend", "DockerJob", "connect", "container_name", "exit_code",
            "in_worker_container", "list_containers", "pid_namespace", "remove_containers",
@@ -58,10 +60,7 @@ __all__ = ["DockerBackend", "DockerJob", "connect", "container_name", "exit_code
 
 log = logging.getLogger(__name__)
 
-LABEL_BACKEND = "fibrl.backend"
 LABEL_HOST = "fibrl.host"
-LABEL_RUN = "fibrl.run"
-LABEL_PARENT = "fibrl.parent"
 LABEL_PIDNS = "fibrl.pidns"   # whose pid fibrl.parent is: the parent's PID namespace
 LOG_TAIL_LINES = 500  # what logs() keeps of a removed container, and shows in errors
 _MAX_SIGNAL = 64
@@ -587,11 +586,7 @@ class DockerBackend(Backend):
 
     def cleanup(self, run_id: Optional[str] = None, *, force: bool = True) -> list:
         """Remove the containers of ``run_id`` (default: this program's run); return names."""
-        if run_id is None:
-            from ..popen import run_id as current_run
-
-            run_id = current_run()
-        return remove_containers(run_id, force=force, client=self.client)
+        return remove_containers(run_id or base.run_id(), force=force, client=self.client)
 
     # -- building the container ------------------------------------------------------
     def _check_network(self) -> None:
@@ -672,7 +667,7 @@ class DockerBackend(Backend):
         """Run ``python -c "import fibrl.bootstrap"`` in the worker's set-up, once."""
         probe = dict(kwargs, command=[spec.command[0], "-c", "import fibrl.bootstrap"],
                      environment={}, name=container_name("probe"))
-        probe["labels"] = dict(kwargs["labels"], **{"fibrl.role": "probe"})
+        probe["labels"] = dict(kwargs["labels"], **{LABEL_ROLE: "probe"})
         for key in ("nano_cpus", "mem_limit", "memswap_limit", "device_requests"):
             probe.pop(key, None)
         container = self._create(probe, image)
