@@ -107,14 +107,16 @@ class Popen:
     def _spec(self, process_obj: Any, address: str) -> JobSpec:
         config = self.config
         meta = getattr(process_obj, "_fibrl_meta", None) or {}
+        python = self._backend.python()
         return JobSpec(
-            command=(self._backend.python(), "-m", "fibrl.bootstrap", address, self._oid),
+            command=(python, "-m", "fibrl.bootstrap", address, self._oid),
             image=config.image,
             env={"FIBRL_SECRET": bytes(process_obj.authkey).hex(), "FIBRL_RUN_ID": run_id()},
             cpu=meta.get("cpu", config.cpu), memory=meta.get("memory", config.memory),
             gpu=meta.get("gpu", config.gpu),
             labels=job_labels(getattr(process_obj, "_fibrl_role", "process")),
-            name=process_obj.name, workdir=os.getcwd())
+            name=process_obj.name, workdir=os.getcwd(),
+            probe=(python, "-c", "import fibrl.bootstrap"), preload=WORKER_PRELOAD)
 
     def _connected(self, pid: Optional[int]) -> None:
         log.debug("job %s connected back (pid %s)", getattr(self._job, "id", "?"), pid)
@@ -204,6 +206,10 @@ class Popen:
         """The backend's :class:`~fibrl.backends.Job` of this worker."""
         return self._job
 
+
+# What every worker imports before it connects (a fork server imports it once; importing
+# transport loads pynng but starts no nng thread, so forking afterwards is safe).
+WORKER_PRELOAD = ("fibrl.bootstrap", "fibrl.hub", "fibrl.messages", "fibrl.transport")
 
 _closed_at_exit: set = set()
 

@@ -74,6 +74,11 @@ class JobSpec:
         labels: key/value tags that identify the run, parent and role.
         name: a human-readable job name (backends sanitize it).
         workdir: working directory of the worker ("": backend default).
+        probe: a command that exits 0 when ``image`` can run this job; a container
+            backend runs it once per image and mount, and reports its output if
+            it fails (``()``: no probe).
+        preload: modules a fork server may import ahead of time for a
+            ``python -m module ...`` command, to start it faster (local backend).
     """
 
     command: tuple
@@ -86,6 +91,8 @@ class JobSpec:
     labels: Mapping[str, str] = field(default_factory=dict)
     name: str = "fibrl-worker"
     workdir: str = ""
+    probe: tuple = ()
+    preload: tuple = ()
 
 
 class Job(abc.ABC):

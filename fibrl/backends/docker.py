@@ -15,7 +15,7 @@ Data flow of one job::
       attach(stream, demux)  <- before start, so no output is lost
       start
       once per image and mount, while that worker boots: a probe container runs
-            ``python -c "import fibrl.bootstrap"`` (BackendError with its output
+            the spec's probe command (BackendError with its output
             if that fails, and the worker is removed; concurrent starts wait)
       follower thread:  frames --> parent's stdout / stderr
                         EOF (container stopped) --> wait API --> inspect
@@ -664,9 +664,11 @@ class DockerBackend(Backend):
         self._images.add(image)
 
     def _probe(self, image: str, spec: JobSpec, kwargs: dict) -> None:
-        """Run ``python -c "import fibrl.bootstrap"`` in the worker's set-up, once."""
-        probe = dict(kwargs, command=[spec.command[0], "-c", "import fibrl.bootstrap"],
-                     environment={}, name=container_name("probe"))
+        """Run the spec's probe command in the worker's set-up, once."""
+        if not spec.probe:
+            return
+        probe = dict(kwargs, command=list(spec.probe), environment={},
+                     name=container_name("probe"))
         probe["labels"] = dict(kwargs["labels"], **{LABEL_ROLE: "probe"})
         for key in ("nano_cpus", "mem_limit", "memswap_limit", "device_requests"):
             probe.pop(key, None)
@@ -680,7 +682,7 @@ class DockerBackend(Backend):
         finally:
             _remove_quietly(self.client.api, container.id)
         if status != 0:
-            raise _unusable_image(image, kwargs["working_dir"], status, output)
+            raise _unusable_image(image, kwargs["working_dir"], status, output, spec.probe)
 
     # -- starting ---------------------------------------------------------------------
     def _create(self, kwargs: dict, image: str) -> Any:
@@ -745,8 +747,12 @@ def _start_error(image: str, exc: Exception) -> BackendError:
                         f"engine at {_engine_address()}: {text}. Fix: {fix}")
 
 
+def _shell(command: tuple) -> str:
+    return " ".join(f'"{part}"' if " " in part else part for part in command)
+
+
 def _unusable_image(image: str, workdir: Optional[str], status: int,
-                    output: str) -> BackendError:
+                    output: str, probe: tuple) -> BackendError:
     if status == 127 or ("exec" in output and "failed" in output):
         cause = "the image has no `python` on its PATH"
     elif "No module named" in output:
@@ -754,8 +760,8 @@ def _unusable_image(image: str, workdir: Optional[str], status: int,
     else:
         cause = "python or fibrl is broken in the image"
     return BackendError(
-        f"the worker image {image!r} cannot run fibrl workers: `python -c \"import "
-        f"fibrl.bootstrap\"` exited with {describe_exitcode(exit_code(status))} in it "
+        f"the worker image {image!r} cannot run fibrl workers: `{_shell(probe)}` exited "
+        f"with {describe_exitcode(exit_code(status))} in it "
         f"(working directory {workdir or 'the image default'}). Likely cause: {cause}. "
         f"Fix: build the image with docker/build-image.sh (it installs fibrl), or pip "
         f"install fibrl in your image, or set image=... Container output:\n{output.strip()}")
