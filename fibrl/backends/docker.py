@@ -271,10 +271,9 @@ def _start_reaper() -> None:
 
 
 def _spawn_reaper(read_end: int) -> None:
-    import fibrl
-
     env = dict(os.environ)   # the reaper imports this fibrl, wherever it came from
-    root = os.path.dirname(os.path.dirname(os.path.abspath(fibrl.__file__)))
+    here = os.path.dirname(os.path.abspath(__file__))   # .../fibrl/backends
+    root = os.path.dirname(os.path.dirname(here))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_docker_reaper.py")
     first = subprocess.Popen(
