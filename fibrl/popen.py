@@ -207,9 +207,10 @@ class Popen:
         return self._job
 
 
-# What every worker imports before it connects (a fork server imports it once; importing
-# transport loads pynng but starts no nng thread, so forking afterwards is safe).
-WORKER_PRELOAD = ("fibrl.bootstrap", "fibrl.hub", "fibrl.messages", "fibrl.transport")
+# What a worker imports before it connects (a fork server imports it once; importing
+# transport loads pynng but starts no nng thread, so forking afterwards is safe). Not
+# bootstrap itself: it runs as __main__, as with `python -m`.
+WORKER_PRELOAD = ("fibrl.hub", "fibrl.messages", "fibrl.transport")
 
 _closed_at_exit: set = set()
 

@@ -59,6 +59,8 @@ def _child(request: dict, stdio: list, keep_fds: tuple) -> None:
         os.chdir(request["cwd"])
     code = 1
     try:
+        # As `python -m`: the module runs as __main__ only, not also under its own name.
+        sys.modules.pop(request["module"], None)
         sys.argv = [request["module"], *request["argv"]]  # runpy sets argv[0] to its path
         runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
         code = 0
