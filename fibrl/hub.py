@@ -636,11 +636,14 @@ class Hub:
                 raise TimeoutError(f"no result within {timeout} s")
             self.ensure_alive(address, self.parent_timeout)
 
-    def ensure_alive(self, address: str, limit: float, oid: str = "hub") -> None:
+    def ensure_alive(self, address: str, limit: float) -> None:
         """Raise :class:`RemoteObjectError` when the hub at ``address`` does not answer a
-        ping within ``limit`` seconds (its process, machine or network is gone)."""
+        ping within ``limit`` seconds (its process, machine or network is gone).
+
+        The one liveness ping: every hub hosts ``_HubService`` as ``"hub"``.
+        """
         try:
-            ping = self.call_async(address, oid, "ping")
+            ping = self.call_async(address, "hub", "ping")
         except TransportError as exc:
             raise owner_gone(address, exc) from exc
         if not ping.wait(limit):
