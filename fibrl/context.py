@@ -68,9 +68,7 @@ class BaseContext:
 
     def cpu_count(self) -> int:
         """Number of CPUs of the backend's view (this machine for local and docker)."""
-        from .backends import get_backend
-
-        return get_backend(self.config).cpu_count()
+        return runtime.backend(self.config).cpu_count()
 
     def Manager(self):
         """A started :class:`fibrl.managers.SyncManager`."""

@@ -27,7 +27,7 @@ from multiprocessing import spawn as mp_spawn
 from typing import Any, Optional
 
 from . import runtime, serialization
-from .backends import JobSpec, get_backend
+from .backends import JobSpec
 from .backends.base import job_labels, run_id
 from .config import Config
 from .errors import BackendError
@@ -64,7 +64,7 @@ class Popen:
         self._done = threading.Event()
         self._closed = False
         self._stopped = False    # terminate()/kill() asked for the end
-        self._backend = _backend_for(config)
+        self._backend = runtime.backend(config)
         hub = get_hub()
         start = WorkerStart(self._pickle(process_obj), config,
                             _preparation(process_obj, config.backend != "local"), hub.address)
@@ -211,18 +211,6 @@ class Popen:
 # transport loads pynng but starts no nng thread, so forking afterwards is safe). Not
 # bootstrap itself: it runs as __main__, as with `python -m`.
 WORKER_PRELOAD = ("fibrl.hub", "fibrl.messages", "fibrl.transport")
-
-_closed_at_exit: set = set()
-
-
-def _backend_for(config: Config):
-    """The backend for ``config``, whose ``close_at_exit`` joins the exit sequence once."""
-    backend = get_backend(config)
-    if id(backend) not in _closed_at_exit:   # backends live as long as the process
-        _closed_at_exit.add(id(backend))
-        runtime.at_exit(runtime.BACKENDS, backend.close_at_exit)
-    return backend
-
 
 def _preparation(process_obj: Any, elsewhere: bool) -> dict:
     """What spawn needs to rebuild this process's state in the worker.

@@ -17,7 +17,8 @@ Owns three facts that every layer needs and no layer above may be asked for:
                    children and join the others, which may still use our hub
       CONNECTIONS  dedicated connections and extra hubs (manager lines)
       BACKENDS     what backends clean up once children ended (containers
-                   that ended, a kubernetes watch)
+                   that ended, a kubernetes watch): ``close_at_exit`` of every
+                   backend obtained through :func:`backend`
       HUB          the hub: flush the janitor, stop it, close the hub, join the
                    janitor; nothing of ours is inside nng when nng exits
 
@@ -26,9 +27,10 @@ Owns three facts that every layer needs and no layer above may be asked for:
   callbacks in the order they were added. A failing callback is logged and
   the sequence goes on.
 
-It imports nothing from fibrl but ``config`` and ``janitor`` (and ``transport``
-when the exit handler is first registered, so that pynng's own handler comes
-first and runs last). It does not own the hub's behaviour (``hub``), the
+It imports nothing from fibrl but ``config`` and ``janitor``, ``backends``
+when a backend is first asked for, and ``transport`` when the exit handler is
+first registered (so that pynng's own handler comes first and runs last): all
+below it. It does not own the hub's behaviour (``hub``), the
 factories (``context``) nor how a worker adopts its parent's state
 (``bootstrap``).
 """
@@ -43,7 +45,7 @@ from . import janitor
 from .config import Config, resolve
 
 __all__ = ["current_config", "install_config", "reset_config", "config_is_set",
-           "installed_hub", "install_hub", "at_exit", "CHILDREN", "CONNECTIONS",
+           "installed_hub", "install_hub", "at_exit", "backend", "CHILDREN", "CONNECTIONS",
            "BACKENDS", "HUB"]
 
 log = logging.getLogger(__name__)
@@ -155,6 +157,23 @@ def at_exit(step: str, fn: Callable[[], Any]) -> None:
     _register_exit()
     with _exit_lock:
         _exit_table[step].append(fn)
+
+
+def backend(config: Config) -> Any:
+    """The backend for ``config`` (``backends.get_backend``), whose ``close_at_exit``
+    joins the exit sequence (step BACKENDS) the first time it is used here."""
+    from .backends import get_backend
+
+    found = get_backend(config)
+    with _exit_lock:
+        known = id(found) in _backends_seen   # backends live as long as the process
+        _backends_seen.add(id(found))
+    if not known:
+        at_exit(BACKENDS, found.close_at_exit)
+    return found
+
+
+_backends_seen: set = set()
 
 
 def _register_exit() -> None:
