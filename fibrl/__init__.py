@@ -15,7 +15,7 @@ Example:
 """
 from __future__ import annotations
 
-from .context import _default, init
+from .context import default_context, init
 from .errors import AuthenticationError
 from .meta import meta
 from .process import Process
@@ -32,8 +32,8 @@ _METHODS = (
     "get_logger", "get_start_method", "log_to_stderr", "parent_process", "set_executable",
     "set_forkserver_preload", "set_start_method",
 )
-globals().update({name: getattr(_default, name) for name in _METHODS})
-reducer = _default.reducer
+globals().update({name: getattr(default_context, name) for name in _METHODS})
+reducer = default_context.reducer
 
 __all__ = sorted(_METHODS + (
     "AuthenticationError", "BufferTooShort", "Process", "ProcessError", "TimeoutError",

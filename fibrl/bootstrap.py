@@ -55,7 +55,7 @@ def _visible_main(preparation: dict) -> tuple:
     one (a launcher such as the ``pytest`` script, too big a file), as for an
     interactive parent, __main__ is not rebuilt.
     """
-    from .popen import MAIN_SOURCE  # imported already: the start message is a popen class
+    from .messages import MAIN_SOURCE
 
     preparation = dict(preparation)
     source = preparation.pop(MAIN_SOURCE, None)
@@ -92,12 +92,12 @@ def _become(start, hub, client, exiting):
     from multiprocessing import process as mp_process
     from multiprocessing import spawn as mp_spawn
 
-    from . import context, serialization
+    from . import runtime, serialization
 
     config = _own_listen_host(start.config)
-    context.install_config(config)
-    hub.host = config.listen_host
+    hub.host = config.listen_host   # before install: the hub has not listened yet
     hub.auth_timeout = config.auth_timeout
+    runtime.install_config(config)  # also hands the hub the parent's heartbeat timings
     threading.Thread(target=_heartbeat, daemon=True, name="fibrl-heartbeat",
                      args=(client, config.heartbeat_interval, config.parent_timeout,
                            exiting)).start()
@@ -124,13 +124,15 @@ def main(argv: list[str]) -> int:
 
     from multiprocessing import process as mp_process
 
-    from . import hub as hub_module
+    from . import runtime
     from .config import Config
+    from .hub import Hub
 
     secret = bytes.fromhex(secret_hex)
     mp_process.current_process().authkey = secret
-    hub = hub_module.Hub(secret, connect_timeout=Config().start_timeout)
-    hub_module.install_hub(hub)
+    # built from defaults: the parent's config arrives over this hub's first connection
+    hub = Hub.from_config(Config(), secret, host="127.0.0.1")
+    runtime.install_hub(hub)
     client = hub.client(address)
     exiting = threading.Event()
     client.on_lost(lambda: exiting.is_set() or _parent_lost("lost the connection to the parent"))

@@ -27,12 +27,12 @@ import secrets
 import sys
 from typing import Optional
 
+from .backends.base import CLUSTER_BACKENDS as BACKENDS
 from .config import Config, resolve
 from .errors import ConfigError, FibrlError
 
 __all__ = ["main"]
 
-BACKENDS = ("kubernetes", "docker")
 
 
 def _parser() -> argparse.ArgumentParser:

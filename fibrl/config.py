@@ -7,9 +7,10 @@ defaults below. Unknown keys are rejected with the list of valid ones; values
 from text sources are parsed to the field's type (``FIBRL_DEBUG=false`` is
 ``False``).
 
-This module owns parsing and validation only. The config in force belongs to a
-context (``fibrl.context``), never to a module global; the parent hands its
-config to every worker it starts.
+This module owns parsing and validation only. The config in force is kept by
+``fibrl.runtime`` (set through ``fibrl.init`` or the default context); the
+parent hands its config to every worker it starts. The backend names are
+``fibrl.backends.base``'s.
 """
 from __future__ import annotations
 
@@ -19,11 +20,11 @@ import typing
 from pathlib import Path
 from typing import Any, Mapping
 
+from .backends.base import BACKENDS
 from .errors import ConfigError
 
 __all__ = ["Config", "resolve", "BACKENDS"]
 
-BACKENDS = ("local", "docker", "kubernetes")
 CONFIG_FILE = ".fibrlconfig"
 ENV_PREFIX = "FIBRL_"
 

@@ -3,8 +3,9 @@
 As in ``multiprocessing.context``, every factory imports its implementation
 when called, so ``import fibrl`` stays cheap and imports no backend. A context
 is bound to a backend; the default context follows the config in force, which
-``fibrl.init(**kw)`` (or ``set_start_method``) sets. The config belongs to the
-default context object, not to a module global.
+``fibrl.init(**kw)`` (or ``set_start_method``) sets. The config in force is
+owned by ``runtime`` (the bottom layer, so the hosting core never asks this
+module for it); the default context reads and sets it there.
 
 Start methods map to backends: ``"local"`` (and the stdlib names ``"spawn"``,
 ``"fork"``, ``"forkserver"``, which all start fresh local interpreters:
@@ -12,17 +13,18 @@ nng cannot survive a fork), ``"docker"`` and ``"kubernetes"``.
 """
 from __future__ import annotations
 
-import logging
 import multiprocessing
 import os
-import threading
 from typing import Any, Optional
 
-from . import process
-from .config import BACKENDS, Config, resolve
+from . import process, runtime
+from .backends.base import BACKENDS
+from .config import Config, resolve
 from .errors import AuthenticationError
+from .runtime import current_config, install_config
 
-__all__ = ["BaseContext", "DefaultContext", "current_config", "install_config", "init"]
+__all__ = ["BaseContext", "DefaultContext", "default_context", "current_config", "install_config",
+           "init"]
 
 _ALIASES = {"spawn": "local", "fork": "local", "forkserver": "local"}
 
@@ -53,7 +55,7 @@ class BaseContext:
     @property
     def config(self) -> Config:
         """The config this context starts workers with."""
-        base = _default.config
+        base = current_config()
         if self._backend and base.backend != self._backend:
             return base.replace(backend=self._backend)
         return base
@@ -66,9 +68,7 @@ class BaseContext:
 
     def cpu_count(self) -> int:
         """Number of CPUs of the backend's view (this machine for local and docker)."""
-        from .backends import get_backend
-
-        return get_backend(self.config).cpu_count()
+        return runtime.backend(self.config).cpu_count()
 
     def Manager(self):
         """A started :class:`fibrl.managers.SyncManager`."""
@@ -191,7 +191,7 @@ class BaseContext:
         return _contexts[_backend_of(method)]
 
     def get_start_method(self, allow_none: bool = False) -> str:
-        return self._backend or _default.get_start_method(allow_none)
+        return self._backend or default_context.get_start_method(allow_none)
 
     def set_start_method(self, method: Optional[str], force: bool = False) -> None:
         raise ValueError("cannot set start method of concrete context")
@@ -226,39 +226,28 @@ class BackendContext(BaseContext):
 
 
 class DefaultContext(BaseContext):
-    """The context behind the module-level functions; owns the config in force."""
-
-    def __init__(self) -> None:
-        self._config: Optional[Config] = None
-        self._explicit = False
-        self._lock = threading.Lock()
+    """The context behind the module-level functions; sets the config in force
+    (kept by ``runtime``)."""
 
     @property
     def config(self) -> Config:
-        if self._config is None:
-            with self._lock:
-                if self._config is None:
-                    self._config = _apply_debug(resolve())
-        return self._config
+        return current_config()
 
     def init(self, **settings: Any) -> Config:
         """Set the config in force: ``settings`` > FIBRL_* env > .fibrlconfig > defaults."""
-        config = _apply_debug(resolve(settings))
-        with self._lock:
-            self._config = config
-            self._explicit = True
-        return config
+        return install_config(resolve(settings))
 
     def get_start_method(self, allow_none: bool = False) -> str:
-        if self._config is None and allow_none and not _env_sets_backend():
+        resolved, _ = runtime.config_is_set()
+        if not resolved and allow_none and not _env_sets_backend():
             return None  # type: ignore[return-value]
         return self.config.backend
 
     def set_start_method(self, method: Optional[str], force: bool = False) -> None:
-        if self._explicit and not force:
+        if runtime.config_is_set()[1] and not force:
             raise RuntimeError("context has already been set")
         if method is None and force:
-            self._config, self._explicit = None, False
+            runtime.reset_config()
             return
         self.init(backend=_backend_of(method))
 
@@ -272,42 +261,8 @@ def _env_sets_backend() -> bool:
     return "FIBRL_BACKEND" in os.environ
 
 
-_default = DefaultContext()
+default_context = DefaultContext()
 _contexts: dict = {name: BackendContext(name) for name in BACKENDS}
-
-
-def current_config() -> Config:
-    """The config in force in this process."""
-    return _default.config
-
-
-def install_config(config: Config) -> None:
-    """Adopt the parent's config (workers call this during start-up)."""
-    with _default._lock:
-        _default._config = _apply_debug(config)
-        _default._explicit = True
-
-
-def _apply_debug(config: Config) -> Config:
-    """``debug=True``: fibrl's own log records at DEBUG and above go to stderr.
-
-    Applied when a config comes into force (never at import); workers adopt
-    their parent's config, so they log the same way.
-    """
-    logger = logging.getLogger("fibrl")
-    handlers = [h for h in logger.handlers if getattr(h, "fibrl_debug", False)]
-    if config.debug and not handlers:
-        handler = logging.StreamHandler()
-        handler.fibrl_debug = True  # type: ignore[attr-defined]
-        handler.setFormatter(logging.Formatter(
-            "[%(levelname)s/%(processName)s/%(process)d] %(name)s: %(message)s"))
-        logger.addHandler(handler)
-        logger.setLevel(logging.DEBUG)
-    elif not config.debug and handlers:
-        for handler in handlers:
-            logger.removeHandler(handler)
-        logger.setLevel(logging.NOTSET)
-    return config
 
 
 def init(**settings: Any) -> Config:
@@ -322,4 +277,4 @@ def init(**settings: Any) -> Config:
         >>> fibrl.init(backend="local").backend
         'local'
     """
-    return _default.init(**settings)
+    return default_context.init(**settings)

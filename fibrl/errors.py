@@ -34,7 +34,8 @@ import signal
 __all__ = [
     "AuthenticationError", "BackendError", "ChannelClosed", "ConfigError", "FibrlError",
     "FrameError", "RemoteObjectError", "RemoteTraceback", "SerializationError",
-    "TaskFailedError", "TransportError", "WorkerLostError", "describe_exitcode",
+    "TaskFailedError", "TransportError", "WorkerLostError", "chain_remote", "describe_exitcode",
+    "object_gone", "owner_gone",
 ]
 
 
@@ -95,6 +96,41 @@ class RemoteTraceback(multiprocessing.pool.RemoteTraceback):
 
     def __str__(self) -> str:
         return self.tb
+
+
+def chain_remote(exc: BaseException, tb: str) -> BaseException:
+    """``exc`` with the remote traceback ``tb`` chained as its ``__cause__`` (as
+    ``raise exc from RemoteTraceback(tb)`` would); returns ``exc``."""
+    if tb:
+        exc.__cause__ = RemoteTraceback(tb)
+        exc.__suppress_context__ = True
+    return exc
+
+
+def owner_gone(address: object, detail: object = "", *, owner: str = "fibrl process",
+               hosted: str = "queues, locks, values or managers") -> RemoteObjectError:
+    """The one wording for "the process that hosts this object is gone".
+
+    ``owner`` names that process (``"manager server"``), ``hosted`` what it
+    hosted, ``detail`` the evidence (the transport's error).
+
+    Example:
+        >>> str(owner_gone("tcp://10.0.0.7:4100", owner="manager server"))[:56]
+        'lost the manager server at tcp://10.0.0.7:4100 that hos'
+    """
+    extra = f" ({detail})" if detail else ""
+    return RemoteObjectError(
+        f"lost the {owner} at {address} that hosts this object{extra}: it exited, was shut "
+        f"down or killed, or its machine is gone, so the {hosted} it hosted are gone. "
+        f"Create them again (check that process's output if it should still be running).")
+
+
+def object_gone(oid: str, where: object, how: str = "closed or garbage-collected") -> \
+        RemoteObjectError:
+    """The one wording for "this hosted object no longer exists" (its process lives on)."""
+    return RemoteObjectError(
+        f"object {oid!r} no longer exists in {where}: it was {how} by its owner. Keep the "
+        f"object (and a reference to its creating handle) alive while others use it.")
 
 
 def describe_exitcode(code: int | None) -> str:

@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterator, Optional
 from .janitor import Finalizer
 from .pool import chunked, fibrl_context
 from .pool.engine import Engine, worker_meta
-from .pool.protocol import Kind, pack
+from .pool.protocol import Kind, ResultSink, pack
 from .pool.results import IMapIterator, outcome
 
 __all__ = ["ProcessPoolExecutor", "Executor"]
@@ -38,13 +38,13 @@ __all__ = ["ProcessPoolExecutor", "Executor"]
 _BACKLOG_CHUNKS = 256
 
 
-class _PoolFuture(Future):
-    """A future that is also a pool result sink (see ``fibrl.pool.results``)."""
+class _PoolFuture(Future, ResultSink):
+    """A future that is also a pool result sink (see ``fibrl.pool.protocol``)."""
 
-    def _claim(self) -> bool:
+    def sink_claim(self) -> bool:
         return self.set_running_or_notify_cancel()
 
-    def _deliver(self, index: int, outcomes: list, clean: bool = False) -> None:
+    def sink_deliver(self, index: int, outcomes: list, clean: bool = False) -> None:
         ok, value = outcome(outcomes[0])
         try:
             if ok:
@@ -54,7 +54,7 @@ class _PoolFuture(Future):
         except InvalidStateError:
             pass  # terminated meanwhile
 
-    def _abort(self, exc: BaseException) -> None:
+    def sink_abort(self, exc: BaseException) -> None:
         try:
             self.set_exception(exc)
         except InvalidStateError:
@@ -123,7 +123,7 @@ class ProcessPoolExecutor(_BaseExecutor):
         with self._shutdown_lock:
             self._check_open()
             stream = _Stream(self)
-            stream._set_length(len(items))
+            stream.sink_set_length(len(items))
             job = self._engine.submit(stream, fn, Kind.STARMAP, chunked(items, chunksize)) \
                 if items else None
         return self._results(stream, job, len(items), deadline)

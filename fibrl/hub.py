@@ -25,7 +25,9 @@ Data flow::
 
 This module owns the dispatching and waiting. It does not own the meaning of
 any service (``queues``, ``connection``, ``synchronize``, ``pool``,
-``managers``) nor the wire (``transport``, ``serialization``).
+``managers``) nor the wire (``transport``, ``serialization``), nor which hub is
+this process's and when it closes (``runtime``: this module only builds the hub
+the first time one is asked for).
 """
 from __future__ import annotations
 
@@ -34,19 +36,22 @@ import logging
 import os
 import threading
 import time
-import traceback
 import weakref
 from collections import deque
 from typing import Any, Callable, Optional
 
-from . import janitor, serialization
-from .errors import ChannelClosed, RemoteObjectError, RemoteTraceback, TransportError
+from multiprocessing.process import current_process
+
+from . import runtime, serialization
+from .config import Config
+from .errors import (ChannelClosed, RemoteObjectError, TransportError, object_gone,
+                     owner_gone)
 from .janitor import Finalizer
 from .messages import RAW_TYPES, Call, RemoteError, Reply, blob, wrap_raw
 from .timers import Timers
 
-__all__ = ["Hub", "Handle", "Service", "SharedService", "Client", "get_hub", "raise_remote",
-           "drop_owner", "mark_pickled", "own"]
+__all__ = ["Hub", "Handle", "Service", "SharedService", "Client", "get_hub", "drop_owner",
+           "mark_pickled", "own"]
 
 log = logging.getLogger(__name__)
 
@@ -56,28 +61,6 @@ _ids = itertools.count(1)
 def new_oid(kind: str) -> str:
     """A process-unique object id such as ``queue-7``."""
     return f"{kind}-{next(_ids)}"
-
-
-def raise_remote(err: RemoteError) -> None:
-    """Raise a remote exception with its own type and its traceback as ``__cause__``."""
-    exc = err.exc
-    if err.tb:
-        raise exc from RemoteTraceback(err.tb)
-    raise exc
-
-
-def _as_remote(exc: BaseException) -> RemoteError:
-    tb = ""
-    if exc.__traceback__ is not None:
-        text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-        tb = f'\n"""\n{text}"""'
-    try:
-        serialization.dumps(exc)
-    except Exception:
-        exc = RemoteObjectError(f"{type(exc).__name__}: {exc}")
-    exc.__traceback__ = None
-    exc.__context__ = exc.__cause__ = None
-    return RemoteError(exc, tb)
 
 
 # Resolving and adding callbacks: brief, rare contention. Reentrant: a collection on this
@@ -138,9 +121,7 @@ class Handle:
         if not self._event.wait(timeout):
             raise TimeoutError(f"no result within {timeout} s")
         if not self._ok:
-            if isinstance(self._value, RemoteError):
-                raise_remote(self._value)
-            raise self._value
+            raise self._value  # a remote one has its traceback as __cause__ already
         return self._value
 
 
@@ -170,7 +151,9 @@ class _LocalReply(ReplySink):
         return True
 
     def fail(self, exc: BaseException) -> bool:
-        self.handle._resolve(False, _as_remote(exc) if exc.__traceback__ else exc)
+        # what a remote caller would get: the service's frames as __cause__, not live ones
+        self.handle._resolve(False, RemoteError.capture(exc).rebuilt() if exc.__traceback__
+                             else exc)
         return True
 
 
@@ -211,7 +194,7 @@ class _PeerReply(ReplySink):
         if self.rid == 0:
             log.error("one-way call failed: %r", exc, exc_info=exc)
             return True
-        return self._send(Reply(self.rid, False, _as_remote(exc)))
+        return self._send(Reply(self.rid, False, RemoteError.capture(exc)))
 
 
 class Service:
@@ -446,9 +429,7 @@ class Client:
                     handle._resolve(*_decode(reply))
 
     def _lost_error(self) -> RemoteObjectError:
-        return RemoteObjectError(
-            f"lost the connection to the fibrl process at {self.address}: it exited or was "
-            f"killed, so the objects it hosted (queues, locks, managers...) are gone.")
+        return owner_gone(self.address, "its connection dropped")
 
     def _on_lost(self) -> None:
         with self._lock:
@@ -497,12 +478,16 @@ class Hub:
     """This process's host of services and its connections to other hubs."""
 
     def __init__(self, secret: bytes, host: str = "127.0.0.1", auth_timeout: float = 10.0,
-                 connect_timeout: float = 30.0, port: int = 0) -> None:
+                 connect_timeout: float = 30.0, port: int = 0, *,
+                 heartbeat_interval: float = Config.heartbeat_interval,
+                 parent_timeout: float = Config.parent_timeout) -> None:
         self.secret = secret
         self.host = host
         self.port = port
         self.auth_timeout = auth_timeout
         self.connect_timeout = connect_timeout
+        self.heartbeat_interval = heartbeat_interval
+        self.parent_timeout = parent_timeout
         self.timers = Timers()
         self._services: dict[str, Service] = {}
         self._clients: dict[str, Client] = {}
@@ -510,6 +495,20 @@ class Hub:
         self._listener = None
         self.pid = os.getpid()
         self.register(_HubService(), "hub")
+
+    @classmethod
+    def from_config(cls, config: Config, secret: bytes, *, host: Optional[str] = None,
+                    port: int = 0) -> "Hub":
+        """The hub of a process whose config is ``config`` (the process hub, a manager
+        server's, a worker's): it listens on ``host`` (default ``config.listen_host``)."""
+        return cls(bytes(secret), host or config.listen_host, config.auth_timeout,
+                   config.start_timeout, port, heartbeat_interval=config.heartbeat_interval,
+                   parent_timeout=config.parent_timeout)
+
+    def use_timings(self, config: Config) -> None:
+        """Adopt the liveness timings of a config put in force after this hub was built."""
+        self.heartbeat_interval = config.heartbeat_interval
+        self.parent_timeout = config.parent_timeout
 
     # -- hosting -------------------------------------------------------------
     @property
@@ -558,9 +557,7 @@ class Hub:
             reply = _PeerReply(peer, call.rid)
             service = self._services.get(call.oid)
             if service is None:
-                reply.fail(RemoteObjectError(
-                    f"object {call.oid!r} no longer exists in process {self.pid}: it was "
-                    f"closed or garbage-collected by its owner."))
+                reply.fail(object_gone(call.oid, f"process {self.pid}"))
             else:
                 service.dispatch(call.method, call.args, reply)
 
@@ -606,7 +603,7 @@ class Hub:
             handle = Handle()
             service = self._services.get(oid)
             if service is None:
-                handle._resolve(False, RemoteObjectError(f"object {oid!r} no longer exists"))
+                handle._resolve(False, object_gone(oid, "this process"))
             else:
                 service.dispatch(method, args, _LocalReply(handle))
             return handle
@@ -628,29 +625,27 @@ class Hub:
         """
         if handle.ready() or self.is_local(address):
             return handle.get(timeout)
-        from .context import current_config
-
-        config = current_config()
+        interval = self.heartbeat_interval
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            step = config.heartbeat_interval if left is None else min(left,
-                                                                     config.heartbeat_interval)
+            step = interval if left is None else min(left, interval)
             if handle.wait(step):
                 return handle.get(0)
-            if left is not None and left <= config.heartbeat_interval:
+            if left is not None and left <= interval:
                 raise TimeoutError(f"no result within {timeout} s")
-            self.ensure_alive(address, config.parent_timeout)
+            self.ensure_alive(address, self.parent_timeout)
 
-    def ensure_alive(self, address: str, limit: float, oid: str = "hub") -> None:
+    def ensure_alive(self, address: str, limit: float) -> None:
         """Raise :class:`RemoteObjectError` when the hub at ``address`` does not answer a
-        ping within ``limit`` seconds (its process, machine or network is gone)."""
+        ping within ``limit`` seconds (its process, machine or network is gone).
+
+        The one liveness ping: every hub hosts ``_HubService`` as ``"hub"``.
+        """
         try:
-            ping = self.call_async(address, oid, "ping")
+            ping = self.call_async(address, "hub", "ping")
         except TransportError as exc:
-            raise RemoteObjectError(
-                f"cannot reach the process at {address} that hosts this object ({exc}); it "
-                f"exited or was killed, so the objects it hosted are gone.") from exc
+            raise owner_gone(address, exc) from exc
         if not ping.wait(limit):
             raise RemoteObjectError(
                 f"the process at {address} that hosts this object did not answer a liveness "
@@ -668,7 +663,7 @@ class Hub:
         if self.is_local(address):
             service = self._services.get(oid)
             if service is None:
-                raise RemoteObjectError(f"object {oid!r} no longer exists")
+                raise object_gone(oid, "this process")
             service.dispatch(method, args, _NO_REPLY)
             return
         self.client(address).send(oid, method, args, inline)
@@ -730,59 +725,15 @@ class _HubService(Service):
         reply(os.getpid())
 
 
-_hub: Optional[Hub] = None
-_hub_lock = threading.Lock()
-
-
 def get_hub() -> Hub:
-    """This process's hub, created on first use with the process's authkey as secret."""
-    global _hub
-    if _hub is None or _hub.pid != os.getpid():
-        with _hub_lock:
-            if _hub is None or _hub.pid != os.getpid():
-                from .context import current_config
-                from .process import current_process
-
-                config = current_config()
-                hub = Hub(bytes(current_process().authkey), config.listen_host,
-                          config.auth_timeout, config.start_timeout)
-                _register_exit()
-                _hub = hub
-    return _hub
-
-
-def install_hub(hub: Hub) -> None:
-    """Make ``hub`` this process's hub (a worker builds its own from FIBRL_SECRET)."""
-    global _hub
-    with _hub_lock:
-        _register_exit()
-        _hub = hub
-
-
-_exit_registered = False
-
-
-def _register_exit() -> None:
-    global _exit_registered
-    if _exit_registered:
-        return
-    import atexit
-
-    from . import transport  # noqa: F401  (pynng registers its exit handler first)
-
-    atexit.register(_shutdown_hub)
-    _exit_registered = True
-
-
-def _shutdown_hub() -> None:
-    """At exit: end children as multiprocessing does, then close the hub."""
-    from multiprocessing import util
-
-    util._exit_function()  # joins non-daemonic children, which may still use our hub
-    janitor.flush(5.0)  # cleanups of handles collected so far (pipe ends detach, ...)
-    janitor.stop()  # what is queued after this is moot once the hub closes
-    if _hub is not None and _hub.pid == os.getpid():
-        _hub.close()  # also ends a remote call the janitor may be waiting on
-    janitor.join(1.0)  # nothing of ours may still be inside nng when nng exits
-
-
+    """This process's hub (see ``runtime``), built on first use from the config in force,
+    with the process's authkey as secret."""
+    hub = runtime.installed_hub()
+    if hub is None:
+        with runtime.hub_lock:
+            hub = runtime.installed_hub()
+            if hub is None:
+                hub = Hub.from_config(runtime.current_config(),
+                                      bytes(current_process().authkey))
+                runtime.install_hub(hub)
+    return hub

@@ -291,9 +291,9 @@ class Mailbox(SharedService):
                 self._check_eof()
 
     def closed(self) -> None:
-        from .errors import RemoteObjectError
+        from .errors import object_gone
 
-        err = RemoteObjectError(f"{self.oid} was closed by its owner")
+        err = object_gone(self.oid, "its process", "closed")
         with self._lock:
             parked = list(self._getters) + list(self._putters) + self._pollers
             self._getters.clear(), self._putters.clear(), self._pollers.clear()

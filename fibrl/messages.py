@@ -6,12 +6,16 @@ moving bytes is ``transport``; acting on messages is ``hub``.
 from __future__ import annotations
 
 import pickle
+import traceback
 from dataclasses import dataclass
 from typing import Any
 
-from .serialization import OOB_THRESHOLD
+from .config import Config
+from .errors import RemoteObjectError, chain_remote
+from .serialization import OOB_THRESHOLD, dumps
 
-__all__ = ["Call", "Reply", "RemoteError", "blob", "wrap_raw", "RAW_TYPES"]
+__all__ = ["Call", "Reply", "RemoteError", "WorkerStart", "MAIN_SOURCE", "blob", "wrap_raw",
+           "RAW_TYPES"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,14 +51,63 @@ class Reply:
 
 @dataclass(frozen=True, slots=True)
 class RemoteError:
-    """An exception raised by a hosted object, with its formatted traceback."""
+    """An exception raised in this process, captured to travel to another one.
+
+    The one place for remote errors: the raising side captures an exception
+    once (:meth:`capture`); the receiving side never sees a ``RemoteError``,
+    because unpickling one gives back the exception itself, with its own type
+    and the remote traceback chained as ``__cause__`` (as loky does). Anything
+    that reaches a receiver as an exception is raised as it is.
+    """
 
     exc: BaseException
     tb: str
 
-    def __reduce__(self):
-        return (RemoteError, (self.exc, self.tb))
+    @classmethod
+    def capture(cls, exc: BaseException) -> "RemoteError":
+        """Format ``exc``'s traceback now; an exception that cannot be pickled travels as
+        a :class:`~fibrl.errors.RemoteObjectError` with its type and message."""
+        tb = ""
+        if exc.__traceback__ is not None:
+            text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+            tb = f'\n"""\n{text}"""'
+        try:
+            dumps(exc)
+        except Exception:
+            exc = RemoteObjectError(f"{type(exc).__name__}: {exc}")
+        exc.__traceback__ = None
+        exc.__context__ = exc.__cause__ = None
+        return cls(exc, tb)
 
+    def rebuilt(self) -> BaseException:
+        """The exception with the remote traceback as ``__cause__`` (what unpickling gives)."""
+        return chain_remote(self.exc, self.tb)
+
+    def __reduce__(self):
+        return (_rebuilt, (self.exc, self.tb))
+
+
+def _rebuilt(exc: BaseException, tb: str) -> BaseException:
+    return chain_remote(exc, tb)
+
+
+@dataclass(frozen=True)
+class WorkerStart:
+    """What a worker needs to become the process object: sent after authentication.
+
+    Defined here, not by the parent's ``popen``, so that a worker unpickles it
+    without importing popen and the backends.
+    """
+
+    process: bytes
+    config: Config
+    preparation: dict
+    parent_address: str
+
+
+# The key, in ``WorkerStart.preparation``, of the main script's source for a worker that
+# cannot see the script (see ``popen._preparation`` and ``bootstrap._visible_main``).
+MAIN_SOURCE = "fibrl_main_source"
 
 RAW_TYPES = (bytes, bytearray, memoryview)
 

@@ -19,45 +19,24 @@ from __future__ import annotations
 
 import logging
 import os
-import secrets
 import sys
 import threading
 import time
-from dataclasses import dataclass
 from multiprocessing import context as mp_context
 from multiprocessing import spawn as mp_spawn
 from typing import Any, Optional
 
-from . import serialization
-from .backends import JobSpec, get_backend
+from . import runtime, serialization
+from .backends import JobSpec
+from .backends.base import job_labels, run_id
 from .config import Config
 from .errors import BackendError
 from .hub import ReplySink, Service, get_hub
+from .messages import MAIN_SOURCE, WorkerStart
 
 __all__ = ["Popen", "WorkerStart", "run_id"]
 
 log = logging.getLogger(__name__)
-
-_run_id: Optional[str] = None
-
-
-def run_id() -> str:
-    """Identifier shared by every process of this program run (labels its jobs)."""
-    global _run_id
-    if _run_id is None:
-        _run_id = os.environ.get("FIBRL_RUN_ID") or secrets.token_hex(6)
-    return _run_id
-
-
-@dataclass(frozen=True)
-class WorkerStart:
-    """What a worker needs to become the process object: sent after authentication."""
-
-    process: bytes
-    config: Config
-    preparation: dict
-    parent_address: str
-
 
 class _Handover(Service):
     """Gives the pickled process to the worker that connects for it, once."""
@@ -85,7 +64,7 @@ class Popen:
         self._done = threading.Event()
         self._closed = False
         self._stopped = False    # terminate()/kill() asked for the end
-        self._backend = get_backend(config)
+        self._backend = runtime.backend(config)
         hub = get_hub()
         start = WorkerStart(self._pickle(process_obj), config,
                             _preparation(process_obj, config.backend != "local"), hub.address)
@@ -128,15 +107,16 @@ class Popen:
     def _spec(self, process_obj: Any, address: str) -> JobSpec:
         config = self.config
         meta = getattr(process_obj, "_fibrl_meta", None) or {}
+        python = self._backend.python()
         return JobSpec(
-            command=(self._backend.python(), "-m", "fibrl.bootstrap", address, self._oid),
+            command=(python, "-m", "fibrl.bootstrap", address, self._oid),
             image=config.image,
             env={"FIBRL_SECRET": bytes(process_obj.authkey).hex(), "FIBRL_RUN_ID": run_id()},
             cpu=meta.get("cpu", config.cpu), memory=meta.get("memory", config.memory),
             gpu=meta.get("gpu", config.gpu),
-            labels={"fibrl.run": run_id(), "fibrl.parent": str(os.getpid()),
-                    "fibrl.role": getattr(process_obj, "_fibrl_role", "process")},
-            name=process_obj.name, workdir=os.getcwd())
+            labels=job_labels(getattr(process_obj, "_fibrl_role", "process")),
+            name=process_obj.name, workdir=os.getcwd(),
+            probe=(python, "-c", "import fibrl.bootstrap"), preload=WORKER_PRELOAD)
 
     def _connected(self, pid: Optional[int]) -> None:
         log.debug("job %s connected back (pid %s)", getattr(self._job, "id", "?"), pid)
@@ -227,6 +207,11 @@ class Popen:
         return self._job
 
 
+# What a worker imports before it connects (a fork server imports it once; importing
+# transport loads pynng but starts no nng thread, so forking afterwards is safe). Not
+# bootstrap itself: it runs as __main__, as with `python -m`.
+WORKER_PRELOAD = ("fibrl.hub", "fibrl.messages", "fibrl.transport")
+
 def _preparation(process_obj: Any, elsewhere: bool) -> dict:
     """What spawn needs to rebuild this process's state in the worker.
 
@@ -250,7 +235,6 @@ def _preparation(process_obj: Any, elsewhere: bool) -> dict:
     return data
 
 
-MAIN_SOURCE = "fibrl_main_source"
 _MAIN_SOURCE_LIMIT = 1 << 20
 
 

@@ -48,8 +48,8 @@ class Process(BaseProcess):
 
     @staticmethod
     def _Popen(process_obj: "Process"):
-        from .context import current_config
         from .popen import Popen
+        from .runtime import current_config
 
         config = current_config()
         backend = getattr(process_obj, "_fibrl_backend", None) or process_obj._context_backend

@@ -1,8 +1,9 @@
 """``Queue``, ``JoinableQueue`` and ``SimpleQueue`` that work between any processes.
 
 A queue is a :class:`~fibrl.mailbox.Mailbox` hosted by the hub of the process
-that created it; the queue object is a small handle (address + object id) that
-pickles to any process of the run, including processes on other machines.
+that created it; the queue object is a small handle (a
+:class:`~fibrl.hosted.HostedHandle`: address + object id) that pickles to any
+process of the run, including processes on other machines.
 
 Data flow::
 
@@ -25,7 +26,8 @@ import queue
 from typing import Any, Optional
 
 from . import serialization
-from .hub import get_hub, mark_pickled, own
+from .hosted import HostedHandle
+from .hub import get_hub
 from .mailbox import EMPTY, Mailbox, take
 
 __all__ = ["Queue", "JoinableQueue", "SimpleQueue"]
@@ -39,7 +41,7 @@ def _timeout(block: bool, timeout: Optional[float]) -> Optional[float]:
     return timeout
 
 
-class Queue:
+class Queue(HostedHandle):
     """A FIFO queue shared by any number of producers and consumers.
 
     Example:
@@ -53,16 +55,12 @@ class Queue:
     def __init__(self, maxsize: int = 0, *, ctx: Any = None) -> None:
         if maxsize <= 0:
             maxsize = 0
-        hub = get_hub()
         self._maxsize = maxsize
-        self._oid = hub.register(Mailbox(maxsize, joinable=self._joinable))
-        self._address = hub.address
         self._closed = False
-        own(self, self._oid)  # a pickled queue outlives this handle while in use
+        self._host(Mailbox(maxsize, joinable=self._joinable))
 
-    def __reduce__(self):
-        mark_pickled(self._address, self._oid)
-        return (_rebuild, (type(self), self._address, self._oid, self._maxsize))
+    def _state(self) -> dict:
+        return {"_maxsize": self._maxsize, "_closed": False}
 
     def __repr__(self) -> str:
         return f"<fibrl.{type(self).__name__} {self._oid} at {self._address}>"
@@ -167,9 +165,3 @@ class SimpleQueue:
 
     def __repr__(self) -> str:
         return f"<fibrl.SimpleQueue {self._queue._oid}>"
-
-
-def _rebuild(cls: type, address: str, oid: str, maxsize: int) -> Queue:
-    q = cls.__new__(cls)
-    q._address, q._oid, q._maxsize, q._closed = address, oid, maxsize, False
-    return q

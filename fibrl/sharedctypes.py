@@ -33,9 +33,10 @@ import threading
 from multiprocessing.sharedctypes import typecode_to_type
 from typing import Any, Callable, Optional
 
+from .hosted import HostedHandle, HostedService
 from .hub import ReplySink, get_hub
-from .synchronize import RLock, _Hosted, _LockBase
-from .synchronize.services import HostedService, LockService, owner_of
+from .synchronize import LockHandle, RLock
+from .synchronize.services import LockService, owner_of
 
 __all__ = ["RawValue", "RawArray", "Value", "Array", "synchronized", "copy",
            "HostedValue", "HostedArray", "Synchronized", "SynchronizedArray",
@@ -105,7 +106,7 @@ class _CTypesService(HostedService):
 
 
 # -- raw (lock-free) hosted objects ------------------------------------------------------------
-class _CTypesHandle(_Hosted):
+class _CTypesHandle(HostedHandle):
     """Client side of a hosted ctypes object."""
 
     _ctype: type
@@ -240,7 +241,7 @@ def RawArray(typecode_or_type: Any, size_or_initializer: Any) -> HostedArray:
 class _SynchronizedBase:
     """``multiprocessing.sharedctypes`` wrapper surface over a hosted object and its lock."""
 
-    def __init__(self, obj: _CTypesHandle, lock: _LockBase) -> None:
+    def __init__(self, obj: _CTypesHandle, lock: LockHandle) -> None:
         self._obj = obj
         self._lock = lock
         self.acquire = lock.acquire
@@ -259,7 +260,7 @@ class _SynchronizedBase:
         """The hosted object itself (not a ctypes instance: see the module docstring)."""
         return self._obj
 
-    def get_lock(self) -> _LockBase:
+    def get_lock(self) -> LockHandle:
         return self._lock
 
     def __repr__(self) -> str:
@@ -270,7 +271,7 @@ class _SynchronizedBase:
         return f"<{type(self).__name__} wrapper for {text}>"
 
 
-def _rebuild_synchronized(cls: type, obj: _CTypesHandle, lock: _LockBase) -> Any:
+def _rebuild_synchronized(cls: type, obj: _CTypesHandle, lock: LockHandle) -> Any:
     return cls(obj, lock)
 
 
@@ -325,25 +326,25 @@ def _struct_class(ctype: type) -> type:
     return cls
 
 
-def _rebuild_struct(ctype: type, obj: _CTypesHandle, lock: _LockBase) -> Any:
+def _rebuild_struct(ctype: type, obj: _CTypesHandle, lock: LockHandle) -> Any:
     return _struct_class(ctype)(obj, lock)
 
 
-def _resolve_lock(lock: Any, ctx: Any) -> Optional[_LockBase]:
+def _resolve_lock(lock: Any, ctx: Any) -> Optional[LockHandle]:
     if lock is True or lock is None:
         return RLock(ctx=ctx)
     if lock is False:
         return None
     if not hasattr(lock, "acquire"):
         raise AttributeError(f"{lock!r} has no method 'acquire'")
-    if not isinstance(lock, _LockBase):
+    if not isinstance(lock, LockHandle):
         raise TypeError(
             f"lock must be a fibrl Lock or RLock (or True/False), got {type(lock).__name__}: "
             f"a threading or multiprocessing lock cannot guard a value shared across machines.")
     return lock
 
 
-def _local_lock_service(lock: Optional[_LockBase]) -> Optional[LockService]:
+def _local_lock_service(lock: Optional[LockHandle]) -> Optional[LockService]:
     if lock is None:
         return None
     hub = get_hub()

@@ -8,13 +8,17 @@ from __future__ import annotations
 import importlib
 import threading
 
-from ..config import Config
+from typing import TYPE_CHECKING
+
 from ..errors import ConfigError
 from .base import Backend, Job, JobSpec, JobStatus
 
+if TYPE_CHECKING:
+    from ..config import Config
+
 __all__ = ["Backend", "Job", "JobSpec", "JobStatus", "get_backend", "REGISTRY"]
 
-REGISTRY = {
+REGISTRY = {  # one entry per name of base.BACKENDS
     "local": "fibrl.backends.local:LocalBackend",
     "docker": "fibrl.backends.docker:DockerBackend",
     "kubernetes": "fibrl.backends.kubernetes:KubernetesBackend",

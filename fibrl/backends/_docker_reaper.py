@@ -17,9 +17,9 @@ output goes to /dev/null. After a normal exit the parent has removed its
 containers itself, so the reaper finds none. A forked (not spawned) child of the
 parent holds the write end too: the reaper then runs when the last of them exits.
 What it cannot cover (the whole machine or container going down) is left to
-``python -m fibrl.backends.docker rm`` and ``fibrl stop RUN``.
+``fibrl stop RUN --backend docker`` (``fibrl ps --backend docker`` lists runs).
 
-Usage (private to :mod:`fibrl.backends.docker`), run by path and without ``site``
+Usage (private to :mod:`fibrl.backends.docker.reaper`), run by path and without ``site``
 so that starting it costs milliseconds (the parent waits for the fork); ``site``,
 fibrl and the docker SDK are loaded only once the parent is gone::
 
@@ -54,11 +54,11 @@ def _reap(parent: int, namespace: str, wait: float) -> None:
         import site
 
         site.main()
-    from fibrl.backends.docker import (LABEL_PARENT, LABEL_PIDNS, _label_filters, connect,
-                                       remove_when_stopped)
+    from fibrl.backends.base import LABEL_PARENT
+    from fibrl.backends.docker import LABEL_PIDNS, connect, label_filters, remove_when_stopped
 
-    filters = {"label": _label_filters() + [f"{LABEL_PARENT}={parent}",
-                                            f"{LABEL_PIDNS}={namespace}"]}
+    filters = {"label": label_filters() + [f"{LABEL_PARENT}={parent}",
+                                           f"{LABEL_PIDNS}={namespace}"]}
     try:
         client = connect(timeout=30, pool_size=2)
         containers = client.containers.list(all=True, filters=filters, ignore_removed=True)

@@ -1,17 +1,20 @@
-"""The local backend's fork server: a pre-imported interpreter that forks workers.
+"""The local backend's fork server: a pre-imported interpreter that forks jobs.
 
-Starting a fresh interpreter and importing fibrl and pynng costs most of a
-worker's start time. The zygote pays it once: it is spawned (never forked)
-by the parent, imports what workers need *without* starting nng (nng cannot
-survive a fork once started), and then forks one child per request. A child
-runs ``fibrl.bootstrap.main`` exactly as ``python -m fibrl.bootstrap`` would.
+Starting a fresh interpreter and importing a job's modules costs most of its
+start time. The zygote pays it once: it is spawned (never forked) by the
+parent, imports the modules a job spec names in its ``preload`` (they must
+start no thread and no socket at import: nng, for one, cannot survive a fork
+once started), and then forks one child per request. A child runs its
+``python -m module args...`` command with ``runpy``, as the interpreter would.
+It knows nothing of what the module does.
 
 Protocol with the parent (private to the two processes): requests are
 datagrams on a unix SOCK_SEQPACKET socket carrying the parent's current
-stdout and stderr descriptors (so a worker prints where the parent prints
+stdout and stderr descriptors (so a job prints where the parent prints
 *now*, as a spawned child would); replies are JSON lines on a pipe::
 
-    parent -> zygote   {"id": n, "argv": [...], "env": {...}, "cwd": "..."} + fds 1, 2
+    parent -> zygote   {"id": n, "module": m, "argv": [...], "preload": [...],
+                        "env": {...}, "cwd": "..."} + fds 1, 2
     zygote -> parent   {"id": n, "pid": p} | {"id": n, "error": "..."}
     zygote -> parent   {"exit": p, "code": c}          (c < 0: killed by signal -c)
 
@@ -22,20 +25,21 @@ their own connections and exit too.
 """
 from __future__ import annotations
 
+import importlib
 import json
 import os
+import runpy
 import selectors
 import signal
 import socket
 import sys
 
 
-def _preload() -> None:
-    # Import what every worker imports, but create no socket: nng starts lazily.
-    import fibrl.bootstrap  # noqa: F401
-    import fibrl.hub  # noqa: F401
-    import fibrl.popen  # noqa: F401
-    import fibrl.transport  # noqa: F401
+def _preload(modules) -> None:
+    """Import ``modules`` here, once, so every child forked later has them."""
+    for name in modules:
+        if name not in sys.modules:
+            importlib.import_module(name)
 
 
 def _child(request: dict, stdio: list, keep_fds: tuple) -> None:
@@ -53,11 +57,13 @@ def _child(request: dict, stdio: list, keep_fds: tuple) -> None:
     os.environ.update(request["env"])
     if request.get("cwd"):
         os.chdir(request["cwd"])
-    from fibrl import bootstrap
-
     code = 1
     try:
-        code = bootstrap.main(request["argv"])
+        # As `python -m`: the module runs as __main__ only, not also under its own name.
+        sys.modules.pop(request["module"], None)
+        sys.argv = [request["module"], *request["argv"]]  # runpy sets argv[0] to its path
+        runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+        code = 0
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     except BaseException:
@@ -113,9 +119,10 @@ def serve(requests_fd: int, replies_fd: int) -> None:
 
 def _fork(request: dict, stdio: list, out, fds: tuple) -> None:
     try:
+        _preload(request.get("preload", ()))
         pid = os.fork()
-    except OSError as exc:
-        _write(out, {"id": request["id"], "error": str(exc)})
+    except Exception as exc:  # a module that does not import, or no fork
+        _write(out, {"id": request["id"], "error": f"{type(exc).__name__}: {exc}"})
         pid = -1
     if pid == 0:
         _child(request, stdio, fds)
@@ -126,7 +133,7 @@ def _fork(request: dict, stdio: list, out, fds: tuple) -> None:
 
 
 def main() -> None:
-    _preload()
+    _preload(sys.argv[3:])
     requests_fd, replies_fd = int(sys.argv[1]), int(sys.argv[2])
     serve(requests_fd, replies_fd)
 

@@ -4,17 +4,54 @@ A backend turns a :class:`JobSpec` (command, image, env, resources, labels,
 name) into a running :class:`Job` and reports on it. Everything above the
 backends talks to workers over ``transport``; backends only start, watch,
 stop and log.
+
+It also owns the facts every backend and the tools around them share: the
+backend names (:data:`BACKENDS`), the labels that mark a job as fibrl's
+(:data:`LABEL_RUN` ...), and this program run's id (:func:`run_id`). It
+imports nothing else from fibrl at run time, so ``config`` may import it.
 """
 from __future__ import annotations
 
 import abc
 import enum
+import os
+import secrets
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Optional
+from typing import TYPE_CHECKING, Callable, Mapping, Optional
 
-from ..config import Config
+if TYPE_CHECKING:
+    from ..config import Config
 
-__all__ = ["Backend", "Job", "JobSpec", "JobStatus"]
+__all__ = ["Backend", "Job", "JobSpec", "JobStatus", "BACKENDS", "CLUSTER_BACKENDS",
+           "LABEL_RUN", "LABEL_PARENT", "LABEL_ROLE", "LABEL_BACKEND", "job_labels", "run_id"]
+
+BACKENDS = ("local", "docker", "kubernetes")
+CLUSTER_BACKENDS = ("kubernetes", "docker")   # what `fibrl run/ps/stop` act on
+
+# Labels of every job fibrl starts (containers and pods carry them; local jobs keep them
+# in their spec). A backend may add its own (docker: host, PID namespace; kubernetes: owner).
+LABEL_RUN = "fibrl.run"          # the program run (run_id), shared by its processes
+LABEL_PARENT = "fibrl.parent"    # the pid of the process that started the job
+LABEL_ROLE = "fibrl.role"        # process, pool worker, manager, probe...
+LABEL_BACKEND = "fibrl.backend"  # the backend that created it
+
+_run_id: Optional[str] = None
+
+
+def run_id() -> str:
+    """Identifier shared by every process of this program run (labels its jobs).
+
+    A worker inherits it from its parent through ``FIBRL_RUN_ID``.
+    """
+    global _run_id
+    if _run_id is None:
+        _run_id = os.environ.get("FIBRL_RUN_ID") or secrets.token_hex(6)
+    return _run_id
+
+
+def job_labels(role: str) -> dict:
+    """The labels of a job this process starts in ``role``."""
+    return {LABEL_RUN: run_id(), LABEL_PARENT: str(os.getpid()), LABEL_ROLE: role}
 
 
 class JobStatus(enum.Enum):
@@ -37,6 +74,11 @@ class JobSpec:
         labels: key/value tags that identify the run, parent and role.
         name: a human-readable job name (backends sanitize it).
         workdir: working directory of the worker ("": backend default).
+        probe: a command that exits 0 when ``image`` can run this job; a container
+            backend runs it once per image and mount, and reports its output if
+            it fails (``()``: no probe).
+        preload: modules a fork server may import ahead of time for a
+            ``python -m module ...`` command, to start it faster (local backend).
     """
 
     command: tuple
@@ -49,6 +91,8 @@ class JobSpec:
     labels: Mapping[str, str] = field(default_factory=dict)
     name: str = "fibrl-worker"
     workdir: str = ""
+    probe: tuple = ()
+    preload: tuple = ()
 
 
 class Job(abc.ABC):
@@ -123,6 +167,14 @@ class Backend(abc.ABC):
     def python(self) -> str:
         """The interpreter command that workers of this backend run."""
         return "python"
+
+    def close_at_exit(self) -> None:
+        """Free what outlives this process's jobs (ended containers, a watch, pods left).
+
+        Called once at interpreter exit, after this process's children ended and
+        before its hub closes (``runtime``'s exit sequence, step BACKENDS). A
+        backend registers nothing at exit by itself.
+        """
 
     def listen_host(self) -> str:
         """Address the parent must listen on so workers can reach it."""

@@ -35,7 +35,6 @@ import re
 import secrets
 import threading
 import time
-from multiprocessing import util as mp_util
 from typing import Callable, Optional
 from urllib.parse import urlsplit
 
@@ -168,7 +167,6 @@ class KubernetesBackend(Backend):
                                    lambda: self._created)
         self._creator = Creator(self._create, self.settings.create_batch, lambda: api.throttled)
         self._watcher.start()
-        mp_util.Finalize(None, self.close, exitpriority=-10)  # after children were joined
 
     def _new_job(self, spec: JobSpec, image: str) -> KubernetesJob:
         name = pod_name(spec.name)
@@ -376,6 +374,9 @@ class KubernetesBackend(Backend):
                                  tail_lines=LOG_TAIL_LINES, raw=True, retry_for=5)
         except KubeApiError as exc:
             return f"<logs of pod {self.namespace}/{name} unavailable: {exc}>"
+
+    def close_at_exit(self) -> None:
+        self.close()
 
     def close(self) -> None:
         """Stop creating and watching; delete this backend's pods and Secrets. Idempotent."""

@@ -3,13 +3,14 @@
 Nothing to install. Workers inherit the parent's stdout and stderr, so their
 output reaches the terminal as with ``multiprocessing``.
 
-By default workers are forked from a *zygote* (``_zygote``), a fresh
-interpreter spawned once per parent that has already imported fibrl and pynng
-but never started nng; that makes a start several times cheaper than a new
-interpreter while keeping spawn semantics (the worker rebuilds ``__main__``
-and unpickles its process object, exactly as with ``python -m
-fibrl.bootstrap``). ``local_fork_server=False`` starts each worker as its own
-interpreter instead.
+By default a ``python -m module ...`` job whose spec names modules to
+``preload`` is forked from a *zygote* (``_zygote``), a fresh interpreter
+spawned once per parent that has already imported them (for workers: fibrl's
+bootstrap, hub and transport, so pynng, but nng is never started there); that
+makes a start several times cheaper than a new interpreter while keeping
+spawn semantics (the worker rebuilds ``__main__`` and unpickles its process
+object, exactly as with ``python -m fibrl.bootstrap``).
+``local_fork_server=False`` starts each job as its own interpreter instead.
 
 ::
 
@@ -123,13 +124,13 @@ def _signal(pid: int, returncode: Optional[int], sig: int) -> None:
 class _ForkServer:
     """The parent's side of the zygote: requests (with our stdio), pids, exit codes."""
 
-    def __init__(self) -> None:
+    def __init__(self, preload: tuple = ()) -> None:
         self._requests, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._rep_r, rep_w = os.pipe()
         try:
             self._proc = subprocess.Popen(
                 [sys.executable, "-m", "fibrl.backends._zygote", str(theirs.fileno()),
-                 str(rep_w)],
+                 str(rep_w), *preload],
                 pass_fds=(theirs.fileno(), rep_w), stdin=subprocess.DEVNULL, close_fds=True)
         finally:
             theirs.close()
@@ -151,7 +152,8 @@ class _ForkServer:
             if not self.alive:
                 raise BackendError("the local fork server exited")
             self._waiting[request_id] = slot
-        request = json.dumps({"id": request_id, "argv": ["fibrl.bootstrap", *spec.command[3:]],
+        request = json.dumps({"id": request_id, "module": spec.command[2],
+                              "argv": list(spec.command[3:]), "preload": list(spec.preload),
                               "env": env, "cwd": spec.workdir}).encode()
         with self._lock:
             socket.send_fds(self._requests, [request], [1, 2])  # our stdout/stderr now
@@ -226,8 +228,8 @@ class LocalBackend(Backend):
     def create_job(self, spec: JobSpec) -> Job:
         env = dict(os.environ)
         env.update(spec.env)
-        if self.config.local_fork_server and _is_bootstrap(spec):
-            return self._fork_server().spawn(spec, env, self.config.start_timeout)
+        if self.config.local_fork_server and _forkable(spec):
+            return self._fork_server(spec.preload).spawn(spec, env, self.config.start_timeout)
         try:
             proc = subprocess.Popen(list(spec.command), env=env, cwd=spec.workdir or None,
                                     stdin=subprocess.DEVNULL, close_fds=True)
@@ -237,13 +239,16 @@ class LocalBackend(Backend):
                 f"interpreter exists and is executable.") from exc
         return LocalJob(spec, proc)
 
-    def _fork_server(self) -> _ForkServer:
+    def _fork_server(self, preload: tuple) -> _ForkServer:
         with self._lock:
             if self._server is None or not self._server.alive \
                     or self._server.owner != os.getpid():
-                self._server = _ForkServer()
+                self._server = _ForkServer(preload)
             return self._server
 
 
-def _is_bootstrap(spec: JobSpec) -> bool:
-    return tuple(spec.command[:3]) == (sys.executable, "-m", "fibrl.bootstrap")
+def _forkable(spec: JobSpec) -> bool:
+    """``python -m module ...`` with this interpreter, whose spec names what to preload:
+    a spec without a preload list did not ask for a fork server."""
+    return bool(spec.preload) and len(spec.command) >= 3 \
+        and tuple(spec.command[:2]) == (sys.executable, "-m")

@@ -28,12 +28,11 @@ import itertools
 import threading
 import weakref
 from collections import deque
-from multiprocessing import util
 from typing import Any, Optional
 
-from .. import serialization
-from ..errors import ChannelClosed, RemoteObjectError, TransportError
-from ..hub import Hub, get_hub, raise_remote
+from .. import runtime, serialization
+from ..errors import ChannelClosed, RemoteObjectError, TransportError, owner_gone
+from ..hub import Hub, get_hub
 from ..janitor import Finalizer
 from ..messages import Call, wrap_raw
 
@@ -51,23 +50,18 @@ _exit_hooked = False
 
 
 def lost_error(address: str, detail: Any = "") -> RemoteObjectError:
-    extra = f" ({detail})" if detail else ""
-    return RemoteObjectError(
-        f"lost the manager server at {address}{extra}: it was shut down, killed or its "
-        f"machine is gone, so the objects it managed are gone. Start a new manager (or "
-        f"check the server's logs if it should still be running).")
+    """The manager server at ``address`` is gone (``errors.owner_gone``'s wording)."""
+    return owner_gone(address, detail, owner="manager server", hosted="managed objects")
 
 
 class Line:
     """One thread's dedicated connection to the manager server at ``address``."""
 
     def __init__(self, address: str, authkey: bytes) -> None:
-        from ..context import current_config
         from ..transport import Channel
 
         hub = hub_for(authkey)
-        config = current_config()
-        self._slice, self._limit = config.heartbeat_interval, config.parent_timeout
+        self._slice, self._limit = hub.heartbeat_interval, hub.parent_timeout
         self.address = address
         self.authkey = authkey
         self.broken = False
@@ -98,7 +92,7 @@ class Line:
             raise
         value = serialization.loads(reply.value) if reply.encoded else reply.value
         if not reply.ok:
-            raise_remote(value)
+            raise value  # unpickled with the server's traceback as __cause__
         return value
 
     def _receive(self, rid: int):
@@ -106,9 +100,7 @@ class Line:
             try:
                 reply = serialization.loads(self._channel.recv(self._slice))
             except TimeoutError:
-                from ..synchronize.services import ensure_alive
-
-                ensure_alive(hub_for(self.authkey), self.address, self._limit)
+                hub_for(self.authkey).ensure_alive(self.address, self._limit)
                 continue
             if reply.rid == rid:
                 return reply
@@ -150,8 +142,8 @@ def hub_for(authkey: bytes) -> Hub:
     with _hubs_lock:
         other = _hubs.get(bytes(authkey))
         if other is None:
-            other = _hubs[bytes(authkey)] = Hub(bytes(authkey), hub.host, hub.auth_timeout,
-                                                  hub.connect_timeout)
+            other = _hubs[bytes(authkey)] = Hub.from_config(runtime.current_config(), authkey,
+                                                              host=hub.host)
             _hook_exit()
     return other
 
@@ -183,11 +175,11 @@ def take_decrefs(address: str) -> tuple:
 
 
 def _hook_exit() -> None:
-    """Close lines and extra hubs at exit, after managers shut down, before nng's exit."""
+    """Close lines and extra hubs at exit, after managers shut down and children ended,
+    before the process hub closes."""
     global _exit_hooked
     if not _exit_hooked:
-        get_hub()  # registers the hub's exit handler, which runs multiprocessing's finalizers
-        util.Finalize(None, _close_everything, exitpriority=-10)
+        runtime.at_exit(runtime.CONNECTIONS, _close_everything)
         _exit_hooked = True
 
 

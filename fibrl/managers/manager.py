@@ -27,16 +27,16 @@ import os
 import queue
 import signal
 import threading
-import traceback
 from dataclasses import dataclass
 from multiprocessing import ProcessError, process, util
 from multiprocessing.connection import wait as wait_fds
 from typing import Any, Callable, Optional
 
 from .. import serialization
-from ..errors import BackendError, RemoteTraceback, describe_exitcode
+from ..errors import BackendError, describe_exitcode
 from ..hub import ReplySink, Service, get_hub
 from ..janitor import Finalizer
+from ..messages import RemoteError
 from .lines import MANAGER_OID, close_lines, hub_for, line_for, take_decrefs
 from .proxies import (AcquirerProxy, ArrayProxy, AsyncAutoProxy, AutoProxy, BarrierProxy,
                       ConditionProxy, DictProxy, EventProxy, IteratorProxy, ListProxy,
@@ -85,10 +85,8 @@ class _StartReportService(Service):
         self._done(True, address)
         reply(None)
 
-    def op_failed(self, reply: ReplySink, error: BaseException, tb: str = "") -> None:
-        if tb:
-            error.__cause__ = RemoteTraceback(tb)
-        self._done(False, error)
+    def op_failed(self, reply: ReplySink, error: BaseException) -> None:
+        self._done(False, error)  # unpickled with the server's traceback as __cause__
         reply(None)
 
     def closed(self) -> None:
@@ -107,7 +105,7 @@ def _run_server(registry: dict, address: Any, authkey: bytes, serializer: str,
             initializer(*initargs)
         server = Server(registry, address, authkey, serializer)
     except BaseException as exc:
-        hub.call(report.address, report.oid, "failed", exc, traceback.format_exc(), timeout=30)
+        hub.call(report.address, report.oid, "failed", RemoteError.capture(exc), timeout=30)
         raise
     process.current_process()._manager_server = server
     hub.call(report.address, report.oid, "ready", server.address, timeout=30)
@@ -213,9 +211,9 @@ class BaseManager:
             raise TypeError("initializer must be a callable")
 
     def _make_process(self, report: StartReport, initializer: Any, initargs: tuple) -> Any:
-        from ..context import _default
+        from ..context import default_context
 
-        ctx = self._ctx or _default
+        ctx = self._ctx or default_context
         proc = ctx.Process(target=_run_server,
                            args=(self._registry, self._address, bytes(self._authkey),
                                  self._serializer, report, initializer, initargs))

@@ -39,7 +39,8 @@ from typing import Any, Callable, Optional
 from .. import serialization
 from ..errors import RemoteObjectError
 from ..hub import Hub, ReplySink, Service
-from ..synchronize.services import answer
+from ..runtime import current_config
+from ..hosted import answer
 from .lines import MANAGER_OID
 
 __all__ = ["Server", "ManagerService", "Token", "ProxyRef", "Created", "Registration",
@@ -361,11 +362,6 @@ _FALLBACKS: dict[str, Callable[[Any], Any]] = {
 }
 
 
-class _Ping(Service):
-    def op_ping(self, reply: ReplySink) -> None:
-        reply(os.getpid())
-
-
 class Server:
     """Serves the objects of one manager on an address guarded by its authkey.
 
@@ -375,17 +371,14 @@ class Server:
 
     def __init__(self, registry: dict, address: Any, authkey: bytes,
                  serializer: str = "pickle") -> None:
-        from ..context import current_config
-
         config = current_config()
         host, port = listen_address(address, config.listen_host)
         self.registry = registry
         self.authkey = bytes(authkey)
         self.nonce = secrets.token_hex(4)
-        self.hub = Hub(self.authkey, host, config.auth_timeout, config.start_timeout, port=port)
+        self.hub = Hub.from_config(config, self.authkey, host=host, port=port)
         self.service = ManagerService(self)
         self.hub.register(self.service, MANAGER_OID)
-        self.hub.register(_Ping(), "hub")
         self.address = self.hub.address
         self.stop_event = threading.Event()
 

@@ -33,14 +33,13 @@ from typing import Any, Callable, Iterable, Optional
 
 from ..janitor import Finalizer
 from .engine import Engine, worker_meta
-from .protocol import Kind, pack
+from .protocol import CLOSE, INIT, RUN, TERMINATE, Kind, pack
 from .results import (ApplyResult, AsyncResult, IMapIterator, IMapUnorderedIterator,
                       MapResult)
 
 __all__ = ["Pool", "ApplyResult", "AsyncResult", "MapResult", "IMapIterator",
            "IMapUnorderedIterator"]
 
-INIT, RUN, CLOSE, TERMINATE = "INIT", "RUN", "CLOSE", "TERMINATE"
 BACKLOG_CHUNKS = 256
 
 
@@ -49,13 +48,13 @@ def fibrl_context(context: Any) -> Any:
 
     Anything with a ``config`` and a ``Process`` factory is used as it is.
     """
-    from ..context import _default
+    from ..context import default_context
 
     if context is None:
-        return _default
+        return default_context
     if hasattr(context, "config") and hasattr(context, "Process"):
         return context
-    return _default.get_context(context.get_start_method())
+    return default_context.get_context(context.get_start_method())
 
 
 def chunked(iterable: Iterable, size: int) -> list:

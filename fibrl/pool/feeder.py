@@ -63,7 +63,7 @@ class Feeder:
         try:
             it = iter(iterable)
         except Exception as exc:  # as the stdlib: the first next() raises it, the job ends
-            sink._deliver(0, [Failure(exc)])
+            sink.sink_deliver(0, [Failure(exc)])
             self._service.end_inputs(job, 1)
             return
         lazy = _Lazy(job, sink, it, chunksize, self._backlog * chunksize)
@@ -129,7 +129,7 @@ class Feeder:
                 items = list(itertools.islice(lazy.it, lazy.chunksize))
             except Exception as exc:  # the input itself raised: that position fails, input ends
                 self._submit(lazy, start, chunks)
-                lazy.sink._deliver(lazy.fed, [Failure(exc)])
+                lazy.sink.sink_deliver(lazy.fed, [Failure(exc)])
                 lazy.fed += 1
                 return self._end(lazy)
             if not items:
@@ -139,7 +139,7 @@ class Feeder:
                 chunks.append((pack(items), len(items)))
             except Exception as exc:  # pack names the item: SerializationError, whatever
                 self._submit(lazy, start, chunks)  # its __getstate__/__reduce__ raised
-                lazy.sink._deliver(lazy.fed, [Failure(exc)] * len(items))
+                lazy.sink.sink_deliver(lazy.fed, [Failure(exc)] * len(items))
                 chunks, start = [], lazy.fed + len(items)
             lazy.fed += len(items)
         self._submit(lazy, start, chunks)
@@ -155,7 +155,7 @@ class Feeder:
             f"{exc}); the items read so far complete, the rest of the input is dropped. "
             f"This is most likely a bug in fibrl; please report it with the traceback below.")
         error.__cause__ = exc
-        lazy.sink._abort(error)
+        lazy.sink.sink_abort(error)
         self._end(lazy)
 
     def _end(self, lazy: _Lazy) -> None:

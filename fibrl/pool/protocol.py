@@ -17,6 +17,11 @@ One worker's conversation::
     func(fid)               ------------------>  a callable the worker no longer caches
     init_failed(wid, RemoteError) ------------>  the initializer raised: the pool breaks
                             <------------------  Batch(stop=True): exit now
+
+It also declares the two seams the pool's modules share: the pool's states
+(:data:`INIT`, :data:`RUN`, :data:`CLOSE`, :data:`TERMINATE`, the stdlib's
+names), and :class:`ResultSink`, what the service and the feeder hand results
+to (``results``' objects and the executor's futures implement it).
 """
 from __future__ import annotations
 
@@ -31,7 +36,39 @@ from ..errors import SerializationError
 from ..messages import RemoteError
 
 __all__ = ["Kind", "TaskSpec", "Batch", "Report", "Raised", "WorkerArgs", "LOADING", "message",
-           "pack", "unpack"]
+           "pack", "unpack", "ResultSink", "INIT", "RUN", "CLOSE", "TERMINATE"]
+
+# A pool's states, as the stdlib names them (a Pool's repr shows them). The Pool
+# object goes INIT -> RUN -> CLOSE or TERMINATE; its service RUN -> CLOSE / TERMINATE.
+INIT, RUN, CLOSE, TERMINATE = "INIT", "RUN", "CLOSE", "TERMINATE"
+
+
+class ResultSink:
+    """Where the pool delivers the outcomes of one submission (``apply``, ``map``...).
+
+    Called from the threads that receive results (a worker's connection
+    thread, a submitting thread, the pool's feeder), never under the service's
+    lock, so an implementation may take its own lock and run callbacks.
+    Outcomes are values, :class:`~fibrl.pool.results.Failure` or
+    :class:`Raised` entries (see :func:`fibrl.pool.results.outcome`).
+    """
+
+    def sink_claim(self) -> bool:
+        """One of its tasks is handed to a worker for the first time; False: it was
+        cancelled (an executor future), so the task is dropped."""
+        return True
+
+    def sink_deliver(self, index: int, outcomes: list, clean: bool = False) -> None:
+        """Outcomes of items ``index, index + 1, ...``; ``clean``: none is a failure."""
+        raise NotImplementedError
+
+    def sink_abort(self, exc: BaseException) -> None:
+        """The pool was terminated or broke: fail whatever was not delivered."""
+        raise NotImplementedError
+
+    def sink_set_length(self, length: int) -> None:
+        """The number of items, once a lazily fed submission knows it (streams only)."""
+        raise TypeError(f"{type(self).__name__} has a fixed length")
 
 
 def pack(obj: Any) -> bytes:
@@ -140,9 +177,13 @@ class Report:
 
 @message
 class Raised:
-    """An item's outcome when the call raised (or its result could not be pickled)."""
+    """An item's outcome when the call raised (or its result could not be pickled).
 
-    error: RemoteError
+    The worker builds it with a :class:`~fibrl.messages.RemoteError`; the parent
+    unpickles the exception itself, its traceback chained as ``__cause__``.
+    """
+
+    error: "RemoteError | BaseException"
 
 
 @message

@@ -6,16 +6,10 @@ Owns result delivery to the caller, with the surface of the running Python's
 (``service``) decides *what* is delivered, exactly once per item; these
 objects only store it, wake waiters and run callbacks.
 
-Every result object is a *sink* with three entry points, called from the
-threads that receive results (a worker's connection thread, a submitting
-thread, the pool's feeder):
-
-* ``_claim()``: the first time one of its tasks is handed to a worker
-  (an executor future becomes *running*; False means it was cancelled);
-* ``_deliver(index, outcomes, clean=False)``: outcomes of items ``index,
-  index + 1, ...``; an outcome is the value, a :class:`Failure` or a
-  ``Raised``; ``clean`` says none is either (a fast path for big chunks);
-* ``_abort(exc)``: the pool was terminated or broke; fail what is left.
+Every result object is a :class:`~fibrl.pool.protocol.ResultSink`: the
+service and the feeder hand it outcomes through ``sink_claim``,
+``sink_deliver``, ``sink_abort`` (and ``sink_set_length`` for streams), from
+the threads that receive results.
 """
 from __future__ import annotations
 
@@ -25,8 +19,7 @@ from collections import deque
 from multiprocessing import TimeoutError as MpTimeoutError
 from typing import Any, Callable, Optional
 
-from ..errors import RemoteTraceback
-from .protocol import Raised
+from .protocol import Raised, ResultSink
 
 __all__ = ["ApplyResult", "AsyncResult", "MapResult", "IMapIterator",
            "IMapUnorderedIterator", "Failure", "outcome"]
@@ -47,10 +40,7 @@ def outcome(item: Any) -> tuple[bool, Any]:
     """``(True, value)`` or ``(False, exception)`` with the remote traceback as ``__cause__``."""
     kind = type(item)
     if kind is Raised:
-        exc = item.error.exc
-        if item.error.tb:
-            exc.__cause__ = RemoteTraceback(item.error.tb)
-        return False, exc
+        return False, item.error  # unpickled with the worker's traceback as __cause__
     if kind is Failure:
         return False, item.exc
     return True, item
@@ -65,7 +55,7 @@ def _run_callback(fn: Optional[Callable[[Any], Any]], value: Any) -> None:
         log.exception("pool result callback %r raised", fn)
 
 
-class ApplyResult:
+class ApplyResult(ResultSink):
     """The result of ``apply_async``.
 
     Example:
@@ -105,13 +95,10 @@ class ApplyResult:
         raise self._value
 
     # -- sink ---------------------------------------------------------------------------
-    def _claim(self) -> bool:
-        return True
-
-    def _deliver(self, index: int, outcomes: list, clean: bool = False) -> None:
+    def sink_deliver(self, index: int, outcomes: list, clean: bool = False) -> None:
         self._set(*outcome(outcomes[0]))
 
-    def _abort(self, exc: BaseException) -> None:
+    def sink_abort(self, exc: BaseException) -> None:
         self._set(False, exc)
 
     def _set(self, success: bool, value: Any) -> None:
@@ -147,7 +134,7 @@ class MapResult(ApplyResult):
             self._event.set()
             self._pool = None
 
-    def _deliver(self, index: int, outcomes: list, clean: bool = False) -> None:
+    def sink_deliver(self, index: int, outcomes: list, clean: bool = False) -> None:
         values = self._values
         with self._lock:
             if clean:
@@ -175,7 +162,7 @@ class MapResult(ApplyResult):
             self._set(False, self._error[1])
 
 
-class IMapIterator:
+class IMapIterator(ResultSink):
     """The iterator returned by ``imap``: results in input order, as they complete.
 
     ``next(timeout)`` raises ``multiprocessing.TimeoutError`` when nothing
@@ -233,21 +220,18 @@ class IMapIterator:
         self._ready.update(zip(range(index, index + len(outcomes)), outcomes))
 
     # -- sink ---------------------------------------------------------------------------
-    def _claim(self) -> bool:
-        return True
-
-    def _deliver(self, index: int, outcomes: list, clean: bool = False) -> None:
+    def sink_deliver(self, index: int, outcomes: list, clean: bool = False) -> None:
         with self._cond:
             self._store(index, outcomes)
             self._cond.notify_all()
 
-    def _abort(self, exc: BaseException) -> None:
+    def sink_abort(self, exc: BaseException) -> None:
         with self._cond:
             if self._aborted is None:
                 self._aborted = exc
             self._cond.notify_all()
 
-    def _set_length(self, length: int) -> None:
+    def sink_set_length(self, length: int) -> None:
         with self._cond:
             self._length = length
             self._cond.notify_all()

@@ -54,10 +54,11 @@ import time
 from collections import OrderedDict, deque
 from typing import Any, Optional
 
-from ..errors import (RemoteTraceback, SerializationError, TaskFailedError, WorkerLostError,
+from ..errors import (SerializationError, TaskFailedError, WorkerLostError,
                       describe_exitcode)
 from ..hub import ReplySink, Service
-from .protocol import LOADING, STOP, Batch, Kind, Report, TaskSpec, describe, unpack
+from .protocol import (CLOSE, LOADING, RUN, STOP, TERMINATE, Batch, Kind, Report, TaskSpec,
+                       describe, unpack)
 from .results import Failure
 from .salvage import salvage
 
@@ -65,7 +66,6 @@ __all__ = ["PoolService", "Hooks"]
 
 log = logging.getLogger(__name__)
 
-RUN, CLOSE, TERMINATE = "RUN", "CLOSE", "TERMINATE"
 HORIZON_S = 0.05        # estimated work a worker may hold (hides the round trip)
 LOST_GRACE_S = 2.0      # wait this long for an exit code after a connection drops
 _EWMA = 0.3
@@ -161,13 +161,13 @@ class _Effects:
                 service._undelivered(worker, batch)
         for sink, index, payload, skip, report in self.deliveries:
             values, whole = _decode(payload, skip, report.count)
-            sink._deliver(index, values, report.clean and whole)
+            sink.sink_deliver(index, values, report.clean and whole)
         for sink, index, exc in self.failures:
-            sink._deliver(index, [Failure(exc)])
+            sink.sink_deliver(index, [Failure(exc)])
         for sink, exc in self.aborts:
-            sink._abort(exc)
+            sink.sink_abort(exc)
         for sink, length in self.lengths:
-            sink._set_length(length)
+            sink.sink_set_length(length)
         if self.wake:
             service.hooks.wake()
 
@@ -375,11 +375,9 @@ class PoolService(Service):
             raise KeyError(f"the pool no longer knows callable {fid}")
         reply(func.data)
 
-    def op_init_failed(self, reply: ReplySink, wid: int, error: Any) -> None:
+    def op_init_failed(self, reply: ReplySink, wid: int, error: BaseException) -> None:
         """The initializer raised in worker ``wid``: every task would fail the same way."""
-        exc = error.exc
-        if error.tb:
-            exc.__cause__ = RemoteTraceback(error.tb)
+        exc = error  # unpickled with the worker's traceback as __cause__
         broken = WorkerLostError(
             f"the pool's initializer raised {type(exc).__name__}: {exc} (in worker {wid}), so "
             f"no worker can run tasks; the pool is broken and its pending tasks fail. Fix the "
@@ -537,7 +535,7 @@ class PoolService(Service):
         if job.claimed:
             return True
         job.claimed = True
-        if job.sink._claim():
+        if job.sink.sink_claim():
             return True
         self._finish_task(task, effects)  # a cancelled future: nothing to deliver
         return False

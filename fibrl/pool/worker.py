@@ -28,7 +28,8 @@ from typing import Any, Callable
 
 from .. import serialization
 from ..errors import SerializationError
-from ..hub import _as_remote, get_hub
+from ..hub import get_hub
+from ..messages import RemoteError
 from .protocol import LOADING, STOP, Kind, Raised, Report, TaskSpec, WorkerArgs, pack, unpack
 
 __all__ = ["run_worker", "FLUSH_S"]
@@ -53,7 +54,7 @@ def _initialize(hub: Any, args: WorkerArgs) -> bool:
         initializer(*initargs)
         return True
     except BaseException as exc:  # reported to the parent, which fails the pool clearly
-        hub.call(args.address, args.oid, "init_failed", args.wid, _as_remote(exc),
+        hub.call(args.address, args.oid, "init_failed", args.wid, RemoteError.capture(exc),
                  timeout=_CALL_TIMEOUT_S)
         return False
 
@@ -231,7 +232,7 @@ def _run(task: TaskSpec, func: Callable, items: Any, lo: int, stop: int, deadlin
             outcomes.extend(calls(i, end))
             i = end
         except BaseException as exc:  # SystemExit too: a task's exception, not a lost worker
-            outcomes.append(Raised(_as_remote(exc)))
+            outcomes.append(Raised(RemoteError.capture(exc)))
             errors += 1
             i += len(outcomes) - before
         now = clock()
@@ -265,4 +266,4 @@ def _sendable(value: Any) -> Any:
         return value
     except Exception as exc:
         error = SerializationError(f"the task's result could not be sent back: {exc}")
-        return Raised(_as_remote(error))
+        return Raised(RemoteError.capture(error))

@@ -11,7 +11,7 @@ Data flow::
     any process (any thread)              owner process (hub)
     lock.acquire(timeout=t)
       hub.call_async(acquire, tid, t) ---> LockService.op_acquire
-      wait_reply(handle)                     free?  yes -> reply(True)
+      hub.wait(handle)                       free?  yes -> reply(True)
         | waits in slices; between slices          no  -> park a waiter (FIFO)
         | pings the owner, so a lost owner            timer thread: deadline -> reply(False)
         v raises instead of hanging           release / holder's process lost -> grant next
@@ -30,72 +30,20 @@ party that dies breaks the barrier.
 """
 from __future__ import annotations
 
-import itertools
 import threading
 import time
 from typing import Any, Callable, Optional
 
-from ..errors import TransportError
-from ..hub import Handle, get_hub, mark_pickled, own
+from ..hosted import HostedHandle, call_owner
+from ..hub import get_hub
 from .services import (SEM_VALUE_MAX, BarrierService, ConditionService, EventService,
-                       HostedService, LockService, LockState, answer, call_owner,
-                       gone_error, owner_of, wait_reply)
+                       LockService, LockState)
 
 __all__ = ["Lock", "RLock", "Semaphore", "BoundedSemaphore", "Condition", "Event", "Barrier",
-           "HostedService", "LockService", "answer", "owner_of", "wait_reply"]
-
-_tokens = itertools.count(1)
+           "LockHandle", "wait_for"]
 
 
 # -- handles ---------------------------------------------------------------------------------
-class _Hosted:
-    """The client side of a hosted primitive: address + object id, picklable anywhere."""
-
-    _address: str
-    _oid: str
-
-    def _host(self, service: HostedService) -> None:
-        hub = get_hub()
-        self._oid = hub.register(service)
-        self._address = hub.address
-        own(self, self._oid)
-
-    def __reduce__(self):
-        mark_pickled(self._address, self._oid)
-        return (_rebuild, (type(self), self._address, self._oid, self._state()))
-
-    def _state(self) -> dict:
-        return {}
-
-    def _call(self, method: str, *args: Any) -> Any:
-        return call_owner(self._address, self._oid, method, *args)
-
-    def _parked(self, method: str, *args: Any) -> Any:
-        """A call that may park: when interrupted, withdraw it and undo what it got."""
-        hub = get_hub()
-        token = next(_tokens)
-        try:
-            handle = hub.call_async(self._address, self._oid, method, *args, token)
-        except TransportError as exc:
-            raise gone_error(self._address, exc) from exc
-        try:
-            return wait_reply(handle, self._address, hub)
-        except BaseException:
-            if not handle.ready():
-                self._withdraw(handle, token)
-            raise
-
-    def _withdraw(self, handle: Handle, token: int) -> None:
-        try:
-            self._call("cancel", threading.get_ident(), token)
-            self._undo(wait_reply(handle, self._address, get_hub()))
-        except Exception:
-            pass  # the owner is gone: nothing is held any more
-
-    def _undo(self, result: Any) -> None:
-        """Give back what an interrupted call obtained after all."""
-
-
 def wait_for(wait: Callable[[Optional[float]], Any], predicate: Callable[[], Any],
              timeout: Optional[float]) -> Any:
     """``Condition.wait_for`` over any ``wait(timeout)``: the stdlib's loop."""
@@ -112,20 +60,15 @@ def wait_for(wait: Callable[[Optional[float]], Any], predicate: Callable[[], Any
     return result
 
 
-def _rebuild(cls: type, address: str, oid: str, state: dict) -> Any:
-    obj = cls.__new__(cls)
-    obj._address, obj._oid = address, oid
-    obj.__dict__.update(state)
-    return obj
-
-
 def _timeout_of(block: bool, timeout: Optional[float]) -> Optional[float]:
     if not block:
         return 0.0
     return None if timeout is None else max(float(timeout), 0.0)
 
 
-class _LockBase(_Hosted):
+class LockHandle(HostedHandle):
+    """What Lock, RLock and Semaphore handles share (``sharedctypes`` takes any as a lock)."""
+
     _kind = "lock"
 
     def _undo(self, result: Any) -> None:
@@ -161,7 +104,7 @@ class _LockBase(_Hosted):
         return "SomeOtherThread" if state.same_process else "SomeOtherProcess"
 
 
-class Lock(_LockBase):
+class Lock(LockHandle):
     """A non-recursive lock shared by any processes of the run.
 
     Same semantics as ``multiprocessing.Lock``: any thread may release it;
@@ -187,7 +130,7 @@ class Lock(_LockBase):
         return f"<Lock(owner={name})>"
 
 
-class RLock(_LockBase):
+class RLock(LockHandle):
     """A recursive lock: the thread that holds it may acquire it again.
 
     Example:
@@ -209,7 +152,7 @@ class RLock(_LockBase):
         return f"<RLock({name}, {count})>"
 
 
-class Semaphore(_LockBase):
+class Semaphore(LockHandle):
     """A counter of permits: ``acquire`` takes one (waiting for it), ``release`` gives one.
 
     Example:
@@ -251,7 +194,7 @@ class BoundedSemaphore(Semaphore):
         return f"<BoundedSemaphore(value={value}, maxvalue={maxvalue})>"
 
 
-class Condition(_Hosted):
+class Condition(HostedHandle):
     """A condition variable over a fibrl ``Lock`` or ``RLock`` (a new RLock by default).
 
     ``wait`` releases the lock, waits for ``notify`` or its timeout, and holds
@@ -264,7 +207,7 @@ class Condition(_Hosted):
         False
     """
 
-    def __init__(self, lock: Optional[_LockBase] = None, *, ctx: Any = None) -> None:
+    def __init__(self, lock: Optional[LockHandle] = None, *, ctx: Any = None) -> None:
         if lock is None:
             lock = RLock(ctx=ctx)
         if not isinstance(lock, (Lock, RLock)):
@@ -318,7 +261,7 @@ class Condition(_Hosted):
         return f"<Condition({self._lock!r}, {waiters})>"
 
 
-class Event(_Hosted):
+class Event(HostedHandle):
     """A flag processes can wait for.
 
     Example:
@@ -350,7 +293,7 @@ class Event(_Hosted):
         return f"<Event at {id(self):#x} {state}>"
 
 
-class Barrier(_Hosted):
+class Barrier(HostedHandle):
     """``parties`` processes wait until all have arrived; the last runs ``action``.
 
     Same semantics as ``threading.Barrier`` (which ``multiprocessing.Barrier``

@@ -7,27 +7,26 @@ timer thread), so a grant never races a client-side timeout. Ops never block.
 
 A holder or waiter is an :class:`Owner`, ``(connection, thread id)``: RLock
 ownership and Condition checks work per thread, and when a connection drops
-(process killed, node lost) :meth:`HostedService.peer_lost` releases the Lock
-or RLock it held and drops what it parked. ``wait_reply`` is the client's
-wait: it pings the owner between slices, so a lost owner raises instead of
-hanging. The handles users hold are in ``fibrl.synchronize``; ``sharedctypes``
-builds ``Value``/``Array`` on :class:`LockService`.
+(process killed, node lost) ``peer_lost`` releases the Lock or RLock it held
+and drops what it parked. The handles users hold are in ``fibrl.synchronize``
+(on ``fibrl.hosted.HostedHandle``, whose waits ping the owner between slices,
+so a lost owner raises instead of hanging); ``sharedctypes`` builds
+``Value``/``Array`` on :class:`LockService`.
 """
 from __future__ import annotations
 
 import itertools
-import os
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from ..errors import RemoteObjectError, TransportError
-from ..hub import Handle, Hub, ReplySink, SharedService, drop_owner, get_hub
+from ..errors import object_gone
+from ..hosted import HostedService, answer
+from ..hub import ReplySink
 
-__all__ = ["Owner", "owner_of", "wait_reply", "ensure_alive", "call_owner", "gone_error",
-           "HostedService", "drop_owner", "answer", "LockState", "LockService",
+__all__ = ["Owner", "owner_of", "LockState", "LockService",
            "ConditionService", "EventService", "BarrierTurn", "BarrierService",
            "SEM_VALUE_MAX"]
 
@@ -47,49 +46,6 @@ def owner_of(reply: ReplySink, tid: int) -> Owner:
     return Owner(reply.peer.id if reply.peer is not None else 0, tid)
 
 
-def wait_reply(handle: Handle, address: Optional[str], hub: Hub) -> Any:
-    """``handle.get()`` for a call whose deadline its owner enforces; a lost owner
-    (even a vanished node, which closes no socket) raises :class:`RemoteObjectError`
-    within ``parent_timeout`` instead of hanging (see :meth:`Hub.wait`)."""
-    return hub.wait(handle, address)
-
-
-def ensure_alive(hub: Hub, address: str, limit: float, oid: str = "hub") -> None:
-    """Raise :class:`RemoteObjectError` when the hub at ``address`` does not answer a ping."""
-    hub.ensure_alive(address, limit, oid)
-
-
-def gone_error(address: Optional[str], exc: BaseException) -> RemoteObjectError:
-    return RemoteObjectError(
-        f"cannot reach the process at {address} that hosts this object ({exc}); it exited "
-        f"or was killed, so the lock/event/value it hosted is gone.")
-
-
-def call_owner(address: Optional[str], oid: str, method: str, *args: Any) -> Any:
-    """Call a hosted primitive and wait for its reply (owner-side deadlines)."""
-    hub = get_hub()
-    try:
-        handle = hub.call_async(address, oid, method, *args)
-    except TransportError as exc:
-        raise gone_error(address, exc) from exc
-    return wait_reply(handle, address, hub)
-
-
-# -- hosting ---------------------------------------------------------------------------------
-class HostedService(SharedService):
-    """A primitive hosted for other processes; its lifetime is :class:`SharedService`'s."""
-
-    def __init__(self) -> None:
-        self.mutex = threading.RLock()
-
-    def peer_lost(self, peer) -> None:
-        with self.mutex:
-            super().peer_lost(peer)
-
-    def op_ping(self, reply: ReplySink) -> None:
-        reply(os.getpid())
-
-
 class _Waiter:
     """A parked request: an acquire, a condition wait, or an operation waiting for a lock."""
 
@@ -104,16 +60,6 @@ class _Waiter:
         self.timer = None
         self.result = True
         self.run = run
-
-
-def answer(reply: ReplySink, fn: Callable[[], Any]) -> None:
-    """Reply with ``fn()``, or with the exception it raised."""
-    try:
-        value = fn()
-    except Exception as exc:
-        reply.fail(exc)
-    else:
-        reply(value)
 
 
 @dataclass(frozen=True, slots=True)
@@ -294,7 +240,7 @@ class LockService(HostedService):
         with self.mutex:
             waiters, self.waiters = list(self.waiters), deque()
         for waiter in waiters:
-            waiter.reply.fail(RemoteObjectError(f"{self.oid} was closed by its owner"))
+            waiter.reply.fail(object_gone(self.oid, "its process", "closed"))
         for oid in self.conditions:
             self.hub.unregister(oid)
 
@@ -360,7 +306,7 @@ class ConditionService(HostedService):
         with self.mutex:
             waiters, self.waiters = list(self.waiters), deque()
         for waiter in waiters:
-            waiter.reply.fail(RemoteObjectError(f"{self.oid} was closed by its owner"))
+            waiter.reply.fail(object_gone(self.oid, "its process", "closed"))
 
 
 class EventService(HostedService):

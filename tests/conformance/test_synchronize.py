@@ -360,12 +360,12 @@ def test_barrier_failing_action_breaks_it(ctx):
 
 
 def test_interrupted_acquire_is_withdrawn(ctx, monkeypatch):
-    import fibrl.synchronize as sync
+    import fibrl.hosted as hosted
 
     lock, holding, release = ctx.Lock(), ctx.Event(), ctx.Event()
     p = run(ctx, W.hold, lock, holding, release)
     assert holding.wait(TIMEOUT)
-    real_wait = sync.wait_reply
+    real_wait = hosted.wait_reply
     interrupted = []
 
     def interrupt_once(handle, address, hub):
@@ -374,7 +374,7 @@ def test_interrupted_acquire_is_withdrawn(ctx, monkeypatch):
             raise KeyboardInterrupt
         return real_wait(handle, address, hub)
 
-    monkeypatch.setattr(sync, "wait_reply", interrupt_once)
+    monkeypatch.setattr(hosted, "wait_reply", interrupt_once)
     with pytest.raises(KeyboardInterrupt):
         lock.acquire()
     assert interrupted == [False]

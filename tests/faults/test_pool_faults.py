@@ -205,10 +205,10 @@ class Sink:
     def __init__(self):
         self.outcomes = {}
 
-    def _claim(self):
+    def sink_claim(self):
         return True
 
-    def _deliver(self, index, outcomes, clean=False):
+    def sink_deliver(self, index, outcomes, clean=False):
         self.outcomes.update(enumerate(outcomes, index))
 
 

@@ -157,19 +157,19 @@ def _dead_pid():
 
 @pytest.mark.parametrize("here", ["boot-1234", ""])   # "": no /proc, as on Docker Desktop
 def test_orphans_are_collected_only_in_this_pid_namespace(monkeypatch, here):
-    monkeypatch.setattr(dockerbackend, "pid_namespace", lambda: here)
+    monkeypatch.setattr(dockerbackend.housekeeping, "pid_namespace", lambda: here)
     dead = _dead_pid()
     engine = _Engine([_Container("mine-dead", dead, here),
                       _Container("mine-alive", os.getpid(), here),
                       _Container("other-namespace", dead, "boot-9999")])
-    dockerbackend._collect_orphans(engine)
+    dockerbackend.collect_orphans(engine)
     assert engine.removed == ["mine-dead"]
 
 
 REAPED_PARENT = """
 import sys, time
 from fibrl.backends import docker
-docker._start_reaper()
+docker.start_reaper()
 print("ready", flush=True)
 time.sleep(120)
 """
@@ -249,11 +249,11 @@ def test_non_host_network_with_loopback_listener_is_explained():
 
 
 def test_unusable_image_messages_name_cause_and_fix():
-    err = dockerbackend._unusable_image("img", "/w", 1, "ModuleNotFoundError: No module "
-                                        "named 'fibrl'")
+    err = dockerbackend.backend._unusable_image("img", "/w", 1, "ModuleNotFoundError: No "
+                                                "module named 'fibrl'")
     assert "fibrl is not installed" in str(err) and "docker/build-image.sh" in str(err)
     assert "No module named 'fibrl'" in str(err) and "exit code 1" in str(err)
-    err = dockerbackend._unusable_image("img", "/w", 127, "exec python failed")
+    err = dockerbackend.backend._unusable_image("img", "/w", 127, "exec python failed")
     assert "no `python`" in str(err)
 
 

@@ -26,6 +26,7 @@ from typing import Mapping, Optional
 
 from ...config import Config
 from ...errors import ConfigError
+from ..base import LABEL_BACKEND, LABEL_PARENT, LABEL_ROLE, LABEL_RUN
 
 __all__ = ["KubeSettings", "PodIdentity", "parse_pairs", "parse_tolerations", "parse_names",
            "cpu_quantity", "memory_quantity", "pod_name", "label_value", "OLDEST_KUBERNETES",
@@ -36,11 +37,7 @@ __all__ = ["KubeSettings", "PodIdentity", "parse_pairs", "parse_tolerations", "p
 OLDEST_KUBERNETES = "1.28"
 NEWEST_KUBERNETES = "1.37"
 
-LABEL_RUN = "fibrl.run"
-LABEL_PARENT = "fibrl.parent"
-LABEL_ROLE = "fibrl.role"
 LABEL_OWNER = "fibrl.owner"        # one value per backend instance: what its watch selects
-LABEL_BACKEND = "fibrl.backend"
 ANNOTATION_NAME = "fibrl.process-name"
 RESERVED_LABELS = (LABEL_RUN, LABEL_PARENT, LABEL_ROLE, LABEL_OWNER, LABEL_BACKEND)
 SECRET_KEY = "secret"

@@ -1,0 +1,340 @@
+"""The docker backend: turn a :class:`JobSpec` into a container and report on it.
+
+Data flow of one job::
+
+    create_job(spec)
+      once: engine reachable, image present
+      containers.create(host network, cwd mounted, limits, labels)
+      attach(stream, demux)  <- before start, so no output is lost
+      start
+      once per image and mount, while that worker boots: a probe container runs
+            the spec's probe command (BackendError with its output
+            if that fails, and the worker is removed; concurrent starts wait)
+      DockerJob follows it (``job``)
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import socket
+import sys
+import threading
+import weakref
+from typing import Any, Optional
+
+from ...config import Config
+from ...errors import BackendError, describe_exitcode
+from .. import base
+from ..base import LABEL_BACKEND, LABEL_ROLE, Backend, Job, JobSpec
+from .engine import (LABEL_HOST, LABEL_PIDNS, LOG_TAIL_LINES, _engine_address, _sdk,
+                     _sdk_errors, connect, container_name, exit_code, in_worker_container)
+from .housekeeping import _remove_quietly, collect_orphans, pid_namespace, remove_containers
+from .job import DockerJob
+from .reaper import start_reaper
+
+__all__ = ["DockerBackend"]
+
+log = logging.getLogger(__name__)
+
+_LOOPBACK = ("127.", "localhost", "::1")
+
+
+# -- the backend -----------------------------------------------------------------------
+
+class _Check:
+    """One run of a check that concurrent callers share; they all see its error."""
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self.error: Optional[BackendError] = None
+
+    def run(self, check: Any) -> None:
+        try:
+            check()
+        except BackendError as exc:
+            self.error = exc
+        finally:
+            self._done.set()
+
+    def raise_error(self) -> None:
+        self._done.wait()
+        if self.error is not None:
+            raise BackendError(str(self.error)) from self.error.__cause__
+
+
+class DockerBackend(Backend):
+    """Runs each job as a container of the local (or ``DOCKER_HOST``) docker engine.
+
+    Containers use host networking (workers reach the parent on 127.0.0.1),
+    see the parent's working directory at the same path (read-only unless
+    ``docker_mount_readonly=False``) and nothing else of the host, run as the
+    parent's uid:gid with ``no-new-privileges``, and carry the labels of
+    their run plus ``fibrl.backend=docker``.
+
+    Example:
+        >>> import fibrl
+        >>> fibrl.init(backend="docker", image="fibrl:latest")   # doctest: +SKIP
+        >>> p = fibrl.Process(target=print, args=("hi",)); p.start(); p.join()  # doctest: +SKIP
+    """
+
+    name = "docker"
+
+    def __init__(self, config: Config) -> None:
+        super().__init__(config)
+        self._client: Any = None
+        self._lock = threading.Lock()
+        self._images: set = set()
+        self._checks: dict = {}
+        self._jobs: weakref.WeakSet = weakref.WeakSet()
+        self._ncpu: Optional[int] = None
+        self._nested: Optional[bool] = None
+        self._local_backend: Optional[Backend] = None
+
+    @property
+    def client(self) -> Any:
+        """The docker SDK client (connects, and cleans up orphans, on first use)."""
+        with self._lock:
+            client = self._client
+            if client is None:
+                self._client = client = connect()
+                threading.Thread(target=collect_orphans, args=(client,), daemon=True,
+                                 name="fibrl-docker-orphans").start()
+        start_reaper()   # once per process (its own lock); a forked child starts its own
+        return client
+
+    def cpu_count(self) -> int:
+        if self._nested_locally():
+            return self._local().cpu_count()
+        if self._ncpu is None:
+            try:
+                self._ncpu = int(self.client.info()["NCPU"])
+            except _sdk_errors() as exc:
+                raise BackendError(f"cannot ask the docker engine at {_engine_address()} "
+                                   f"for its CPU count: {exc}. Check `docker info`.") from exc
+        return self._ncpu
+
+    def create_job(self, spec: JobSpec) -> Job:
+        if self._nested_locally():
+            command = (sys.executable,) + tuple(spec.command[1:])  # this container's python
+            return self._local().create_job(dataclasses.replace(spec, command=command))
+        self._check_network()
+        image = spec.image or self.config.image
+        kwargs = self._container_kwargs(spec, image)
+        self._require_image(image)
+        job = self._start(spec, image, kwargs)
+        try:
+            # The first start of an image and mount probes it, while this worker boots
+            # (not before: two container starts overlap instead of adding up).
+            self._check_image_runs(image, spec, kwargs)
+        except BaseException:
+            job.remove()   # kills the worker that could not run either
+            raise
+        with self._lock:
+            self._jobs.add(job)
+        return job
+
+    def _nested_locally(self) -> bool:
+        """A worker container cannot reach the engine (nothing of the host is mounted
+        but the working directory): the processes it starts run beside it."""
+        if self._nested is None:
+            self._nested = in_worker_container() and not self._engine_reachable()
+        return self._nested
+
+    def _engine_reachable(self) -> bool:
+        try:
+            self.client
+        except BackendError:
+            return False
+        return True
+
+    def _local(self) -> Backend:
+        if self._local_backend is None:
+            from ..local import LocalBackend
+
+            self._local_backend = LocalBackend(self.config)
+        return self._local_backend
+
+    def cleanup(self, run_id: Optional[str] = None, *, force: bool = True) -> list:
+        """Remove the containers of ``run_id`` (default: this program's run); return names."""
+        return remove_containers(run_id or base.run_id(), force=force, client=self.client)
+
+    # -- building the container ------------------------------------------------------
+    def _check_network(self) -> None:
+        network, host = self.config.docker_network, self.listen_host()
+        if network != "host" and host.startswith(_LOOPBACK):
+            raise BackendError(
+                f"docker_network={network!r} but the parent listens on {host}, which "
+                f"containers on that network cannot reach. Fix: keep docker_network='host' "
+                f"(the default), or set listen_host to an address of this machine that the "
+                f"network reaches (e.g. the docker0 bridge address).")
+
+    def _container_kwargs(self, spec: JobSpec, image: str) -> dict:
+        labels = dict(spec.labels)
+        labels.update({LABEL_BACKEND: "docker", LABEL_HOST: socket.gethostname(),
+                       LABEL_PIDNS: pid_namespace()})
+        kwargs = dict(
+            image=image, command=list(spec.command), environment=dict(spec.env),
+            labels=labels, network_mode=self.config.docker_network, init=True,
+            working_dir=self._workdir(spec), volumes=self._volumes(spec),
+            user=f"{os.getuid()}:{os.getgid()}", security_opt=["no-new-privileges"],
+            stdin_open=False, tty=False, auto_remove=False)
+        kwargs.update(_resources(spec))
+        return kwargs
+
+    def _workdir(self, spec: JobSpec) -> Optional[str]:
+        if self.config.docker_workdir:
+            return self.config.docker_workdir
+        return spec.workdir if self.config.docker_mount_cwd and spec.workdir else None
+
+    def _volumes(self, spec: JobSpec) -> dict:
+        volumes = {}
+        if self.config.docker_mount_cwd and spec.workdir:
+            if os.path.abspath(spec.workdir) == "/":
+                raise BackendError(
+                    "refusing to mount the host's root directory into worker containers: "
+                    "the parent's working directory is '/'. Fix: run from your project "
+                    "directory, or set docker_mount_cwd=False.")
+            mode = "ro" if self.config.docker_mount_readonly else "rw"
+            volumes[spec.workdir] = {"bind": spec.workdir, "mode": mode}
+        for host_path, container_path, read_only in spec.volumes:
+            volumes[host_path] = {"bind": container_path, "mode": "ro" if read_only else "rw"}
+        return volumes
+
+    # -- checks done once per image and working directory ----------------------------
+    def _check_image_runs(self, image: str, spec: JobSpec, kwargs: dict) -> None:
+        """Probe once per image and mount; concurrent callers wait for that one probe."""
+        key = (image, kwargs["working_dir"], repr(kwargs["volumes"]))
+        with self._lock:
+            check = self._checks.get(key)
+            mine = check is None
+            if mine:
+                check = self._checks[key] = _Check()
+        if mine:
+            check.run(lambda: self._probe(image, spec, kwargs))
+            if check.error is not None:
+                with self._lock:
+                    del self._checks[key]  # retried next time: the image may be rebuilt
+        check.raise_error()
+
+    def _require_image(self, image: str) -> None:
+        if image in self._images:
+            return
+        docker = _sdk()
+        try:
+            self.client.images.get(image)
+        except docker.errors.ImageNotFound as exc:
+            raise BackendError(
+                f"the worker image {image!r} does not exist on the docker engine at "
+                f"{_engine_address()}. Fix: build it with docker/build-image.sh (or "
+                f"`docker build -t {image} .` in the fibrl source tree), pull it, or set "
+                f"image=... (fibrl.init(image=...) or FIBRL_IMAGE).") from exc
+        except _sdk_errors() as exc:
+            raise BackendError(f"cannot look up image {image!r} on the docker engine at "
+                               f"{_engine_address()}: {exc}. Check `docker info`.") from exc
+        self._images.add(image)
+
+    def _probe(self, image: str, spec: JobSpec, kwargs: dict) -> None:
+        """Run the spec's probe command in the worker's set-up, once."""
+        if not spec.probe:
+            return
+        probe = dict(kwargs, command=list(spec.probe), environment={},
+                     name=container_name("probe"))
+        probe["labels"] = dict(kwargs["labels"], **{LABEL_ROLE: "probe"})
+        for key in ("nano_cpus", "mem_limit", "memswap_limit", "device_requests"):
+            probe.pop(key, None)
+        container = self._create(probe, image)
+        try:
+            container.start()
+            status = container.wait(timeout=self.config.start_timeout)["StatusCode"]
+            output = container.logs(tail=LOG_TAIL_LINES).decode("utf-8", "replace")
+        except _sdk_errors() as exc:
+            raise _start_error(image, exc) from exc
+        finally:
+            _remove_quietly(self.client.api, container.id)
+        if status != 0:
+            raise _unusable_image(image, kwargs["working_dir"], status, output, spec.probe)
+
+    # -- starting ---------------------------------------------------------------------
+    def _create(self, kwargs: dict, image: str) -> Any:
+        try:
+            return self.client.containers.create(**kwargs)
+        except _sdk().errors.ImageNotFound as exc:
+            self._images.discard(image)  # removed since it was checked
+            self._require_image(image)
+            raise _start_error(image, exc) from exc
+        except _sdk_errors() as exc:
+            raise _start_error(image, exc) from exc
+
+    def _start(self, spec: JobSpec, image: str, kwargs: dict) -> DockerJob:
+        name = container_name(spec.name)
+        container = self._create(dict(kwargs, name=name), image)
+        api = self.client.api
+        try:
+            stream = api.attach(container.id, stdout=True, stderr=True, stream=True,
+                                logs=True, demux=True)
+            api.start(container.id)
+        except _sdk_errors() as exc:
+            _remove_quietly(api, container.id)
+            raise _start_error(image, exc) from exc
+        job = DockerJob(spec, api, container.id, name, stream)
+        job._begin()
+        return job
+
+    def close_at_exit(self) -> None:
+        """Remove the containers of jobs that ended but were not removed yet."""
+        with self._lock:
+            jobs = [job for job in self._jobs if job._ended.is_set()]
+        for job in jobs:
+            job.remove()
+
+    def python(self) -> str:
+        return "python"
+
+
+def _resources(spec: JobSpec) -> dict:
+    limits: dict = {}
+    if spec.cpu:
+        limits["nano_cpus"] = int(float(spec.cpu) * 1e9)
+    if spec.memory:
+        limits["mem_limit"] = limits["memswap_limit"] = spec.memory  # no swap: OOM kills
+    if spec.gpu:
+        docker = _sdk()
+        limits["device_requests"] = [docker.types.DeviceRequest(count=int(spec.gpu),
+                                                                capabilities=[["gpu"]])]
+    return limits
+
+
+def _start_error(image: str, exc: Exception) -> BackendError:
+    text = str(exc)
+    if "device driver" in text or "nvidia" in text.lower():
+        fix = ("GPUs were requested but the engine has no GPU runtime: install the NVIDIA "
+               "container toolkit, or request gpu=0.")
+    elif "memory" in text.lower() or "parse" in text.lower():
+        fix = "check the memory limit: a size such as memory='512m' or '2g'."
+    else:
+        fix = "check the image, the limits and `docker info`; try `docker run` with the image."
+    return BackendError(f"cannot start a worker container from image {image!r} on the docker "
+                        f"engine at {_engine_address()}: {text}. Fix: {fix}")
+
+
+def _shell(command: tuple) -> str:
+    if not command:
+        return "its probe command"
+    return "`" + " ".join(f'"{part}"' if " " in part else part for part in command) + "`"
+
+
+def _unusable_image(image: str, workdir: Optional[str], status: int,
+                    output: str, probe: tuple = ()) -> BackendError:
+    if status == 127 or ("exec" in output and "failed" in output):
+        cause = "the image has no `python` on its PATH"
+    elif "No module named" in output:
+        cause = "fibrl is not installed in the image (nor importable from the mounted directory)"
+    else:
+        cause = "python or fibrl is broken in the image"
+    return BackendError(
+        f"the worker image {image!r} cannot run fibrl workers: {_shell(probe)} exited "
+        f"with {describe_exitcode(exit_code(status))} in it "
+        f"(working directory {workdir or 'the image default'}). Likely cause: {cause}. "
+        f"Fix: build the image with docker/build-image.sh (it installs fibrl), or pip "
+        f"install fibrl in your image, or set image=... Container output:\n{output.strip()}")

@@ -1,0 +1,172 @@
+"""One worker container: watch it, relay its output, stop it, keep its logs, remove it.
+
+Data flow::
+
+    follower thread:  attach stream frames --> parent's stdout / stderr
+                      EOF (container stopped) --> wait API --> inspect
+                      --> exit code (128+N -> -N), OOMKilled --> _ended.set()
+    Job.wait(timeout) blocks on _ended; Job.remove() keeps a bounded tail of the
+    logs, then removes the container (auto-remove is off so logs survive exit).
+"""
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+from typing import Any, Optional
+
+from ...errors import BackendError, describe_exitcode
+from ..base import Job, JobSpec, JobStatus
+from .engine import LOG_TAIL_LINES, _sdk_errors, exit_code
+from .housekeeping import _remove_quietly
+
+__all__ = ["DockerJob"]
+
+log = logging.getLogger(__name__)
+
+_STOP_TIMEOUT = 10.0  # seconds to wait for a killed container's end to be reported
+
+
+# -- one container ---------------------------------------------------------------------
+
+class DockerJob(Job):
+    """A worker running as a docker container."""
+
+    def __init__(self, spec: JobSpec, api: Any, container_id: str, name: str,
+                 stream: Any) -> None:
+        self.spec = spec
+        self.name = name
+        self._api = api
+        self._id = container_id
+        self._ended = threading.Event()
+        self._code: Optional[int] = None
+        self._state: dict = {}
+        self._lock = threading.Lock()
+        self._removed = False
+        self._final_logs = ""
+        self._follower = threading.Thread(target=self._follow, args=(stream,), daemon=True,
+                                          name=f"fibrl-docker-{name}")
+
+    def _begin(self) -> None:
+        self._follower.start()
+
+    @property
+    def id(self) -> str:
+        return self._id
+
+    # The follower: relay output until the container stops, then collect its end.
+    def _follow(self, stream: Any) -> None:
+        try:
+            _relay(stream)
+        except Exception as exc:  # a broken stream must not hide the exit code
+            log.debug("output stream of %s ended: %s", self.name, exc)
+        finally:
+            _close_quietly(stream)
+        self._collect_end()
+
+    def _collect_end(self) -> None:
+        try:
+            status = self._api.wait(self._id)["StatusCode"]
+            self._state = self._api.inspect_container(self._id)["State"]
+        except _sdk_errors() as exc:
+            status = 255
+            self._state = {"Error": f"lost track of the container: {exc}"}
+        self._code = exit_code(status)
+        self._report_end()
+        self._ended.set()
+
+    def _report_end(self) -> None:
+        if self._state.get("OOMKilled"):
+            log.warning(
+                "worker container %s was killed by the kernel's OOM killer (%s, memory "
+                "limit %s). Fix: raise the limit with @fibrl.meta(memory=...) or "
+                "fibrl.init(memory=...), or make the worker use less memory.",
+                self.name, describe_exitcode(self._code), self.spec.memory or "none")
+
+    def status(self) -> JobStatus:
+        if self._ended.is_set():
+            return JobStatus.SUCCEEDED if self._code == 0 else JobStatus.FAILED
+        try:
+            state = self._api.inspect_container(self._id)["State"]
+        except _sdk_errors():
+            return JobStatus.FAILED
+        if state.get("Status") == "created":
+            return JobStatus.PENDING
+        if state.get("Running"):
+            return JobStatus.RUNNING
+        return JobStatus.SUCCEEDED if state.get("ExitCode") == 0 else JobStatus.FAILED
+
+    def wait(self, timeout: Optional[float] = None) -> Optional[int]:
+        self._ended.wait(timeout)
+        return self._code
+
+    def _signal(self, sig: str) -> None:
+        if self._ended.is_set():
+            return
+        try:
+            self._api.kill(self._id, signal=sig)
+        except _sdk_errors() as exc:  # 404 gone, 409 not running: nothing to stop
+            if getattr(exc, "status_code", None) not in (404, 409):
+                raise BackendError(f"cannot send {sig} to container {self.name}: {exc}. "
+                                   f"Check `docker info` and `docker ps -a`.") from exc
+
+    def terminate(self) -> None:
+        self._signal("SIGTERM")
+
+    def kill(self) -> None:
+        self._signal("SIGKILL")
+
+    def logs(self) -> str:
+        """The last ``LOG_TAIL_LINES`` lines the container printed (stdout and stderr)."""
+        with self._lock:
+            if self._removed:
+                return self._final_logs
+            return self._fetch_logs()
+
+    def _fetch_logs(self) -> str:
+        try:
+            raw = self._api.logs(self._id, stdout=True, stderr=True, tail=LOG_TAIL_LINES)
+        except _sdk_errors() as exc:
+            return f"<logs of container {self.name} unavailable: {exc}>"
+        return raw.decode("utf-8", "replace")
+
+    def failure_reason(self) -> str:
+        if self._state.get("OOMKilled"):
+            return "OOMKilled"
+        return self._state.get("Error", "")
+
+    def remove(self) -> None:
+        """Keep the logs' tail, then remove the container (killing it if it still runs)."""
+        if not self._ended.is_set():
+            self.kill()
+            self._ended.wait(_STOP_TIMEOUT)
+        self._follower.join(_STOP_TIMEOUT)
+        with self._lock:
+            if self._removed:
+                return
+            self._final_logs = self._fetch_logs()
+            self._removed = True
+        _remove_quietly(self._api, self._id)
+
+
+def _relay(stream: Any) -> None:
+    for out, err in stream:
+        _write(sys.stdout, out)
+        _write(sys.stderr, err)
+
+
+def _write(target: Any, data: Optional[bytes]) -> None:
+    if not data or target is None:
+        return
+    try:
+        target.write(data.decode("utf-8", "replace"))
+        target.flush()
+    except (ValueError, OSError):  # closed at interpreter exit: drop the output
+        pass
+
+
+def _close_quietly(stream: Any) -> None:
+    try:
+        stream.close()
+    except Exception:  # closing a finished stream may fail in many SDK ways
+        pass

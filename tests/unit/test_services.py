@@ -1,0 +1,308 @@
+"""The hosted state machines alone: mailbox, lock, barrier and pool services.
+
+No process, no socket: each service is driven through ``dispatch`` with fake
+reply sinks standing for callers (local, or a peer connection), on a stand-in
+hub that has only what services use (timers, unregister). Fast, and a failure
+names the state machine, not the transport.
+"""
+from __future__ import annotations
+
+import pickle
+import queue
+import threading
+from types import SimpleNamespace
+
+import pytest
+
+import fibrl.pool
+from fibrl.hub import ReplySink
+from fibrl.mailbox import Mailbox
+from fibrl.pool.protocol import Kind, Report, ResultSink, pack
+from fibrl.pool.service import PoolService
+from fibrl.synchronize.services import BarrierService, BarrierTurn, LockService
+from fibrl.timers import Timers
+
+WAIT = 10.0
+
+
+class Peer:
+    """A connected process, as services see it."""
+
+    _ids = iter(range(1, 1 << 30))
+
+    def __init__(self) -> None:
+        self.id = next(Peer._ids)
+        self.closed = False
+
+
+class Reply(ReplySink):
+    """One caller's reply: records what it was answered; ``gone`` callers refuse it."""
+
+    __slots__ = ("rid", "values", "errors", "event", "gone")
+
+    def __init__(self, peer: Peer | None = None, rid: int = 1, gone: bool = False) -> None:
+        self.peer, self.rid, self.gone = peer, rid, gone
+        self.values: list = []
+        self.errors: list = []
+        self.event = threading.Event()
+
+    def __call__(self, value=None) -> bool:
+        if self.gone:
+            return False
+        self.values.append(value)
+        self.event.set()
+        return True
+
+    def fail(self, exc: BaseException) -> bool:
+        self.errors.append(exc)
+        self.event.set()
+        return not self.gone
+
+    @property
+    def answered(self) -> bool:
+        return self.event.is_set()
+
+    def value(self, timeout: float = WAIT):
+        assert self.event.wait(timeout), "no answer"
+        assert not self.errors, self.errors
+        return self.values[-1]
+
+    def error(self, timeout: float = WAIT) -> BaseException:
+        assert self.event.wait(timeout), "no answer"
+        assert self.errors, self.values
+        return self.errors[-1]
+
+
+@pytest.fixture
+def host():
+    timers = Timers()
+    yield SimpleNamespace(timers=timers, unregister=lambda oid: None)
+
+
+def hosted(service, host):
+    service.hub, service.oid = host, f"{type(service).__name__.lower()}-1"
+    return service
+
+
+# -- mailbox ---------------------------------------------------------------------------------
+def test_mailbox_answers_the_oldest_parked_getter_first(host):
+    box = hosted(Mailbox(), host)
+    first, second = Reply(Peer()), Reply(Peer())
+    box.dispatch("get", (None,), first)
+    box.dispatch("get", (None,), second)
+    assert not first.answered and not second.answered
+    box.dispatch("put", (b"a",), Reply())
+    assert first.value() == b"a" and not second.answered
+
+
+def test_mailbox_get_times_out_with_empty_from_the_owner_side(host):
+    box = hosted(Mailbox(), host)
+    getter = Reply(Peer())
+    box.dispatch("get", (0.05,), getter)
+    assert isinstance(getter.error(), queue.Empty)
+    box.dispatch("put", (b"late",), Reply())
+    assert box.take_nowait() == b"late"  # not handed to the getter that gave up
+
+
+def test_mailbox_requeues_unacknowledged_items_of_a_lost_peer_in_front(host):
+    box = hosted(Mailbox(), host)
+    for item in (b"1", b"2", b"3"):
+        box.dispatch("put", (item,), Reply())
+    dead = Peer()
+    box.dispatch("get", (0,), Reply(dead, rid=7))
+    box.dispatch("get", (0,), Reply(dead, rid=8))
+    box.dispatch("ack", (7,), Reply(dead))  # b"1" arrived; b"2" did not
+    box.peer_lost(dead)
+    assert [box.take_nowait(), box.take_nowait()] == [b"2", b"3"]
+
+
+def test_mailbox_keeps_an_item_a_gone_getter_could_not_take(host):
+    box = hosted(Mailbox(), host)
+    box.dispatch("get", (None,), Reply(Peer(), gone=True))
+    taker = Reply(Peer())
+    box.dispatch("get", (None,), taker)
+    box.dispatch("put", (b"x",), Reply())
+    assert taker.value() == b"x"
+
+
+def test_bounded_mailbox_parks_a_putter_until_there_is_room(host):
+    box = hosted(Mailbox(maxsize=1), host)
+    box.dispatch("put", (b"a",), Reply())
+    waiting = Reply(Peer())
+    box.dispatch("put", (b"b", None), waiting)
+    assert not waiting.answered
+    box.dispatch("get", (0,), Reply())
+    assert waiting.value() is None and box.take_nowait() == b"b"
+
+
+def test_mailbox_closed_fails_what_is_parked(host):
+    box = hosted(Mailbox(), host)
+    getter = Reply(Peer())
+    box.dispatch("get", (None,), getter)
+    box.closed()
+    assert "no longer exists" in str(getter.error())
+
+
+# -- lock ------------------------------------------------------------------------------------
+def test_lock_grants_waiters_in_arrival_order(host):
+    lock = hosted(LockService("lock"), host)
+    holder, a, b = Reply(Peer()), Reply(Peer()), Reply(Peer())
+    lock.dispatch("acquire", (1, None), holder)
+    lock.dispatch("acquire", (1, None), a)
+    lock.dispatch("acquire", (1, None), b)
+    assert holder.value() is True and not a.answered
+    lock.dispatch("release", (1,), Reply(holder.peer))
+    assert a.value() is True and not b.answered
+
+
+def test_lock_acquire_times_out_false_and_releasing_unlocked_raises(host):
+    lock = hosted(LockService("lock"), host)
+    lock.dispatch("acquire", (1, None), Reply(Peer()))
+    late = Reply(Peer())
+    lock.dispatch("acquire", (2, 0.05), late)
+    assert late.value() is False
+    free = hosted(LockService("lock"), host)
+    assert isinstance(_fail(free, "release", 1), ValueError)
+
+
+def test_lock_held_by_a_lost_peer_goes_to_the_next_waiter(host):
+    lock = hosted(LockService("lock"), host)
+    dead, next_ = Peer(), Reply(Peer())
+    lock.dispatch("acquire", (1, None), Reply(dead))
+    lock.dispatch("acquire", (1, None), next_)
+    lock.peer_lost(dead)
+    assert next_.value() is True
+
+
+def test_a_grant_refused_by_a_gone_waiter_passes_to_the_next(host):
+    lock = hosted(LockService("lock"), host)
+    holder = Reply(Peer())
+    lock.dispatch("acquire", (1, None), holder)
+    lock.dispatch("acquire", (1, None), Reply(Peer(), gone=True))
+    alive = Reply(Peer())
+    lock.dispatch("acquire", (1, None), alive)
+    lock.dispatch("release", (1,), Reply(holder.peer))
+    assert alive.value() is True
+
+
+def test_rlock_counts_levels_of_its_owner_thread(host):
+    rlock = hosted(LockService("rlock"), host)
+    peer = Peer()
+    for _ in range(2):
+        assert _call(rlock, "acquire", 5, None, peer=peer) is True
+    other = Reply(Peer())
+    rlock.dispatch("acquire", (5, None), other)
+    _call(rlock, "release", 5, peer=peer)
+    assert not other.answered
+    _call(rlock, "release", 5, peer=peer)
+    assert other.value() is True
+
+
+def test_cancel_withdraws_a_parked_acquire(host):
+    lock = hosted(LockService("lock"), host)
+    lock.dispatch("acquire", (1, None), Reply(Peer()))
+    peer = Peer()
+    parked = Reply(peer)
+    lock.dispatch("acquire", (9, None, 42), parked)
+    _call(lock, "cancel", 9, 42, peer=peer)
+    assert parked.value() is False and not lock.waiters
+
+
+# -- barrier ---------------------------------------------------------------------------------
+def test_barrier_releases_all_parties_when_the_last_arrives(host):
+    barrier = hosted(BarrierService(3, has_action=False), host)
+    replies = [Reply(Peer()) for _ in range(3)]
+    for i, reply in enumerate(replies):
+        barrier.dispatch("wait", (i, None), reply)
+    assert sorted(r.value().index for r in replies) == [0, 1, 2]
+
+
+def test_barrier_action_runs_once_then_the_round_is_released(host):
+    barrier = hosted(BarrierService(2, has_action=True), host)
+    first, last = Reply(Peer()), Reply(Peer())
+    barrier.dispatch("wait", (1, None), first)
+    barrier.dispatch("wait", (2, None), last)
+    assert last.value() == BarrierTurn(1, True) and not first.answered
+    barrier.dispatch("action_done", (True,), Reply(last.peer))
+    assert first.value() == BarrierTurn(0)
+
+
+def test_barrier_breaks_on_timeout_and_when_a_party_is_lost(host):
+    barrier = hosted(BarrierService(3, has_action=False), host)
+    waiting = Reply(Peer())
+    barrier.dispatch("wait", (1, 0.05), waiting)
+    assert isinstance(waiting.error(), threading.BrokenBarrierError)
+    barrier.dispatch("reset", (), Reply())
+    dead, alive = Peer(), Reply(Peer())
+    barrier.dispatch("wait", (1, None), Reply(dead))
+    barrier.dispatch("wait", (2, None), alive)
+    barrier.peer_lost(dead)
+    assert isinstance(alive.error(), threading.BrokenBarrierError)
+
+
+# -- pool ------------------------------------------------------------------------------------
+class Sink(ResultSink):
+    def __init__(self) -> None:
+        self.outcomes: dict = {}
+        self.aborted = None
+
+    def sink_deliver(self, index, outcomes, clean=False) -> None:
+        self.outcomes.update(enumerate(outcomes, index))
+
+    def sink_abort(self, exc) -> None:
+        self.aborted = exc
+
+
+def _next(service, wid, reports=()):
+    reply = Reply()
+    service.op_next(reply, wid, list(reports))
+    return reply
+
+
+def _run(batch) -> list:
+    """What a worker reports after running every task of ``batch`` (square)."""
+    out = []
+    for spec in batch.tasks:
+        items = pickle.loads(spec.payload)
+        squares = [x * x for (x,) in items] if items and isinstance(items[0], tuple) else \
+            [x * x for x in items]
+        out.append(Report(spec.tid, spec.lo, len(squares), pack(squares), 0.001, True))
+    return out
+
+
+def test_pool_service_hands_out_work_and_delivers_each_result_once():
+    service = PoolService(processes=1, max_retries=1, maxtasks=None)
+    sink = Sink()
+    service.submit(sink, pack(abs), "abs", Kind.MAP, fibrl.pool.chunked(range(6), 2))
+    (wid,) = service.reserve_workers()
+    reports, seen = [], 0
+    while seen < 3:
+        batch = _next(service, wid, reports).value()
+        assert batch is not None and batch.tasks
+        reports, seen = _run(batch), seen + len(batch.tasks)
+    service.op_report(Reply(), wid, reports)
+    assert sink.outcomes == {i: i * i for i in range(6)}
+
+
+def test_pool_service_parks_an_idle_worker_and_terminate_aborts_open_jobs():
+    service = PoolService(processes=1, max_retries=1, maxtasks=None)
+    (wid,) = service.reserve_workers()
+    idle = _next(service, wid)
+    assert not idle.answered  # no work yet: parked, not polled
+    sink = Sink()
+    service.submit(sink, pack(abs), "abs", Kind.MAP, fibrl.pool.chunked(range(2), 2))
+    assert idle.value().tasks
+    service.terminate(RuntimeError("stop"))
+    assert isinstance(sink.aborted, RuntimeError)
+
+
+def _call(service, method, *args, peer=None):
+    reply = Reply(peer)
+    service.dispatch(method, args, reply)
+    return reply.value()
+
+
+def _fail(service, method, *args):
+    reply = Reply()
+    service.dispatch(method, args, reply)
+    return reply.error()
