@@ -497,8 +497,9 @@ class Hub:
     """This process's host of services and its connections to other hubs."""
 
     def __init__(self, secret: bytes, host: str = "127.0.0.1", auth_timeout: float = 10.0,
-                 connect_timeout: float = 30.0, port: int = 0) -> None:
+                 connect_timeout: float = 30.0, port: int = 0, tls: bool = False) -> None:
         self.secret = secret
+        self.tls = tls
         self.host = host
         self.port = port
         self.auth_timeout = auth_timeout
@@ -521,7 +522,8 @@ class Hub:
 
                 self._listener = Listener(self.host, self.secret, on_frame=self._on_frame,
                                           on_lost=self._on_peer_lost,
-                                          auth_timeout=self.auth_timeout, port=self.port)
+                                          auth_timeout=self.auth_timeout, port=self.port,
+                                          tls=self.tls)
             return self._listener.address
 
     def register(self, service: Service, oid: Optional[str] = None) -> str:
@@ -740,12 +742,13 @@ def get_hub() -> Hub:
     if _hub is None or _hub.pid != os.getpid():
         with _hub_lock:
             if _hub is None or _hub.pid != os.getpid():
+                from .config import tls_enabled
                 from .context import current_config
                 from .process import current_process
 
                 config = current_config()
                 hub = Hub(bytes(current_process().authkey), config.listen_host,
-                          config.auth_timeout, config.start_timeout)
+                          config.auth_timeout, config.start_timeout, tls=tls_enabled(config))
                 _register_exit()
                 _hub = hub
     return _hub

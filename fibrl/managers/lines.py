@@ -151,7 +151,7 @@ def hub_for(authkey: bytes) -> Hub:
         other = _hubs.get(bytes(authkey))
         if other is None:
             other = _hubs[bytes(authkey)] = Hub(bytes(authkey), hub.host, hub.auth_timeout,
-                                                  hub.connect_timeout)
+                                                  hub.connect_timeout, tls=hub.tls)
             _hook_exit()
     return other
 
