@@ -114,12 +114,27 @@ def _become(start, hub, client, exiting):
         del mp_process.current_process()._inheriting
 
 
+def _take_secret() -> str:
+    """The run's secret, from where the backend left it: a pipe (FIBRL_SECRET_FD, local
+    workers), a 0400 file in a private mount (FIBRL_SECRET_FILE, docker) or the
+    environment (a kubernetes Secret; the fork server). Each is dropped after use."""
+    fd = os.environ.pop("FIBRL_SECRET_FD", "")
+    if fd:
+        with os.fdopen(int(fd), "rb") as pipe:
+            return pipe.read().decode().strip()
+    path = os.environ.pop("FIBRL_SECRET_FILE", "")
+    if path:
+        with open(path) as file:
+            return file.read().strip()
+    return os.environ.pop("FIBRL_SECRET", "")
+
+
 def main(argv: list[str]) -> int:
     if len(argv) != 3:
         sys.stderr.write("usage: python -m fibrl.bootstrap <parent address> <handover id>\n")
         return 2
     address, oid = argv[1], argv[2]
-    secret_hex = os.environ.pop("FIBRL_SECRET", "")
+    secret_hex = _take_secret()
     if not secret_hex:
         sys.stderr.write("fibrl worker: FIBRL_SECRET is not set; refusing to start.\n")
         return 2

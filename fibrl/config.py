@@ -149,8 +149,8 @@ def _from_env(environ: Mapping[str, str]) -> dict[str, str]:
 
 
 # Variables the runtime itself passes to workers; they are not config keys.
-_ENV_NOT_CONFIG = frozenset({"FIBRL_SECRET", "FIBRL_RUN_ID", "FIBRL_TOKEN", "FIBRL_PARENT",
-                             "FIBRL_POD_NAME", "FIBRL_POD_NAMESPACE", "FIBRL_POD_UID"})
+_ENV_NOT_CONFIG = frozenset({"FIBRL_SECRET", "FIBRL_SECRET_FD", "FIBRL_SECRET_FILE",
+                             "FIBRL_RUN_ID", "FIBRL_TOKEN", "FIBRL_PARENT", "FIBRL_POD_NAME", "FIBRL_POD_NAMESPACE", "FIBRL_POD_UID"})
 
 
 def _from_file(path: Path) -> dict[str, str]:

@@ -37,13 +37,16 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import functools
+import hashlib
 import logging
 import os
 import re
 import secrets
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import weakref
@@ -609,10 +612,12 @@ class DockerBackend(Backend):
         labels = dict(spec.labels)
         labels.update({LABEL_BACKEND: "docker", LABEL_HOST: socket.gethostname(),
                        LABEL_PIDNS: pid_namespace()})
+        volumes = self._volumes(spec)
         kwargs = dict(
-            image=image, command=list(spec.command), environment=dict(spec.env),
+            image=image, command=list(spec.command),
+            environment=_secret_to_file(dict(spec.env), volumes),
             labels=labels, network_mode=self.config.docker_network, init=True,
-            working_dir=self._workdir(spec), volumes=self._volumes(spec),
+            working_dir=self._workdir(spec), volumes=volumes,
             user=f"{os.getuid()}:{os.getgid()}", security_opt=["no-new-privileges"],
             stdin_open=False, tty=False, auto_remove=False)
         kwargs.update(_resources(spec))
@@ -795,3 +800,29 @@ def main(argv: Optional[list] = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+_SECRET_MOUNT = "/run/fibrl-secret"
+_secret_dir: Optional[str] = None
+
+
+def _secret_to_file(env: dict, volumes: dict) -> dict:
+    """Move FIBRL_SECRET out of ``env`` into a 0400 file in a 0700 directory of this
+    process, mounted read-only into the container (FIBRL_SECRET_FILE names it): a
+    container's environment is shown by ``docker inspect``, a mount's content is not."""
+    global _secret_dir
+    secret = env.pop("FIBRL_SECRET", None)
+    if secret is None:
+        return env
+    if _secret_dir is None or not os.path.isdir(_secret_dir):
+        shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None   # not on disk
+        _secret_dir = tempfile.mkdtemp(prefix="fibrl-secret-", dir=shm)
+        atexit.register(shutil.rmtree, _secret_dir, True)
+    path = os.path.join(_secret_dir, hashlib.sha256(secret.encode()).hexdigest()[:16])
+    if not os.path.exists(path):
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o400)
+        with os.fdopen(fd, "w") as file:
+            file.write(secret)
+    volumes[path] = {"bind": _SECRET_MOUNT, "mode": "ro"}
+    env["FIBRL_SECRET_FILE"] = _SECRET_MOUNT
+    return env
