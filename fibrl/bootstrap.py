@@ -93,13 +93,12 @@ def _become(start, hub, client, exiting):
     from multiprocessing import spawn as mp_spawn
 
     from . import context, serialization
-    from .config import tls_enabled
 
     config = _own_listen_host(start.config)
     context.install_config(config)
     hub.host = config.listen_host
     hub.auth_timeout = config.auth_timeout
-    hub.tls = tls_enabled(config)  # for what this worker hosts; its parent's address says its own
+    hub.tls = config.tls  # for what this worker hosts; its parent's address says its own
     threading.Thread(target=_heartbeat, daemon=True, name="fibrl-heartbeat",
                      args=(client, config.heartbeat_interval, config.parent_timeout,
                            exiting)).start()

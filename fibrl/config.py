@@ -47,10 +47,9 @@ class Config:
     """Seconds a new worker has to connect back before its start is reported failed."""
     auth_timeout: float = 10.0
     """Seconds a connecting peer has to finish the authentication handshake."""
-    tls: str = "auto"
-    """Encrypt connections with TLS (a certificate derived from the run's secret):
-    ``true``, ``false``, or ``auto`` (on for kubernetes, whose traffic crosses the pod
-    network; off for local and docker, whose traffic stays on loopback)."""
+    tls: bool = False
+    """Encrypt connections with TLS (``tls+tcp://``, a certificate derived from the run's
+    secret); needs the ``cryptography`` package in the parent and the worker image."""
     heartbeat_interval: float = 5.0
     """Seconds between liveness pings from a worker to its parent."""
     parent_timeout: float = 30.0
@@ -195,20 +194,7 @@ def resolve(overrides: Mapping[str, Any] | None = None, *, base: Config | None =
     return config
 
 
-TLS_VALUES = ("auto", "true", "false")
-
-
-def tls_enabled(config: Config) -> bool:
-    """Whether ``config`` asks for TLS (``auto``: only on kubernetes)."""
-    value = config.tls.strip().lower()
-    return config.backend == "kubernetes" if value == "auto" else _parse_bool(value)
-
-
 def _validate(config: Config) -> None:
-    if config.tls.strip().lower() not in TLS_VALUES + ("1", "0", "yes", "no", "on", "off"):
-        raise ConfigError(
-            f"config tls must be one of {', '.join(TLS_VALUES)}, got {config.tls!r} "
-            f"(fibrl.init(tls=True) or FIBRL_TLS=true).")
     if config.backend not in BACKENDS:
         raise ConfigError(
             f"backend {config.backend!r} is not known. Choose one of {', '.join(BACKENDS)} "

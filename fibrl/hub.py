@@ -742,13 +742,12 @@ def get_hub() -> Hub:
     if _hub is None or _hub.pid != os.getpid():
         with _hub_lock:
             if _hub is None or _hub.pid != os.getpid():
-                from .config import tls_enabled
                 from .context import current_config
                 from .process import current_process
 
                 config = current_config()
                 hub = Hub(bytes(current_process().authkey), config.listen_host,
-                          config.auth_timeout, config.start_timeout, tls=tls_enabled(config))
+                          config.auth_timeout, config.start_timeout, tls=config.tls)
                 _register_exit()
                 _hub = hub
     return _hub

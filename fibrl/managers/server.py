@@ -37,7 +37,6 @@ from multiprocessing import process
 from typing import Any, Callable, Optional
 
 from .. import serialization
-from ..config import tls_enabled
 from ..errors import RemoteObjectError
 from ..hub import Hub, ReplySink, Service
 from ..synchronize.services import answer
@@ -384,7 +383,7 @@ class Server:
         self.authkey = bytes(authkey)
         self.nonce = secrets.token_hex(4)
         self.hub = Hub(self.authkey, host, config.auth_timeout, config.start_timeout, port=port,
-                       tls=tls_enabled(config))
+                       tls=config.tls)
         self.service = ManagerService(self)
         self.hub.register(self.service, MANAGER_OID)
         self.hub.register(_Ping(), "hub")
