@@ -513,7 +513,7 @@ class Channel:
             TransportError: nothing listens there, or it did not answer in time.
         """
         tls = address.startswith("tls+tcp://")
-        data_address, token = _authenticate(address, secret, timeout, tls)
+        data_address, token = _authenticate_retrying(address, secret, timeout, tls)
         sock = _make(pynng.Pair1, secret, tls, False, recv_max_size=0)
         # A listener that dies mid-handshake closes the pipe, but a Pair1 recv does not
         # end with it (nng would wait for a redial): close the socket then, so the
@@ -583,6 +583,28 @@ def _close_on_disconnect(sock: pynng.Socket) -> None:
     """Close ``sock`` when its first pipe goes away: a one-peer socket whose peer left
     is done (nng would keep a send or recv waiting for a redial)."""
     sock.add_post_pipe_remove_cb(lambda _pipe: _call_soon(sock.close))
+
+
+def _authenticate_retrying(address: str, secret: bytes, timeout: float,
+                           tls: bool) -> tuple[str, bytes]:
+    """:func:`_authenticate`, tried again (twice at most, within ``timeout``) when the
+    listener closed our connection mid-way: it drops the oldest pending connection
+    when strangers crowd it. A listener that is gone fails the retry at once; the
+    first error is the one raised."""
+    deadline = time.monotonic() + timeout
+    first: Optional[TransportError] = None
+    for _ in range(3):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        try:
+            return _authenticate(address, secret, left, tls)
+        except TransportError as exc:
+            if not isinstance(exc.__cause__, pynng.Closed):
+                raise first or exc
+            first = first or exc
+    assert first is not None
+    raise first
 
 
 def _authenticate(address: str, secret: bytes, timeout: float,

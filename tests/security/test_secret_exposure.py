@@ -16,9 +16,10 @@ def _secret():
     return bytes(fibrl.current_process().authkey).hex()
 
 
+@pytest.mark.parametrize("fork_server", [False, True])
 @pytest.mark.parametrize("ctx", ["local"], indirect=True)
-def test_local_worker_without_fork_server_has_no_secret_in_environ(ctx):
-    fibrl.init(backend="local", local_fork_server=False)   # ctx restores the config
+def test_local_worker_has_no_secret_in_environ(ctx, fork_server):
+    fibrl.init(backend="local", local_fork_server=fork_server)   # ctx restores the config
     event = fibrl.Event()
     proc = fibrl.Process(target=_wait_on, args=(event,))
     proc.start()
