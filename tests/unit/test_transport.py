@@ -101,6 +101,8 @@ def test_malicious_pickle_from_unauthenticated_peer_is_never_unpickled(tmp_path)
         # 2. at an authenticated peer's data socket, raw and framed: the connection is
         #    closed by the listener (not by our own 30 s timeout)
         channel = Channel.connect(hub_address, SECRET, timeout=5)
+        lost = threading.Event()
+        channel.on_lost(lost.set)
         host, port = _data_socket_of(channel)[len("tcp://"):].rsplit(":", 1)
         for payload in (evil, framed):
             raw = socket.create_connection((host, int(port)), timeout=30)
@@ -109,7 +111,7 @@ def test_malicious_pickle_from_unauthenticated_peer_is_never_unpickled(tmp_path)
             assert _read_to_eof(raw) in (b"", _SP_PAIR1)   # closed by the listener
             assert time.monotonic() - start < 5
             raw.close()
-        channel.send(b"still here")                  # the real peer was not disturbed
+        assert not lost.wait(1.0), "the attack closed the authenticated peer"
         channel.close()
         assert not canary.exists()
         # 3. the hub still serves real peers
