@@ -285,6 +285,7 @@ class Listener:
         self.address = _address_of(self._accept, _scheme(tls))
         self._dropped = _DropLog(f"listener {self.address}")
         self._peers: dict[int, Peer] = {}
+        self._opening: dict[int, Peer] = {}   # authenticated, data connection not yet up
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._next_id = 0
@@ -395,14 +396,16 @@ class Listener:
             sock = _make(pynng.Pair1, self._secret, self._tls, True, recv_max_size=0)
         except pynng.NNGException as exc:
             return self._refuse_for_lack(pipe, exc)
-        one = _OnePipe(sock, self._dropped)
+        _OnePipe(sock, self._dropped)   # kept alive by the callbacks it registers
         try:
             sock.listen(f"{_scheme(self._tls)}://{self._host}:0")
         except pynng.NNGException as exc:
             sock.close()
             return self._refuse_for_lack(pipe, exc)
         peer = Peer(sock, peer_id)
-        peer.thread = threading.Thread(target=self._serve, args=(peer, one, token),
+        with self._lock:
+            self._opening[peer_id] = peer
+        peer.thread = threading.Thread(target=self._serve, args=(peer, token),
                                        daemon=True, name=f"fibrl-peer-{peer_id}")
         peer.thread.start()
         return _ADDR + _address_of(sock, _scheme(self._tls)).encode()
@@ -421,13 +424,12 @@ class Listener:
         return _NO + reason.encode()
 
     # -- one authenticated peer ---------------------------------------------------
-    def _serve(self, peer: Peer, one: _OnePipe, token: bytes) -> None:
+    def _serve(self, peer: Peer, token: bytes) -> None:
         sock = peer._sock
-        if not self._check_token(sock, token):
-            sock.close()
-            return
+        good = self._check_token(sock, token)
         with self._lock:
-            if self._closed:
+            self._opening.pop(peer.id, None)
+            if not good or self._closed:
                 sock.close()
                 return
             self._peers[peer.id] = peer
@@ -468,7 +470,7 @@ class Listener:
         """Stop accepting and drop every peer, waiting up to ``join`` s for their threads."""
         with self._lock:
             self._closed = True
-            peers = list(self._peers.values())
+            peers = list(self._peers.values()) + list(self._opening.values())
         self._stop.set()
         self._accept.close()
         for peer in peers:
