@@ -98,6 +98,7 @@ def _become(start, hub, client, exiting):
     hub.host = config.listen_host   # before install: the hub has not listened yet
     hub.auth_timeout = config.auth_timeout
     runtime.install_config(config)  # also hands the hub the parent's heartbeat timings
+    hub.tls = config.tls  # for what this worker hosts; its parent's address says its own
     threading.Thread(target=_heartbeat, daemon=True, name="fibrl-heartbeat",
                      args=(client, config.heartbeat_interval, config.parent_timeout,
                            exiting)).start()
@@ -112,12 +113,27 @@ def _become(start, hub, client, exiting):
         del mp_process.current_process()._inheriting
 
 
+def _take_secret() -> str:
+    """The run's secret, from where the backend left it: a pipe (FIBRL_SECRET_FD, local
+    workers), a 0400 file in a private mount (FIBRL_SECRET_FILE, docker) or the
+    environment (a kubernetes Secret; the fork server). Each is dropped after use."""
+    fd = os.environ.pop("FIBRL_SECRET_FD", "")
+    if fd:
+        with os.fdopen(int(fd), "rb") as pipe:
+            return pipe.read().decode().strip()
+    path = os.environ.pop("FIBRL_SECRET_FILE", "")
+    if path:
+        with open(path) as file:
+            return file.read().strip()
+    return os.environ.pop("FIBRL_SECRET", "")
+
+
 def main(argv: list[str]) -> int:
     if len(argv) != 3:
         sys.stderr.write("usage: python -m fibrl.bootstrap <parent address> <handover id>\n")
         return 2
     address, oid = argv[1], argv[2]
-    secret_hex = os.environ.pop("FIBRL_SECRET", "")
+    secret_hex = _take_secret()
     if not secret_hex:
         sys.stderr.write("fibrl worker: FIBRL_SECRET is not set; refusing to start.\n")
         return 2

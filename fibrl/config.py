@@ -48,6 +48,9 @@ class Config:
     """Seconds a new worker has to connect back before its start is reported failed."""
     auth_timeout: float = 10.0
     """Seconds a connecting peer has to finish the authentication handshake."""
+    tls: bool = False
+    """Encrypt connections with TLS (``tls+tcp://``, a certificate derived from the run's
+    secret); needs the ``cryptography`` package in the parent and the worker image."""
     heartbeat_interval: float = 5.0
     """Seconds between liveness pings from a worker to its parent."""
     parent_timeout: float = 30.0
@@ -146,8 +149,8 @@ def _from_env(environ: Mapping[str, str]) -> dict[str, str]:
 
 
 # Variables the runtime itself passes to workers; they are not config keys.
-_ENV_NOT_CONFIG = frozenset({"FIBRL_SECRET", "FIBRL_RUN_ID", "FIBRL_TOKEN", "FIBRL_PARENT",
-                             "FIBRL_POD_NAME", "FIBRL_POD_NAMESPACE", "FIBRL_POD_UID"})
+_ENV_NOT_CONFIG = frozenset({"FIBRL_SECRET", "FIBRL_SECRET_FD", "FIBRL_SECRET_FILE",
+                             "FIBRL_RUN_ID", "FIBRL_TOKEN", "FIBRL_PARENT", "FIBRL_POD_NAME", "FIBRL_POD_NAMESPACE", "FIBRL_POD_UID"})
 
 
 def _from_file(path: Path) -> dict[str, tuple[str, str]]:

@@ -480,8 +480,9 @@ class Hub:
     def __init__(self, secret: bytes, host: str = "127.0.0.1", auth_timeout: float = 10.0,
                  connect_timeout: float = 30.0, port: int = 0, *,
                  heartbeat_interval: float = Config.heartbeat_interval,
-                 parent_timeout: float = Config.parent_timeout) -> None:
+                 parent_timeout: float = Config.parent_timeout, tls: bool = False) -> None:
         self.secret = secret
+        self.tls = tls
         self.host = host
         self.port = port
         self.auth_timeout = auth_timeout
@@ -503,7 +504,7 @@ class Hub:
         server's, a worker's): it listens on ``host`` (default ``config.listen_host``)."""
         return cls(bytes(secret), host or config.listen_host, config.auth_timeout,
                    config.start_timeout, port, heartbeat_interval=config.heartbeat_interval,
-                   parent_timeout=config.parent_timeout)
+                   parent_timeout=config.parent_timeout, tls=config.tls)
 
     def use_timings(self, config: Config) -> None:
         """Adopt the liveness timings of a config put in force after this hub was built."""
@@ -520,7 +521,8 @@ class Hub:
 
                 self._listener = Listener(self.host, self.secret, on_frame=self._on_frame,
                                           on_lost=self._on_peer_lost,
-                                          auth_timeout=self.auth_timeout, port=self.port)
+                                          auth_timeout=self.auth_timeout, port=self.port,
+                                          tls=self.tls)
             return self._listener.address
 
     def register(self, service: Service, oid: Optional[str] = None) -> str:

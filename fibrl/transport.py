@@ -1,64 +1,210 @@
 """Authenticated point-to-point channels over nanomsg-next-gen (pynng).
 
 This is the only module that imports pynng. It owns connection set-up, mutual
-authentication, the framing of raw messages and the mapping of nng errors to
-fibrl errors. It knows nothing of what the frames mean (``hub``, ``messages``).
+authentication, the framing of raw messages, the mapping of nng errors to fibrl
+errors, the limits that keep unauthenticated peers harmless, and optional TLS.
+It knows nothing of what the frames mean (``hub``, ``messages``).
 
-Connection set-up::
+Connection set-up (the accept socket answers each request at once and keeps no
+state for a peer until that peer has proved it knows the secret)::
 
-    client                                   Listener (address = accept socket)
-    Req0 --- b"FBHELLO1" ------------------>  Rep0 accept thread
-         <-- b"FBADDR1" + tcp://host:port --  opens a Pair1 socket for this peer
-    Pair1 dial ----------------------------> Pair1 (one per peer: back-pressure,
-         --- b"FBH1" + client nonce ---->       never drops, unlike polyamorous
-         <-- b"FBC1" + server nonce + mac --    mode which discards on a full queue)
-         --- b"FBA1" + mac -------------->   verified: the peer is authenticated
-         <-- b"FBOK" -----------------------
-         <== frames, both ways ============> reader thread per peer -> on_frame()
+    client                                   Listener
+    Req0 --- FBHELLO2 + client nonce ------>  Rep0 accept thread (1 KiB receive limit,
+         <-- FBCHAL2 + ticket + server mac --   at most max_pending connections)
+         --- FBAUTH2 + nonce + ticket + mac ->  ticket fresh and unused, mac right:
+         <-- FBADDR2 + tcp://host:port -------  opens a Pair1 data socket for this peer
+    Pair1 dial ----------------------------> Pair1 (one per peer: back-pressure, never
+         --- token (mac of both nonces) --->    drops; it takes its first connection
+         <-- FBOK ---------------------------   only: nng closes any later one before it
+         <== frames, both ways ============>   reaches the socket) -> reader -> on_frame()
 
-Nothing a peer sends is unpickled here, and a peer's frames reach
-``on_frame`` only after it proved it knows the secret (HMAC-SHA256 over a fresh
-nonce, in both directions, as ``multiprocessing.connection`` does). A peer that
-does not finish the handshake within ``auth_timeout`` is dropped.
+The ticket is the server nonce: a time stamp and a MAC under a per-listener key,
+so the accept socket can check it without remembering anything; a used ticket
+is remembered until it expires (``auth_timeout``), so a recorded exchange cannot
+be replayed. Nothing a peer sends is unpickled here, and a peer's frames reach
+``on_frame`` only after it proved it knows the secret (HMAC-SHA256 over fresh
+nonces, in both directions, as ``multiprocessing.connection`` does).
+
+Limits on strangers: the accept socket takes messages of at most 1 KiB and holds
+at most ``max_pending`` connections (the oldest is dropped for a new one, and any
+is dropped after ``auth_timeout``); a data socket exists only for a peer that
+authenticated, accepts one connection, and ends only when that connection ends
+(closing an nng listener would close its connection too, so the port stays open
+and every later connection is closed as it arrives).
+Every dropped or refused peer is logged with its address and the reason, at most
+``_LOG_BURST`` times per ``_LOG_WINDOW`` seconds per listener.
+
+TLS (``tls=True``): both sockets speak ``tls+tcp://``; each side presents the
+run's certificate, whose key is derived from the secret (:func:`run_certificate`),
+and requires the other to present it, so a peer without the secret cannot even
+open a connection, and frames are encrypted.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import logging
 import os
+import resource
 import threading
+import time
 from typing import Callable, Optional
 
 import pynng
 
 from .errors import AuthenticationError, ChannelClosed, TransportError
 
-__all__ = ["Listener", "Peer", "Channel", "HELLO"]
+__all__ = ["Listener", "Peer", "Channel", "HELLO", "run_certificate"]
 
 log = logging.getLogger(__name__)
 
-HELLO = b"FBHELLO1"
-_ADDR = b"FBADDR1"
-_H, _C, _A, _OK, _NO = b"FBH1", b"FBC1", b"FBA1", b"FBOK", b"FBNO"
-# Connections still authenticating, at most: each holds a socket and a thread for up
-# to auth_timeout, so an unauthenticated flood must not be able to pile them up.
-MAX_AUTHENTICATING = 128
+HELLO = b"FBHELLO2"
+_CHAL, _AUTH, _ADDR = b"FBCHAL2", b"FBAUTH2", b"FBADDR2"
+_OK, _NO = b"FBOK", b"FBNO"
 _NONCE = 32
 _MAC = 32
+_TICKET = 32            # time stamp (8) + random (8) + MAC under the listener's key (16)
+# What a stranger can make a listener buffer: every set-up message fits in far less.
+HANDSHAKE_MAX_SIZE = 1024
+# Connections to the accept socket kept at most (each holds a descriptor), and never
+# more than this share of the process's descriptor limit, so workers keep the rest.
+MAX_PENDING = 64
+_NOFILE_SHARE = 8
+_LOG_BURST, _LOG_WINDOW = 20, 10.0
 
 
-def _mac(secret: bytes, role: bytes, nonce: bytes) -> bytes:
-    return hmac.new(secret, role + nonce, hashlib.sha256).digest()
+def _mac(secret: bytes, role: bytes, data: bytes) -> bytes:
+    return hmac.new(secret, role + data, hashlib.sha256).digest()
 
 
-def _address_of(sock: pynng.Socket) -> str:
+def _address_of(sock: pynng.Socket, scheme: str) -> str:
     # pynng's SockAddr.port has the wrong byte order; str() is right.
-    return "tcp://" + str(sock.listeners[0].local_address)
+    return f"{scheme}://" + str(sock.listeners[0].local_address)
 
 
-def _pair() -> pynng.Pair1:
-    return pynng.Pair1(recv_max_size=0)
+def _scheme(tls: bool) -> str:
+    return "tls+tcp" if tls else "tcp"
+
+
+def _default_max_pending() -> int:
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return MAX_PENDING
+    return max(4, min(MAX_PENDING, soft // _NOFILE_SHARE))
+
+
+@functools.lru_cache(maxsize=4)
+def run_certificate(secret: bytes) -> tuple[str, str]:
+    """The run's TLS certificate and key (PEM), derived from its secret.
+
+    Every process of a run derives the same key from the secret it already has,
+    so TLS needs nothing more handed to workers, and a process without the
+    secret can neither present the certificate nor impersonate a listener.
+    Needs the ``cryptography`` package (``pip install fibrl[tls]``).
+    """
+    try:
+        import datetime
+
+        from cryptography import x509
+        from cryptography.hazmat.primitives import hashes, serialization
+        from cryptography.hazmat.primitives.asymmetric import ec
+        from cryptography.x509.oid import NameOID
+    except ImportError as exc:
+        raise TransportError(
+            "tls=True needs the cryptography package, which is not installed. "
+            "Install it with `pip install fibrl[tls]` (in the worker image too).") from exc
+    order = 0xFFFFFFFF00000000FFFFFFFFFFFFFFFFBCE6FAADA7179E84F3B9CAC2FC632551  # P-256's n
+    value = int.from_bytes(_mac(secret, b"fibrl tls key", b""), "big") % (order - 1) + 1
+    key = ec.derive_private_key(value, ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "fibrl")])
+    serial = int.from_bytes(_mac(secret, b"fibrl tls serial", b"")[:16], "big") >> 1
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name)
+            .public_key(key.public_key()).serial_number(serial)
+            .not_valid_before(datetime.datetime(2000, 1, 1))
+            .not_valid_after(datetime.datetime(2099, 12, 31))
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .add_extension(x509.SubjectAlternativeName([x509.DNSName("fibrl")]),
+                           critical=False)
+            .sign(key, hashes.SHA256()))
+    key_pem = key.private_bytes(serialization.Encoding.PEM,
+                                serialization.PrivateFormat.PKCS8,
+                                serialization.NoEncryption()).decode()
+    return cert.public_bytes(serialization.Encoding.PEM).decode(), key_pem
+
+
+def _tls_config(secret: bytes, server: bool) -> pynng.TLSConfig:
+    cert, key = run_certificate(secret)
+    mode = pynng.TLSConfig.MODE_SERVER if server else pynng.TLSConfig.MODE_CLIENT
+    return pynng.TLSConfig(mode, server_name=None if server else "fibrl", ca_string=cert,
+                           own_cert_string=cert, own_key_string=key,
+                           auth_mode=pynng.TLSConfig.AUTH_MODE_REQUIRED)
+
+
+def _make(kind: type, secret: bytes, tls: bool, server: bool, **options) -> pynng.Socket:
+    sock = kind(**options)
+    if tls:
+        sock.tls_config = _tls_config(secret, server)
+    return sock
+
+
+class _DropLog:
+    """Logs dropped or refused peers once each, at most ``_LOG_BURST`` per window."""
+
+    def __init__(self, where: str) -> None:
+        self._where = where
+        self._lock = threading.Lock()
+        self._window_start = time.monotonic()
+        self._count = 0
+        self._suppressed = 0
+
+    def __call__(self, remote: object, reason: str) -> None:
+        with self._lock:
+            now = time.monotonic()
+            if now - self._window_start > _LOG_WINDOW:
+                suppressed, self._suppressed = self._suppressed, 0
+                self._window_start, self._count = now, 0
+                if suppressed:
+                    log.warning("%s: %d more peers were dropped in the last %.0f s (not "
+                                "logged one by one)", self._where, suppressed, _LOG_WINDOW)
+            self._count += 1
+            if self._count > _LOG_BURST:
+                self._suppressed += 1
+                return
+        log.warning("%s: dropped peer %s: %s", self._where, remote, reason)
+
+
+def _remote(pipe: Optional[pynng.Pipe]) -> str:
+    try:
+        return str(pipe.remote_address) if pipe is not None else "?"
+    except pynng.NNGException:
+        return "?"
+
+
+class _OnePipe:
+    """A socket that serves its first connection only: later ones are refused, and
+    only the removal of that first connection closes the socket (so a stranger who
+    connects too cannot end it)."""
+
+    def __init__(self, sock: pynng.Socket, refused: Callable[[str, str], None]) -> None:
+        self._sock = sock
+        self._refused = refused
+        self._lock = threading.Lock()
+        self.pipe_id: Optional[int] = None
+        sock.add_pre_pipe_connect_cb(self._pre_connect)
+        sock.add_post_pipe_remove_cb(self._removed)
+
+    def _pre_connect(self, pipe: pynng.Pipe) -> None:
+        with self._lock:
+            if self.pipe_id is None:
+                self.pipe_id = pipe.id
+                return
+        self._refused(_remote(pipe), "a second connection to a one-peer socket")
+        pipe.close()   # allowed here: nng then reports neither its connect nor its removal
+
+    def _removed(self, pipe: pynng.Pipe) -> None:
+        if pipe.id == self.pipe_id:
+            _call_soon(self._sock.close)
 
 
 class Peer:
@@ -98,8 +244,12 @@ class Listener:
         secret: the run's shared secret.
         on_frame: called in the peer's reader thread with each frame.
         on_lost: called once when an authenticated peer disconnects.
-        auth_timeout: seconds a peer has to authenticate.
+        auth_timeout: seconds a peer has to authenticate; also how long a connection
+            that has not authenticated may stay idle.
         port: port of the accept socket (0: any free port; a manager may fix one).
+        tls: encrypt and require the run's certificate (``tls+tcp://`` addresses).
+        max_pending: connections to the accept socket kept at most (None: 64, or an
+            eighth of the descriptor limit if that is less).
 
     Example:
         >>> lst = Listener("127.0.0.1", b"k", on_frame=lambda p, d: p.send(d))
@@ -109,79 +259,176 @@ class Listener:
 
     def __init__(self, host: str, secret: bytes, *, on_frame: FrameHandler,
                  on_lost: Optional[LossHandler] = None, auth_timeout: float = 10.0,
-                 port: int = 0) -> None:
+                 port: int = 0, tls: bool = False,
+                 max_pending: Optional[int] = None) -> None:
         self._host = host
         self._secret = secret
         self._on_frame = on_frame
         self._on_lost = on_lost
         self._auth_timeout = auth_timeout
-        self._accept = pynng.Rep0()
+        self._tls = tls
+        self._key = os.urandom(32)          # signs this listener's tickets
+        self._used: dict[bytes, float] = {}  # ticket -> when it expires
+        self._max_pending = max_pending or _default_max_pending()
+        self._pipes: dict[int, tuple[float, pynng.Pipe]] = {}   # accept socket's, by id
+        self._accept = _make(pynng.Rep0, secret, tls, True,
+                             recv_max_size=HANDSHAKE_MAX_SIZE)
+        self._accept.add_pre_pipe_connect_cb(self._accept_pipe_added)
+        self._accept.add_post_pipe_remove_cb(self._accept_pipe_removed)
         try:
-            self._accept.listen(f"tcp://{host}:{port}")
+            self._accept.listen(f"{_scheme(tls)}://{host}:{port}")
         except pynng.NNGException as exc:
             self._accept.close()
             raise TransportError(
                 f"cannot listen on {host}: {exc}. Set listen_host to an address of this "
                 f"machine that workers can reach (fibrl.init(listen_host=...)).") from exc
-        self.address = _address_of(self._accept)
+        self.address = _address_of(self._accept, _scheme(tls))
+        self._dropped = _DropLog(f"listener {self.address}")
         self._peers: dict[int, Peer] = {}
+        self._opening: dict[int, Peer] = {}   # authenticated, data connection not yet up
         self._lock = threading.Lock()
-        self._slots = threading.Condition(self._lock)
-        self._authenticating = 0
+        self._stop = threading.Event()
         self._next_id = 0
         self._closed = False
         self._thread = threading.Thread(target=self._accept_loop, daemon=True,
                                         name=f"fibrl-accept-{self.address}")
         self._thread.start()
+        self._janitor = threading.Thread(target=self._drop_idle, daemon=True,
+                                         name=f"fibrl-idle-{self.address}")
+        self._janitor.start()
+
+    # -- the accept socket: strangers are answered at once and never waited for ----
+    def _accept_pipe_added(self, pipe: pynng.Pipe) -> None:
+        with self._lock:
+            self._pipes[pipe.id] = (time.monotonic(), pipe)
+            if len(self._pipes) <= self._max_pending:
+                return
+            oldest = min(self._pipes, key=lambda pid: self._pipes[pid][0])
+            _, victim = self._pipes.pop(oldest)
+        self._dropped(_remote(victim), f"{self._max_pending} connections are pending "
+                      "authentication; the oldest is dropped for the new one")
+        _call_soon(victim.close)
+
+    def _accept_pipe_removed(self, pipe: pynng.Pipe) -> None:
+        with self._lock:
+            self._pipes.pop(pipe.id, None)
+
+    def _drop_idle(self) -> None:
+        while not self._stop.wait(self._auth_timeout / 2):
+            deadline = time.monotonic() - self._auth_timeout
+            with self._lock:
+                idle = [p for pid, (t, p) in list(self._pipes.items()) if t < deadline]
+                for pipe in idle:
+                    self._pipes.pop(pipe.id, None)
+            for pipe in idle:
+                self._dropped(_remote(pipe), f"idle for auth_timeout={self._auth_timeout} s "
+                              "without authenticating")
+                _close_pipe(pipe)
+
+    @property
+    def pending(self) -> int:
+        """Connections to the accept socket now open (none authenticated)."""
+        with self._lock:
+            return len(self._pipes)
 
     def _accept_loop(self) -> None:
         while True:
             try:
-                msg = self._accept.recv()
+                msg = self._accept.recv_msg()
             except pynng.NNGException:
                 return  # closed
+            reply = self._answer(msg.bytes, msg.pipe)
             try:
-                self._accept.send(self._open_peer() if msg == HELLO else _NO)
+                self._accept.send(reply)
             except pynng.NNGException:
                 if self._closed:
                     return
 
-    def _open_peer(self) -> bytes:
-        with self._slots:
-            if self._authenticating >= MAX_AUTHENTICATING:
-                log.warning("%d peers are still authenticating on %s; the next waits for "
-                            "one of them (at most auth_timeout)", self._authenticating,
-                            self.address)
-            # a slot frees within auth_timeout: each handshake ends by then
-            self._slots.wait_for(lambda: self._authenticating < MAX_AUTHENTICATING
-                                 or self._closed)
-            if self._closed:
-                return _NO
-            self._authenticating += 1
-            self._next_id += 1
-            peer = Peer(_pair(), self._next_id)
-        sock = peer._sock
-        # Armed before the handshake: the socket serves its first connection only, so
-        # no second one can slip in after (or during) the first one's authentication.
-        _close_on_disconnect(sock)
-        try:
-            sock.listen(f"tcp://{self._host}:0")
-        except pynng.NNGException as exc:   # no port left, say: refuse this one only
-            log.warning("cannot open a connection for a new peer on %s: %s", self._host, exc)
-            sock.close()
-            self._handshake_done()
-            return _NO
-        thread = threading.Thread(target=self._serve, args=(peer,), daemon=True,
-                                  name=f"fibrl-peer-{peer.id}")
-        peer.thread = thread
-        thread.start()
-        return _ADDR + _address_of(sock).encode()
+    def _answer(self, data: bytes, pipe: pynng.Pipe) -> bytes:
+        if data.startswith(HELLO) and len(data) == len(HELLO) + _NONCE:
+            return self._challenge(data[len(HELLO):])
+        if data.startswith(_AUTH) and len(data) == len(_AUTH) + _NONCE + _TICKET + _MAC:
+            return self._admit(data[len(_AUTH):], pipe)
+        self._dropped(_remote(pipe), f"not a fibrl handshake message ({data[:16]!r}...)")
+        return _NO + b"not a fibrl handshake message"
 
-    def _serve(self, peer: Peer) -> None:
-        sock = peer._sock
-        good = self._authenticate(peer)
-        self._handshake_done()
+    def _ticket(self, nonce: bytes, stamp: bytes) -> bytes:
+        return stamp + hmac.new(self._key, nonce + stamp, hashlib.sha256).digest()[:16]
+
+    def _challenge(self, nonce: bytes) -> bytes:
+        stamp = int(time.monotonic() * 1000).to_bytes(8, "big") + os.urandom(8)
+        return _CHAL + self._ticket(nonce, stamp) + _mac(self._secret, b"S", nonce)
+
+    def _admit(self, data: bytes, pipe: pynng.Pipe) -> bytes:
+        nonce, ticket, mac = data[:_NONCE], data[_NONCE:_NONCE + _TICKET], data[-_MAC:]
+        issued = int.from_bytes(ticket[:8], "big") / 1000
+        now = time.monotonic()
+        if not hmac.compare_digest(self._ticket(nonce, ticket[:16]), ticket):
+            reason = "a ticket this listener did not issue"
+        elif now - issued > self._auth_timeout:
+            reason = f"a ticket older than auth_timeout={self._auth_timeout} s"
+        elif not hmac.compare_digest(mac, _mac(self._secret, b"C", ticket + nonce)):
+            reason = "wrong secret"
+        elif not self._use(ticket, issued + self._auth_timeout, now):
+            reason = "a replayed handshake (ticket already used)"
+        else:
+            return self._open_peer(_mac(self._secret, b"D", ticket + nonce), pipe)
+        self._dropped(_remote(pipe), reason)
+        return _NO + reason.encode()
+
+    def _use(self, ticket: bytes, expires: float, now: float) -> bool:
+        # Only peers that know the secret get here, so this stays small.
         with self._lock:
+            for old in [t for t, end in self._used.items() if end < now]:
+                del self._used[old]
+            if ticket in self._used:
+                return False
+            self._used[ticket] = expires
+            return True
+
+    def _open_peer(self, token: bytes, pipe: pynng.Pipe) -> bytes:
+        with self._lock:
+            if self._closed:
+                return _NO + b"the listener is closing"
+            self._next_id += 1
+            peer_id = self._next_id
+        try:
+            sock = _make(pynng.Pair1, self._secret, self._tls, True, recv_max_size=0)
+        except pynng.NNGException as exc:
+            return self._refuse_for_lack(pipe, exc)
+        _OnePipe(sock, self._dropped)   # kept alive by the callbacks it registers
+        try:
+            sock.listen(f"{_scheme(self._tls)}://{self._host}:0")
+        except pynng.NNGException as exc:
+            sock.close()
+            return self._refuse_for_lack(pipe, exc)
+        peer = Peer(sock, peer_id)
+        with self._lock:
+            self._opening[peer_id] = peer
+        peer.thread = threading.Thread(target=self._serve, args=(peer, token),
+                                       daemon=True, name=f"fibrl-peer-{peer_id}")
+        peer.thread.start()
+        return _ADDR + _address_of(sock, _scheme(self._tls)).encode()
+
+    def _refuse_for_lack(self, pipe: pynng.Pipe, exc: Exception) -> bytes:
+        reason = (f"cannot open a connection for an authenticated peer on {self._host} "
+                  f"({exc}); ")
+        if isinstance(exc, pynng.OutOfFiles):
+            soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+            reason += (f"this process has used all of its file descriptors (ulimit -n is "
+                       f"{soft}, hard limit {hard}); raise it (ulimit -n, or "
+                       f"resource.setrlimit) or run fewer workers per parent")
+        else:
+            reason += "no port or socket left on this machine"
+        log.error("%s", reason)
+        return _NO + reason.encode()
+
+    # -- one authenticated peer ---------------------------------------------------
+    def _serve(self, peer: Peer, token: bytes) -> None:
+        sock = peer._sock
+        good = self._check_token(sock, token)
+        with self._lock:
+            self._opening.pop(peer.id, None)
             if not good or self._closed:
                 sock.close()
                 return
@@ -203,30 +450,18 @@ class Listener:
             if self._on_lost is not None and not self._closed:
                 self._on_lost(peer)
 
-    def _handshake_done(self) -> None:
-        with self._slots:
-            self._authenticating -= 1
-            self._slots.notify()
-
-    def _authenticate(self, peer: Peer) -> bool:
-        sock = peer._sock
+    def _check_token(self, sock: pynng.Pair1, token: bytes) -> bool:
         sock.recv_timeout = int(self._auth_timeout * 1000)
         try:
-            hello = sock.recv()
-            if len(hello) != 4 + _NONCE or not hello.startswith(_H):
-                log.warning("dropping peer %s: first message is not a fibrl hello", peer.id)
+            msg = sock.recv_msg()
+            if not hmac.compare_digest(msg.bytes, token):
+                self._dropped(_remote(msg.pipe), "wrong token on a data socket")
                 return False
-            nonce = os.urandom(_NONCE)
-            sock.send(_C + nonce + _mac(self._secret, b"S", hello[4:]))
-            answer = sock.recv()
-            good = answer.startswith(_A) and hmac.compare_digest(
-                answer[4:], _mac(self._secret, b"C", nonce))
-            sock.send(_OK if good else _NO)
-            if not good:
-                log.warning("dropping peer %s: wrong secret", peer.id)
-            return good
+            sock.send(_OK)
+            return True
         except pynng.NNGException as exc:
-            log.debug("peer %s did not finish authenticating: %s", peer.id, exc)
+            self._dropped("(none)", f"the authenticated peer did not connect to its data "
+                          f"socket within auth_timeout ({exc})")
             return False
         finally:
             sock.recv_timeout = -1
@@ -235,8 +470,8 @@ class Listener:
         """Stop accepting and drop every peer, waiting up to ``join`` s for their threads."""
         with self._lock:
             self._closed = True
-            self._slots.notify_all()
-            peers = list(self._peers.values())
+            peers = list(self._peers.values()) + list(self._opening.values())
+        self._stop.set()
         self._accept.close()
         for peer in peers:
             peer.close()
@@ -244,6 +479,13 @@ class Listener:
             self._thread.join(join)
             for peer in peers:
                 peer.thread.join(join)
+
+
+def _close_pipe(pipe: pynng.Pipe) -> None:
+    try:
+        pipe.close()
+    except pynng.NNGException:
+        pass   # it went away by itself meanwhile
 
 
 class Channel:
@@ -266,19 +508,26 @@ class Channel:
     def connect(cls, address: str, secret: bytes, timeout: float = 30.0) -> "Channel":
         """Connect and authenticate to the listener at ``address``.
 
+        A ``tls+tcp://`` address connects with TLS and the run's certificate.
+
         Raises:
             AuthenticationError: either side did not know the secret.
             TransportError: nothing listens there, or it did not answer in time.
         """
-        data_address = _ask_address(address, timeout)
-        sock = _pair()
+        tls = address.startswith("tls+tcp://")
+        data_address, token = _authenticate_retrying(address, secret, timeout, tls)
+        sock = _make(pynng.Pair1, secret, tls, False, recv_max_size=0)
         # A listener that dies mid-handshake closes the pipe, but a Pair1 recv does not
         # end with it (nng would wait for a redial): close the socket then, so the
         # handshake fails at once instead of after ``timeout``.
         _close_on_disconnect(sock)
         try:
             sock.dial(data_address, block=True)
-            _client_handshake(sock, secret, timeout, address)
+            _present_token(sock, token, timeout, address)
+        except pynng.NNGException as exc:
+            sock.close()
+            raise TransportError(f"cannot connect to {address}'s data socket "
+                                 f"{data_address}: {exc}") from exc
         except BaseException:
             sock.close()
             raise
@@ -338,17 +587,46 @@ def _close_on_disconnect(sock: pynng.Socket) -> None:
     sock.add_post_pipe_remove_cb(lambda _pipe: _call_soon(sock.close))
 
 
-def _ask_address(address: str, timeout: float) -> str:
-    req = pynng.Req0(resend_time=-1, recv_timeout=int(timeout * 1000),
-                     send_timeout=int(timeout * 1000))
+def _authenticate_retrying(address: str, secret: bytes, timeout: float,
+                           tls: bool) -> tuple[str, bytes]:
+    """:func:`_authenticate`, tried again (twice at most, within ``timeout``) when the
+    listener closed our connection mid-way: it drops the oldest pending connection
+    when strangers crowd it. A listener that is gone fails the retry at once; the
+    first error is the one raised."""
+    deadline = time.monotonic() + timeout
+    first: Optional[TransportError] = None
+    for _ in range(3):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        try:
+            return _authenticate(address, secret, left, tls)
+        except TransportError as exc:
+            if not isinstance(exc.__cause__, pynng.Closed):
+                raise first or exc
+            first = first or exc
+    assert first is not None
+    raise first
+
+
+def _authenticate(address: str, secret: bytes, timeout: float,
+                  tls: bool) -> tuple[str, bytes]:
+    """The handshake on the accept socket: returns the data address and its token."""
+    req = _make(pynng.Req0, secret, tls, False, resend_time=-1,
+                recv_timeout=int(timeout * 1000), send_timeout=int(timeout * 1000),
+                recv_max_size=HANDSHAKE_MAX_SIZE)
     _close_on_disconnect(req)  # as in Channel.connect
+    nonce = os.urandom(_NONCE)
     try:
         req.dial(address, block=True)
-        req.send(HELLO)
+        req.send(HELLO + nonce)
+        challenge = req.recv()
+        ticket = _check_challenge(challenge, secret, nonce, address)
+        req.send(_AUTH + nonce + ticket + _mac(secret, b"C", ticket + nonce))
         answer = req.recv()
     except pynng.Closed as exc:
         raise TransportError(
-            f"{address} went away while we asked for its data address; the fibrl process "
+            f"{address} went away during the authentication handshake; the fibrl process "
             f"that owns it has exited.") from exc
     except pynng.ConnectionRefused as exc:
         raise TransportError(
@@ -360,34 +638,47 @@ def _ask_address(address: str, timeout: float) -> str:
         raise TransportError(f"cannot connect to {address}: {exc}") from exc
     finally:
         req.close()
-    if not answer.startswith(_ADDR):
-        raise TransportError(f"{address} is not a fibrl listener (answered {answer[:16]!r}).")
-    return answer[len(_ADDR):].decode()
+    return _data_address(answer, address), _mac(secret, b"D", ticket + nonce)
 
 
-def _client_handshake(sock: pynng.Pair1, secret: bytes, timeout: float,
-                      address: str = "the listener") -> None:
+def _check_challenge(challenge: bytes, secret: bytes, nonce: bytes, address: str) -> bytes:
+    if not challenge.startswith(_CHAL) or len(challenge) != len(_CHAL) + _TICKET + _MAC:
+        raise TransportError(
+            f"{address} is not a fibrl listener of this version (answered "
+            f"{challenge[:16]!r}). Check the address.")
+    ticket, proof = challenge[len(_CHAL):-_MAC], challenge[-_MAC:]
+    if not hmac.compare_digest(proof, _mac(secret, b"S", nonce)):
+        raise AuthenticationError(
+            "the listener did not prove it knows the run's secret: it belongs to another "
+            "fibrl run or is not fibrl. Check the address and the authkey/FIBRL_SECRET.")
+    return ticket
+
+
+def _data_address(answer: bytes, address: str) -> str:
+    if answer.startswith(_ADDR):
+        return answer[len(_ADDR):].decode()
+    reason = answer[len(_NO):].decode(errors="replace") if answer.startswith(_NO) else ""
+    if reason == "wrong secret":
+        raise AuthenticationError(
+            "the listener rejected our secret: this process and the listener belong to "
+            "different fibrl runs (wrong authkey or FIBRL_SECRET).")
+    raise TransportError(f"{address} refused the connection: {reason or answer[:16]!r}")
+
+
+def _present_token(sock: pynng.Pair1, token: bytes, timeout: float, address: str) -> None:
     sock.recv_timeout = int(timeout * 1000)
-    nonce = os.urandom(_NONCE)
     try:
-        sock.send(_H + nonce)
-        challenge = sock.recv()
-        if not challenge.startswith(_C) or not hmac.compare_digest(
-                challenge[4 + _NONCE:], _mac(secret, b"S", nonce)):
-            raise AuthenticationError(
-                "the listener did not prove it knows the run's secret: it belongs to another "
-                "fibrl run or is not fibrl. Check the address and the authkey/FIBRL_SECRET.")
-        sock.send(_A + _mac(secret, b"C", challenge[4:4 + _NONCE]))
+        sock.send(token)
         verdict = sock.recv()
     except pynng.Closed as exc:
         raise TransportError(
             f"{address} went away during the authentication handshake; the fibrl process "
             f"that owns it has exited.") from exc
-    except pynng.NNGException as exc:
-        raise AuthenticationError(f"authentication handshake failed: {exc}") from exc
+    except pynng.Timeout as exc:
+        raise TransportError(f"{address} did not confirm the connection within "
+                             f"{timeout} s.") from exc
     finally:
         sock.recv_timeout = -1
     if verdict != _OK:
-        raise AuthenticationError(
-            "the listener rejected our secret: this process and the listener belong to "
-            "different fibrl runs (wrong authkey or FIBRL_SECRET).")
+        raise TransportError(f"{address} did not accept the connection (answered "
+                             f"{verdict[:16]!r}).")

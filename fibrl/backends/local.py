@@ -230,13 +230,18 @@ class LocalBackend(Backend):
         env.update(spec.env)
         if self.config.local_fork_server and _forkable(spec):
             return self._fork_server(spec.preload).spawn(spec, env, self.config.start_timeout)
+        secret_fd = _secret_through_pipe(env)
         try:
             proc = subprocess.Popen(list(spec.command), env=env, cwd=spec.workdir or None,
-                                    stdin=subprocess.DEVNULL, close_fds=True)
+                                    stdin=subprocess.DEVNULL, close_fds=True,
+                                    pass_fds=() if secret_fd is None else (secret_fd,))
         except OSError as exc:
             raise BackendError(
                 f"cannot start local worker {spec.command[0]!r}: {exc}. Check that the "
                 f"interpreter exists and is executable.") from exc
+        finally:
+            if secret_fd is not None:
+                os.close(secret_fd)
         return LocalJob(spec, proc)
 
     def _fork_server(self, preload: tuple) -> _ForkServer:
@@ -252,3 +257,19 @@ def _forkable(spec: JobSpec) -> bool:
     a spec without a preload list did not ask for a fork server."""
     return bool(spec.preload) and len(spec.command) >= 3 \
         and tuple(spec.command[:2]) == (sys.executable, "-m")
+
+
+def _secret_through_pipe(env: dict) -> Optional[int]:
+    """Move FIBRL_SECRET out of ``env`` into a pipe the worker reads (FIBRL_SECRET_FD):
+    a process's initial environment stays readable in /proc/<pid>/environ."""
+    secret = env.pop("FIBRL_SECRET", None)
+    if secret is None:
+        return None
+    read_fd, write_fd = os.pipe()   # 64 hex digits: far below the pipe's buffer
+    try:
+        os.write(write_fd, secret.encode())
+    finally:
+        os.close(write_fd)
+    env["FIBRL_SECRET_FD"] = str(read_fd)
+    return read_fd
+

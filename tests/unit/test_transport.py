@@ -1,4 +1,6 @@
 """The authenticated transport: handshake, refusal of strangers, no unpickling before auth."""
+import hashlib
+import hmac
 import pickle
 import socket
 import threading
@@ -66,15 +68,21 @@ def test_client_refuses_listener_with_other_secret(echo):
         Channel.connect(listener.address, b"other", timeout=5)
 
 
-def _raw_pair_for(address):
-    req = pynng.Req0(recv_timeout=5000, send_timeout=5000)
-    req.dial(address, block=True)
-    req.send(HELLO)
-    data_address = req.recv()[len(b"FBADDR1"):].decode()
-    req.close()
-    sock = pynng.Pair1(recv_timeout=3000, send_timeout=3000)
-    sock.dial(data_address, block=True)
-    return sock
+def _data_socket_of(channel):
+    """The listener's per-peer data socket, as an attacker would find it (a port scan)."""
+    return "tcp://" + str(channel._sock.pipes[0].remote_address)
+
+
+_SP_PAIR1 = b"\x00SP\x00" + (0x11).to_bytes(2, "big") + b"\x00\x00"
+
+
+def _read_to_eof(raw):
+    """Everything the other end sends until it closes; raises socket.timeout (our own
+    30 s timeout) if it never does, which the tests treat as a failure."""
+    data = b""
+    while chunk := raw.recv(4096):
+        data += chunk
+    return data
 
 
 def test_malicious_pickle_from_unauthenticated_peer_is_never_unpickled(tmp_path):
@@ -84,19 +92,27 @@ def test_malicious_pickle_from_unauthenticated_peer_is_never_unpickled(tmp_path)
     try:
         evil = pickle.dumps(_CreatesFile(str(canary)))
         framed = serialization.dumps(_CreatesFile(str(canary)))
-        # 1. straight at the accept socket
-        req = pynng.Req0(recv_timeout=3000, send_timeout=3000)
+        # 1. straight at the accept socket: refused with a reason, nothing unpickled
+        req = pynng.Req0(recv_timeout=30_000, send_timeout=30_000)
         req.dial(hub_address, block=True)
         req.send(evil)
-        assert req.recv() == b"FBNO"
+        assert req.recv().startswith(b"FBNO")
         req.close()
-        # 2. on a data socket, instead of the handshake, raw and framed
+        # 2. at an authenticated peer's data socket, raw and framed: the connection is
+        #    closed by the listener (not by our own 30 s timeout)
+        channel = Channel.connect(hub_address, SECRET, timeout=5)
+        lost = threading.Event()
+        channel.on_lost(lost.set)
+        host, port = _data_socket_of(channel)[len("tcp://"):].rsplit(":", 1)
         for payload in (evil, framed):
-            sock = _raw_pair_for(hub_address)
-            sock.send(payload)
-            with pytest.raises(pynng.NNGException):
-                sock.recv()   # dropped: no answer, the pipe is closed
-            sock.close()
+            raw = socket.create_connection((host, int(port)), timeout=30)
+            raw.sendall(_SP_PAIR1 + len(payload).to_bytes(8, "big") + payload)
+            start = time.monotonic()
+            assert _read_to_eof(raw) in (b"", _SP_PAIR1)   # closed by the listener
+            assert time.monotonic() - start < 5
+            raw.close()
+        assert not lost.wait(1.0), "the attack closed the authenticated peer"
+        channel.close()
         assert not canary.exists()
         # 3. the hub still serves real peers
         other = Hub(SECRET)
@@ -122,12 +138,19 @@ def test_garbage_after_authentication_does_not_kill_the_listener():
 
 def test_silent_peer_is_dropped_after_auth_timeout(echo):
     listener, _, _ = echo
-    sock = _raw_pair_for(listener.address)   # connects, never says hello
+    host, port = listener.address[len("tcp://"):].rsplit(":", 1)
+    raw = socket.create_connection((host, int(port)), timeout=30)   # our timeout: 30 s
+    raw.sendall(b"\x00SP\x00" + (0x30).to_bytes(2, "big") + b"\x00\x00")  # a Req0 header
+    raw.sendall((100).to_bytes(8, "big") + b"half a frame")     # ... then goes silent
     start = time.monotonic()
-    with pytest.raises(pynng.NNGException):
-        sock.recv()                            # closed by the listener after auth_timeout
+    assert raw.recv(8)                                          # the Rep0 header
+    assert raw.recv(1) == b""          # EOF: the listener dropped us (auth_timeout is 1 s)
     assert time.monotonic() - start < 3.5
-    sock.close()
+    raw.close()
+    deadline = time.monotonic() + 5
+    while listener.pending and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert listener.pending == 0
 
 
 def test_nothing_listening_is_a_clear_error():
@@ -135,25 +158,28 @@ def test_nothing_listening_is_a_clear_error():
         Channel.connect("tcp://127.0.0.1:9", SECRET, timeout=2)
 
 
-def test_peers_that_never_authenticate_cannot_pile_up(echo, monkeypatch):
-    """Each handshake holds a socket and a thread: past the limit, the next waits for a
-    slot (freed by auth_timeout at the latest) instead of opening more."""
-    import fibrl.transport as transport
-
-    listener, received, _ = echo
-    monkeypatch.setattr(transport, "MAX_AUTHENTICATING", 2)
-    silent = [_raw_pair_for(listener.address) for _ in range(2)]   # hold both slots
-    assert listener._authenticating == 2
-    start = time.monotonic()
-    good = Channel.connect(listener.address, SECRET, timeout=10)
-    waited = time.monotonic() - start
-    good.send(b"after the flood")
-    assert good.recv(5) == b"after the flood"
-    assert 0.5 < waited < 5, waited          # auth_timeout is 1 s in the fixture
-    assert received == [b"after the flood"]
-    good.close()
-    for sock in silent:
-        sock.close()
+def test_peers_that_never_authenticate_cannot_pile_up():
+    """Each connection to the accept socket holds a descriptor: past max_pending the
+    oldest is dropped for the new one, and an authenticated peer still gets in at once."""
+    listener = Listener("127.0.0.1", SECRET, on_frame=lambda p, d: p.send(d),
+                        auth_timeout=60, max_pending=2)
+    host, port = listener.address[len("tcp://"):].rsplit(":", 1)
+    silent = [socket.create_connection((host, int(port)), timeout=30) for _ in range(6)]
+    try:
+        assert all(sock.recv(8) for sock in silent)   # each one got its SP header
+        start = time.monotonic()
+        good = Channel.connect(listener.address, SECRET, timeout=30)
+        good.send(b"after the flood")
+        assert good.recv(5) == b"after the flood"
+        assert time.monotonic() - start < 5
+        assert listener.pending <= 2
+        dropped = sum(sock.recv(1) == b"" for sock in silent[:4])
+        assert dropped == 4                   # the oldest ones, closed by the listener
+        good.close()
+    finally:
+        for sock in silent:
+            sock.close()
+        listener.close(join=1.0)
 
 
 def test_listener_dying_mid_handshake_fails_the_connect_at_once():
@@ -166,9 +192,13 @@ def test_listener_dying_mid_handshake_fails_the_connect_at_once():
 
     def fake_listener():
         try:
-            assert rep.recv() == HELLO
-            rep.send(b"FBADDR1" + data_address.encode())
-            data.recv()  # the client's hello: then die without answering
+            hello = rep.recv()
+            assert hello.startswith(HELLO)
+            proof = hmac.new(SECRET, b"S" + hello[len(HELLO):], hashlib.sha256).digest()
+            rep.send(b"FBCHAL2" + b"t" * 32 + proof)
+            rep.recv()
+            rep.send(b"FBADDR2" + data_address.encode())
+            data.recv()  # the client's token: then die without answering
         finally:
             data.close()
             rep.close()

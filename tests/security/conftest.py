@@ -1,0 +1,56 @@
+"""Fixtures of the security tests: a victim process the attacker cannot share memory
+or descriptors with."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+import fibrl
+
+
+class Victim:
+    def __init__(self, nofile=None):
+        args = [sys.executable, os.path.join(os.path.dirname(__file__), "victim.py")]
+        # the fibrl under test, not whichever one is installed
+        root = os.path.dirname(os.path.dirname(fibrl.__file__))
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+            [root] + os.environ.get("PYTHONPATH", "").split(os.pathsep)).rstrip(os.pathsep))
+        self.proc = subprocess.Popen(args + ([str(nofile)] if nofile else []),
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                     env=env)
+        ready = self.proc.stdout.readline().split()
+        assert ready and ready[0] == "ready", f"victim did not start: {ready}"
+        self.address = ready[1]
+        self.port = int(self.address.rsplit(":", 1)[1])
+        self.pid = self.proc.pid
+
+    def ask(self, command):
+        self.proc.stdin.write(command + "\n")
+        self.proc.stdin.flush()
+        return self.proc.stdout.readline().strip()
+
+    def close(self):
+        if self.proc.poll() is None:
+            self.proc.stdin.write("quit\n")
+            self.proc.stdin.flush()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self.proc.stdin.close()
+        self.proc.stdout.close()
+
+
+@pytest.fixture
+def victim_factory():
+    victims = []
+
+    def make(nofile=None):
+        victims.append(Victim(nofile))
+        return victims[-1]
+
+    yield make
+    for victim in victims:
+        victim.close()
