@@ -201,21 +201,22 @@ class RemoteVectorEnv(VectorEnv):
 
     def _spawn(self, worker: _WorkerSlot) -> None:
         """Start (or replace) the process of ``worker``; it dials our listener."""
-        worker.peer = None
-        worker.gen += 1
-        worker.ready = False
-        worker.killed_for = None
+        gen = worker.gen + 1
         fns = [self._fns[i] for i in worker.env_ids]
         counts = [self._restart_counts[i] for i in worker.env_ids]
         proc = get_context().Process(
             target=serve, name=f"fibrl-env-worker-{worker.index}", daemon=True,
             backend=self._backend,
-            args=(worker.index, worker.gen, fns, worker.env_ids, counts,
+            args=(worker.index, gen, fns, worker.env_ids, counts,
                   _MODES[self.autoreset_mode], self._root, self._split,
                   self._listener.address))
         proc.start()
+        # Generation and process change together: the watcher must never pair the new
+        # generation with the old (killed) process, or that death would count against
+        # the new worker.
         with self._lock:
-            worker.proc = proc
+            worker.peer, worker.ready, worker.killed_for = None, False, None
+            worker.gen, worker.proc = gen, proc
         os.write(self._wake_w, b"x")
 
     def _await_ready(self, deadline: float) -> dict:
