@@ -23,6 +23,7 @@ import secrets
 import sys
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from multiprocessing import context as mp_context
 from multiprocessing import spawn as mp_spawn
@@ -92,6 +93,10 @@ class Popen:
         self._oid = hub.register(_Handover(self, start))
         self._read_fd, self._write_fd = os.pipe()
         self.sentinel = self._read_fd
+        # The sentinel stays open after the job ends (join() may be followed by a wait
+        # on it) and is closed by close() or, as the stdlib's Popen does, when this
+        # object is collected: a Process started and joined without close() leaks nothing.
+        self._close_sentinel = weakref.finalize(self, os.close, self._read_fd)
         self._started = threading.Event()
         self.pid: Optional[int] = None
         self._job = None
@@ -100,7 +105,7 @@ class Popen:
             self._job = self._backend.create_job(self._spec(process_obj, hub.address))
         except BaseException:
             self._release()
-            os.close(self._read_fd)
+            self._close_sentinel()
             os.close(self._write_fd)
             raise
         log.debug("%s started as %s job %s", process_obj.name, self._backend.name,
@@ -219,7 +224,7 @@ class Popen:
     def close(self) -> None:
         if not self._closed:
             self._closed = True
-            os.close(self._read_fd)
+            self._close_sentinel()
 
     @property
     def job(self):
