@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import os
+import re
 import signal
 import sys
 import time
@@ -43,22 +44,81 @@ def docker_available() -> str:
     return ""
 
 
-def _skip_or_fail(reason: str, required_env: str) -> None:
-    if os.environ.get(required_env) == "1":
-        pytest.fail(f"{required_env}=1 but: {reason}")
-    pytest.skip(reason)
+# CI (.ci/run) sets both: there, a missing engine, image or optional module is a broken
+# set-up, and the tests that need it fail instead of skipping.
+REQUIRE_DOCKER = "CI_REQUIRE_DOCKER"
+REQUIRE_KUBERNETES = "CI_REQUIRE_KUBERNETES"
 
 
-def require_module(name: str, required_env: str = "CI_REQUIRE_KUBERNETES"):
-    """Import ``name``, or skip the calling test module; where ``required_env`` is 1 (CI)
-    a missing module fails collection instead, so a broken install cannot pass silently."""
+def skip_or_fail(reason: str, *required_envs: str) -> None:
+    """Skip the calling test (or module) for ``reason``, or fail it where one of
+    ``required_envs`` is 1. The one way a test here skips for a missing docker engine,
+    kubernetes client or optional module, so that CI cannot turn green by skipping."""
+    required = [env for env in required_envs if os.environ.get(env) == "1"]
+    if required:
+        pytest.fail(f"{'='.join(required[:1])}=1 (this run must have it) but: {reason}",
+                    pytrace=False)
+    pytest.skip(reason, allow_module_level=True)
+
+
+def require_module(name: str, *required_envs: str):
+    """Import the optional module ``name``, or skip the calling test or module.
+
+    Without ``required_envs``, both CI variables count: a fully provisioned run
+    (``.ci/run``) installs every optional module (``pip install -e .[all]``).
+    """
     try:
         return importlib.import_module(name)
     except ImportError as exc:
-        if os.environ.get(required_env) == "1":
-            pytest.fail(f"{required_env}=1 but {name} cannot be imported: {exc}",
-                        pytrace=False)
-        pytest.skip(f"{name} is not installed ({exc})", allow_module_level=True)
+        skip_or_fail(f"{name} is not installed ({exc})",
+                     *(required_envs or (REQUIRE_DOCKER, REQUIRE_KUBERNETES)))
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Where ``CI_ALLOWED_SKIPS`` names a file of reasons (CI), fail the run when a test
+    was skipped for another reason: a skip there hides a broken set-up."""
+    path = os.environ.get("CI_ALLOWED_SKIPS")
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if not path or reporter is None:
+        return
+    allowed = _allowed_skips(path)
+    unexpected = [f"{report.nodeid}: {reason}"
+                  for report in reporter.stats.get("skipped", [])
+                  for reason in [_skip_reason(report)]
+                  if not any(pattern.match(reason) for pattern in allowed)]
+    if unexpected:
+        reporter.write_line("")
+        reporter.write_sep("=", "skips not allowed in CI", red=True)
+        reporter.write_line(f"CI_ALLOWED_SKIPS: {len(unexpected)} test(s) skipped for a "
+                            f"reason not allowed in {path} (fix the set-up, or allow the "
+                            f"reason there if the skip is legitimate in CI):", red=True)
+        for line in unexpected:
+            reporter.write_line(f"  {line}", red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def _allowed_skips(path: str) -> list:
+    with open(path, encoding="utf-8") as f:
+        lines = [line.strip() for line in f]
+    return [re.compile(line) for line in lines if line and not line.startswith("#")]
+
+
+def _skip_reason(report) -> str:
+    longrepr = report.longrepr
+    reason = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
+    return reason.removeprefix("Skipped: ")
+
+
+@pytest.fixture(scope="session")
+def docker_engine():
+    """The docker SDK client of an engine that has the worker image: the one check that
+    docker tests can run (skips, or fails under CI_REQUIRE_DOCKER=1, otherwise)."""
+    reason = docker_available()
+    if reason:
+        skip_or_fail(reason, REQUIRE_DOCKER)
+    from fibrl.backends import docker
+
+    return docker.connect()
 
 
 _MARKS = {"docker": pytest.mark.docker, "kubernetes": pytest.mark.kubernetes}
@@ -71,9 +131,7 @@ def ctx(request):
     name = request.param
     settings = {"backend": name}
     if name == "docker":
-        reason = docker_available()
-        if reason:
-            _skip_or_fail(reason, "CI_REQUIRE_DOCKER")
+        request.getfixturevalue("docker_engine")
     elif name == "kubernetes":
         settings.update(request.getfixturevalue("kube_settings"))
     previous = fibrl.get_context().config
@@ -112,11 +170,7 @@ def kube_cluster():
     ``KUBE_TEST_LISTEN_HOST`` (an address of this machine that pods can reach).
     Otherwise the fake API server of tests/kube runs pods as local processes.
     """
-    try:
-        import kubernetes  # noqa: F401
-    except ImportError:
-        _skip_or_fail("the kubernetes client is not installed (pip install fibrl[kubernetes])",
-                      "CI_REQUIRE_KUBERNETES")
+    require_module("kubernetes", REQUIRE_KUBERNETES)
     real = os.environ.get("KUBE_TEST_KUBECONFIG")
     if real:
         cluster = KubeCluster(real, os.environ.get("KUBE_TEST_NAMESPACE", "default"),

@@ -253,7 +253,6 @@ def test_condition_event_and_barrier_proxies(ctx, manager):
 
 
 def test_pool_proxy(manager):
-    pytest.importorskip("fibrl.pool")
     with manager.Pool(2) as pool:
         assert pool.map(abs, [-1, -2, 3]) == [1, 2, 3]
         assert pool.apply_async(divmod, (7, 2)).get(TIMEOUT) == (3, 1)

@@ -4,6 +4,7 @@ The stdlib's behaviour is the spec. Runs on every backend. Worker functions are
 made by ``_workers()`` so they travel by value: a worker container has no
 pytest, so it could not import this module to find them by name.
 """
+import queue
 import threading
 import time
 import types
@@ -239,7 +240,7 @@ def test_condition_notify_n(ctx):
     with cond:
         cond.notify(1)
     assert out.get(timeout=TIMEOUT) is True
-    with pytest.raises(Exception):
+    with pytest.raises(queue.Empty):
         out.get(timeout=0.3)
     with cond:
         cond.notify()
@@ -307,7 +308,7 @@ def test_barrier_releases_all_parties_and_runs_action_once(ctx):
     indices = sorted([mine] + [out.get(timeout=TIMEOUT) for _ in procs])
     assert indices == [0, 1, 2, 3]
     assert acted.get(timeout=TIMEOUT) == "action"
-    with pytest.raises(Exception):
+    with pytest.raises(queue.Empty):
         acted.get(timeout=0.2)
     join_all(*procs)
     assert not barrier.broken and barrier.n_waiting == 0

@@ -15,20 +15,9 @@ import pytest
 import fibrl
 
 pytestmark = pytest.mark.docker
-dockerbackend = pytest.importorskip("fibrl.backends.docker")
+from fibrl.backends import docker as dockerbackend
 TIMEOUT = 60
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-@pytest.fixture(scope="session")
-def engine():
-    """The docker SDK client; skips (fails under CI_REQUIRE_DOCKER=1) without engine/image."""
-    from conftest import _skip_or_fail, docker_available
-
-    reason = docker_available()
-    if reason:
-        _skip_or_fail(reason, "CI_REQUIRE_DOCKER")
-    return dockerbackend.connect()
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -67,7 +56,7 @@ def _is_ours_or_orphan(parent: str) -> bool:
 
 
 @pytest.fixture
-def dctx(engine):
+def dctx(docker_engine):
     """The fibrl context with the docker backend, restored afterwards."""
     from conftest import _as_settings
 
@@ -85,13 +74,13 @@ def _until(predicate, timeout, what):
         time.sleep(0.05)
 
 
-def _container(engine, process):
-    return engine.containers.get(process._popen.job.id)
+def _container(docker_engine, process):
+    return docker_engine.containers.get(process._popen.job.id)
 
 
 # -- a killed container ------------------------------------------------------------------
 
-def test_docker_kill_gives_sigkill_exit_code_and_keeps_logs(dctx, engine):
+def test_docker_kill_gives_sigkill_exit_code_and_keeps_logs(dctx, docker_engine):
     def speak_then_wait(q):
         print("worker says hi", flush=True)
         q.get(timeout=120)
@@ -99,14 +88,14 @@ def test_docker_kill_gives_sigkill_exit_code_and_keeps_logs(dctx, engine):
     q = dctx.Queue()
     p = dctx.Process(target=speak_then_wait, args=(q,))
     p.start()
-    container = _container(engine, p)
+    container = _container(docker_engine, p)
     _until(lambda: "worker says hi" in p._popen.job.logs(), TIMEOUT, "the worker's output")
     container.kill()
     p.join(TIMEOUT)
     assert p.exitcode == -9
     assert "worker says hi" in p._popen.job.logs()  # kept after removal too
     _until(lambda: not dockerbackend.list_containers(
-        parent=os.getpid(), client=engine), 15, "the container's removal")
+        parent=os.getpid(), client=docker_engine), 15, "the container's removal")
 
 
 def test_worker_output_reaches_the_parents_terminal(dctx, capfd):
@@ -123,7 +112,7 @@ def test_worker_output_reaches_the_parents_terminal(dctx, capfd):
     assert "to stderr from a container" in err
 
 
-def test_pool_map_survives_docker_kill_of_a_worker(dctx, engine):
+def test_pool_map_survives_docker_kill_of_a_worker(dctx, docker_engine):
     def slow_square(x):
         import time as t
 
@@ -134,7 +123,7 @@ def test_pool_map_survives_docker_kill_of_a_worker(dctx, engine):
         results = pool.imap(slow_square, range(2000), chunksize=1)
         head = [next(results) for _ in range(100)]
         workers = dockerbackend.list_containers(parent=os.getpid(), running_only=True,
-                                                client=engine)
+                                                client=docker_engine)
         assert workers, "no running worker container to kill"
         workers[0].kill()
         rest = list(results)
@@ -143,7 +132,7 @@ def test_pool_map_survives_docker_kill_of_a_worker(dctx, engine):
 
 # -- limits and OOM ------------------------------------------------------------------------
 
-def test_meta_sets_cpu_and_memory_limits(dctx, engine):
+def test_meta_sets_cpu_and_memory_limits(dctx, docker_engine):
     @fibrl.meta(cpu=1, memory="256m")
     def wait_for(q):
         q.get(timeout=120)
@@ -152,7 +141,7 @@ def test_meta_sets_cpu_and_memory_limits(dctx, engine):
     p = dctx.Process(target=wait_for, args=(q,))
     p.start()
     try:
-        container = _container(engine, p)
+        container = _container(docker_engine, p)
         _until(lambda: container.reload() or container.status == "running", TIMEOUT,
                "the container to run")
         host = container.attrs["HostConfig"]
@@ -199,7 +188,7 @@ PARENT = textwrap.dedent("""
 
 
 @pytest.fixture
-def killed_parent_run(engine):
+def killed_parent_run(docker_engine):
     """Start a parent program with two docker workers; yields (process, run id)."""
     proc = subprocess.Popen([sys.executable, "-c", PARENT], cwd=REPO, text=True,
                             stdout=subprocess.PIPE)
@@ -214,26 +203,26 @@ def killed_parent_run(engine):
         proc.wait(TIMEOUT)
         proc.stdout.close()
         for run in runs:  # what a failing test left (the parent's reaper removes the rest)
-            dockerbackend.remove_containers(run, force=True, client=engine)
+            dockerbackend.remove_containers(run, force=True, client=docker_engine)
 
 
-def test_no_container_is_left_15s_after_the_parent_is_sigkilled(killed_parent_run, engine):
+def test_no_container_is_left_15s_after_the_parent_is_sigkilled(killed_parent_run, docker_engine):
     proc, run = killed_parent_run
-    running = dockerbackend.list_containers(run, running_only=True, client=engine)
+    running = dockerbackend.list_containers(run, running_only=True, client=docker_engine)
     assert len(running) == 2
     assert all(c.labels["fibrl.pidns"] == dockerbackend.pid_namespace() for c in running)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait(TIMEOUT)
     # the workers exit by themselves; the parent's reaper removes their containers
-    _until(lambda: not dockerbackend.list_containers(run, client=engine), 15,
+    _until(lambda: not dockerbackend.list_containers(run, client=docker_engine), 15,
            "the containers of the SIGKILLed parent to be removed")
 
 
-def test_cleanup_removes_everything_of_a_run(killed_parent_run, engine):
+def test_cleanup_removes_everything_of_a_run(killed_parent_run, docker_engine):
     _, run = killed_parent_run
-    assert len(dockerbackend.list_containers(run, client=engine)) == 2
-    removed = dockerbackend.remove_containers(run, client=engine)  # running ones stay
+    assert len(dockerbackend.list_containers(run, client=docker_engine)) == 2
+    removed = dockerbackend.remove_containers(run, client=docker_engine)  # running ones stay
     assert removed == []
-    removed = dockerbackend.remove_containers(run, force=True, client=engine)
+    removed = dockerbackend.remove_containers(run, force=True, client=docker_engine)
     assert len(removed) == 2
-    assert not dockerbackend.list_containers(run, client=engine)
+    assert not dockerbackend.list_containers(run, client=docker_engine)

@@ -17,7 +17,7 @@ import pytest
 
 import fibrl
 import fibrl.pool
-from fibrl.errors import SerializationError, TaskFailedError
+from fibrl.errors import SerializationError, TaskFailedError, WorkerLostError
 from fibrl.pool.protocol import LOADING, Kind, Report, pack
 from fibrl.pool.service import PoolService
 
@@ -369,5 +369,5 @@ def test_terminate_during_chaos_never_hangs(ctx):
         pool.terminate()
     pool.join(timeout=TIMEOUT)
     assert time.monotonic() - started < 30
-    with pytest.raises(Exception):
+    with pytest.raises(WorkerLostError, match="pool was terminated"):
         result.get(TIMEOUT)

@@ -215,17 +215,8 @@ def test_run_reports_an_unschedulable_pod_with_the_schedulers_reason(launcher, k
 
 # --------------------------------------------------------------------------- docker
 
-@pytest.fixture
-def docker_ok():
-    from conftest import _skip_or_fail, docker_available
-
-    reason = docker_available()
-    if reason:
-        _skip_or_fail(reason, "CI_REQUIRE_DOCKER")
-
-
 @pytest.mark.docker
-def test_docker_run_follow_ps_logs_stop(docker_ok, tmp_path):
+def test_docker_run_follow_ps_logs_stop(docker_engine, tmp_path):
     code = "import os; print('hello from', os.getcwd(), os.environ['FIBRL_RUN_ID']); exit(3)"
     out = fibrl_cli("run", "--backend", "docker", "--image", "fibrl:latest", "--follow", "--",
                     "python", "-c", code, cwd=tmp_path)
@@ -259,7 +250,7 @@ KILLED_PARENT = textwrap.dedent("""
 
 
 @pytest.mark.docker
-def test_docker_run_removes_the_workers_of_a_killed_parent(docker_ok, tmp_path):
+def test_docker_run_removes_the_workers_of_a_killed_parent(docker_engine, tmp_path):
     from fibrl.backends import docker as dockerbackend
 
     (tmp_path / "killed.py").write_text(KILLED_PARENT)
@@ -277,7 +268,7 @@ def test_docker_run_removes_the_workers_of_a_killed_parent(docker_ok, tmp_path):
 
 
 @pytest.mark.docker
-def test_docker_build_then_run(docker_ok, tmp_path):
+def test_docker_build_then_run(docker_engine, tmp_path):
     project = tmp_path / "walker"
     project.mkdir()
     (project / "Dockerfile").write_text("FROM fibrl:latest\nCOPY hello.py /opt/hello.py\n")
