@@ -142,6 +142,20 @@ def ctx(request):
         fibrl.init(**_as_settings(previous))
 
 
+@pytest.fixture
+def configure():
+    """``configure(**changes)``: ``fibrl.init`` with ``changes`` on top of the config in
+    force (a ``ctx`` fixture's backend included); the config before the test comes back
+    afterwards. The one way a test here switches config."""
+    previous = fibrl.get_context().config
+
+    def apply(**changes):
+        return fibrl.init(**{**_as_settings(fibrl.get_context().config), **changes})
+
+    yield apply
+    fibrl.init(**_as_settings(previous))
+
+
 KUBE_TEST_NAMESPACE = "fibrl-test"
 
 

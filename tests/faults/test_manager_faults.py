@@ -5,6 +5,7 @@ a bounded time; a lock held by a dead process is released; a barrier party
 that dies breaks the barrier; a program that exits without shutting its
 managers down exits cleanly (no finalizer errors, no process left).
 """
+import contextlib
 import os
 import signal
 import subprocess
@@ -22,7 +23,7 @@ from conftest import freeze
 
 import fibrl
 from fibrl.errors import AuthenticationError, RemoteObjectError
-from fibrl.managers import AsyncManager
+from fibrl.managers import AsyncManager, SyncManager
 from fibrl.managers.lines import line_for
 
 TIMEOUT = 60
@@ -31,9 +32,16 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def _defs():
     class Sleeper:
-        def sleep(self, seconds):
+        def sleep(self, seconds, arrived=None):
+            if arrived is not None:
+                arrived.set()   # the call reached the server: it is now in flight
             time.sleep(seconds)
             return seconds
+
+    class Gate:
+        def block(self, arrived):
+            arrived.set()       # the call reached the server: it is now in flight
+            threading.Event().wait(TIMEOUT)
 
     def hold_forever(lock, holding):
         lock.acquire()
@@ -56,6 +64,13 @@ class SleepManager(AsyncManager):
 SleepManager.register("Sleeper", D.Sleeper)
 
 
+class GateManager(SyncManager):
+    pass
+
+
+GateManager.register("Gate", D.Gate)
+
+
 def _call_in_thread(fn):
     box = {}
 
@@ -70,16 +85,41 @@ def _call_in_thread(fn):
     return thread, box
 
 
-def _only_local(ctx):
-    if ctx.config.backend != "local":
-        pytest.skip("needs the server's pid on this machine")
+@contextlib.contextmanager
+def _frozen_server(manager, request):
+    """Freeze the manager's server as each backend allows, like a vanished node (no
+    socket closes, nothing answers); afterwards kill it. Docker: ``docker pause`` (the
+    cgroup freezer). Local, and kubernetes on the fake API server (its pods are local
+    processes): SIGSTOP of the server's own pid."""
+    backend = manager._process._popen.config.backend
+    if backend == "docker":
+        container = request.getfixturevalue("docker_engine").containers.get(
+            manager._process._popen.job.id)
+        container.pause()
+        try:
+            yield
+        finally:
+            container.unpause()
+            manager._process.kill()
+        return
+    if backend == "kubernetes" and request.getfixturevalue("kube_cluster").fake is None:
+        pytest.skip("needs the fake API server's pods as local processes (SIGSTOP)")
+    pid = line_for(manager.address, bytes(manager._authkey)).call("ping")  # the server's pid
+    freeze(pid)
+    try:
+        yield
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.kill(pid, signal.SIGCONT)
 
 
 def test_killed_server_fails_pending_and_later_calls(ctx):
-    m = ctx.Manager()
-    q, lst = m.Queue(), m.list()
-    thread, box = _call_in_thread(q.get)  # blocks in the server: no item, no timeout
-    time.sleep(0.2)
+    m = GateManager(ctx=ctx)
+    m.start()
+    gate, lst, arrived = m.Gate(), m.list(), ctx.Event()
+    thread, box = _call_in_thread(lambda: gate.block(arrived))  # blocks in the server
+    assert arrived.wait(TIMEOUT), "the call never reached the server"
+    assert thread.is_alive(), box
     m._process.kill()
     thread.join(15)
     assert not thread.is_alive(), "the pending call hung after the server was killed"
@@ -97,9 +137,10 @@ def test_killed_server_fails_pending_and_later_calls(ctx):
 def test_killed_server_fails_async_handles(ctx):
     m = SleepManager(ctx=ctx)
     m.start()
-    sleeper = m.Sleeper()
-    handle = sleeper.sleep(30)
-    time.sleep(0.2)
+    sleeper, arrived = m.Sleeper(), ctx.Event()
+    handle = sleeper.sleep(30, arrived)
+    assert arrived.wait(TIMEOUT), "the call never reached the server"
+    assert not handle.ready()
     m._process.kill()
     assert handle.wait(15), "the pending handle was not failed"
     with pytest.raises(RemoteObjectError):
@@ -109,22 +150,21 @@ def test_killed_server_fails_async_handles(ctx):
     m.shutdown()
 
 
-def test_frozen_server_is_detected_within_parent_timeout(ctx):
-    _only_local(ctx)
-    fibrl.init(backend="local", heartbeat_interval=0.5, parent_timeout=3.0)
+def test_frozen_server_is_detected_within_parent_timeout(ctx, configure, request):
+    configure(heartbeat_interval=0.5, parent_timeout=3.0)
     m = fibrl.Manager()
     lst, lock = m.list(), fibrl.Lock()
-    pid = line_for(m.address, bytes(m._authkey)).call("ping")  # the server's own pid
-    freeze(pid)  # a vanished node: no socket closes, nothing answers
-    start, error = time.monotonic(), None
+    lst.append(0)   # connects this thread's line before the freeze
+    start, error = None, None
     try:
-        lst.append(1)  # on this thread's line, connected before the freeze
-    except Exception as exc:
-        error = exc
+        with _frozen_server(m, request):
+            start = time.monotonic()
+            try:
+                lst.append(1)
+            except Exception as exc:
+                error = exc
+            elapsed = time.monotonic() - start
     finally:
-        elapsed = time.monotonic() - start
-        os.kill(pid, signal.SIGKILL)
-        os.kill(pid, signal.SIGCONT)
         m.shutdown()
     assert isinstance(error, RemoteObjectError), (error, elapsed)
     assert "did not answer" in str(error), error

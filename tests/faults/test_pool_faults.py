@@ -242,19 +242,34 @@ def test_retried_task_goes_before_fresh_work():
     assert [(t.tid, t.careful) for t in asked.batch.tasks] == [(lost[0].tid, True)]
 
 
-def test_meta_sets_the_limits_of_pool_containers(ctx):
-    # Modelled on test_docker_faults' Process test: the same limits through a Pool.
-    if ctx.get_start_method() != "docker":
-        pytest.skip("container limits: docker only (local processes have none)")
-    import docker
-    engine = docker.from_env(timeout=30)
+def test_meta_sets_the_limits_of_pool_workers(ctx, request):
+    """A Pool's meta reaches every worker's job; docker and kubernetes enforce it as
+    container limits (local processes have none: their job spec carries it)."""
+    backend = ctx.config.backend
     with ctx.Pool(2, meta={"cpu": 1, "memory": "256m"}) as pool:
         assert pool.map(square, range(10), chunksize=1) == [x * x for x in range(10)]
         assert pool._pool
         for proc in pool._pool:
-            host = engine.containers.get(proc._popen.job.id).attrs["HostConfig"]
-            assert host["NanoCpus"] == 1_000_000_000
-            assert host["Memory"] == host["MemorySwap"] == 256 * 1024 * 1024
+            job = proc._popen.job
+            assert (job.spec.cpu, job.spec.memory) == (1, "256m")
+            if backend == "docker":
+                engine = request.getfixturevalue("docker_engine")
+                host = engine.containers.get(job.id).attrs["HostConfig"]
+                assert host["NanoCpus"] == 1_000_000_000
+                assert host["Memory"] == host["MemorySwap"] == 256 * 1024 * 1024
+            elif backend == "kubernetes":
+                assert _pod_limits(request.getfixturevalue("kube_cluster"), job.id) == {
+                    "cpu": "1", "memory": "256Mi"}
+
+
+def _pod_limits(cluster, name: str) -> dict:
+    from kubernetes import client
+
+    with cluster.client() as api:
+        pod = client.CoreV1Api(api).read_namespaced_pod(name, cluster.namespace,
+                                                        _request_timeout=10)
+    (container,) = pod.spec.containers
+    return container.resources.limits
 
 
 def test_a_chunk_that_loaded_once_is_not_blamed_for_unpickling():
