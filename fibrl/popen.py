@@ -97,6 +97,8 @@ class Popen:
         # on it) and is closed by close() or, as the stdlib's Popen does, when this
         # object is collected: a Process started and joined without close() leaks nothing.
         self._close_sentinel = weakref.finalize(self, os.close, self._read_fd)
+        # Not at interpreter exit: a watcher thread may still write its byte then.
+        self._close_sentinel.atexit = False
         self._started = threading.Event()
         self.pid: Optional[int] = None
         self._job = None

@@ -11,6 +11,8 @@ import types
 
 import pytest
 
+from conftest import wait_until
+
 TIMEOUT = 60
 
 
@@ -95,13 +97,6 @@ def join_all(*procs):
     for p in procs:
         p.join(TIMEOUT)
         assert p.exitcode == 0, f"{p.name} exited with {p.exitcode}"
-
-
-def wait_until(predicate, timeout=TIMEOUT):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.02)
 
 
 # -- Lock --------------------------------------------------------------------------------------
@@ -326,7 +321,7 @@ def test_barrier_is_reusable(ctx):
 def test_barrier_timeout_breaks_it_and_reset_repairs_it(ctx):
     barrier, out = ctx.Barrier(3), ctx.Queue()
     p = run(ctx, W.barrier_broken, barrier, out)
-    wait_until(lambda: barrier.n_waiting == 1)
+    wait_until(lambda: barrier.n_waiting == 1, "one party waiting at the barrier", TIMEOUT)
     with pytest.raises(threading.BrokenBarrierError):
         barrier.wait(0.2)
     assert out.get(timeout=TIMEOUT) == "broken"
@@ -341,7 +336,7 @@ def test_barrier_timeout_breaks_it_and_reset_repairs_it(ctx):
 def test_barrier_abort_wakes_waiters(ctx):
     barrier, out = ctx.Barrier(2), ctx.Queue()
     p = run(ctx, W.barrier_broken, barrier, out)
-    wait_until(lambda: barrier.n_waiting == 1)
+    wait_until(lambda: barrier.n_waiting == 1, "one party waiting at the barrier", TIMEOUT)
     barrier.abort()
     assert out.get(timeout=TIMEOUT) == "broken"
     assert barrier.broken

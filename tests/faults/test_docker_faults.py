@@ -8,13 +8,13 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 
 import fibrl
 
 pytestmark = pytest.mark.docker
+from conftest import docker_available, wait_until
 from fibrl.backends import docker as dockerbackend
 TIMEOUT = 60
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -24,21 +24,16 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def no_container_left_running():
     """At the end of the session: no worker container of ours (or of a dead parent) runs."""
     yield
-    from conftest import docker_available
-
     if docker_available():
         return
-    left = _ours_running(dockerbackend.connect(), deadline=time.monotonic() + 15)
-    assert not left, f"worker containers left running after the session: {left}"
+    client = dockerbackend.connect()
+    wait_until(lambda: not _ours_running(client),
+               "no worker container of this session (or of a dead parent) to run", 15)
 
 
-def _ours_running(client, deadline):
-    while True:
-        left = [c.name for c in dockerbackend.list_containers(running_only=True, client=client)
-                if _is_ours_or_orphan(c.labels.get("fibrl.parent", ""))]
-        if not left or time.monotonic() > deadline:
-            return left
-        time.sleep(0.2)
+def _ours_running(client):
+    return [c.name for c in dockerbackend.list_containers(running_only=True, client=client)
+            if _is_ours_or_orphan(c.labels.get("fibrl.parent", ""))]
 
 
 def _is_ours_or_orphan(parent: str) -> bool:
@@ -66,14 +61,6 @@ def dctx(docker_engine):
     fibrl.init(**_as_settings(previous))
 
 
-def _until(predicate, timeout, what):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.05)
-
-
 def _container(docker_engine, process):
     return docker_engine.containers.get(process._popen.job.id)
 
@@ -89,13 +76,13 @@ def test_docker_kill_gives_sigkill_exit_code_and_keeps_logs(dctx, docker_engine)
     p = dctx.Process(target=speak_then_wait, args=(q,))
     p.start()
     container = _container(docker_engine, p)
-    _until(lambda: "worker says hi" in p._popen.job.logs(), TIMEOUT, "the worker's output")
+    wait_until(lambda: "worker says hi" in p._popen.job.logs(), "the worker's output", TIMEOUT)
     container.kill()
     p.join(TIMEOUT)
     assert p.exitcode == -9
     assert "worker says hi" in p._popen.job.logs()  # kept after removal too
-    _until(lambda: not dockerbackend.list_containers(
-        parent=os.getpid(), client=docker_engine), 15, "the container's removal")
+    wait_until(lambda: not dockerbackend.list_containers(
+        parent=os.getpid(), client=docker_engine), "the container's removal", 15)
 
 
 def test_worker_output_reaches_the_parents_terminal(dctx, capfd):
@@ -125,8 +112,11 @@ def test_pool_map_survives_docker_kill_of_a_worker(dctx, docker_engine):
         workers = dockerbackend.list_containers(parent=os.getpid(), running_only=True,
                                                 client=docker_engine)
         assert workers, "no running worker container to kill"
+        before = set(pool._pool)
         workers[0].kill()
         rest = list(results)
+        # the fault happened: the killed worker was replaced by a new one
+        assert set(pool._pool) - before, "no worker was replaced: was one killed?"
     assert head + rest == [x * x for x in range(2000)]
 
 
@@ -142,8 +132,8 @@ def test_meta_sets_cpu_and_memory_limits(dctx, docker_engine):
     p.start()
     try:
         container = _container(docker_engine, p)
-        _until(lambda: container.reload() or container.status == "running", TIMEOUT,
-               "the container to run")
+        wait_until(lambda: container.reload() or container.status == "running",
+                   "the container to run", TIMEOUT)
         host = container.attrs["HostConfig"]
         assert host["NanoCpus"] == 1_000_000_000
         assert host["Memory"] == host["MemorySwap"] == 256 * 1024 * 1024
@@ -214,8 +204,8 @@ def test_no_container_is_left_15s_after_the_parent_is_sigkilled(killed_parent_ru
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait(TIMEOUT)
     # the workers exit by themselves; the parent's reaper removes their containers
-    _until(lambda: not dockerbackend.list_containers(run, client=docker_engine), 15,
-           "the containers of the SIGKILLed parent to be removed")
+    wait_until(lambda: not dockerbackend.list_containers(run, client=docker_engine),
+               "the containers of the SIGKILLed parent to be removed", 15)
 
 
 def test_cleanup_removes_everything_of_a_run(killed_parent_run, docker_engine):

@@ -19,7 +19,7 @@ import uuid
 import psutil
 import pytest
 
-from conftest import freeze
+from conftest import freeze, wait_until
 
 import fibrl
 from fibrl.errors import AuthenticationError, RemoteObjectError
@@ -190,10 +190,7 @@ def test_dead_barrier_party_breaks_the_barrier(ctx):
     barrier = ctx.Barrier(3)
     p = ctx.Process(target=D.wait_forever, args=(barrier,))
     p.start()
-    deadline = time.monotonic() + TIMEOUT
-    while barrier.n_waiting < 1:
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
+    wait_until(lambda: barrier.n_waiting >= 1, "the party to wait at the barrier", TIMEOUT)
     thread, box = _call_in_thread(lambda: barrier.wait(TIMEOUT))
     p.kill()
     thread.join(TIMEOUT)
@@ -259,18 +256,15 @@ def test_exit_without_shutdown_is_clean(tmp_path, how):
     assert proc.returncode == (3 if how == "raise" else 0), proc.stderr
     for bad in ("Traceback", "Exception ignored", "Error", "Fatal"):
         assert bad not in proc.stderr, proc.stderr
-    assert not _processes_of_run(marker, deadline=time.monotonic() + 15)
+    wait_until(lambda: not _processes_of_run(marker), "no process of the run to be left", 15)
 
 
-def _processes_of_run(marker, deadline):
-    while True:
-        left = []
-        for proc in psutil.process_iter(["pid"]):
-            try:
-                if proc.environ().get("FIBRL_RUN_ID") == marker:
-                    left.append(proc.pid)
-            except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
-                continue
-        if not left or time.monotonic() > deadline:
-            return left
-        time.sleep(0.2)
+def _processes_of_run(marker):
+    left = []
+    for proc in psutil.process_iter(["pid"]):
+        try:
+            if proc.environ().get("FIBRL_RUN_ID") == marker:
+                left.append(proc.pid)
+        except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
+            continue
+    return left

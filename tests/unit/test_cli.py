@@ -19,6 +19,7 @@ import uuid
 
 import pytest
 
+from conftest import wait_until
 from fibrl.errors import BackendError
 from fibrl.launch.build import image_tag
 
@@ -121,10 +122,7 @@ def test_run_follow_exits_with_the_scripts_code(kube, kube_cluster):
     assert "squares:" in logs.stdout
     stopped = fibrl_cli("stop", run, *options)
     assert f"job/fibrl-run-{run}" in stopped.stdout
-    deadline = time.monotonic() + 30
-    while _pods(kube_cluster, run) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not _pods(kube_cluster, run)
+    wait_until(lambda: not _pods(kube_cluster, run), f"the pods of run {run} to go", 30)
     assert run not in _run_ids(options)
 
 
@@ -135,10 +133,12 @@ def test_run_detach_then_logs_follow(kube):
     assert out.returncode == 0, out.stderr
     run = out.stdout.strip()
     runs.append(run)
-    deadline = time.monotonic() + TIMEOUT
-    while "squares:" not in (logs := fibrl_cli("logs", run, "--follow", *options)).stdout:
-        assert time.monotonic() < deadline, logs.stderr
-        time.sleep(0.5)
+    def finished():
+        out = fibrl_cli("logs", run, "--follow", *options)
+        return out if "squares:" in out.stdout else None
+
+    logs = wait_until(finished, f"the logs of run {run} to show its result", TIMEOUT,
+                      interval=0.5)
     assert "squares: [0, 1, 4, 9, 16, 25, 36, 49]" in logs.stdout
 
 
