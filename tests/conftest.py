@@ -8,6 +8,7 @@ broken docker set-up fails instead of skipping.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import os
@@ -287,6 +288,38 @@ def freeze(pid: int, timeout: float = 60) -> None:
     while any(psutil.Process(t.id).status() != psutil.STATUS_STOPPED for t in proc.threads()):
         assert time.monotonic() < deadline, f"process {pid} did not stop"
         time.sleep(0.01)
+
+
+@contextlib.contextmanager
+def frozen(process, request):
+    """Freeze the running fibrl ``process`` as each backend allows, the way a vanished
+    node looks (no socket closes, nothing answers); on leaving, kill it.
+
+    Docker: ``docker pause`` (the cgroup freezer). Local, and kubernetes on the fake
+    API server (its pods are local processes): SIGSTOP of the worker's pid. A real
+    cluster offers neither: the test skips there (allowed in .ci/allowed-skips).
+    """
+    popen = process._popen
+    if popen.config.backend == "docker":
+        container = request.getfixturevalue("docker_engine").containers.get(popen.job.id)
+        container.pause()
+        try:
+            yield
+        finally:
+            container.unpause()
+            process.kill()
+        return
+    if (popen.config.backend == "kubernetes"
+            and request.getfixturevalue("kube_cluster").fake is None):
+        pytest.skip("needs the fake API server's pods as local processes (SIGSTOP)")
+    pid = process.pid
+    freeze(pid)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # reaped as soon as it is killed
+            os.kill(pid, signal.SIGKILL)
+            os.kill(pid, signal.SIGCONT)
 
 
 def wait_until(predicate, what: str, timeout: float = 60, interval: float = 0.01):

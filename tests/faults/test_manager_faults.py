@@ -5,9 +5,7 @@ a bounded time; a lock held by a dead process is released; a barrier party
 that dies breaks the barrier; a program that exits without shutting its
 managers down exits cleanly (no finalizer errors, no process left).
 """
-import contextlib
 import os
-import signal
 import subprocess
 import sys
 import textwrap
@@ -19,12 +17,11 @@ import uuid
 import psutil
 import pytest
 
-from conftest import freeze, wait_until
+from conftest import frozen, wait_until
 
 import fibrl
 from fibrl.errors import AuthenticationError, RemoteObjectError
 from fibrl.managers import AsyncManager, SyncManager
-from fibrl.managers.lines import line_for
 
 TIMEOUT = 60
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -85,34 +82,6 @@ def _call_in_thread(fn):
     return thread, box
 
 
-@contextlib.contextmanager
-def _frozen_server(manager, request):
-    """Freeze the manager's server as each backend allows, like a vanished node (no
-    socket closes, nothing answers); afterwards kill it. Docker: ``docker pause`` (the
-    cgroup freezer). Local, and kubernetes on the fake API server (its pods are local
-    processes): SIGSTOP of the server's own pid."""
-    backend = manager._process._popen.config.backend
-    if backend == "docker":
-        container = request.getfixturevalue("docker_engine").containers.get(
-            manager._process._popen.job.id)
-        container.pause()
-        try:
-            yield
-        finally:
-            container.unpause()
-            manager._process.kill()
-        return
-    if backend == "kubernetes" and request.getfixturevalue("kube_cluster").fake is None:
-        pytest.skip("needs the fake API server's pods as local processes (SIGSTOP)")
-    pid = line_for(manager.address, bytes(manager._authkey)).call("ping")  # the server's pid
-    freeze(pid)
-    try:
-        yield
-    finally:
-        os.kill(pid, signal.SIGKILL)
-        os.kill(pid, signal.SIGCONT)
-
-
 def test_killed_server_fails_pending_and_later_calls(ctx):
     m = GateManager(ctx=ctx)
     m.start()
@@ -157,7 +126,7 @@ def test_frozen_server_is_detected_within_parent_timeout(ctx, configure, request
     lst.append(0)   # connects this thread's line before the freeze
     start, error = None, None
     try:
-        with _frozen_server(m, request):
+        with frozen(m._process, request):
             start = time.monotonic()
             try:
                 lst.append(1)

@@ -1,5 +1,5 @@
 """Workers never outlive their parent: SIGKILLed parent, normal exit with daemons."""
-import functools
+import contextlib
 import os
 import signal
 import subprocess
@@ -10,7 +10,7 @@ import time
 
 import psutil
 import pytest
-from conftest import freeze
+from conftest import frozen
 
 PARENT = textwrap.dedent("""
     import sys, time, fibrl
@@ -78,26 +78,22 @@ def host_a_queue(carrier, stop):
 
 
 @pytest.fixture
-def hosted_queue():
-    """A queue hosted by a child process (its owner), and a function that freezes the
-    owner as a vanished node would: no socket closes, nothing answers."""
+def hosted_queue(ctx, configure, request):
+    """A queue hosted by a child process (its owner) on the backend under test, and a
+    function that freezes the owner as a vanished node would (no socket closes, nothing
+    answers; see conftest.frozen)."""
     import fibrl
 
-    previous = fibrl.get_context().config
-    fibrl.init(backend="local", heartbeat_interval=0.5, parent_timeout=2.0)
+    configure(heartbeat_interval=0.5, parent_timeout=2.0)
     carrier, stop = fibrl.Queue(), fibrl.Queue()
     owner = fibrl.Process(target=host_a_queue, args=(carrier, stop))
     owner.start()
-
-    try:
+    with contextlib.ExitStack() as stack:
+        stack.callback(owner.join, 30)
+        stack.callback(owner.kill)
         hosted = carrier.get(timeout=60)
         assert hosted.qsize() == 0  # connected while the owner still answers
-        yield hosted, functools.partial(freeze, owner.pid)
-    finally:
-        os.kill(owner.pid, signal.SIGKILL)
-        os.kill(owner.pid, signal.SIGCONT)
-        owner.join(30)
-        fibrl.init(**{f: getattr(previous, f) for f in previous.__dataclass_fields__})
+        yield hosted, lambda: stack.enter_context(frozen(owner, request))
 
 
 def test_a_get_on_a_queue_whose_owner_vanished_raises(hosted_queue):
