@@ -5,15 +5,21 @@ caller gets, and a pool that still works afterwards.
 """
 import contextlib
 import ctypes
+import multiprocessing
 import os
 import queue
 import random
 import signal
+import subprocess
 import sys
+import textwrap
 import threading
 import time
 
+import psutil
 import pytest
+
+from conftest import wait_until
 
 import fibrl
 import fibrl.pool
@@ -22,6 +28,7 @@ from fibrl.pool.protocol import LOADING, Kind, Report, pack
 from fibrl.pool.service import PoolService
 
 TIMEOUT = 240
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def square(x):
@@ -386,3 +393,109 @@ def test_terminate_during_chaos_never_hangs(ctx):
     assert time.monotonic() - started < 30
     with pytest.raises(WorkerLostError, match="pool was terminated"):
         result.get(TIMEOUT)
+
+
+# -- a hung worker, Ctrl-C in the parent ---------------------------------------------------------
+
+def hang(started):
+    started.set()
+    time.sleep(3600)    # hung, not dead: its connection stays open, it answers nothing
+
+
+def test_hung_worker_times_out_while_the_others_serve(ctx):
+    pool = ctx.Pool(2)
+    try:
+        started = ctx.Event()
+        hung = pool.apply_async(hang, (started,))
+        assert started.wait(TIMEOUT), "the hanging task never started"
+        with pytest.raises(multiprocessing.TimeoutError):
+            hung.get(0.5)
+        assert pool.map(square, range(20), chunksize=1) == [x * x for x in range(20)]
+        assert not hung.ready()
+        pool.close()
+        with pytest.raises(TimeoutError):       # join(timeout) ends while a worker hangs
+            pool.join(timeout=1.0)
+        started_at = time.monotonic()
+        pool.terminate()
+        pool.join(timeout=TIMEOUT)
+        # a worker stuck in a task for an hour ends now, not when the task would
+        assert time.monotonic() - started_at < 30
+        with pytest.raises(WorkerLostError, match="pool was terminated"):
+            hung.get(TIMEOUT)
+    finally:
+        pool.terminate()
+
+
+INTERRUPTED_PARENT = textwrap.dedent("""
+    import time, fibrl
+
+    def slow(x):
+        time.sleep(0.05)
+        return x
+
+    if __name__ == "__main__":
+        with fibrl.Pool(2) as pool:
+            results = pool.imap(slow, range(100_000), chunksize=1)
+            next(results)
+            print("mapping", flush=True)       # the map is in flight
+            try:
+                list(results)
+            except KeyboardInterrupt:
+                print("interrupted", flush=True)
+                raise
+""")
+
+
+def test_sigint_in_the_parent_during_map_leaves_no_worker(ctx, tmp_path, request):
+    run = f"sigint{os.getpid()}x{time.monotonic_ns() % 10**6}"
+    env = {**os.environ, "FIBRL_RUN_ID": run, "PYTHONPATH": REPO,
+           **{f"FIBRL_{key.upper()}": str(value) for key, value in _backend_settings(ctx).items()}}
+    script = tmp_path / "parent.py"
+    script.write_text(INTERRUPTED_PARENT)
+    proc = subprocess.Popen([sys.executable, str(script)], cwd=tmp_path, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert proc.stdout.readline().strip() == "mapping", proc.stderr.read()
+        assert _workers_of_run(ctx, run, request), "no worker of the parent is running"
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=TIMEOUT)
+    finally:
+        proc.kill()
+        proc.wait(TIMEOUT)
+    # the KeyboardInterrupt reached the parent's map and ended the program (on docker
+    # its exit code is 1, not -SIGINT: an error is reported during the exit)
+    assert proc.returncode != 0, err
+    assert "interrupted" in out and "KeyboardInterrupt" in err, err
+    wait_until(lambda: not _workers_of_run(ctx, run, request),
+               f"no worker of the interrupted parent (run {run}) to be left", 30)
+
+
+def _backend_settings(ctx) -> dict:
+    config = ctx.config
+    keys = ["backend", "image", "listen_host", "kubernetes_kubeconfig", "kubernetes_namespace"]
+    return {key: getattr(config, key) for key in keys if getattr(config, key)}
+
+
+def _workers_of_run(ctx, run, request) -> list:
+    """The live workers of run ``run`` on the backend under test (processes, containers
+    or pods), found by the run id every worker carries."""
+    backend = ctx.config.backend
+    if backend == "docker":
+        from fibrl.backends import docker as dockerbackend
+
+        return dockerbackend.list_containers(run, running_only=True,
+                                             client=request.getfixturevalue("docker_engine"))
+    if backend == "kubernetes":
+        from conftest import _pods_left
+
+        cluster = request.getfixturevalue("kube_cluster")
+        return [pod for pod in _pods_left(cluster, 0, f"fibrl.run={run}")
+                if "(Running)" in pod or "(Pending)" in pod]
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.environ().get("FIBRL_RUN_ID") == run and proc.status() != "zombie":
+                found.append(proc.pid)
+        except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
+            continue
+    return found
