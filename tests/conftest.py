@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import importlib
 import os
 import re
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -290,6 +292,55 @@ def freeze(pid: int, timeout: float = 60) -> None:
         time.sleep(0.01)
 
 
+def run_process(ctx, target, *args):
+    """``ctx.Process(target=target, args=args)``, started."""
+    p = ctx.Process(target=target, args=args)
+    p.start()
+    return p
+
+
+def join_all(*procs, timeout: float = 60) -> None:
+    """Join each process (``timeout`` s each) and require a clean exit."""
+    for p in procs:
+        p.join(timeout)
+        assert p.exitcode == 0, f"{p.name} exited with {p.exitcode}"
+
+
+def parent_env(ctx, run: str) -> dict:
+    """The environment of a parent program run in a subprocess: this worktree's fibrl,
+    the backend under test (FIBRL_* settings) and the run id ``run`` its workers carry."""
+    config = ctx.config
+    keys = ["backend", "image", "listen_host", "kubernetes_kubeconfig", "kubernetes_namespace"]
+    settings = {f"FIBRL_{key.upper()}": str(getattr(config, key)) for key in keys
+                if getattr(config, key)}
+    return {**os.environ, **settings, "FIBRL_RUN_ID": run,
+            "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+
+
+def workers_of_run(ctx, run: str, request) -> list:
+    """The live workers of run ``run`` on the backend under test (processes, containers
+    or pods), found by the run id every worker carries."""
+    backend = ctx.config.backend
+    if backend == "docker":
+        from fibrl.backends import docker as dockerbackend
+
+        return dockerbackend.list_containers(run, running_only=True,
+                                             client=request.getfixturevalue("docker_engine"))
+    if backend == "kubernetes":
+        cluster = request.getfixturevalue("kube_cluster")
+        return [pod for pod in _pods_left(cluster, 0, f"fibrl.run={run}")
+                if pod.endswith(("(Running)", "(Pending)"))]
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if (proc.environ().get("FIBRL_RUN_ID") == run
+                    and proc.status() != psutil.STATUS_ZOMBIE):
+                found.append(proc.pid)
+        except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
+            continue
+    return found
+
+
 @contextlib.contextmanager
 def frozen(process, request):
     """Freeze the running fibrl ``process`` as each backend allows, the way a vanished
@@ -347,16 +398,59 @@ def _quietly(method, *args):
         return False
 
 
+# What a test may add for good: the hub, the local fork server, a backend's client
+# start on first use (the kubernetes backend's creator and watch threads and the fake
+# API server's handlers: 7 threads). A leak per process, object or call shows as more.
+_FD_SLACK, _THREAD_SLACK = 8, 12
+
+
+def _fds_and_threads() -> tuple:
+    """This process's open descriptors, less sockets, and its Python threads.
+
+    Sockets are left out: the docker and kubernetes clients keep pools of up to 64
+    connections open by design, which would hide any count. Pipes (a Process's
+    sentinel), files, epoll and event descriptors count.
+    """
+    fds = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            fds += not os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
+        except OSError:     # the listing's own descriptor, or one closed meanwhile
+            continue
+    return fds, threading.active_count()
+
+
 @pytest.fixture(autouse=True)
 def no_leaks():
-    """After each test: no child process of this test run is left (waits up to 10 s).
+    """After each test: no child process of this test run is left (waits up to 10 s),
+    and the descriptors and threads are back within a small slack of their count
+    before the test.
 
-    Two views: OS descendants (local workers), and the processes fibrl still counts
-    as running (containers and pods are no descendants). A test that fails while a
-    worker blocks would otherwise leave that worker to multiprocessing's exit
-    handler, which joins it without a timeout: the session would never end.
+    Two views of processes: OS descendants (local workers), and the processes fibrl
+    still counts as running (containers and pods are no descendants). A test that
+    fails while a worker blocks would otherwise leave that worker to multiprocessing's
+    exit handler, which joins it without a timeout: the session would never end.
     """
+    fds, threads = _fds_and_threads()
     yield
+    _no_child_left()
+    gc.collect()    # a joined Process dropped in a reference cycle releases its sentinel
+    now = [_fds_and_threads()]
+
+    def settled():
+        now[0] = _fds_and_threads()
+        return now[0][0] <= fds + _FD_SLACK and now[0][1] <= threads + _THREAD_SLACK
+
+    try:
+        wait_until(settled, "descriptors and threads to be released", 10, interval=0.05)
+    except pytest.fail.Exception:
+        pytest.fail(f"leaked descriptors or threads: {fds} fds and {threads} threads "
+                    f"before the test, {now[0][0]} and {now[0][1]} 10 s after it (allowed: "
+                    f"+{_FD_SLACK} fds, +{_THREAD_SLACK} threads); threads now: "
+                    f"{sorted(t.name for t in threading.enumerate())}", pytrace=False)
+
+
+def _no_child_left() -> None:
     deadline = time.monotonic() + 10
     left = _children()
     while left and time.monotonic() < deadline:

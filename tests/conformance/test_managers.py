@@ -14,7 +14,7 @@ import types
 
 import pytest
 
-from conftest import wait_until
+from conftest import join_all, run_process, wait_until
 import fibrl
 from fibrl.errors import RemoteObjectError, RemoteTraceback, SerializationError
 from fibrl.managers import AsyncManager, BaseManager, HandleTimeout, SyncManager
@@ -126,18 +126,6 @@ AsyncCalcManager.register("Store", D.Store, method_to_typeid={"calc": "CalcRef"}
 AsyncCalcManager.register("CalcRef", create_method=False)
 
 
-def run(ctx, target, *args):
-    p = ctx.Process(target=target, args=args)
-    p.start()
-    return p
-
-
-def join_all(*procs):
-    for p in procs:
-        p.join(TIMEOUT)
-        assert p.exitcode == 0, f"{p.name} exited with {p.exitcode}"
-
-
 @pytest.fixture
 def manager(ctx):
     with ctx.Manager() as m:
@@ -212,7 +200,7 @@ def test_queue_and_joinable_queue_proxies(ctx, manager):
         q.get(timeout=0.1)
     assert isinstance(info.value.__cause__, RemoteTraceback)
     jq = manager.JoinableQueue()
-    p = run(ctx, D.consume, jq)
+    p = run_process(ctx, D.consume, jq)
     for i in range(3):
         jq.put(i)
     jq.join()
@@ -224,30 +212,30 @@ def test_lock_proxies_across_processes(ctx, manager):
     for lock in (manager.Lock(), manager.RLock(), manager.Semaphore(1),
                  manager.BoundedSemaphore(1)):
         assert lock.acquire()
-        join_all(run(ctx, D.contend, lock, out))
+        join_all(run_process(ctx, D.contend, lock, out))
         assert out.get(timeout=TIMEOUT) is False
         lock.release()
         with lock:
             pass
     lock = manager.Lock()
     lock.acquire()
-    join_all(run(ctx, D.release_it, lock))
+    join_all(run_process(ctx, D.release_it, lock))
     assert lock.acquire(timeout=5)
 
 
 def test_condition_event_and_barrier_proxies(ctx, manager):
     cond, ns = manager.Condition(), manager.Namespace(ready=False)
     with cond:
-        p = run(ctx, D.notify, cond, ns)
+        p = run_process(ctx, D.notify, cond, ns)
         assert cond.wait_for(lambda: ns.ready, TIMEOUT)
     join_all(p)
     event = manager.Event()
     assert event.wait(0.05) is False
-    join_all(run(ctx, D.set_event, event))
+    join_all(run_process(ctx, D.set_event, event))
     assert event.wait(TIMEOUT) and event.is_set()
     barrier, out = manager.Barrier(2), ctx.Queue()
     assert barrier.parties == 2 and not barrier.broken
-    p = run(ctx, D.barrier_party, barrier, out)
+    p = run_process(ctx, D.barrier_party, barrier, out)
     assert {barrier.wait(TIMEOUT), out.get(timeout=TIMEOUT)} == {0, 1}
     assert barrier.n_waiting == 0
     join_all(p)
@@ -273,7 +261,7 @@ def test_nested_proxies_behave_as_in_the_stdlib(ctx, manager):
     dct = manager.dict()
     dct["inner"] = manager.list([1])  # the creating proxy is dropped at once
     dct["inner"].append(2)
-    join_all(run(ctx, D.nested_append, dct, "inner", 3))
+    join_all(run_process(ctx, D.nested_append, dct, "inner", 3))
     assert dct["inner"][:] == [1, 2, 3]
     outer = manager.list([manager.dict(a=1)])
     outer[0]["b"] = 2
@@ -282,14 +270,14 @@ def test_nested_proxies_behave_as_in_the_stdlib(ctx, manager):
 
 def test_proxies_travel_as_arguments_and_through_queues(ctx, manager):
     lst, out = manager.list(), ctx.Queue()
-    join_all(run(ctx, D.append_to, lst, "from args"))
+    join_all(run_process(ctx, D.append_to, lst, "from args"))
     q = ctx.Queue()
     q.put(lst)
     received = q.get(timeout=TIMEOUT)
     received.append("via queue")
     assert lst[:] == ["from args", "via queue"]
     with CalcManager(ctx=ctx) as m:
-        p = run(ctx, D.use_calc, m.Calc(), out)
+        p = run_process(ctx, D.use_calc, m.Calc(), out)
         assert out.get(timeout=TIMEOUT) == 5
         join_all(p)
 
@@ -365,7 +353,7 @@ def test_connect_with_authkey_from_another_process(ctx):
     with SyncManager(authkey=b"shared secret", ctx=ctx) as m:
         lst = m.list([1])
         lst.append(2)
-        p = run(ctx, D.connect_and_use, m.address, b"shared secret", out)
+        p = run_process(ctx, D.connect_and_use, m.address, b"shared secret", out)
         assert out.get(timeout=TIMEOUT) == {"who": "child"}
         join_all(p)
         assert lst[:] == [1, 2]
@@ -379,7 +367,7 @@ def test_serve_forever_at_a_fixed_address(ctx):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    p = run(ctx, D.serve, ("127.0.0.1", port), b"fixed")
+    p = run_process(ctx, D.serve, ("127.0.0.1", port), b"fixed")
     try:
         client = SyncManager(address=f"localhost:{port}", authkey=b"fixed")  # another spelling
         wait_until(lambda: _connects(client), f"the manager server on port {port}", TIMEOUT)

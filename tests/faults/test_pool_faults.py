@@ -16,10 +16,9 @@ import textwrap
 import threading
 import time
 
-import psutil
 import pytest
 
-from conftest import wait_until
+from conftest import parent_env, wait_until, workers_of_run
 
 import fibrl
 import fibrl.pool
@@ -448,15 +447,14 @@ INTERRUPTED_PARENT = textwrap.dedent("""
 
 def test_sigint_in_the_parent_during_map_leaves_no_worker(ctx, tmp_path, request):
     run = f"sigint{os.getpid()}x{time.monotonic_ns() % 10**6}"
-    env = {**os.environ, "FIBRL_RUN_ID": run, "PYTHONPATH": REPO,
-           **{f"FIBRL_{key.upper()}": str(value) for key, value in _backend_settings(ctx).items()}}
+    env = parent_env(ctx, run)
     script = tmp_path / "parent.py"
     script.write_text(INTERRUPTED_PARENT)
     proc = subprocess.Popen([sys.executable, str(script)], cwd=tmp_path, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         assert proc.stdout.readline().strip() == "mapping", proc.stderr.read()
-        assert _workers_of_run(ctx, run, request), "no worker of the parent is running"
+        assert workers_of_run(ctx, run, request), "no worker of the parent is running"
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=TIMEOUT)
     finally:
@@ -466,36 +464,5 @@ def test_sigint_in_the_parent_during_map_leaves_no_worker(ctx, tmp_path, request
     # its exit code is 1, not -SIGINT: an error is reported during the exit)
     assert proc.returncode != 0, err
     assert "interrupted" in out and "KeyboardInterrupt" in err, err
-    wait_until(lambda: not _workers_of_run(ctx, run, request),
+    wait_until(lambda: not workers_of_run(ctx, run, request),
                f"no worker of the interrupted parent (run {run}) to be left", 30)
-
-
-def _backend_settings(ctx) -> dict:
-    config = ctx.config
-    keys = ["backend", "image", "listen_host", "kubernetes_kubeconfig", "kubernetes_namespace"]
-    return {key: getattr(config, key) for key in keys if getattr(config, key)}
-
-
-def _workers_of_run(ctx, run, request) -> list:
-    """The live workers of run ``run`` on the backend under test (processes, containers
-    or pods), found by the run id every worker carries."""
-    backend = ctx.config.backend
-    if backend == "docker":
-        from fibrl.backends import docker as dockerbackend
-
-        return dockerbackend.list_containers(run, running_only=True,
-                                             client=request.getfixturevalue("docker_engine"))
-    if backend == "kubernetes":
-        from conftest import _pods_left
-
-        cluster = request.getfixturevalue("kube_cluster")
-        return [pod for pod in _pods_left(cluster, 0, f"fibrl.run={run}")
-                if "(Running)" in pod or "(Pending)" in pod]
-    found = []
-    for proc in psutil.process_iter():
-        try:
-            if proc.environ().get("FIBRL_RUN_ID") == run and proc.status() != "zombie":
-                found.append(proc.pid)
-        except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
-            continue
-    return found

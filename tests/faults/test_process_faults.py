@@ -10,7 +10,9 @@ import time
 
 import psutil
 import pytest
-from conftest import frozen
+from conftest import frozen, parent_env, wait_until, workers_of_run
+
+TIMEOUT = 60
 
 PARENT = textwrap.dedent("""
     import sys, time, fibrl
@@ -64,10 +66,21 @@ def test_workers_exit_when_parent_is_sigkilled(tmp_path):
     assert time.monotonic() - t0 < 10
 
 
-def test_daemonic_children_end_when_parent_exits(tmp_path):
-    proc, pids = _start_parent(tmp_path, "exit")
-    assert proc.wait(30) == 0
-    assert _gone_within(pids, 10)
+def test_daemonic_children_end_when_parent_exits(ctx, tmp_path, request):
+    run = f"exit{os.getpid()}x{time.monotonic_ns() % 10**6}"
+    script = tmp_path / "parent.py"
+    script.write_text(PARENT)
+    proc = subprocess.Popen([sys.executable, str(script), ctx.config.backend, "exit"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=tmp_path, env=parent_env(ctx, run))
+    try:
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+        proc.wait(TIMEOUT)
+    assert proc.returncode == 0 and len(out.split()) == 2, err   # both children started
+    wait_until(lambda: not workers_of_run(ctx, run, request),
+               f"the children of the exited parent (run {run}) to end", 15)
 
 
 def host_a_queue(carrier, stop):
