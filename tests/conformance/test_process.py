@@ -170,7 +170,8 @@ def test_active_children_and_name_defaults(ctx):
     p = ctx.Process(target=sleep_forever, daemon=True)
     p.start()
     assert p in fibrl.active_children()
-    assert p.name.startswith(ctx.Process.__mro__[0].__name__) or p.name.startswith("Process")
+    # the stdlib's default: the class name and the identity, "Process-3" or "Process-2:1"
+    assert p.name == f"{type(p).__name__}-{':'.join(map(str, p._identity))}", p.name
     p.kill()
     p.join(TIMEOUT)
     assert p not in fibrl.active_children()

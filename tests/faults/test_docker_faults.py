@@ -112,12 +112,18 @@ def test_pool_map_survives_docker_kill_of_a_worker(dctx, docker_engine):
         workers = dockerbackend.list_containers(parent=os.getpid(), running_only=True,
                                                 client=docker_engine)
         assert workers, "no running worker container to kill"
-        before = set(pool._pool)
-        workers[0].kill()
+        victim = workers[0]
+        assert victim.id[:12] in _worker_ids(pool), "the container is no worker of this pool"
+        victim.kill()
         rest = list(results)
-        # the fault happened: the killed worker was replaced by a new one
-        assert set(pool._pool) - before, "no worker was replaced: was one killed?"
+        # the fault happened: the killed worker left the pool and was replaced
+        wait_until(lambda: victim.id[:12] not in _worker_ids(pool) and len(pool._pool) == 2,
+                   "the killed worker to be replaced", TIMEOUT)
     assert head + rest == [x * x for x in range(2000)]
+
+
+def _worker_ids(pool) -> set:
+    return {proc._popen.job.id[:12] for proc in pool._pool}
 
 
 # -- limits and OOM ------------------------------------------------------------------------
