@@ -283,13 +283,18 @@ def test_proxies_travel_as_arguments_and_through_queues(ctx, manager):
 
 
 def test_blocking_calls_block_only_their_thread(manager):
-    q, got = manager.Queue(), []
-    t = threading.Thread(target=lambda: got.append(q.get(timeout=TIMEOUT)))
+    barrier, q, got = manager.Barrier(2, timeout=TIMEOUT), manager.Queue(), []
+    t = threading.Thread(target=lambda: got.append(barrier.wait()))
     t.start()
-    time.sleep(0.1)  # let the getter block in the server first
-    q.put("item")
+    # the server counts the waiter: the thread's call arrived and blocks there
+    wait_until(lambda: barrier.n_waiting == 1, "the thread's wait() to block in the server",
+               TIMEOUT)
+    q.put("item")                   # meanwhile this thread's calls go through
+    assert q.get(timeout=TIMEOUT) == "item"
+    assert t.is_alive() and not got
+    barrier.wait()
     t.join(TIMEOUT)
-    assert got == ["item"]
+    assert len(got) == 1 and got[0] in (0, 1)
 
 
 def test_reference_counting_frees_objects(manager):
