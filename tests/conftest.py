@@ -59,7 +59,7 @@ def skip_or_fail(reason: str, *required_envs: str) -> None:
     kubernetes client or optional module, so that CI cannot turn green by skipping."""
     required = [env for env in required_envs if os.environ.get(env) == "1"]
     if required:
-        pytest.fail(f"{'='.join(required[:1])}=1 (this run must have it) but: {reason}",
+        pytest.fail(f"{required[0]}=1 (this run must have it) but: {reason}",
                     pytrace=False)
     pytest.skip(reason, allow_module_level=True)
 
@@ -399,13 +399,18 @@ def _quietly(method, *args):
 
 
 # What a test may add for good: the hub, the local fork server, a backend's client
-# start on first use (the kubernetes backend's creator and watch threads and the fake
-# API server's handlers: 7 threads). A leak per process, object or call shows as more.
+# start on first use (the kubernetes backend's creator and watch threads, the fake
+# API server's threads). A leak per process, object or call shows as more.
 _FD_SLACK, _THREAD_SLACK = 8, 12
+# Threads of bounded pools, kept for reuse and so left out of the count: executor
+# workers ("<prefix>_<n>", at most max_workers) and the fake API server's threads for
+# its clients' kept-alive connections (at most the client's connection pool).
+_POOLED_THREAD = re.compile(r".*_\d+$|.*\(process_request_thread\)$")
 
 
 def _fds_and_threads() -> tuple:
-    """This process's open descriptors, less sockets, and its Python threads.
+    """This process's open descriptors, less sockets, and its Python threads, less
+    pooled ones.
 
     Sockets are left out: the docker and kubernetes clients keep pools of up to 64
     connections open by design, which would hide any count. Pipes (a Process's
@@ -417,7 +422,8 @@ def _fds_and_threads() -> tuple:
             fds += not os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
         except OSError:     # the listing's own descriptor, or one closed meanwhile
             continue
-    return fds, threading.active_count()
+    threads = sum(not _POOLED_THREAD.match(t.name) for t in threading.enumerate())
+    return fds, threads
 
 
 @pytest.fixture(autouse=True)

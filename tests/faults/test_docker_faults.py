@@ -51,14 +51,10 @@ def _is_ours_or_orphan(parent: str) -> bool:
 
 
 @pytest.fixture
-def dctx(docker_engine):
+def dctx(docker_engine, configure):
     """The fibrl context with the docker backend, restored afterwards."""
-    from conftest import _as_settings
-
-    previous = fibrl.get_context().config
-    fibrl.init(backend="docker")
-    yield fibrl.get_context()
-    fibrl.init(**_as_settings(previous))
+    configure(backend="docker")
+    return fibrl.get_context()
 
 
 def _container(docker_engine, process):

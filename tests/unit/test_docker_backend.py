@@ -28,17 +28,9 @@ VALID_NAME = re.compile(r"^[a-zA-Z0-9][a-zA-Z0-9_.-]+$")
 
 
 @pytest.fixture
-def docker_init():
-    """fibrl.init(backend="docker", **settings) for the test, then the previous config."""
-    from conftest import _as_settings
-
-    previous = fibrl.get_context().config
-
-    def init(**settings):
-        return fibrl.init(backend="docker", **settings)
-
-    yield init
-    fibrl.init(**_as_settings(previous))
+def docker_init(configure):
+    """``docker_init(**settings)``: configure(backend="docker", **settings)."""
+    return lambda **settings: configure(backend="docker", **settings)
 
 
 # -- names ---------------------------------------------------------------------------
