@@ -22,6 +22,7 @@ import os
 import sys
 import threading
 import time
+import weakref
 from multiprocessing import context as mp_context
 from multiprocessing import spawn as mp_spawn
 from typing import Any, Optional
@@ -71,6 +72,12 @@ class Popen:
         self._oid = hub.register(_Handover(self, start))
         self._read_fd, self._write_fd = os.pipe()
         self.sentinel = self._read_fd
+        # The sentinel stays open after the job ends (join() may be followed by a wait
+        # on it) and is closed by close() or, as the stdlib's Popen does, when this
+        # object is collected: a Process started and joined without close() leaks nothing.
+        self._close_sentinel = weakref.finalize(self, os.close, self._read_fd)
+        # Not at interpreter exit: a watcher thread may still write its byte then.
+        self._close_sentinel.atexit = False
         self._started = threading.Event()
         self.pid: Optional[int] = None
         self._job = None
@@ -79,7 +86,7 @@ class Popen:
             self._job = self._backend.create_job(self._spec(process_obj, hub.address))
         except BaseException:
             self._release()
-            os.close(self._read_fd)
+            self._close_sentinel()
             os.close(self._write_fd)
             raise
         log.debug("%s started as %s job %s", process_obj.name, self._backend.name,
@@ -199,7 +206,7 @@ class Popen:
     def close(self) -> None:
         if not self._closed:
             self._closed = True
-            os.close(self._read_fd)
+            self._close_sentinel()
 
     @property
     def job(self):

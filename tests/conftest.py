@@ -8,11 +8,15 @@ broken docker set-up fails instead of skipping.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import importlib
 import os
+import re
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -43,22 +47,81 @@ def docker_available() -> str:
     return ""
 
 
-def _skip_or_fail(reason: str, required_env: str) -> None:
-    if os.environ.get(required_env) == "1":
-        pytest.fail(f"{required_env}=1 but: {reason}")
-    pytest.skip(reason)
+# CI (.ci/run) sets both: there, a missing engine, image or optional module is a broken
+# set-up, and the tests that need it fail instead of skipping.
+REQUIRE_DOCKER = "CI_REQUIRE_DOCKER"
+REQUIRE_KUBERNETES = "CI_REQUIRE_KUBERNETES"
 
 
-def require_module(name: str, required_env: str = "CI_REQUIRE_KUBERNETES"):
-    """Import ``name``, or skip the calling test module; where ``required_env`` is 1 (CI)
-    a missing module fails collection instead, so a broken install cannot pass silently."""
+def skip_or_fail(reason: str, *required_envs: str) -> None:
+    """Skip the calling test (or module) for ``reason``, or fail it where one of
+    ``required_envs`` is 1. The one way a test here skips for a missing docker engine,
+    kubernetes client or optional module, so that CI cannot turn green by skipping."""
+    required = [env for env in required_envs if os.environ.get(env) == "1"]
+    if required:
+        pytest.fail(f"{required[0]}=1 (this run must have it) but: {reason}",
+                    pytrace=False)
+    pytest.skip(reason, allow_module_level=True)
+
+
+def require_module(name: str, *required_envs: str):
+    """Import the optional module ``name``, or skip the calling test or module.
+
+    Without ``required_envs``, both CI variables count: a fully provisioned run
+    (``.ci/run``) installs every optional module (``pip install -e .[all]``).
+    """
     try:
         return importlib.import_module(name)
     except ImportError as exc:
-        if os.environ.get(required_env) == "1":
-            pytest.fail(f"{required_env}=1 but {name} cannot be imported: {exc}",
-                        pytrace=False)
-        pytest.skip(f"{name} is not installed ({exc})", allow_module_level=True)
+        skip_or_fail(f"{name} is not installed ({exc})",
+                     *(required_envs or (REQUIRE_DOCKER, REQUIRE_KUBERNETES)))
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Where ``CI_ALLOWED_SKIPS`` names a file of reasons (CI), fail the run when a test
+    was skipped for another reason: a skip there hides a broken set-up."""
+    path = os.environ.get("CI_ALLOWED_SKIPS")
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if not path or reporter is None:
+        return
+    allowed = _allowed_skips(path)
+    unexpected = [f"{report.nodeid}: {reason}"
+                  for report in reporter.stats.get("skipped", [])
+                  for reason in [_skip_reason(report)]
+                  if not any(pattern.match(reason) for pattern in allowed)]
+    if unexpected:
+        reporter.write_line("")
+        reporter.write_sep("=", "skips not allowed in CI", red=True)
+        reporter.write_line(f"CI_ALLOWED_SKIPS: {len(unexpected)} test(s) skipped for a "
+                            f"reason not allowed in {path} (fix the set-up, or allow the "
+                            f"reason there if the skip is legitimate in CI):", red=True)
+        for line in unexpected:
+            reporter.write_line(f"  {line}", red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def _allowed_skips(path: str) -> list:
+    with open(path, encoding="utf-8") as f:
+        lines = [line.strip() for line in f]
+    return [re.compile(line) for line in lines if line and not line.startswith("#")]
+
+
+def _skip_reason(report) -> str:
+    longrepr = report.longrepr
+    reason = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
+    return reason.removeprefix("Skipped: ")
+
+
+@pytest.fixture(scope="session")
+def docker_engine():
+    """The docker SDK client of an engine that has the worker image: the one check that
+    docker tests can run (skips, or fails under CI_REQUIRE_DOCKER=1, otherwise)."""
+    reason = docker_available()
+    if reason:
+        skip_or_fail(reason, REQUIRE_DOCKER)
+    from fibrl.backends import docker
+
+    return docker.connect()
 
 
 _MARKS = {"docker": pytest.mark.docker, "kubernetes": pytest.mark.kubernetes}
@@ -71,9 +134,7 @@ def ctx(request):
     name = request.param
     settings = {"backend": name}
     if name == "docker":
-        reason = docker_available()
-        if reason:
-            _skip_or_fail(reason, "CI_REQUIRE_DOCKER")
+        request.getfixturevalue("docker_engine")
     elif name == "kubernetes":
         settings.update(request.getfixturevalue("kube_settings"))
     previous = fibrl.get_context().config
@@ -82,6 +143,20 @@ def ctx(request):
         yield fibrl.get_context()
     finally:
         fibrl.init(**_as_settings(previous))
+
+
+@pytest.fixture
+def configure():
+    """``configure(**changes)``: ``fibrl.init`` with ``changes`` on top of the config in
+    force (a ``ctx`` fixture's backend included); the config before the test comes back
+    afterwards. The one way a test here switches config."""
+    previous = fibrl.get_context().config
+
+    def apply(**changes):
+        return fibrl.init(**{**_as_settings(fibrl.get_context().config), **changes})
+
+    yield apply
+    fibrl.init(**_as_settings(previous))
 
 
 KUBE_TEST_NAMESPACE = "fibrl-test"
@@ -112,11 +187,7 @@ def kube_cluster():
     ``KUBE_TEST_LISTEN_HOST`` (an address of this machine that pods can reach).
     Otherwise the fake API server of tests/kube runs pods as local processes.
     """
-    try:
-        import kubernetes  # noqa: F401
-    except ImportError:
-        _skip_or_fail("the kubernetes client is not installed (pip install fibrl[kubernetes])",
-                      "CI_REQUIRE_KUBERNETES")
+    require_module("kubernetes", REQUIRE_KUBERNETES)
     real = os.environ.get("KUBE_TEST_KUBECONFIG")
     if real:
         cluster = KubeCluster(real, os.environ.get("KUBE_TEST_NAMESPACE", "default"),
@@ -221,6 +292,87 @@ def freeze(pid: int, timeout: float = 60) -> None:
         time.sleep(0.01)
 
 
+def run_process(ctx, target, *args):
+    """``ctx.Process(target=target, args=args)``, started."""
+    p = ctx.Process(target=target, args=args)
+    p.start()
+    return p
+
+
+def join_all(*procs, timeout: float = 60) -> None:
+    """Join each process (``timeout`` s each) and require a clean exit."""
+    for p in procs:
+        p.join(timeout)
+        assert p.exitcode == 0, f"{p.name} exited with {p.exitcode}"
+
+
+def parent_env(ctx, run: str) -> dict:
+    """The environment of a parent program run in a subprocess: this worktree's fibrl,
+    the backend under test (FIBRL_* settings) and the run id ``run`` its workers carry."""
+    config = ctx.config
+    keys = ["backend", "image", "listen_host", "kubernetes_kubeconfig", "kubernetes_namespace"]
+    settings = {f"FIBRL_{key.upper()}": str(getattr(config, key)) for key in keys
+                if getattr(config, key)}
+    return {**os.environ, **settings, "FIBRL_RUN_ID": run,
+            "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+
+
+def workers_of_run(ctx, run: str, request) -> list:
+    """The live workers of run ``run`` on the backend under test (processes, containers
+    or pods), found by the run id every worker carries."""
+    backend = ctx.config.backend
+    if backend == "docker":
+        from fibrl.backends import docker as dockerbackend
+
+        return dockerbackend.list_containers(run, running_only=True,
+                                             client=request.getfixturevalue("docker_engine"))
+    if backend == "kubernetes":
+        cluster = request.getfixturevalue("kube_cluster")
+        return [pod for pod in _pods_left(cluster, 0, f"fibrl.run={run}")
+                if pod.endswith(("(Running)", "(Pending)"))]
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if (proc.environ().get("FIBRL_RUN_ID") == run
+                    and proc.status() != psutil.STATUS_ZOMBIE):
+                found.append(proc.pid)
+        except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
+            continue
+    return found
+
+
+@contextlib.contextmanager
+def frozen(process, request):
+    """Freeze the running fibrl ``process`` as each backend allows, the way a vanished
+    node looks (no socket closes, nothing answers); on leaving, kill it.
+
+    Docker: ``docker pause`` (the cgroup freezer). Local, and kubernetes on the fake
+    API server (its pods are local processes): SIGSTOP of the worker's pid. A real
+    cluster offers neither: the test skips there (allowed in .ci/allowed-skips).
+    """
+    popen = process._popen
+    if popen.config.backend == "docker":
+        container = request.getfixturevalue("docker_engine").containers.get(popen.job.id)
+        container.pause()
+        try:
+            yield
+        finally:
+            container.unpause()
+            process.kill()
+        return
+    if (popen.config.backend == "kubernetes"
+            and request.getfixturevalue("kube_cluster").fake is None):
+        pytest.skip("needs the fake API server's pods as local processes (SIGSTOP)")
+    pid = process.pid
+    freeze(pid)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # reaped as soon as it is killed
+            os.kill(pid, signal.SIGKILL)
+            os.kill(pid, signal.SIGCONT)
+
+
 def wait_until(predicate, what: str, timeout: float = 60, interval: float = 0.01):
     """Wait until ``predicate()`` is true; fail naming ``what`` after ``timeout`` seconds.
 
@@ -246,16 +398,65 @@ def _quietly(method, *args):
         return False
 
 
+# What a test may add for good: the hub, the local fork server, a backend's client
+# start on first use (the kubernetes backend's creator and watch threads, the fake
+# API server's threads). A leak per process, object or call shows as more.
+_FD_SLACK, _THREAD_SLACK = 8, 12
+# Threads of bounded pools, kept for reuse and so left out of the count: executor
+# workers ("<prefix>_<n>", at most max_workers) and the fake API server's threads for
+# its clients' kept-alive connections (at most the client's connection pool).
+_POOLED_THREAD = re.compile(r".*_\d+$|.*\(process_request_thread\)$")
+
+
+def _fds_and_threads() -> tuple:
+    """This process's open descriptors, less sockets, and its Python threads, less
+    pooled ones.
+
+    Sockets are left out: the docker and kubernetes clients keep pools of up to 64
+    connections open by design, which would hide any count. Pipes (a Process's
+    sentinel), files, epoll and event descriptors count.
+    """
+    fds = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            fds += not os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
+        except OSError:     # the listing's own descriptor, or one closed meanwhile
+            continue
+    threads = sum(not _POOLED_THREAD.match(t.name) for t in threading.enumerate())
+    return fds, threads
+
+
 @pytest.fixture(autouse=True)
 def no_leaks():
-    """After each test: no child process of this test run is left (waits up to 10 s).
+    """After each test: no child process of this test run is left (waits up to 10 s),
+    and the descriptors and threads are back within a small slack of their count
+    before the test.
 
-    Two views: OS descendants (local workers), and the processes fibrl still counts
-    as running (containers and pods are no descendants). A test that fails while a
-    worker blocks would otherwise leave that worker to multiprocessing's exit
-    handler, which joins it without a timeout: the session would never end.
+    Two views of processes: OS descendants (local workers), and the processes fibrl
+    still counts as running (containers and pods are no descendants). A test that
+    fails while a worker blocks would otherwise leave that worker to multiprocessing's
+    exit handler, which joins it without a timeout: the session would never end.
     """
+    fds, threads = _fds_and_threads()
     yield
+    _no_child_left()
+    gc.collect()    # a joined Process dropped in a reference cycle releases its sentinel
+    now = [_fds_and_threads()]
+
+    def settled():
+        now[0] = _fds_and_threads()
+        return now[0][0] <= fds + _FD_SLACK and now[0][1] <= threads + _THREAD_SLACK
+
+    try:
+        wait_until(settled, "descriptors and threads to be released", 10, interval=0.05)
+    except pytest.fail.Exception:
+        pytest.fail(f"leaked descriptors or threads: {fds} fds and {threads} threads "
+                    f"before the test, {now[0][0]} and {now[0][1]} 10 s after it (allowed: "
+                    f"+{_FD_SLACK} fds, +{_THREAD_SLACK} threads); threads now: "
+                    f"{sorted(t.name for t in threading.enumerate())}", pytrace=False)
+
+
+def _no_child_left() -> None:
     deadline = time.monotonic() + 10
     left = _children()
     while left and time.monotonic() < deadline:

@@ -106,9 +106,16 @@ def test_map_in_order(executor, chunksize):
     assert list(executor.map(square, [])) == []
 
 
+def fail_on(bad, x):
+    if x == bad:
+        raise KeyError(f"item {x}")
+    return x
+
+
 def test_map_raises_at_the_failing_position(executor):
-    results = executor.map(fail, ["a"])
-    with pytest.raises(KeyError):
+    results = executor.map(fail_on, [3] * 6, range(6))
+    assert [next(results) for _ in range(3)] == [0, 1, 2]   # the items before it come first
+    with pytest.raises(KeyError, match="item 3"):
         next(results)
 
 

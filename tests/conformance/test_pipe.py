@@ -157,3 +157,24 @@ def test_large_messages_between_two_children(ctx):
     assert out.get(timeout=TIMEOUT) == (1 << 20, True, int(np.arange(300_000).sum()))
     for p in procs:
         p.join(TIMEOUT)
+
+
+def receive_and_describe(conn):
+    arr = conn.recv()
+    conn.send((arr.nbytes, int(arr[0]), int(arr[-1]), int(arr[1 << 29])))
+    conn.close()
+
+
+@pytest.mark.slow
+def test_one_gib_message_through_a_pipe_arrives_whole():
+    a, b = fibrl.Pipe()
+    p = fibrl.Process(target=receive_and_describe, args=(b,))
+    p.start()
+    big = np.ones(1 << 30, dtype=np.uint8)
+    big[-1], big[1 << 29] = 7, 9
+    a.send(big)
+    del big
+    assert a.poll(240), "no answer within 240 s"
+    assert a.recv() == (1 << 30, 1, 7, 9)
+    p.join(TIMEOUT)
+    assert p.exitcode == 0

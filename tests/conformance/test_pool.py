@@ -40,6 +40,12 @@ def sleep_then(seconds, value=None):
     return value
 
 
+def signal_then_sleep(started, seconds, value=None):
+    started.set()
+    time.sleep(seconds)
+    return value
+
+
 def sleep_item(x):
     time.sleep(x[0])
     return x[1]
@@ -123,9 +129,8 @@ def test_pool_cannot_be_pickled(ctx):
             pickle.dumps(pool)
 
 
-def test_stdlib_context_is_mapped(ctx):
-    if ctx.get_start_method() != "local":
-        pytest.skip("a stdlib context maps to the local backend")
+def test_stdlib_context_is_mapped():
+    """A stdlib context given to a fibrl Pool runs its workers on the local backend."""
     with fibrl.pool.Pool(1, context=multiprocessing.get_context("spawn")) as pool:
         assert pool.apply(square, (4,)) == 16
 
@@ -290,10 +295,11 @@ def test_imap_streams_results_as_they_complete(ctx):
     with ctx.Pool(2) as pool:
         pool.apply(square, (1,))  # workers are up
         items = [(0.05, "fast")] + [(3.0, "slow")]
-        started = time.monotonic()
         it = pool.imap(sleep_item, items)
         assert it.next(TIMEOUT) == "fast"
-        assert time.monotonic() - started < 2.5
+        # streamed: the slow item (3 s) is still running when the fast one arrives
+        with pytest.raises(multiprocessing.TimeoutError):
+            it.next(0)
         assert it.next(TIMEOUT) == "slow"
 
 
@@ -501,13 +507,11 @@ class SlowFirstWorker:
 
 
 def test_a_slow_starting_worker_holds_nothing_up(ctx):
-    delay = 8.0
-    started = time.monotonic()
-    slow = SlowFirstWorker(ctx, delay)
+    slow = SlowFirstWorker(ctx, delay=100.0)     # released below, once the map is done
     with fibrl.pool.Pool(3, context=slow) as pool:
         assert pool.map(square, range(30), chunksize=1) == [x * x for x in range(30)]
         assert len(pool._pool) == 2  # the other two did all the work
-        assert time.monotonic() - started < delay
+        assert not slow._returned.is_set(), "the map waited for the slow start"
     slow.wait_slow_one(TIMEOUT)
 
 
@@ -528,11 +532,11 @@ def test_terminate_is_prompt_while_a_worker_is_slow_to_start(ctx):
 def test_tasks_go_to_whichever_worker_is_ready(ctx):
     with ctx.Pool(2) as pool:
         pool.map(square, range(4))
-        busy = pool.apply_async(sleep_then, (3, "busy"))
-        time.sleep(0.2)
-        started = time.monotonic()
+        running = ctx.Event()
+        busy = pool.apply_async(signal_then_sleep, (running, 3, "busy"))
+        assert running.wait(TIMEOUT)
         assert pool.map(square, range(20), chunksize=1) == [x * x for x in range(20)]
-        assert time.monotonic() - started < 2.5  # not queued behind the busy worker
+        assert not busy.ready()   # the map was not queued behind the busy worker
         assert busy.get(TIMEOUT) == "busy"
 
 
@@ -553,8 +557,9 @@ def test_close_and_join(ctx):
 
 def test_terminate_fails_pending_results_and_is_quick(ctx):
     pool = ctx.Pool(2)
-    results = [pool.apply_async(sleep_then, (30,)) for _ in range(4)]
-    time.sleep(0.5)
+    running = ctx.Event()
+    results = [pool.apply_async(signal_then_sleep, (running, 30)) for _ in range(4)]
+    assert running.wait(TIMEOUT)
     started = time.monotonic()
     pool.terminate()
     pool.join(timeout=TIMEOUT)

@@ -10,6 +10,8 @@ import types
 
 import pytest
 
+from conftest import join_all, run_process
+
 TIMEOUT = 60
 from ctypes.wintypes import POINT  # a Structure any worker can import (x, y: c_long)
 
@@ -41,21 +43,9 @@ def _workers():
 W = _workers()
 
 
-def run(ctx, target, *args):
-    p = ctx.Process(target=target, args=args)
-    p.start()
-    return p
-
-
-def join_all(*procs):
-    for p in procs:
-        p.join(TIMEOUT)
-        assert p.exitcode == 0, f"{p.name} exited with {p.exitcode}"
-
-
 def test_value_increments_under_its_lock(ctx):
     value = ctx.Value("i", 0)
-    procs = [run(ctx, W.increment, value, 30) for _ in range(3)]
+    procs = [run_process(ctx, W.increment, value, 30) for _ in range(3)]
     W.increment(value, 30)
     join_all(*procs)
     assert value.value == 120
@@ -82,7 +72,7 @@ def test_value_types_and_lock_options(ctx):
 def test_array_indexing_slicing_from_children(ctx):
     array = ctx.Array("i", 6)
     assert len(array) == 6 and array[:] == [0] * 6
-    join_all(run(ctx, W.fill, array, 10))
+    join_all(run_process(ctx, W.fill, array, 10))
     assert array[:] == [10, 11, 12, 13, 14, 15]
     assert array[1:3] == [11, 12] and array[-1] == 15 and list(array) == array[:]
     array[0:2] = [7, 8]
@@ -94,7 +84,7 @@ def test_array_indexing_slicing_from_children(ctx):
 
 def test_char_array_and_structure_value(ctx):
     text, point = ctx.Array("c", 10), ctx.Value(POINT, 1, 2)
-    join_all(run(ctx, W.write_strings, text, point))
+    join_all(run_process(ctx, W.write_strings, text, point))
     assert text.value == b"hello"
     assert text.raw == b"hello" + b"\x00" * 5
     assert (point.x, point.y) == (35, 2)
@@ -102,7 +92,7 @@ def test_char_array_and_structure_value(ctx):
 
 def test_access_waits_while_another_process_holds_the_lock(ctx):
     array, started = ctx.Array("i", 2), ctx.Event()
-    p = run(ctx, W.write_pair_slowly, array, started)
+    p = run_process(ctx, W.write_pair_slowly, array, started)
     assert started.wait(TIMEOUT)
     assert array[:] == [1, 1]  # never the half-written [1, 0]
     join_all(p)
@@ -110,7 +100,7 @@ def test_access_waits_while_another_process_holds_the_lock(ctx):
 
 def test_raw_value_and_array_are_shared_not_copied(ctx):
     value, array = ctx.RawValue("i", 0), ctx.RawArray("d", 3)
-    join_all(run(ctx, W.fill, array, 1))
+    join_all(run_process(ctx, W.fill, array, 1))
     value.value = 9
     assert array[:] == [1.0, 2.0, 3.0] and value.value == 9
     assert not hasattr(array, "get_lock")

@@ -4,11 +4,14 @@ The stdlib's behaviour is the spec. Runs on every backend. Worker functions are
 made by ``_workers()`` so they travel by value: a worker container has no
 pytest, so it could not import this module to find them by name.
 """
+import queue
 import threading
 import time
 import types
 
 import pytest
+
+from conftest import join_all, run_process, wait_until
 
 TIMEOUT = 60
 
@@ -84,29 +87,10 @@ def _workers():
 W = _workers()
 
 
-def run(ctx, target, *args):
-    p = ctx.Process(target=target, args=args)
-    p.start()
-    return p
-
-
-def join_all(*procs):
-    for p in procs:
-        p.join(TIMEOUT)
-        assert p.exitcode == 0, f"{p.name} exited with {p.exitcode}"
-
-
-def wait_until(predicate, timeout=TIMEOUT):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.02)
-
-
 # -- Lock --------------------------------------------------------------------------------------
 def test_lock_excludes_another_process_with_timeouts(ctx):
     lock, holding, release = ctx.Lock(), ctx.Event(), ctx.Event()
-    p = run(ctx, W.hold, lock, holding, release)
+    p = run_process(ctx, W.hold, lock, holding, release)
     assert holding.wait(TIMEOUT)
     assert lock.acquire(False) is False
     start = time.monotonic()
@@ -123,14 +107,14 @@ def test_lock_release_semantics(ctx):
     with pytest.raises(ValueError):
         lock.release()
     lock.acquire()
-    join_all(run(ctx, W.release_it, lock))  # any process may release a Lock, as in mp
+    join_all(run_process(ctx, W.release_it, lock))  # any process may release a Lock, as in mp
     assert lock.acquire(False) is True
     lock.release()
 
 
 def test_lock_mutual_exclusion(ctx):
     lock, value = ctx.Lock(), ctx.RawValue("i", 0)
-    procs = [run(ctx, W.count, lock, value, 40) for _ in range(3)]
+    procs = [run_process(ctx, W.count, lock, value, 40) for _ in range(3)]
     W.count(lock, value, 40)
     join_all(*procs)
     assert value.value == 160
@@ -138,7 +122,7 @@ def test_lock_mutual_exclusion(ctx):
 
 def test_lock_travels_through_a_queue(ctx):
     q, out, lock = ctx.Queue(), ctx.Queue(), ctx.Lock()
-    p = run(ctx, W.from_queue, q, out)
+    p = run_process(ctx, W.from_queue, q, out)
     q.put(lock)
     assert out.get(timeout=TIMEOUT) is True
     join_all(p)
@@ -146,7 +130,7 @@ def test_lock_travels_through_a_queue(ctx):
 
 def test_lock_lives_while_a_child_uses_it(ctx):
     out = ctx.Queue()
-    p = run(ctx, W.use_orphan, ctx.Lock(), out)  # the parent keeps no reference
+    p = run_process(ctx, W.use_orphan, ctx.Lock(), out)  # the parent keeps no reference
     assert out.get(timeout=TIMEOUT) == "used"
     join_all(p)
 
@@ -168,7 +152,7 @@ def test_rlock_recursion_and_ownership(ctx):
     t.start()
     t.join(TIMEOUT)
     assert errors and isinstance(errors[0], AssertionError)
-    p = run(ctx, W.try_acquire, lock, out)
+    p = run_process(ctx, W.try_acquire, lock, out)
     assert out.get(timeout=TIMEOUT) is False
     join_all(p)
     lock.release()
@@ -191,7 +175,7 @@ def test_semaphore_counts_permits_across_processes(ctx):
     assert sem.acquire() and sem.acquire(timeout=1)
     assert sem.get_value() == 0
     assert sem.acquire(False) is False
-    join_all(run(ctx, W.release_it, sem))
+    join_all(run_process(ctx, W.release_it, sem))
     assert sem.acquire(timeout=TIMEOUT) is True
     sem.release()
     sem.release()
@@ -215,14 +199,14 @@ def test_bounded_semaphore_and_bad_values(ctx):
 def test_condition_wait_for_notify_from_another_process(ctx):
     cond, flag = ctx.Condition(), ctx.RawValue("i", 0)
     with cond:
-        p = run(ctx, W.set_and_notify, cond, flag)
+        p = run_process(ctx, W.set_and_notify, cond, flag)
         assert cond.wait_for(lambda: flag.value == 1, TIMEOUT) is True
     join_all(p)
 
 
 def test_condition_notify_all_wakes_every_waiter(ctx):
     cond, ready, out = ctx.Condition(ctx.Lock()), ctx.Queue(), ctx.Queue()
-    procs = [run(ctx, W.wait_notified, cond, ready, out) for _ in range(3)]
+    procs = [run_process(ctx, W.wait_notified, cond, ready, out) for _ in range(3)]
     for _ in procs:
         ready.get(timeout=TIMEOUT)
     with cond:  # each child put "ready" holding the lock: it is now waiting
@@ -233,13 +217,13 @@ def test_condition_notify_all_wakes_every_waiter(ctx):
 
 def test_condition_notify_n(ctx):
     cond, ready, out = ctx.Condition(), ctx.Queue(), ctx.Queue()
-    procs = [run(ctx, W.wait_notified, cond, ready, out) for _ in range(2)]
+    procs = [run_process(ctx, W.wait_notified, cond, ready, out) for _ in range(2)]
     for _ in procs:
         ready.get(timeout=TIMEOUT)
     with cond:
         cond.notify(1)
     assert out.get(timeout=TIMEOUT) is True
-    with pytest.raises(Exception):
+    with pytest.raises(queue.Empty):
         out.get(timeout=0.3)
     with cond:
         cond.notify()
@@ -267,7 +251,7 @@ def test_condition_requires_the_lock(ctx):
 
 def test_condition_made_in_another_process_on_our_lock(ctx):
     lock, out = ctx.Lock(), ctx.Queue()
-    p = run(ctx, W.own_condition, lock, out)
+    p = run_process(ctx, W.own_condition, lock, out)
     assert out.get(timeout=TIMEOUT) is False
     cond = out.get(timeout=TIMEOUT)
     with cond:
@@ -287,8 +271,8 @@ def test_event_set_clear_wait(ctx):
     start = time.monotonic()
     assert event.wait(0.2) is False
     assert time.monotonic() - start >= 0.15
-    p = run(ctx, W.wait_event, event, out)
-    join_all(run(ctx, W.set_event, event))
+    p = run_process(ctx, W.wait_event, event, out)
+    join_all(run_process(ctx, W.set_event, event))
     assert out.get(timeout=TIMEOUT) is True
     assert event.is_set() and event.wait(0) is True
     event.clear()
@@ -302,12 +286,12 @@ def test_barrier_releases_all_parties_and_runs_action_once(ctx):
     out, acted = ctx.Queue(), ctx.Queue()
     barrier = ctx.Barrier(4, action=W.make_action(acted), timeout=TIMEOUT)
     assert barrier.parties == 4
-    procs = [run(ctx, W.barrier_party, barrier, out) for _ in range(3)]
+    procs = [run_process(ctx, W.barrier_party, barrier, out) for _ in range(3)]
     mine = barrier.wait()
     indices = sorted([mine] + [out.get(timeout=TIMEOUT) for _ in procs])
     assert indices == [0, 1, 2, 3]
     assert acted.get(timeout=TIMEOUT) == "action"
-    with pytest.raises(Exception):
+    with pytest.raises(queue.Empty):
         acted.get(timeout=0.2)
     join_all(*procs)
     assert not barrier.broken and barrier.n_waiting == 0
@@ -316,7 +300,7 @@ def test_barrier_releases_all_parties_and_runs_action_once(ctx):
 def test_barrier_is_reusable(ctx):
     barrier, out = ctx.Barrier(2), ctx.Queue()
     for _ in range(3):
-        p = run(ctx, W.barrier_party, barrier, out)
+        p = run_process(ctx, W.barrier_party, barrier, out)
         assert barrier.wait(TIMEOUT) in (0, 1)
         out.get(timeout=TIMEOUT)
         join_all(p)
@@ -324,8 +308,8 @@ def test_barrier_is_reusable(ctx):
 
 def test_barrier_timeout_breaks_it_and_reset_repairs_it(ctx):
     barrier, out = ctx.Barrier(3), ctx.Queue()
-    p = run(ctx, W.barrier_broken, barrier, out)
-    wait_until(lambda: barrier.n_waiting == 1)
+    p = run_process(ctx, W.barrier_broken, barrier, out)
+    wait_until(lambda: barrier.n_waiting == 1, "one party waiting at the barrier", TIMEOUT)
     with pytest.raises(threading.BrokenBarrierError):
         barrier.wait(0.2)
     assert out.get(timeout=TIMEOUT) == "broken"
@@ -339,8 +323,8 @@ def test_barrier_timeout_breaks_it_and_reset_repairs_it(ctx):
 
 def test_barrier_abort_wakes_waiters(ctx):
     barrier, out = ctx.Barrier(2), ctx.Queue()
-    p = run(ctx, W.barrier_broken, barrier, out)
-    wait_until(lambda: barrier.n_waiting == 1)
+    p = run_process(ctx, W.barrier_broken, barrier, out)
+    wait_until(lambda: barrier.n_waiting == 1, "one party waiting at the barrier", TIMEOUT)
     barrier.abort()
     assert out.get(timeout=TIMEOUT) == "broken"
     assert barrier.broken
@@ -363,7 +347,7 @@ def test_interrupted_acquire_is_withdrawn(ctx, monkeypatch):
     import fibrl.hosted as hosted
 
     lock, holding, release = ctx.Lock(), ctx.Event(), ctx.Event()
-    p = run(ctx, W.hold, lock, holding, release)
+    p = run_process(ctx, W.hold, lock, holding, release)
     assert holding.wait(TIMEOUT)
     real_wait = hosted.wait_reply
     interrupted = []

@@ -8,48 +8,32 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 
 import fibrl
 
 pytestmark = pytest.mark.docker
-dockerbackend = pytest.importorskip("fibrl.backends.docker")
+from conftest import docker_available, wait_until
+from fibrl.backends import docker as dockerbackend
 TIMEOUT = 60
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-@pytest.fixture(scope="session")
-def engine():
-    """The docker SDK client; skips (fails under CI_REQUIRE_DOCKER=1) without engine/image."""
-    from conftest import _skip_or_fail, docker_available
-
-    reason = docker_available()
-    if reason:
-        _skip_or_fail(reason, "CI_REQUIRE_DOCKER")
-    return dockerbackend.connect()
 
 
 @pytest.fixture(scope="session", autouse=True)
 def no_container_left_running():
     """At the end of the session: no worker container of ours (or of a dead parent) runs."""
     yield
-    from conftest import docker_available
-
     if docker_available():
         return
-    left = _ours_running(dockerbackend.connect(), deadline=time.monotonic() + 15)
-    assert not left, f"worker containers left running after the session: {left}"
+    client = dockerbackend.connect()
+    wait_until(lambda: not _ours_running(client),
+               "no worker container of this session (or of a dead parent) to run", 15)
 
 
-def _ours_running(client, deadline):
-    while True:
-        left = [c.name for c in dockerbackend.list_containers(running_only=True, client=client)
-                if _is_ours_or_orphan(c.labels.get("fibrl.parent", ""))]
-        if not left or time.monotonic() > deadline:
-            return left
-        time.sleep(0.2)
+def _ours_running(client):
+    return [c.name for c in dockerbackend.list_containers(running_only=True, client=client)
+            if _is_ours_or_orphan(c.labels.get("fibrl.parent", ""))]
 
 
 def _is_ours_or_orphan(parent: str) -> bool:
@@ -67,31 +51,19 @@ def _is_ours_or_orphan(parent: str) -> bool:
 
 
 @pytest.fixture
-def dctx(engine):
+def dctx(docker_engine, configure):
     """The fibrl context with the docker backend, restored afterwards."""
-    from conftest import _as_settings
-
-    previous = fibrl.get_context().config
-    fibrl.init(backend="docker")
-    yield fibrl.get_context()
-    fibrl.init(**_as_settings(previous))
+    configure(backend="docker")
+    return fibrl.get_context()
 
 
-def _until(predicate, timeout, what):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.05)
-
-
-def _container(engine, process):
-    return engine.containers.get(process._popen.job.id)
+def _container(docker_engine, process):
+    return docker_engine.containers.get(process._popen.job.id)
 
 
 # -- a killed container ------------------------------------------------------------------
 
-def test_docker_kill_gives_sigkill_exit_code_and_keeps_logs(dctx, engine):
+def test_docker_kill_gives_sigkill_exit_code_and_keeps_logs(dctx, docker_engine):
     def speak_then_wait(q):
         print("worker says hi", flush=True)
         q.get(timeout=120)
@@ -99,14 +71,14 @@ def test_docker_kill_gives_sigkill_exit_code_and_keeps_logs(dctx, engine):
     q = dctx.Queue()
     p = dctx.Process(target=speak_then_wait, args=(q,))
     p.start()
-    container = _container(engine, p)
-    _until(lambda: "worker says hi" in p._popen.job.logs(), TIMEOUT, "the worker's output")
+    container = _container(docker_engine, p)
+    wait_until(lambda: "worker says hi" in p._popen.job.logs(), "the worker's output", TIMEOUT)
     container.kill()
     p.join(TIMEOUT)
     assert p.exitcode == -9
     assert "worker says hi" in p._popen.job.logs()  # kept after removal too
-    _until(lambda: not dockerbackend.list_containers(
-        parent=os.getpid(), client=engine), 15, "the container's removal")
+    wait_until(lambda: not dockerbackend.list_containers(
+        parent=os.getpid(), client=docker_engine), "the container's removal", 15)
 
 
 def test_worker_output_reaches_the_parents_terminal(dctx, capfd):
@@ -123,7 +95,7 @@ def test_worker_output_reaches_the_parents_terminal(dctx, capfd):
     assert "to stderr from a container" in err
 
 
-def test_pool_map_survives_docker_kill_of_a_worker(dctx, engine):
+def test_pool_map_survives_docker_kill_of_a_worker(dctx, docker_engine):
     def slow_square(x):
         import time as t
 
@@ -134,16 +106,25 @@ def test_pool_map_survives_docker_kill_of_a_worker(dctx, engine):
         results = pool.imap(slow_square, range(2000), chunksize=1)
         head = [next(results) for _ in range(100)]
         workers = dockerbackend.list_containers(parent=os.getpid(), running_only=True,
-                                                client=engine)
+                                                client=docker_engine)
         assert workers, "no running worker container to kill"
-        workers[0].kill()
+        victim = workers[0]
+        assert victim.id[:12] in _worker_ids(pool), "the container is no worker of this pool"
+        victim.kill()
         rest = list(results)
+        # the fault happened: the killed worker left the pool and was replaced
+        wait_until(lambda: victim.id[:12] not in _worker_ids(pool) and len(pool._pool) == 2,
+                   "the killed worker to be replaced", TIMEOUT)
     assert head + rest == [x * x for x in range(2000)]
+
+
+def _worker_ids(pool) -> set:
+    return {proc._popen.job.id[:12] for proc in pool._pool}
 
 
 # -- limits and OOM ------------------------------------------------------------------------
 
-def test_meta_sets_cpu_and_memory_limits(dctx, engine):
+def test_meta_sets_cpu_and_memory_limits(dctx, docker_engine):
     @fibrl.meta(cpu=1, memory="256m")
     def wait_for(q):
         q.get(timeout=120)
@@ -152,9 +133,9 @@ def test_meta_sets_cpu_and_memory_limits(dctx, engine):
     p = dctx.Process(target=wait_for, args=(q,))
     p.start()
     try:
-        container = _container(engine, p)
-        _until(lambda: container.reload() or container.status == "running", TIMEOUT,
-               "the container to run")
+        container = _container(docker_engine, p)
+        wait_until(lambda: container.reload() or container.status == "running",
+                   "the container to run", TIMEOUT)
         host = container.attrs["HostConfig"]
         assert host["NanoCpus"] == 1_000_000_000
         assert host["Memory"] == host["MemorySwap"] == 256 * 1024 * 1024
@@ -199,7 +180,7 @@ PARENT = textwrap.dedent("""
 
 
 @pytest.fixture
-def killed_parent_run(engine):
+def killed_parent_run(docker_engine):
     """Start a parent program with two docker workers; yields (process, run id)."""
     proc = subprocess.Popen([sys.executable, "-c", PARENT], cwd=REPO, text=True,
                             stdout=subprocess.PIPE)
@@ -214,26 +195,26 @@ def killed_parent_run(engine):
         proc.wait(TIMEOUT)
         proc.stdout.close()
         for run in runs:  # what a failing test left (the parent's reaper removes the rest)
-            dockerbackend.remove_containers(run, force=True, client=engine)
+            dockerbackend.remove_containers(run, force=True, client=docker_engine)
 
 
-def test_no_container_is_left_15s_after_the_parent_is_sigkilled(killed_parent_run, engine):
+def test_no_container_is_left_15s_after_the_parent_is_sigkilled(killed_parent_run, docker_engine):
     proc, run = killed_parent_run
-    running = dockerbackend.list_containers(run, running_only=True, client=engine)
+    running = dockerbackend.list_containers(run, running_only=True, client=docker_engine)
     assert len(running) == 2
     assert all(c.labels["fibrl.pidns"] == dockerbackend.pid_namespace() for c in running)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait(TIMEOUT)
     # the workers exit by themselves; the parent's reaper removes their containers
-    _until(lambda: not dockerbackend.list_containers(run, client=engine), 15,
-           "the containers of the SIGKILLed parent to be removed")
+    wait_until(lambda: not dockerbackend.list_containers(run, client=docker_engine),
+               "the containers of the SIGKILLed parent to be removed", 15)
 
 
-def test_cleanup_removes_everything_of_a_run(killed_parent_run, engine):
+def test_cleanup_removes_everything_of_a_run(killed_parent_run, docker_engine):
     _, run = killed_parent_run
-    assert len(dockerbackend.list_containers(run, client=engine)) == 2
-    removed = dockerbackend.remove_containers(run, client=engine)  # running ones stay
+    assert len(dockerbackend.list_containers(run, client=docker_engine)) == 2
+    removed = dockerbackend.remove_containers(run, client=docker_engine)  # running ones stay
     assert removed == []
-    removed = dockerbackend.remove_containers(run, force=True, client=engine)
+    removed = dockerbackend.remove_containers(run, force=True, client=docker_engine)
     assert len(removed) == 2
-    assert not dockerbackend.list_containers(run, client=engine)
+    assert not dockerbackend.list_containers(run, client=docker_engine)

@@ -6,7 +6,6 @@ that dies breaks the barrier; a program that exits without shutting its
 managers down exits cleanly (no finalizer errors, no process left).
 """
 import os
-import signal
 import subprocess
 import sys
 import textwrap
@@ -18,12 +17,11 @@ import uuid
 import psutil
 import pytest
 
-from conftest import freeze
+from conftest import frozen, wait_until
 
 import fibrl
 from fibrl.errors import AuthenticationError, RemoteObjectError
-from fibrl.managers import AsyncManager
-from fibrl.managers.lines import line_for
+from fibrl.managers import AsyncManager, SyncManager
 
 TIMEOUT = 60
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -31,9 +29,16 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def _defs():
     class Sleeper:
-        def sleep(self, seconds):
+        def sleep(self, seconds, arrived=None):
+            if arrived is not None:
+                arrived.set()   # the call reached the server: it is now in flight
             time.sleep(seconds)
             return seconds
+
+    class Gate:
+        def block(self, arrived):
+            arrived.set()       # the call reached the server: it is now in flight
+            threading.Event().wait(TIMEOUT)
 
     def hold_forever(lock, holding):
         lock.acquire()
@@ -56,6 +61,13 @@ class SleepManager(AsyncManager):
 SleepManager.register("Sleeper", D.Sleeper)
 
 
+class GateManager(SyncManager):
+    pass
+
+
+GateManager.register("Gate", D.Gate)
+
+
 def _call_in_thread(fn):
     box = {}
 
@@ -70,16 +82,13 @@ def _call_in_thread(fn):
     return thread, box
 
 
-def _only_local(ctx):
-    if ctx.config.backend != "local":
-        pytest.skip("needs the server's pid on this machine")
-
-
 def test_killed_server_fails_pending_and_later_calls(ctx):
-    m = ctx.Manager()
-    q, lst = m.Queue(), m.list()
-    thread, box = _call_in_thread(q.get)  # blocks in the server: no item, no timeout
-    time.sleep(0.2)
+    m = GateManager(ctx=ctx)
+    m.start()
+    gate, lst, arrived = m.Gate(), m.list(), ctx.Event()
+    thread, box = _call_in_thread(lambda: gate.block(arrived))  # blocks in the server
+    assert arrived.wait(TIMEOUT), "the call never reached the server"
+    assert thread.is_alive(), box
     m._process.kill()
     thread.join(15)
     assert not thread.is_alive(), "the pending call hung after the server was killed"
@@ -97,9 +106,10 @@ def test_killed_server_fails_pending_and_later_calls(ctx):
 def test_killed_server_fails_async_handles(ctx):
     m = SleepManager(ctx=ctx)
     m.start()
-    sleeper = m.Sleeper()
-    handle = sleeper.sleep(30)
-    time.sleep(0.2)
+    sleeper, arrived = m.Sleeper(), ctx.Event()
+    handle = sleeper.sleep(30, arrived)
+    assert arrived.wait(TIMEOUT), "the call never reached the server"
+    assert not handle.ready()
     m._process.kill()
     assert handle.wait(15), "the pending handle was not failed"
     with pytest.raises(RemoteObjectError):
@@ -109,22 +119,21 @@ def test_killed_server_fails_async_handles(ctx):
     m.shutdown()
 
 
-def test_frozen_server_is_detected_within_parent_timeout(ctx):
-    _only_local(ctx)
-    fibrl.init(backend="local", heartbeat_interval=0.5, parent_timeout=3.0)
+def test_frozen_server_is_detected_within_parent_timeout(ctx, configure, request):
+    configure(heartbeat_interval=0.5, parent_timeout=3.0)
     m = fibrl.Manager()
     lst, lock = m.list(), fibrl.Lock()
-    pid = line_for(m.address, bytes(m._authkey)).call("ping")  # the server's own pid
-    freeze(pid)  # a vanished node: no socket closes, nothing answers
-    start, error = time.monotonic(), None
+    lst.append(0)   # connects this thread's line before the freeze
+    start, error = None, None
     try:
-        lst.append(1)  # on this thread's line, connected before the freeze
-    except Exception as exc:
-        error = exc
+        with frozen(m._process, request):
+            start = time.monotonic()
+            try:
+                lst.append(1)
+            except Exception as exc:
+                error = exc
+            elapsed = time.monotonic() - start
     finally:
-        elapsed = time.monotonic() - start
-        os.kill(pid, signal.SIGKILL)
-        os.kill(pid, signal.SIGCONT)
         m.shutdown()
     assert isinstance(error, RemoteObjectError), (error, elapsed)
     assert "did not answer" in str(error), error
@@ -150,10 +159,7 @@ def test_dead_barrier_party_breaks_the_barrier(ctx):
     barrier = ctx.Barrier(3)
     p = ctx.Process(target=D.wait_forever, args=(barrier,))
     p.start()
-    deadline = time.monotonic() + TIMEOUT
-    while barrier.n_waiting < 1:
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
+    wait_until(lambda: barrier.n_waiting >= 1, "the party to wait at the barrier", TIMEOUT)
     thread, box = _call_in_thread(lambda: barrier.wait(TIMEOUT))
     p.kill()
     thread.join(TIMEOUT)
@@ -219,18 +225,15 @@ def test_exit_without_shutdown_is_clean(tmp_path, how):
     assert proc.returncode == (3 if how == "raise" else 0), proc.stderr
     for bad in ("Traceback", "Exception ignored", "Error", "Fatal"):
         assert bad not in proc.stderr, proc.stderr
-    assert not _processes_of_run(marker, deadline=time.monotonic() + 15)
+    wait_until(lambda: not _processes_of_run(marker), "no process of the run to be left", 15)
 
 
-def _processes_of_run(marker, deadline):
-    while True:
-        left = []
-        for proc in psutil.process_iter(["pid"]):
-            try:
-                if proc.environ().get("FIBRL_RUN_ID") == marker:
-                    left.append(proc.pid)
-            except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
-                continue
-        if not left or time.monotonic() > deadline:
-            return left
-        time.sleep(0.2)
+def _processes_of_run(marker):
+    left = []
+    for proc in psutil.process_iter(["pid"]):
+        try:
+            if proc.environ().get("FIBRL_RUN_ID") == marker:
+                left.append(proc.pid)
+        except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
+            continue
+    return left

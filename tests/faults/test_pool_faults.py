@@ -5,23 +5,29 @@ caller gets, and a pool that still works afterwards.
 """
 import contextlib
 import ctypes
+import multiprocessing
 import os
 import queue
 import random
 import signal
+import subprocess
 import sys
+import textwrap
 import threading
 import time
 
 import pytest
 
+from conftest import parent_env, wait_until, workers_of_run
+
 import fibrl
 import fibrl.pool
-from fibrl.errors import SerializationError, TaskFailedError
+from fibrl.errors import SerializationError, TaskFailedError, WorkerLostError
 from fibrl.pool.protocol import LOADING, Kind, Report, pack
 from fibrl.pool.service import PoolService
 
 TIMEOUT = 240
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def square(x):
@@ -242,19 +248,34 @@ def test_retried_task_goes_before_fresh_work():
     assert [(t.tid, t.careful) for t in asked.batch.tasks] == [(lost[0].tid, True)]
 
 
-def test_meta_sets_the_limits_of_pool_containers(ctx):
-    # Modelled on test_docker_faults' Process test: the same limits through a Pool.
-    if ctx.get_start_method() != "docker":
-        pytest.skip("container limits: docker only (local processes have none)")
-    import docker
-    engine = docker.from_env(timeout=30)
+def test_meta_sets_the_limits_of_pool_workers(ctx, request):
+    """A Pool's meta reaches every worker's job; docker and kubernetes enforce it as
+    container limits (local processes have none: their job spec carries it)."""
+    backend = ctx.config.backend
     with ctx.Pool(2, meta={"cpu": 1, "memory": "256m"}) as pool:
         assert pool.map(square, range(10), chunksize=1) == [x * x for x in range(10)]
         assert pool._pool
         for proc in pool._pool:
-            host = engine.containers.get(proc._popen.job.id).attrs["HostConfig"]
-            assert host["NanoCpus"] == 1_000_000_000
-            assert host["Memory"] == host["MemorySwap"] == 256 * 1024 * 1024
+            job = proc._popen.job
+            assert (job.spec.cpu, job.spec.memory) == (1, "256m")
+            if backend == "docker":
+                engine = request.getfixturevalue("docker_engine")
+                host = engine.containers.get(job.id).attrs["HostConfig"]
+                assert host["NanoCpus"] == 1_000_000_000
+                assert host["Memory"] == host["MemorySwap"] == 256 * 1024 * 1024
+            elif backend == "kubernetes":
+                assert _pod_limits(request.getfixturevalue("kube_cluster"), job.id) == {
+                    "cpu": "1", "memory": "256Mi"}
+
+
+def _pod_limits(cluster, name: str) -> dict:
+    from kubernetes import client
+
+    with cluster.client() as api:
+        pod = client.CoreV1Api(api).read_namespaced_pod(name, cluster.namespace,
+                                                        _request_timeout=10)
+    (container,) = pod.spec.containers
+    return container.resources.limits
 
 
 def test_a_chunk_that_loaded_once_is_not_blamed_for_unpickling():
@@ -369,5 +390,79 @@ def test_terminate_during_chaos_never_hangs(ctx):
         pool.terminate()
     pool.join(timeout=TIMEOUT)
     assert time.monotonic() - started < 30
-    with pytest.raises(Exception):
+    with pytest.raises(WorkerLostError, match="pool was terminated"):
         result.get(TIMEOUT)
+
+
+# -- a hung worker, Ctrl-C in the parent ---------------------------------------------------------
+
+def hang(started):
+    started.set()
+    time.sleep(3600)    # hung, not dead: its connection stays open, it answers nothing
+
+
+def test_hung_worker_times_out_while_the_others_serve(ctx):
+    pool = ctx.Pool(2)
+    try:
+        started = ctx.Event()
+        hung = pool.apply_async(hang, (started,))
+        assert started.wait(TIMEOUT), "the hanging task never started"
+        with pytest.raises(multiprocessing.TimeoutError):
+            hung.get(0.5)
+        assert pool.map(square, range(20), chunksize=1) == [x * x for x in range(20)]
+        assert not hung.ready()
+        pool.close()
+        with pytest.raises(TimeoutError):       # join(timeout) ends while a worker hangs
+            pool.join(timeout=1.0)
+        started_at = time.monotonic()
+        pool.terminate()
+        pool.join(timeout=TIMEOUT)
+        # a worker stuck in a task for an hour ends now, not when the task would
+        assert time.monotonic() - started_at < 30
+        with pytest.raises(WorkerLostError, match="pool was terminated"):
+            hung.get(TIMEOUT)
+    finally:
+        pool.terminate()
+
+
+INTERRUPTED_PARENT = textwrap.dedent("""
+    import time, fibrl
+
+    def slow(x):
+        time.sleep(0.05)
+        return x
+
+    if __name__ == "__main__":
+        with fibrl.Pool(2) as pool:
+            results = pool.imap(slow, range(100_000), chunksize=1)
+            next(results)
+            print("mapping", flush=True)       # the map is in flight
+            try:
+                list(results)
+            except KeyboardInterrupt:
+                print("interrupted", flush=True)
+                raise
+""")
+
+
+def test_sigint_in_the_parent_during_map_leaves_no_worker(ctx, tmp_path, request):
+    run = f"sigint{os.getpid()}x{time.monotonic_ns() % 10**6}"
+    env = parent_env(ctx, run)
+    script = tmp_path / "parent.py"
+    script.write_text(INTERRUPTED_PARENT)
+    proc = subprocess.Popen([sys.executable, str(script)], cwd=tmp_path, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert proc.stdout.readline().strip() == "mapping", proc.stderr.read()
+        assert workers_of_run(ctx, run, request), "no worker of the parent is running"
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=TIMEOUT)
+    finally:
+        proc.kill()
+        proc.wait(TIMEOUT)
+    # the KeyboardInterrupt reached the parent's map and ended the program (on docker
+    # its exit code is 1, not -SIGINT: an error is reported during the exit)
+    assert proc.returncode != 0, err
+    assert "interrupted" in out and "KeyboardInterrupt" in err, err
+    wait_until(lambda: not workers_of_run(ctx, run, request),
+               f"no worker of the interrupted parent (run {run}) to be left", 30)

@@ -174,7 +174,7 @@ def docker(*args: str, timeout: float = 60, check: bool = False) -> subprocess.C
     return subprocess.run(["docker", *args], capture_output=True, text=True, timeout=timeout, check=check)
 
 
-def docker_available() -> bool:
+def docker_engine_answers() -> bool:
     """Whether a docker engine answers (the CLI alone is not enough)."""
     try:
         return docker("info", "--format", "{{.ServerVersion}}", timeout=10).returncode == 0

@@ -23,7 +23,7 @@ import uuid
 
 import pytest
 
-from .fake_apiserver import FakeApiServer, docker_available
+from .fake_apiserver import FakeApiServer, docker_engine_answers
 
 
 @pytest.fixture(scope="session")
@@ -68,7 +68,7 @@ def kube_namespace(fake_apiserver) -> str:
 
 @pytest.fixture(scope="session")
 def fake_apiserver_docker():
-    if not docker_available():
+    if not docker_engine_answers():
         pytest.skip("no docker engine answers")
     server = FakeApiServer(runtime="docker").start()
     yield server

@@ -55,11 +55,11 @@ from ._api import Api
 from ._controllers import ControllerManager, GarbageCollector, JobController
 from ._http import Fault, HttpServer, Policy, RequestRecord, Router
 from ._kubelet import Kubelet
-from ._runtime import DOCKER_LABEL, docker, docker_available, docker_leaked_containers
+from ._runtime import DOCKER_LABEL, docker, docker_engine_answers, docker_leaked_containers
 from ._settings import Settings
 from ._store import Store
 
-__all__ = ["FakeApiServer", "RequestRecord", "docker_available", "docker_leaked_containers", "DOCKER_LABEL"]
+__all__ = ["FakeApiServer", "RequestRecord", "docker_engine_answers", "docker_leaked_containers", "DOCKER_LABEL"]
 
 
 class FakeApiServer:
@@ -124,7 +124,7 @@ class FakeApiServer:
 
     @functools.cached_property
     def _docker_engine(self) -> bool:
-        return docker_available()
+        return docker_engine_answers()
 
     def _docker_ok(self) -> bool:
         return self._docker_engine

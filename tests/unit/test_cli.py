@@ -19,6 +19,7 @@ import uuid
 
 import pytest
 
+from conftest import wait_until
 from fibrl.errors import BackendError
 from fibrl.launch.build import image_tag
 
@@ -128,10 +129,7 @@ def test_run_follow_exits_with_the_scripts_code(kube, kube_cluster):
     assert "squares:" in logs.stdout
     stopped = fibrl_cli("stop", run, *options)
     assert f"job/fibrl-run-{run}" in stopped.stdout
-    deadline = time.monotonic() + 30
-    while _pods(kube_cluster, run) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not _pods(kube_cluster, run)
+    wait_until(lambda: not _pods(kube_cluster, run), f"the pods of run {run} to go", 30)
     assert run not in _run_ids(options)
 
 
@@ -142,10 +140,12 @@ def test_run_detach_then_logs_follow(kube):
     assert out.returncode == 0, out.stderr
     run = out.stdout.strip()
     runs.append(run)
-    deadline = time.monotonic() + TIMEOUT
-    while "squares:" not in (logs := fibrl_cli("logs", run, "--follow", *options)).stdout:
-        assert time.monotonic() < deadline, logs.stderr
-        time.sleep(0.5)
+    def finished():
+        out = fibrl_cli("logs", run, "--follow", *options)
+        return out if "squares:" in out.stdout else None
+
+    logs = wait_until(finished, f"the logs of run {run} to show its result", TIMEOUT,
+                      interval=0.5)
     assert "squares: [0, 1, 4, 9, 16, 25, 36, 49]" in logs.stdout
 
 
@@ -222,17 +222,8 @@ def test_run_reports_an_unschedulable_pod_with_the_schedulers_reason(launcher, k
 
 # --------------------------------------------------------------------------- docker
 
-@pytest.fixture
-def docker_ok():
-    from conftest import _skip_or_fail, docker_available
-
-    reason = docker_available()
-    if reason:
-        _skip_or_fail(reason, "CI_REQUIRE_DOCKER")
-
-
 @pytest.mark.docker
-def test_docker_run_follow_ps_logs_stop(docker_ok, tmp_path):
+def test_docker_run_follow_ps_logs_stop(docker_engine, tmp_path):
     code = "import os; print('hello from', os.getcwd(), os.environ['FIBRL_RUN_ID']); exit(3)"
     out = fibrl_cli("run", "--backend", "docker", "--image", "fibrl:latest", "--follow", "--",
                     "python", "-c", code, cwd=tmp_path)
@@ -266,7 +257,7 @@ KILLED_PARENT = textwrap.dedent("""
 
 
 @pytest.mark.docker
-def test_docker_run_removes_the_workers_of_a_killed_parent(docker_ok, tmp_path):
+def test_docker_run_removes_the_workers_of_a_killed_parent(docker_engine, tmp_path):
     from fibrl.backends import docker as dockerbackend
 
     (tmp_path / "killed.py").write_text(KILLED_PARENT)
@@ -284,7 +275,7 @@ def test_docker_run_removes_the_workers_of_a_killed_parent(docker_ok, tmp_path):
 
 
 @pytest.mark.docker
-def test_docker_build_then_run(docker_ok, tmp_path):
+def test_docker_build_then_run(docker_engine, tmp_path):
     project = tmp_path / "walker"
     project.mkdir()
     (project / "Dockerfile").write_text("FROM fibrl:latest\nCOPY hello.py /opt/hello.py\n")

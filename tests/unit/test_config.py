@@ -1,4 +1,5 @@
 """Config precedence, parsing and validation."""
+import dataclasses
 import os
 import subprocess
 import sys
@@ -52,7 +53,7 @@ def test_bad_values_are_explained():
 
 def test_config_is_frozen_and_replace_validates():
     config = Config()
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         config.backend = "docker"
     assert config.replace(backend="docker").backend == "docker"
     with pytest.raises(ConfigError):

@@ -19,34 +19,18 @@ from fibrl.backends import JobSpec
 from fibrl.config import Config
 from fibrl.errors import BackendError
 
-docker_sdk = pytest.importorskip("docker")
+from conftest import REQUIRE_DOCKER, require_module, skip_or_fail
+
+docker_sdk = require_module("docker", REQUIRE_DOCKER)
 from fibrl.backends import docker as dockerbackend  # noqa: E402
 
 VALID_NAME = re.compile(r"^[a-zA-Z0-9][a-zA-Z0-9_.-]+$")
 
 
 @pytest.fixture
-def docker_up():
-    from conftest import _skip_or_fail, docker_available
-
-    reason = docker_available()
-    if reason:
-        _skip_or_fail(reason, "CI_REQUIRE_DOCKER")
-    return dockerbackend.connect()
-
-
-@pytest.fixture
-def docker_init():
-    """fibrl.init(backend="docker", **settings) for the test, then the previous config."""
-    from conftest import _as_settings
-
-    previous = fibrl.get_context().config
-
-    def init(**settings):
-        return fibrl.init(backend="docker", **settings)
-
-    yield init
-    fibrl.init(**_as_settings(previous))
+def docker_init(configure):
+    """``docker_init(**settings)``: configure(backend="docker", **settings)."""
+    return lambda **settings: configure(backend="docker", **settings)
 
 
 # -- names ---------------------------------------------------------------------------
@@ -285,7 +269,7 @@ def test_unreachable_engine_fails_process_start(closed_socket, docker_init):
 
 
 @pytest.mark.docker
-def test_missing_image_is_explained(docker_up, docker_init):
+def test_missing_image_is_explained(docker_engine, docker_init):
     docker_init(image="fibrl-no-such-image:0")
     p = fibrl.Process(target=os.getpid)
     with pytest.raises(BackendError, match=r"fibrl-no-such-image:0.*does not exist.*"
@@ -294,32 +278,34 @@ def test_missing_image_is_explained(docker_up, docker_init):
 
 
 @pytest.mark.docker
-def test_image_without_fibrl_is_explained(docker_up, docker_init, tmp_path, monkeypatch):
+def test_image_without_fibrl_is_explained(docker_engine, docker_init, tmp_path, monkeypatch):
     base = "python:3.11-slim"
     try:
-        docker_up.images.get(base)
+        docker_engine.images.get(base)
     except docker_sdk.errors.ImageNotFound:
-        pytest.skip(f"{base} is not on this engine")
+        # .ci/run builds it (docker/build-base.sh): absent there means a broken set-up
+        skip_or_fail(f"{base} is not on this engine (docker/build-base.sh makes it)",
+                     REQUIRE_DOCKER)
     monkeypatch.chdir(tmp_path)  # so the mounted directory provides no fibrl either
     docker_init(image=base)
     with pytest.raises(BackendError, match=r"(?s)cannot run fibrl workers.*fibrl is not "
                                            r"installed.*No module named 'fibrl'"):
         fibrl.Process(target=os.getpid).start()
-    assert not dockerbackend.list_containers(run="no-such-run", client=docker_up)
+    assert not dockerbackend.list_containers(run="no-such-run", client=docker_engine)
 
 
 @pytest.fixture
-def image_without_python(docker_up):
+def image_without_python(docker_engine):
     tag = "fibrl-test-nopython:latest"
     data = io.BytesIO()
     with tarfile.open(fileobj=data, mode="w") as tar:
         info = tarfile.TarInfo("etc/hostname")
         info.size = 5
         tar.addfile(info, io.BytesIO(b"none\n"))
-    docker_up.api.import_image_from_data(data.getvalue(), repository=tag.split(":")[0],
+    docker_engine.api.import_image_from_data(data.getvalue(), repository=tag.split(":")[0],
                                          tag="latest")
     yield tag
-    docker_up.images.remove(tag, force=True)
+    docker_engine.images.remove(tag, force=True)
 
 
 @pytest.mark.docker
@@ -331,9 +317,9 @@ def test_image_without_python_is_explained(image_without_python, docker_init):
 
 
 @pytest.mark.docker
-def test_cpu_count_is_the_engines(docker_up):
+def test_cpu_count_is_the_engines(docker_engine):
     backend = dockerbackend.DockerBackend(Config(backend="docker"))
-    assert backend.cpu_count() == docker_up.info()["NCPU"]
+    assert backend.cpu_count() == docker_engine.info()["NCPU"]
 
 
 # An entrypoint that lets the image probe (python -c ...) through but ends a worker
@@ -354,7 +340,7 @@ def _add(tar, name, data, mode=0o644):
 
 
 @pytest.fixture
-def refusing_image(docker_up):
+def refusing_image(docker_engine):
     """The worker image with an entrypoint that makes workers exit before connecting."""
     tag = "fibrl-test-refusing:latest"
     base = os.environ.get("FIBRL_IMAGE", "fibrl:latest")
@@ -365,10 +351,10 @@ def refusing_image(docker_up):
         _add(tar, "Dockerfile", dockerfile)
         _add(tar, "refuse.sh", REFUSING_ENTRYPOINT, mode=0o755)
     context.seek(0)
-    docker_up.images.build(fileobj=context, custom_context=True, tag=tag, rm=True,
+    docker_engine.images.build(fileobj=context, custom_context=True, tag=tag, rm=True,
                            forcerm=True, timeout=300)
     yield tag
-    docker_up.images.remove(tag, force=True)
+    docker_engine.images.remove(tag, force=True)
 
 
 @pytest.mark.docker
@@ -405,7 +391,7 @@ if __name__ == "__main__":
 
 
 @pytest.mark.docker
-def test_main_script_outside_the_mounted_directory(docker_up, tmp_path):
+def test_main_script_outside_the_mounted_directory(docker_engine, tmp_path):
     """Only the working directory is mounted: a script run from elsewhere is rebuilt in
     the container from the source the parent sends, so its functions and classes
     unpickle there as with spawn."""

@@ -5,6 +5,7 @@ import threading
 import numpy as np
 import pytest
 
+from conftest import require_module
 from fibrl import serialization
 from fibrl.errors import FrameError, SerializationError
 
@@ -64,7 +65,7 @@ def test_an_error_raised_while_pickling_is_reported_with_the_object():
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int64", "bool", "complex64"])
 def test_large_torch_tensors_travel_out_of_band(dtype):
-    torch = pytest.importorskip("torch")
+    torch = require_module("torch")
     tensor = (torch.rand(300, 257) * 100).to(getattr(torch, dtype))
     parts = serialization.dumps_parts(tensor)
     assert len(parts) == 3 and len(parts[1]) < 1000   # one buffer, a tiny pickle
@@ -74,7 +75,7 @@ def test_large_torch_tensors_travel_out_of_band(dtype):
 
 
 def test_torch_tensor_views_and_leaf_parameters_round_trip():
-    torch = pytest.importorskip("torch")
+    torch = require_module("torch")
     strided = torch.rand(400, 300).t()[5:]               # not contiguous
     leaf = torch.rand(200, 200, requires_grad=True)
     param = torch.nn.Parameter(torch.rand(200, 200))
