@@ -1,6 +1,6 @@
 # Image targets only (see docker/build-image.sh --help).
 IMAGE ?= fibrl:latest
-EXTRAS ?= rl,docker,kubernetes
+EXTRAS ?= rl,docker,kubernetes,tls
 
 .PHONY: image image-offline base-image wheels
 

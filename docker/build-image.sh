@@ -13,13 +13,13 @@
 #               (docker/build-wheels.sh) and installs only from them.
 #
 # Environment: FIBRL_IMAGE (tag, default fibrl:latest), IMAGE_EXTRAS (extras
-# installed in the image, default rl,docker,kubernetes: `fibrl run` parents run
+# installed in the image, default rl,docker,kubernetes,tls: `fibrl run` parents run
 # in it too), IMAGE_OFFLINE=1 (same as --offline).
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
 FIBRL_IMAGE="${FIBRL_IMAGE:-fibrl:latest}"
-IMAGE_EXTRAS="${IMAGE_EXTRAS:-rl,docker,kubernetes}"
+IMAGE_EXTRAS="${IMAGE_EXTRAS:-rl,docker,kubernetes,tls}"
 OFFLINE="${IMAGE_OFFLINE:-0}"
 extra=()
 while [[ $# -gt 0 ]]; do

@@ -5,13 +5,13 @@
 # on linux x86_64 (the image is Debian bookworm, CPython 3.11, glibc 2.36).
 #
 # Usage: docker/build-wheels.sh [WHEEL_DIR]        (default: docker/wheels)
-# Environment: IMAGE_EXTRAS  extras for the image (default: rl,docker,kubernetes)
+# Environment: IMAGE_EXTRAS  extras for the image (default: rl,docker,kubernetes,tls)
 #              PYTHON        interpreter to use   (default: python3)
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
 WHEEL_DIR="${1:-${WHEEL_DIR:-docker/wheels}}"
-IMAGE_EXTRAS="${IMAGE_EXTRAS:-rl,docker,kubernetes}"
+IMAGE_EXTRAS="${IMAGE_EXTRAS:-rl,docker,kubernetes,tls}"
 PYTHON="${PYTHON:-python3}"
 log() { echo "[build-wheels] $*" >&2; }
 
