@@ -373,6 +373,17 @@ def frozen(process, request):
             os.kill(pid, signal.SIGCONT)
 
 
+class PickleCanary:
+    """Unpickling this creates the file at ``path``: a test that must never unpickle
+    what an attacker sends checks that the file does not exist."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
 def wait_until(predicate, what: str, timeout: float = 60, interval: float = 0.01):
     """Wait until ``predicate()`` is true; fail naming ``what`` after ``timeout`` seconds.
 

@@ -6,6 +6,7 @@ import select
 import time
 
 from attacker import connect, sp_header
+from victims import victim_factory  # noqa: F401 (a fixture)
 
 NOFILE = 256
 

@@ -11,21 +11,12 @@ import pynng
 import pytest
 
 from attacker import PROTOCOLS, frame, listening_ports, poke, sp_header
+from conftest import PickleCanary
 from fibrl import serialization
 from fibrl.errors import AuthenticationError
 from fibrl.transport import HELLO, Channel, Listener
 
 SECRET = b"s" * 32
-
-
-class _CreatesFile:
-    """Unpickling this creates a file: the canary."""
-
-    def __init__(self, path):
-        self.path = path
-
-    def __reduce__(self):
-        return (open, (self.path, "w"))
 
 
 @pytest.fixture
@@ -50,8 +41,8 @@ def test_pickles_and_garbage_of_every_protocol_are_never_unpickled(echo, tmp_pat
     listener, frames = echo
     resident = Channel.connect(listener.address, SECRET, timeout=10)
     canary = tmp_path / "pwned"
-    payloads = [pickle.dumps(_CreatesFile(str(canary))),
-                serialization.dumps(_CreatesFile(str(canary))), os.urandom(200), b""]
+    payloads = [pickle.dumps(PickleCanary(str(canary))),
+                serialization.dumps(PickleCanary(str(canary))), os.urandom(200), b""]
     for port in listening_ports(os.getpid()):
         for kind in _sockets_of_every_protocol():
             with kind(send_timeout=200, recv_timeout=200) as sock:

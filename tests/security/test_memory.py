@@ -5,6 +5,7 @@ every port it listens on, with the protocol each port speaks."""
 import threading
 
 from attacker import connect, frame, listening_ports, sp_header
+from victims import victim_factory  # noqa: F401 (a fixture)
 
 FRAME = 128 * 1024 * 1024
 

@@ -165,3 +165,12 @@ def test_no_module_imports_another_packages_underscore_names():
 
 def test_backend_names_have_one_owner():
     assert tuple(REGISTRY) == BACKENDS
+
+
+def test_one_conftest_module():
+    """Test modules import helpers with ``from conftest import ...``; a second
+    conftest.py (their folders are no packages) would take that name for every module
+    collected after it."""
+    tests = Path(__file__).resolve().parents[1]
+    assert sorted(p.relative_to(tests).as_posix() for p in tests.rglob("conftest.py")) \
+        == ["conftest.py"]

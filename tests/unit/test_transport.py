@@ -9,22 +9,13 @@ import time
 import pynng
 import pytest
 
+from conftest import PickleCanary
 from fibrl import serialization
 from fibrl.errors import AuthenticationError, TransportError
 from fibrl.hub import Hub
 from fibrl.transport import HELLO, Channel, Listener
 
 SECRET = b"s" * 32
-
-
-class _CreatesFile:
-    """Unpickling this creates a file: the canary of the security tests."""
-
-    def __init__(self, path):
-        self.path = path
-
-    def __reduce__(self):
-        return (open, (self.path, "w"))
 
 
 @pytest.fixture
@@ -90,8 +81,8 @@ def test_malicious_pickle_from_unauthenticated_peer_is_never_unpickled(tmp_path)
     hub = Hub(SECRET)
     hub_address = hub.address
     try:
-        evil = pickle.dumps(_CreatesFile(str(canary)))
-        framed = serialization.dumps(_CreatesFile(str(canary)))
+        evil = pickle.dumps(PickleCanary(str(canary)))
+        framed = serialization.dumps(PickleCanary(str(canary)))
         # 1. straight at the accept socket: refused with a reason, nothing unpickled
         req = pynng.Req0(recv_timeout=30_000, send_timeout=30_000)
         req.dial(hub_address, block=True)

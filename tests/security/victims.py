@@ -1,5 +1,9 @@
-"""Fixtures of the security tests: a victim process the attacker cannot share memory
-or descriptors with."""
+"""The victim of the security tests: a fibrl process the attacker cannot share memory
+or descriptors with, and the ``victim_factory`` fixture that starts them.
+
+Not a conftest.py: a second module named ``conftest`` would shadow tests/conftest.py
+for every test module collected after it. Test modules import the fixture by name.
+"""
 import os
 import subprocess
 import sys
