@@ -387,9 +387,9 @@ class KubernetesBackend(Backend):
         for job in self._creator.close():
             job.fail(-15, "")
         self.api.retry_for = 2.0
-        for name, job in list(self._jobs.items()):
+        for job in list(self._jobs.values()):
             if job.created_seq is not None:
-                self.delete_pod(name, 0, quiet=True)
+                job.kill()   # ours to delete: its end is a requested kill, not a lost pod
         self._watcher.stop()
         for job in list(self._jobs.values()):
             job.on_deleted(None)   # nothing will report on them any more

@@ -631,3 +631,14 @@ def test_docker_mode_runs_a_container(fake_apiserver_docker):
         v1.delete_namespaced_pod(pod.metadata.name, "default", _request_timeout=5)
         wait_gone(v1.list_namespaced_pod, v1.read_namespaced_pod, "default", pod.metadata.name)
     assert docker_leaked_containers(fake_apiserver_docker.settings.instance) == []
+
+
+def test_docker_containers_get_no_swap_beyond_their_memory_limit():
+    """As the kubelet does: a container over its limit is OOM-killed, it does not swap."""
+    from tests.kube._runtime import ContainerConfig, DockerContainer
+
+    limit = 12 * 2 ** 20
+    args = DockerContainer(ContainerConfig("ns/p", "c", "img", ["python"], None, {}, None,
+                                           memory_limit=limit))._run_args()
+    assert args[args.index("--memory") + 1] == str(limit)
+    assert args[args.index("--memory-swap") + 1] == str(limit)
