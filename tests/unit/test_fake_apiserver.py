@@ -16,8 +16,11 @@ import uuid
 from pathlib import Path
 
 import pytest
-from kubernetes import client, config, watch
-from kubernetes.client.exceptions import ApiException
+from conftest import require_module
+
+require_module("kubernetes")
+from kubernetes import client, config, watch  # noqa: E402
+from kubernetes.client.exceptions import ApiException  # noqa: E402
 
 try:
     import tests.kube.conftest_plugin  # noqa: F401
@@ -28,7 +31,7 @@ from tests.kube.conftest_plugin import (fake_apiserver, fake_apiserver_docker, f
                                         fake_kubeconfig, kube_api_client, kube_namespace)
 from tests.kube.fake_apiserver import FakeApiServer, docker_leaked_containers  # noqa: E402
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.kubernetes, pytest.mark.timeout(60)]
 
 FIXTURES = Path(__file__).resolve().parents[1] / "kube" / "fixtures"
 IMAGE = "python:3.11-slim"
@@ -228,6 +231,7 @@ def test_watch_selector_transitions_and_bookmark(v1, kube_namespace):
 
 
 def test_watch_too_old_resource_version_is_410():
+    # its own server: a history of 3 events (the session's is long)
     with FakeApiServer(history_limit=3) as server, server.api_client() as api:
         v1 = client.CoreV1Api(api)
         first = v1.create_namespaced_secret("default", {"metadata": {"generateName": "s-"}}, _request_timeout=5)
@@ -589,6 +593,7 @@ def test_responses_have_the_real_api_shape(v1, batch, kube_namespace, fake_kube)
 
 
 def test_expired_watch_event_shape():
+    # its own server: a history of 1 event (the session's is long)
     with FakeApiServer(history_limit=1) as server, server.api_client() as api:
         v1 = client.CoreV1Api(api)
         for _ in range(3):
@@ -602,6 +607,7 @@ def test_expired_watch_event_shape():
 
 
 def test_stop_kills_every_process():
+    # its own server: the test stops it
     server = FakeApiServer().start()
     with server.api_client() as api:
         v1 = client.CoreV1Api(api)
@@ -620,7 +626,10 @@ def test_docker_mode_runs_a_container(fake_apiserver_docker):
     image = os.environ.get("FIBRL_IMAGE", "fibrl:latest")
     from tests.kube._runtime import docker_image_exists
     if not docker_image_exists(image):
-        pytest.skip(f"image {image} is not present locally")
+        from conftest import _skip_or_fail
+
+        _skip_or_fail(f"image {image} is not present locally (docker/build-image.sh)",
+                      "CI_REQUIRE_DOCKER")
     with fake_apiserver_docker.api_client() as api:
         v1 = client.CoreV1Api(api)
         pod = v1.create_namespaced_pod("default", pod_body("print('from docker')", image=image), _request_timeout=5)

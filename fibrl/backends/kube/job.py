@@ -41,6 +41,8 @@ _FATAL_WAITING = ("ImagePullBackOff", "ErrImageNeverPull", "InvalidImageName")
 # ErrImagePull comes before ImagePullBackOff (which ends the job at once); a kubelet that
 # keeps retrying a flaky registry may show it for long, so it starts the pending timer.
 _STUCK_WAITING = ("CreateContainerConfigError", "CreateContainerError", "ErrImagePull")
+_DELETED_ELSEWHERE = ("the pod was deleted by someone else (kubectl delete, a node drain, "
+                      "the cluster)")
 
 
 # -- reading a pod ------------------------------------------------------------------------
@@ -168,13 +170,24 @@ class KubernetesJob(Job):
             callback()
         code = ended_code(pod)
         if code is not None:
-            self._end(code, pod_failure(pod) if code != 0 else "")
+            self._end(code, self._why_ended(pod, code))
             return
         fatal = fatal_waiting(pod)
         if fatal:
             self._owner.job_failed_to_start(self, fatal)
             return
         self._watch_stuck(stuck_pending(pod))
+
+    def _why_ended(self, pod: dict, code: int) -> str:
+        """The reason of a pod that ended with ``code``; a pod that ended because someone
+        deleted it says so whether its last status or its DELETED event came first."""
+        if code == 0:
+            return ""
+        reason = pod_failure(pod)
+        if reason or not (pod.get("metadata") or {}).get("deletionTimestamp"):
+            return reason
+        with self._lock:
+            return "" if self._requested else _DELETED_ELSEWHERE
 
     def _runs(self, pod: dict) -> list:
         """The when_running() callbacks to call now that ``pod`` runs (under the lock)."""
@@ -221,8 +234,7 @@ class KubernetesJob(Job):
             requested = self._requested
         if code is None:
             code = requested or -signal.SIGKILL
-        reason = "" if requested else pod_failure(pod or {}) or (
-            "the pod was deleted by someone else (kubectl delete, a node drain, the cluster)")
+        reason = "" if requested else pod_failure(pod or {}) or _DELETED_ELSEWHERE
         self._end(code, reason)
 
     def on_create_failed(self, message: str) -> None:
