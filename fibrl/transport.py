@@ -34,7 +34,7 @@ import pynng
 
 from .errors import AuthenticationError, ChannelClosed, TransportError
 
-__all__ = ["Listener", "Peer", "Channel", "HELLO"]
+__all__ = ["Listener", "Peer", "Channel", "HELLO", "tcp_address"]
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +50,18 @@ _MAC = 32
 
 def _mac(secret: bytes, role: bytes, nonce: bytes) -> bytes:
     return hmac.new(secret, role + nonce, hashlib.sha256).digest()
+
+
+def tcp_address(host: str, port: int) -> str:
+    """The nng URL of ``host:port``; an IPv6 host is bracketed (nng refuses ``tcp://::1:0``).
+
+    Example:
+        >>> tcp_address("10.0.0.5", 0), tcp_address("fd00::5", 7000), tcp_address("[::1]", 0)
+        ('tcp://10.0.0.5:0', 'tcp://[fd00::5]:7000', 'tcp://[::1]:0')
+    """
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"tcp://{host}:{port}"
 
 
 def _address_of(sock: pynng.Socket) -> str:
@@ -117,7 +129,7 @@ class Listener:
         self._auth_timeout = auth_timeout
         self._accept = pynng.Rep0()
         try:
-            self._accept.listen(f"tcp://{host}:{port}")
+            self._accept.listen(tcp_address(host, port))
         except pynng.NNGException as exc:
             self._accept.close()
             raise TransportError(
@@ -165,7 +177,7 @@ class Listener:
         # no second one can slip in after (or during) the first one's authentication.
         _close_on_disconnect(sock)
         try:
-            sock.listen(f"tcp://{self._host}:0")
+            sock.listen(tcp_address(self._host, 0))
         except pynng.NNGException as exc:   # no port left, say: refuse this one only
             log.warning("cannot open a connection for a new peer on %s: %s", self._host, exc)
             sock.close()

@@ -33,6 +33,7 @@ import logging
 import os
 import re
 import secrets
+import socket
 import threading
 import time
 from multiprocessing import util as mp_util
@@ -91,7 +92,6 @@ class KubernetesBackend(Backend):
         self._fatal: Optional[BackendError] = None
         self._created = 0                          # pods created so far (resync order)
         self._parent: Optional[dict] = None        # this process's pod, when it runs in one
-        self._warned_address = False
         self._closed = False
         self._timers = Timers()   # deadlines of pending pods (its thread starts on use)
 
@@ -302,13 +302,16 @@ class KubernetesBackend(Backend):
                 f"pods cannot reach. Fix: set listen_host to this pod's IP: give the pod the env "
                 f"FIBRL_LISTEN_HOST from the downward API (fieldRef status.podIP), as `fibrl run` "
                 f"does, or fibrl.init(listen_host=<pod IP>).")
-        api_host = urlsplit(self.api.host).hostname or ""
-        if not self._warned_address and not api_host.startswith(_LOOPBACK):
-            self._warned_address = True
-            log.warning("the parent runs outside the cluster (%s) and listens on %s: worker pods "
-                        "can connect only if they run on this machine. Fix: launch the script in "
-                        "the cluster with `fibrl run`, or set listen_host to an address of this "
-                        "machine that pods can route to.", self.api.host, host)
+        if self.identity.in_pod or self.settings.allow_loopback:
+            return   # a pod's own IP (FIBRL_LISTEN_HOST), or loopback on purpose
+        raise BackendError(
+            f"this process runs outside the cluster and listens for its workers on {host}: "
+            f"each worker pod would dial {host} inside its own pod and never reach this "
+            f"process (the API server at {self.api.host} being on this machine does not make "
+            f"its pods so). Fix: set listen_host to an address of this machine that pods can "
+            f"route to{_routable_hint(self.api.host)}, and let workers reach it (firewall, "
+            f"NetworkPolicy); or launch the script in the cluster with `fibrl run`. A cluster "
+            f"whose pods share this machine's network may set kubernetes_allow_loopback=True.")
 
     # -- what the watch reports ------------------------------------------------------------
     def _on_event(self, kind: str, pod: dict) -> None:
@@ -415,6 +418,24 @@ class KubernetesBackend(Backend):
                 "waves": creator.waves if creator else 0, "live_jobs": len(self._jobs)}
 
 
+def _routable_hint(api_url: str) -> str:
+    """``" (e.g. 192.168.1.20, the address this machine reaches the API server from)"``."""
+    parts = urlsplit(api_url)
+    host, port = parts.hostname or "", parts.port or 443
+    try:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect((host, port))      # no packet: only picks the route's source
+            local = probe.getsockname()[0]
+    except OSError:
+        return ""
+    if local.startswith(_LOOPBACK):
+        return (" (the API server is on loopback, as with kind or minikube: use this "
+                "machine's address on the cluster's network, e.g. its address on the "
+                "`kind` docker network, `docker network inspect kind`)")
+    return f" (e.g. {local}, the address this machine reaches the API server from)"
+
+
 def _pod_image(pod: dict) -> str:
     containers = (pod.get("spec") or {}).get("containers") or [{}]
     return containers[0].get("image", "")
@@ -424,9 +445,12 @@ def _start_failure(job: KubernetesJob, image: str, reason: str) -> str:
     where = f"worker pod {job.namespace}/{job.name}"
     if reason.startswith(_IMAGE_FAILURES):
         return (f"{where} cannot pull its image {image!r}: {reason}. Likely cause: a wrong name "
-                f"or tag, an image never pushed, or a private registry without credentials. "
-                f"Fix: push the image (fibrl run --build --registry ...), set image=..., or "
-                f"give kubernetes_image_pull_secrets.")
+                f"or tag, an image never pushed, a private registry without credentials, or an "
+                f"image only loaded into the nodes (kind load, minikube image load) pulled "
+                f"again under kubernetes_image_pull_policy=Always. Fix: push the image (fibrl "
+                f"run --build --registry ...), set image=..., give "
+                f"kubernetes_image_pull_secrets, or use kubernetes_image_pull_policy="
+                f"IfNotPresent for a loaded image.")
     if reason.startswith("Unschedulable"):
         spec = job.spec
         return (f"{where} cannot be scheduled: {reason}. Likely cause: no node has the "

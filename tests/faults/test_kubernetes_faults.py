@@ -27,6 +27,7 @@ kubernetes = require_module("kubernetes")
 pytestmark = [pytest.mark.kubernetes, pytest.mark.timeout(240)]
 
 TIMEOUT = 120
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this fibrl
 TERMINAL = ("Succeeded", "Failed")
 
 PARENT = textwrap.dedent("""
@@ -40,7 +41,7 @@ PARENT = textwrap.dedent("""
         where = {}   # `fibrl run` sets the backend and namespace in the environment
         if len(sys.argv) > 1:
             where = dict(backend="kubernetes", kubernetes_kubeconfig=sys.argv[1],
-                         kubernetes_namespace=sys.argv[2])
+                         kubernetes_namespace=sys.argv[2], kubernetes_allow_loopback=True)
         fibrl.init(heartbeat_interval=0.5, parent_timeout=3, **where)
         kids = [fibrl.Process(target=sleep, daemon=d) for d in (True, False)]
         for kid in kids:
@@ -113,6 +114,7 @@ def test_workers_exit_when_the_parent_outside_the_cluster_is_killed(kube_cluster
     run = uuid.uuid4().hex[:12]
     env = {k: v for k, v in os.environ.items() if not k.startswith("FIBRL_")}
     env["FIBRL_RUN_ID"] = run
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))
     parent = subprocess.Popen([sys.executable, str(script), kube_cluster.kubeconfig,
                                kube_cluster.namespace], stdout=subprocess.PIPE, text=True,
                               env=env, cwd=tmp_path)

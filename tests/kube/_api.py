@@ -20,6 +20,7 @@ from typing import Iterator
 from ._meta import (EVENTS, JOBS, NAMESPACES, PODS, RESOURCES, ApiError, FieldError, ResourceType,
                     already_exists, bad_request, conflict, invalid, namespace_not_found, new_uid, not_found,
                     rfc3339, stale_update, success_status)
+from ._admission import admit_pod
 from ._patch import apply_patch
 from ._selectors import Selectors
 from ._settings import Settings
@@ -95,6 +96,11 @@ class Api:
         if self.settings.strict_namespaces and namespace not in self.known_namespaces():
             raise namespace_not_found(namespace)
 
+    def namespace_labels(self, namespace: str) -> dict:
+        """Labels of a created namespace (admission reads them); {} for the synthetic ones."""
+        created = self._created_namespaces.get(namespace) or {}
+        return dict((created.get("metadata") or {}).get("labels") or {})
+
     def known_namespaces(self) -> set[str]:
         return set(self.settings.namespaces) | set(self._created_namespaces) | self.store.namespaces()
 
@@ -131,6 +137,8 @@ class Api:
         if rt is JOBS:
             meta["generation"] = 1
         prepare_create(rt, obj)
+        if rt is PODS:
+            admit_pod(obj, self.namespace_labels(namespace))
         obj = canonical(obj)
         if dry_run:
             return obj

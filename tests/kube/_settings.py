@@ -32,6 +32,12 @@ class Settings:
         "cpu": str(os.cpu_count() or 1), "memory": "64Gi", "pods": "110"})
     max_grace_seconds: float = 2.0      # SIGTERM -> SIGKILL delay is min(pod grace, this)
     image_pull_backoff_seconds: float = 0.3   # ErrImagePull -> ImagePullBackOff
+    # Image name prefixes a pull can fetch (the fake's "registries"); a pod whose pull policy
+    # is Always (the default for :latest and untagged images) fails ErrImagePull for any
+    # other image, as on a cluster where the image was only loaded into the node. None:
+    # every pull succeeds.
+    registry: tuple | None = ("python:", "docker.io/library/python:")
+    pod_ip: str = "127.0.0.1"           # podIP / hostIP of every pod ("::1" for IPv6)
     crash_backoff_seconds: float = 0.5  # first container restart delay (doubles, capped at 5 s)
     job_backoff_seconds: float = 0.0    # delay before replacing a failed Job pod (real: 10 s doubling)
     image_commands: dict = field(default_factory=dict)  # image -> argv when a pod gives no command

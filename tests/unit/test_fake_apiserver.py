@@ -632,7 +632,10 @@ def test_docker_mode_runs_a_container(fake_apiserver_docker):
                       "CI_REQUIRE_DOCKER")
     with fake_apiserver_docker.api_client() as api:
         v1 = client.CoreV1Api(api)
-        pod = v1.create_namespaced_pod("default", pod_body("print('from docker')", image=image), _request_timeout=5)
+        # IfNotPresent: a :latest image is pulled (and fails) under the default policy, Always
+        pod = v1.create_namespaced_pod("default", pod_body("print('from docker')", image=image,
+                                                           container={"imagePullPolicy": "IfNotPresent"}),
+                                       _request_timeout=5)
         done = wait_pod(v1, "default", pod.metadata.name, phase_in("Succeeded", "Failed"), timeout=60)
         assert done.status.phase == "Succeeded"
         assert done.status.container_statuses[0].container_id.startswith("docker://")
@@ -651,3 +654,82 @@ def test_docker_containers_get_no_swap_beyond_their_memory_limit():
                                            memory_limit=limit))._run_args()
     assert args[args.index("--memory") + 1] == str(limit)
     assert args[args.index("--memory-swap") + 1] == str(limit)
+
+
+# --------------------------------------------------------------------------- as strict as a cluster
+
+
+def _labelled_namespace(v1, **labels) -> str:
+    name = f"t-{uuid.uuid4().hex[:10]}"
+    v1.create_namespace({"metadata": {"name": name, "labels": labels}}, _request_timeout=5)
+    return name
+
+
+def test_quantities_follow_the_api_servers_grammar(v1, kube_namespace):
+    """Only k / Ki are kilo: "512K" is refused as a real API server refuses it."""
+    status, body, _ = error_of(v1.create_namespaced_pod, kube_namespace,
+                               pod_body(container={"resources": {"limits": {"memory": "512K"}}}))
+    assert status == 422 and "must match the regex" in body["message"]
+    for good in ("512Ki", "512k", "1e3", "1.5Gi", "100m"):
+        v1.create_namespaced_pod(kube_namespace, pod_body(
+            container={"resources": {"limits": {"cpu": "100m", "memory": good}}}),
+            dry_run="All", _request_timeout=5)
+
+
+def test_restricted_pod_security_refuses_pods_that_do_not_meet_it(v1):
+    namespace = _labelled_namespace(v1, **{"pod-security.kubernetes.io/enforce": "restricted"})
+    try:
+        status, body, _ = error_of(v1.create_namespaced_pod, namespace, pod_body())
+        assert status == 403
+        assert 'violates PodSecurity "restricted:latest"' in body["message"]
+        assert "runAsNonRoot != true" in body["message"]
+        secure = pod_body(securityContext={"runAsNonRoot": True, "runAsUser": 1000,
+                                           "seccompProfile": {"type": "RuntimeDefault"}},
+                          container={"securityContext": {"allowPrivilegeEscalation": False,
+                                                         "capabilities": {"drop": ["ALL"]}}})
+        v1.create_namespaced_pod(namespace, secure, _request_timeout=5)
+    finally:
+        v1.delete_namespace(namespace, _request_timeout=5)
+
+
+def test_pull_policy_always_fails_for_an_image_only_on_the_node(v1, kube_namespace):
+    """fibrl:latest defaults to Always: pulled again from a registry that lacks it."""
+    pod = v1.create_namespaced_pod(kube_namespace, pod_body(image="fibrl:latest"), _request_timeout=5)
+    assert pod.spec.containers[0].image_pull_policy == "Always"
+    wait_pod(v1, kube_namespace, pod.metadata.name, lambda p: any(
+        cs.state.waiting and cs.state.waiting.reason in ("ErrImagePull", "ImagePullBackOff")
+        for cs in p.status.container_statuses or []))
+    loaded = v1.create_namespaced_pod(kube_namespace, pod_body(
+        image="fibrl:latest", container={"imagePullPolicy": "IfNotPresent"}), _request_timeout=5)
+    done = wait_pod(v1, kube_namespace, loaded.metadata.name, phase_in("Succeeded", "Failed"))
+    assert done.status.phase == "Succeeded"
+
+
+def test_istio_injection_adds_a_sidecar_that_never_exits(v1):
+    namespace = _labelled_namespace(v1, **{"istio-injection": "enabled"})
+    try:
+        pod = v1.create_namespaced_pod(namespace, pod_body(name="w", container={"name": "worker"}),
+                                       _request_timeout=5)
+        assert [c.name for c in pod.spec.containers] == ["worker", "istio-proxy"]
+        done = wait_pod(v1, namespace, "w", lambda p: any(
+            cs.name == "worker" and cs.state.terminated for cs in p.status.container_statuses or []))
+        assert [cs.name for cs in done.status.container_statuses] == ["istio-proxy", "worker"]
+        assert done.status.phase == "Running"          # the sidecar still runs
+        opted_out = v1.create_namespaced_pod(namespace, pod_body(
+            metadata={"annotations": {"sidecar.istio.io/inject": "false"}}), _request_timeout=5)
+        assert [c.name for c in opted_out.spec.containers] == ["main"]
+    finally:
+        v1.delete_namespace(namespace, _request_timeout=5)
+
+
+def test_pod_ip_is_configurable_to_ipv6():
+    # its own server: pods with IP ::1
+    with FakeApiServer(pod_ip="::1") as server, server.api_client() as api:
+        v1 = client.CoreV1Api(api)
+        body = pod_body("import os; print(os.environ['IP'])")
+        body["spec"]["containers"][0]["env"] = [{"name": "IP", "valueFrom": {"fieldRef": {
+            "fieldPath": "status.podIP"}}}]
+        pod = v1.create_namespaced_pod("default", body, _request_timeout=5)
+        done = wait_pod(v1, "default", pod.metadata.name, phase_in("Succeeded", "Failed"))
+        assert done.status.pod_ip == "::1"
+        assert v1.read_namespaced_pod_log(pod.metadata.name, "default", _request_timeout=5) == "::1\n"

@@ -140,6 +140,9 @@ def test_cpu_quantities_and_bad_sizes():
         cpu_quantity(0.0001)
     with pytest.raises(ConfigError, match="not a size.*512m"):
         memory_quantity("lots")
+    for refused in ("512K", "1KB", "2gi", "1.5.3Mi"):    # real API servers refuse these
+        with pytest.raises(ConfigError, match="'K' alone is not one"):
+            memory_quantity(refused)
 
 
 @pytest.mark.parametrize("key,value,match", [
@@ -344,11 +347,10 @@ def test_unschedulable_pod_reports_the_schedulers_reason(kube_init):
 
 
 def test_unschedulable_pod_is_reported_not_killed_with_the_default_timeouts(kube_init, caplog):
-    """Both timeouts scaled down together from their defaults (start_timeout is not
-    smaller than kubernetes_pending_timeout): the scheduler's reason, not a lost worker."""
+    """Both timeouts scaled down together from their defaults (start_timeout, which counts
+    from the pod's Running phase, is the shorter): the scheduler's reason, not a lost worker."""
     defaults = Config()
     scale = 1.5 / defaults.kubernetes_pending_timeout
-    assert defaults.start_timeout >= defaults.kubernetes_pending_timeout
     kube_init(kubernetes_node_selector="disktype=nonexistent",
               kubernetes_pending_timeout=defaults.kubernetes_pending_timeout * scale,
               start_timeout=defaults.start_timeout * scale)
@@ -513,3 +515,116 @@ def test_oomkilled_pod_is_reported(kube_init):
         backend.close()       # while its API server still answers
     assert ended == -9, f"exit code {ended}, reason {reason!r}, logs {logs!r}"
     assert reason == "OOMKilled"
+
+
+# --------------------------------------------------------------------------- a real cluster's rules
+
+def _namespace(core, **labels):
+    name = f"t-{uuid.uuid4().hex[:10]}"
+    core.create_namespace({"metadata": {"name": name, "labels": labels}}, _request_timeout=10)
+    return name
+
+
+def test_workers_run_in_a_namespace_enforcing_restricted_pod_security(kube_init, core, fake):
+    namespace = _namespace(core, **{"pod-security.kubernetes.io/enforce": "restricted"})
+    try:
+        kube_init(kubernetes_namespace=namespace)
+        p = _started(exit_with, 3)
+        p.join(WAIT)
+        assert p.exitcode == 3, p._popen.job.failure_reason()
+    finally:
+        core.delete_namespace(namespace, _request_timeout=10)
+
+
+def test_a_service_mesh_sidecar_does_not_hide_the_workers_exit(kube_init, core, fake):
+    """istio injects a container that never exits: the worker's own status ends the job."""
+    namespace = _namespace(core, **{"istio-injection": "enabled"})
+    try:
+        kube_init(kubernetes_namespace=namespace, kubernetes_mesh_annotations="")
+        p = _started(exit_with, 3)
+        p.join(WAIT)
+        assert p.exitcode == 3, p._popen.job.failure_reason()
+        pod = core.read_namespaced_pod(p._popen.job.name, namespace, _request_timeout=10)
+        assert [c.name for c in pod.status.container_statuses] == ["istio-proxy", "worker"]
+        kube_init(kubernetes_namespace=namespace)     # default: opted out of the mesh
+        q = _started(exit_with, 0)
+        q.join(WAIT)
+        assert q.exitcode == 0
+    finally:
+        core.delete_namespace(namespace, _request_timeout=10)
+
+
+def test_pod_security_denial_is_not_reported_as_missing_rbac():
+    from fibrl.backends.kube.api import api_error
+
+    class Denied:
+        status, reason = 403, "Forbidden"
+        body = json.dumps({"message": 'pods "w" is forbidden: violates PodSecurity '
+                                      '"restricted:latest": runAsNonRoot != true (pod or '
+                                      'container "worker" must set securityContext.runAsNonRoot'
+                                      '=true)'})
+    text = str(api_error(Denied(), "create", "pods", "ns", api=None))
+    assert "admission control refused it, not RBAC" in text
+    assert "kubernetes_run_as_user" in text and "rbac.yaml" not in text
+
+
+def test_pull_policy_always_pulls_an_image_the_registry_lacks(kube_init, fake):
+    kube_init(kubernetes_image_pull_policy="Always")
+    p = _started(exit_with, 0)
+    p.join(WAIT)
+    assert p.exitcode == 1
+    assert "cannot pull its image" in p._popen.job.failure_reason()
+    assert "kubernetes_image_pull_policy" in p._popen.job.failure_reason()
+
+
+def test_a_parent_outside_the_cluster_may_not_listen_on_loopback(kube_init, fake):
+    kube_init(kubernetes_allow_loopback=False)
+    with pytest.raises(BackendError, match="dial 127.0.0.1 inside its own pod") as info:
+        _started(exit_with, 0)
+    assert "listen_host" in str(info.value) and "kubernetes_allow_loopback" in str(info.value)
+
+
+def test_workers_start_workers_on_an_ipv6_pod_network(kube_init):
+    """Pods get IP ::1; a worker that starts a worker listens on it (tcp://[::1]:port).
+    Needs its own fake API server: one whose pods have an IPv6 address."""
+    if os.environ.get("KUBE_TEST_KUBECONFIG"):
+        pytest.skip("sets the fake API server's pod IP")
+    from tests.kube.fake_apiserver import FakeApiServer
+
+    with FakeApiServer(pod_ip="::1") as server:
+        backend = kube_init(kubernetes_kubeconfig=server.write_kubeconfig())
+        out, go = fibrl.Queue(), fibrl.Queue()
+        p = _started(start_grandchild, out, go)
+        names = {out.get(timeout=WAIT), out.get(timeout=WAIT)}
+        go.put(None)
+        p.join(WAIT)
+        backend.close()
+    assert len(names) == 2 and p.exitcode == 0
+
+
+def test_a_job_refused_by_pod_security_is_reported_at_once(kube_cluster, core, fake):
+    """The Job is admitted, its pod is not: `fibrl run` reads the Job's FailedCreate event."""
+    from fibrl.launch.kubernetes import KubernetesLauncher, job_name
+
+    namespace = _namespace(core, **{"pod-security.kubernetes.io/enforce": "restricted"})
+    run = uuid.uuid4().hex[:12]
+    try:
+        with kube_cluster.client() as api:
+            kubernetes.client.BatchV1Api(api).create_namespaced_job(namespace, {
+                "metadata": {"name": job_name(run)},
+                "spec": {"backoffLimit": 0, "template": {
+                    "metadata": {"labels": {"fibrl.run": run, "fibrl.role": "parent"}},
+                    "spec": {"restartPolicy": "Never", "containers": [{
+                        "name": "main", "image": "python:3.11", "command": ["python"]}]}}}},
+                _request_timeout=10)
+        launcher = KubernetesLauncher(Config(kubernetes_kubeconfig=kube_cluster.kubeconfig,
+                                             kubernetes_namespace=namespace,
+                                             kubernetes_pending_timeout=40))
+        begin = time.monotonic()
+        with pytest.raises(BackendError) as info:
+            launcher.wait(run, False, None)
+        assert time.monotonic() - begin < 20
+        assert "violates PodSecurity" in str(info.value) and "not RBAC" not in str(info.value)
+        assert "kubernetes_run_as_user" in str(info.value)
+    finally:
+        core.delete_namespace(namespace, _request_timeout=10)

@@ -29,6 +29,7 @@ from typing import Any, Callable, Optional
 
 from ...errors import describe_exitcode
 from ..base import Job, JobSpec, JobStatus
+from .settings import CONTAINER
 
 __all__ = ["KubernetesJob", "exit_code", "ended_code", "pod_failure", "fatal_waiting",
            "stuck_pending", "LOG_TAIL_LINES"]
@@ -57,20 +58,23 @@ def exit_code(status: int) -> int:
     return 128 - status if 128 < status <= 128 + _MAX_SIGNAL else status
 
 
-def _container(pod: dict) -> dict:
-    statuses = (pod.get("status") or {}).get("containerStatuses") or [{}]
-    return statuses[0]
+def _container(pod: dict, name: str = CONTAINER) -> dict:
+    """The status of container ``name``: the kubelet sorts statuses by name, and an injected
+    sidecar (istio-proxy, linkerd-proxy) may come first."""
+    statuses = (pod.get("status") or {}).get("containerStatuses") or []
+    return next((s for s in statuses if s.get("name") == name), {})
 
 
-def ended_code(pod: dict) -> Optional[int]:
-    """The exit code of a pod in a terminal phase (None while it may still run)."""
-    status = pod.get("status") or {}
-    if status.get("phase") not in ("Succeeded", "Failed"):
-        return None
-    terminated = (_container(pod).get("state") or {}).get("terminated")
-    if terminated is None:  # failed before its container ran (evicted while pending...)
-        return -signal.SIGKILL
-    return exit_code(int(terminated.get("exitCode", 1)))
+def ended_code(pod: dict, container: str = CONTAINER) -> Optional[int]:
+    """The exit code of the pod's ``container`` once it terminated, or of a pod in a terminal
+    phase (None while it may still run). The container's end is the job's end: a sidecar
+    that never exits keeps the pod Running after it (restartPolicy Never: no restart)."""
+    terminated = (_container(pod, container).get("state") or {}).get("terminated")
+    if terminated is not None:
+        return exit_code(int(terminated.get("exitCode", 1)))
+    if (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
+        return -signal.SIGKILL   # failed before its container ran (evicted while pending...)
+    return None
 
 
 def pod_failure(pod: dict) -> str:
@@ -94,26 +98,26 @@ def _condition(pod: dict, kind: str) -> dict:
     return next((c for c in conditions if c.get("type") == kind), {})
 
 
-def _waiting(pod: dict) -> dict:
-    return (_container(pod).get("state") or {}).get("waiting") or {}
+def _waiting(pod: dict, container: str = CONTAINER) -> dict:
+    return (_container(pod, container).get("state") or {}).get("waiting") or {}
 
 
-def fatal_waiting(pod: dict) -> str:
+def fatal_waiting(pod: dict, container: str = CONTAINER) -> str:
     """``"ImagePullBackOff: ..."`` when the container can never start, else ``""``."""
-    waiting = _waiting(pod)
+    waiting = _waiting(pod, container)
     if waiting.get("reason") in _FATAL_WAITING:
         return f"{waiting['reason']}: {waiting.get('message', '')}".rstrip(": ")
     return ""
 
 
-def stuck_pending(pod: dict) -> str:
+def stuck_pending(pod: dict, container: str = CONTAINER) -> str:
     """The scheduler's (or kubelet's) reason a pending pod does not start, else ``""``."""
     if (pod.get("status") or {}).get("phase") not in (None, "Pending"):
         return ""
     scheduled = _condition(pod, "PodScheduled")
     if scheduled.get("status") == "False" and scheduled.get("reason") == "Unschedulable":
         return f"Unschedulable: {scheduled.get('message', '')}"
-    waiting = _waiting(pod)
+    waiting = _waiting(pod, container)
     if waiting.get("reason") in _STUCK_WAITING:
         return f"{waiting['reason']}: {waiting.get('message', '')}"
     return ""
