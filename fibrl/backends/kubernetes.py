@@ -16,9 +16,11 @@ Data flow::
                    '-> later pods: Creator queue --> waves of concurrent creates (creator.py)
     PodWatcher thread (watch.py): list+watch pods labelled fibrl.owner=<this backend>
       --> KubernetesJob.on_pod / on_deleted: exit code, OOMKilled, Evicted, image pull
-          failures and unschedulable pods (after kubernetes_pending_timeout) end the job
+          failures and unschedulable pods (after kubernetes_pending_timeout) end the job;
+          a pod that can never run is deleted by the delete threads, not the watch's
     Popen's thread: job.wait() --> job.remove(): delete the pod (background propagation)
-    at exit (after multiprocessing joined the children): delete leftover pods and the Secrets
+    at exit (after multiprocessing joined the children): delete leftover pods (concurrently,
+    kubernetes_create_batch at a time) and the Secrets
 
 When the parent itself runs in a pod, worker pods (and the Secret) carry an
 ownerReference to it: the cluster deletes them when the parent's pod goes.
@@ -27,6 +29,7 @@ Outside a cluster, workers exit by themselves when the parent is gone, and
 """
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import hashlib
 import logging
@@ -59,6 +62,7 @@ log = logging.getLogger(__name__)
 _DEFAULTS = Config()
 _LOOPBACK = ("127.", "localhost", "::1", "[::1]")
 _START_WAIT = 60.0           # seconds create_job waits for the first watch
+_CLOSE_WAIT = 30.0           # seconds close() waits for its pods' deletes
 _PROBE_SECONDS = 5.0         # how long the first request retries an unreachable cluster
 _IMAGE_FAILURES = ("ImagePullBackOff", "ErrImagePull", "ErrImageNeverPull", "InvalidImageName")
 
@@ -94,6 +98,7 @@ class KubernetesBackend(Backend):
         self._parent: Optional[dict] = None        # this process's pod, when it runs in one
         self._closed = False
         self._timers = Timers()   # deadlines of pending pods (its thread starts on use)
+        self._deleter: Optional[concurrent.futures.ThreadPoolExecutor] = None
 
     @property
     def pending_timeout(self) -> float:
@@ -167,6 +172,10 @@ class KubernetesBackend(Backend):
                                    self._on_event, self._on_resync, self._on_fatal,
                                    lambda: self._created)
         self._creator = Creator(self._create, self.settings.create_batch, lambda: api.throttled)
+        # Deletes the watch asks for run here: a delete retried for up to a minute (an API
+        # server answering 5xx) must not hold up the events of every other pod.
+        self._deleter = concurrent.futures.ThreadPoolExecutor(
+            max_workers=self.settings.create_batch, thread_name_prefix="fibrl-kube-delete")
         self._watcher.start()
         mp_util.Finalize(None, self.close, exitpriority=-10)  # after children were joined
 
@@ -336,7 +345,7 @@ class KubernetesBackend(Backend):
         log.error("fibrl lost track of its worker pods: %s", exc)
         for job in list(self._jobs.values()):
             if job.fail(1, f"the watch of worker pods failed: {exc}"):
-                self.delete_pod(job.name, 0, quiet=True)
+                self._delete_later(job.name)
 
     def job_failed_to_start(self, job: KubernetesJob, reason: str) -> None:
         """A pod that cannot run (image, scheduling): end its job, delete it, say why."""
@@ -346,7 +355,14 @@ class KubernetesBackend(Backend):
             self._bad_images[image] = text
         if job.fail(1, text):
             log.error("%s", text)
-            self.delete_pod(job.name, 0, quiet=True)
+            self._delete_later(job.name)
+
+    def _delete_later(self, name: str) -> None:
+        """Delete pod ``name`` now, with no grace, off the calling (watch or timer) thread."""
+        try:
+            self._deleter.submit(self.delete_pod, name, 0, quiet=True)
+        except RuntimeError:   # shut down by close(), which deleted every pod itself
+            pass
 
     # -- removing --------------------------------------------------------------------------
     def delete_pod(self, name: str, grace: Optional[int], *, quiet: bool = False,
@@ -390,9 +406,12 @@ class KubernetesBackend(Backend):
         for job in self._creator.close():
             job.fail(-15, "")
         self.api.retry_for = 2.0
-        for job in list(self._jobs.values()):
-            if job.created_seq is not None:
-                job.kill()   # ours to delete: its end is a requested kill, not a lost pod
+        # Ours to delete (a requested kill, not a lost pod), all at once: at most
+        # kubernetes_create_batch requests in flight, not one pod after another.
+        kills = [self._deleter.submit(job.kill) for job in list(self._jobs.values())
+                 if job.created_seq is not None]
+        concurrent.futures.wait(kills, timeout=_CLOSE_WAIT)
+        self._deleter.shutdown(wait=False)
         self._watcher.stop()
         for job in list(self._jobs.values()):
             job.on_deleted(None)   # nothing will report on them any more

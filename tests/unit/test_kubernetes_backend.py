@@ -628,3 +628,44 @@ def test_a_job_refused_by_pod_security_is_reported_at_once(kube_cluster, core, f
         assert "kubernetes_run_as_user" in str(info.value)
     finally:
         core.delete_namespace(namespace, _request_timeout=10)
+
+
+def test_a_slow_delete_does_not_hold_up_the_watch(kube_init, fake, kube_settings):
+    """The watch deletes a pod that cannot pull its image; while that delete is retried
+    (the API server answers 503), another pod's exit still arrives at once."""
+    kube_init()
+    out, go = fibrl.Queue(), fibrl.Queue()
+    ok = _started(report_pod_then_wait, out, go)
+    out.get(timeout=WAIT)
+    fake.fail_image_pulls(kube_settings["image"])      # from now on, for new pods
+    fake.inject_errors(503, count=12, verb="delete", resource="pods", retry_after=1)
+    bad = _started(sleep_forever)
+    wait_until(lambda: fake.count_requests("delete", "pods", 503), "the first refused delete",
+               WAIT)
+    go.put(None)
+    code = ok._popen.job.wait(6)       # the refused deletes retry for about 12 s
+    fake.reset_hooks()
+    assert code == 0, "the worker's exit waited for another pod's delete"
+    bad.join(WAIT)
+    ok.join(WAIT)
+
+
+def test_the_watch_waits_as_long_as_the_server_asks(kube_cluster, fake):
+    from fibrl.backends.kube.api import Api, connect
+    from fibrl.backends.kube.watch import PodWatcher
+
+    settings = KubeSettings.from_config(Config(kubernetes_kubeconfig=kube_cluster.kubeconfig))
+    before = fake.count_requests("watch", "pods")
+    # 500, not 503 or 429: urllib3 itself retries those when they carry Retry-After
+    fake.inject_errors(500, count=1, verb="watch", resource="pods", retry_after=3)
+    watcher = PodWatcher(Api(connect(settings, PodIdentity())), "default", "app=retry-after",
+                         lambda kind, pod: None, lambda pods, seq: None, lambda exc: None,
+                         lambda: 0)
+    begin = time.monotonic()
+    watcher.start()
+    try:
+        wait_until(lambda: fake.count_requests("watch", "pods") >= before + 2,
+                   "the watch after the refused one", WAIT)
+        assert time.monotonic() - begin >= 2.5, "Retry-After: 3 was not honoured"
+    finally:
+        watcher.stop()

@@ -61,9 +61,10 @@ def sdk():
 class KubeApiError(BackendError):
     """An API request failed; ``status`` is the HTTP status (0: no answer)."""
 
-    def __init__(self, message: str, status: int = 0) -> None:
+    def __init__(self, message: str, status: int = 0, retry_after: float = 0.0) -> None:
         super().__init__(message)
         self.status = status
+        self.retry_after = retry_after   # seconds the server asked to wait (Retry-After)
 
 
 # -- connecting -------------------------------------------------------------------------
@@ -276,7 +277,7 @@ def api_error(exc: Any, verb: str, resource: str, namespace: str, api: Api) -> K
     else:
         text = (f"kubernetes API request '{verb} {resource}'{where} failed: {status} "
                 f"{exc.reason}: {message}.")
-    return KubeApiError(text, status)
+    return KubeApiError(text, status, _retry_after(exc))
 
 
 def admission_denial(message: str) -> str:
