@@ -20,6 +20,7 @@ class Settings:
     require_token: bool = True
     history_limit: int = 1000          # watch events kept; older resourceVersions get 410
     watch_default_timeout: float = 1800.0
+    bookmark_interval: float = 60.0    # seconds of quiet between BOOKMARKs (0: only at the end)
     strict_namespaces: bool = False     # False: any namespace exists; True: only known/created ones
     namespaces: tuple = ("default", "kube-system", "kube-public", "kube-node-lease")
     record_events: bool = True          # emit core/v1 Events (Scheduled, Started, FailedScheduling ...)

@@ -35,7 +35,9 @@ Strict like a real cluster: the API server's quantity grammar ("512K" is a
 for ``:latest`` and untagged images) fails for images outside ``registry``;
 namespace labels drive admission (tests/kube/_admission.py): the "restricted"
 Pod Security standard, and istio sidecar injection of a container that never
-exits.
+exits; quiet watches get a BOOKMARK every ``bookmark_interval`` seconds; a watch
+from a resourceVersion newer than the store's is a 504 "Too large resource
+version" with Retry-After (as from a lagging API server after a failover).
 
 Deliberate differences from a real cluster: one node ("fake-node"); pod IP =
 host IP = ``pod_ip`` (127.0.0.1; "::1" for IPv6); the SIGTERM->SIGKILL delay is min(grace period,

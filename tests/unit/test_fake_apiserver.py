@@ -206,6 +206,9 @@ def test_label_and_field_selectors(v1, kube_namespace, fake_kube):
 
 
 def test_watch_from_resource_version_and_timeout(v1, kube_namespace):
+    # a real cluster's resourceVersion is never "0" (which a watch reads as "any version")
+    v1.create_namespaced_config_map(kube_namespace, {"metadata": {"generateName": "rv-"}},
+                                    _request_timeout=5)
     start = v1.list_namespaced_secret(kube_namespace, _request_timeout=5).metadata.resource_version
     v1.create_namespaced_secret(kube_namespace, {"metadata": {"name": "s"}, "stringData": {"k": "v"}},
                                 _request_timeout=5)
@@ -733,3 +736,26 @@ def test_pod_ip_is_configurable_to_ipv6():
         done = wait_pod(v1, "default", pod.metadata.name, phase_in("Succeeded", "Failed"))
         assert done.status.pod_ip == "::1"
         assert v1.read_namespaced_pod_log(pod.metadata.name, "default", _request_timeout=5) == "::1\n"
+
+
+def test_quiet_watches_get_periodic_bookmarks():
+    # its own server: a bookmark every 0.3 s (the session's: every minute)
+    with FakeApiServer(bookmark_interval=0.3) as server, server.api_client() as api:
+        v1 = client.CoreV1Api(api)
+        rv = v1.list_namespaced_pod("default", _request_timeout=5).metadata.resource_version
+        begin = time.monotonic()
+        events = [e["type"] for e in watch.Watch().stream(
+            v1.list_namespaced_pod, "default", resource_version=rv, timeout_seconds=1,
+            allow_watch_bookmarks=True, _request_timeout=10)]
+        assert time.monotonic() - begin >= 0.9
+        assert events.count("BOOKMARK") >= 3
+
+
+def test_a_too_large_resource_version_is_refused_with_retry_after(v1, kube_namespace):
+    """As an API server whose watch cache lags behind (after a failover) answers."""
+    current = int(v1.list_namespaced_pod(kube_namespace, _request_timeout=5).metadata.resource_version)
+    status, body, headers = error_of(v1.list_namespaced_pod, kube_namespace, watch=True,
+                                     resource_version=str(current + 1000), timeout_seconds=1)
+    assert status == 504 and "Too large resource version" in body["message"]
+    assert body["details"]["causes"][0]["reason"] == "ResourceVersionTooLarge"
+    assert headers.get("Retry-After") == "1"
