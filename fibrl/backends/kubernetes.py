@@ -408,10 +408,12 @@ class KubernetesBackend(Backend):
         self.api.retry_for = 2.0
         # Ours to delete (a requested kill, not a lost pod), all at once: at most
         # kubernetes_create_batch requests in flight, not one pod after another.
-        kills = [self._deleter.submit(job.kill) for job in list(self._jobs.values())
-                 if job.created_seq is not None]
-        concurrent.futures.wait(kills, timeout=_CLOSE_WAIT)
+        # Threads of its own, not the delete pool: close() runs at interpreter exit, when
+        # concurrent.futures refuses new work.
         self._deleter.shutdown(wait=False)
+        _each_concurrently([job.kill for job in list(self._jobs.values())
+                            if job.created_seq is not None],
+                           self.settings.create_batch, _CLOSE_WAIT)
         self._watcher.stop()
         for job in list(self._jobs.values()):
             job.on_deleted(None)   # nothing will report on them any more
@@ -435,6 +437,28 @@ class KubernetesBackend(Backend):
         return {"lists": watcher.lists if watcher else 0,
                 "watches": watcher.watches if watcher else 0,
                 "waves": creator.waves if creator else 0, "live_jobs": len(self._jobs)}
+
+
+def _each_concurrently(calls: list, width: int, timeout: float) -> None:
+    """Run every one of ``calls`` on at most ``width`` threads; wait up to ``timeout`` s."""
+    pending = list(calls)
+    lock = threading.Lock()
+
+    def drain() -> None:
+        while True:
+            with lock:
+                if not pending:
+                    return
+                call = pending.pop()
+            call()
+
+    threads = [threading.Thread(target=drain, daemon=True, name="fibrl-kube-close")
+               for _ in range(min(width, len(pending)))]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + timeout
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
 
 
 def _routable_hint(api_url: str) -> str:
