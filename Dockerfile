@@ -25,5 +25,14 @@ RUN pip install "/tmp/fibrl-src[${EXTRAS}]" \
  && rm -rf /tmp/fibrl-src \
  && python -c "import fibrl"
 
+# A numeric non-root user: a namespace enforcing the "restricted" Pod Security standard
+# admits only pods that run as non-root, which the kubelet can check only for a numeric
+# uid. fibrl's pods also set runAsUser to it (kubernetes_run_as_user). The docker
+# backend runs its containers as the caller's uid:gid instead, so files workers write
+# into a mounted working directory belong to the caller.
+RUN groupadd --gid 10001 fibrl \
+ && useradd --uid 10001 --gid 10001 --home-dir /app --no-create-home --shell /usr/sbin/nologin fibrl \
+ && mkdir -p /app && chown 10001:10001 /app
 WORKDIR /app
+USER 10001:10001
 CMD ["python", "-m", "fibrl.bootstrap"]

@@ -2,7 +2,7 @@
 
 ::
 
-    fibrl run  [--backend kubernetes|docker] [--image IMG | --build [--registry REG]]
+    fibrl run  [--backend kubernetes|docker] [--image IMG | --build [--registry REG] [--platform P]]
                [--namespace NS] [--cpu N] [--memory SIZE] [--gpu N] [--env K=V ...]
                [--service-account SA] [--follow | --detach] -- python train.py ARGS
     fibrl ps   [--backend B] [--namespace NS]
@@ -65,6 +65,9 @@ def _add_run(commands) -> None:
     image.add_argument("--build", action="store_true",
                        help="docker build the image from ./Dockerfile (and push it to --registry)")
     run.add_argument("--registry", help="registry to push the built image to (config: registry)")
+    run.add_argument("--platform", default="",
+                     help="platform of the built image, e.g. linux/amd64 (an arm64 laptop "
+                          "building for amd64 nodes)")
     run.add_argument("--cpu", type=float, default=0.0, help="CPU cores of the script's pod")
     run.add_argument("--memory", default="", help="memory of the script's pod, e.g. 2g or 2Gi")
     run.add_argument("--gpu", type=int, default=0, help="GPUs (nvidia.com/gpu) of the script's pod")
@@ -142,16 +145,46 @@ def _command(argv: list) -> tuple:
 def _image(args: argparse.Namespace, config: Config, backend: str, run_id: str) -> str:
     if not args.build:
         return args.image or config.image
-    from .launch.build import build_image, image_tag, push_image
+    from .launch.build import build_image, image_tag, load_image, push_image
 
-    tag = build_image(os.getcwd(), image_tag(config.registry, os.getcwd(), run_id))
+    loader = None
+    if backend == "kubernetes" and not config.registry:
+        loader = _local_cluster(config)     # refuse before a build nothing could run
+    tag = build_image(os.getcwd(), image_tag(config.registry, os.getcwd(), run_id),
+                      platform=args.platform)
     if config.registry:
         push_image(tag)
-    elif backend == "kubernetes":
-        _say(f"no registry given (--registry or config registry): the cluster must already see "
-             f"the local image {tag} (e.g. `kind load docker-image {tag}` or "
-             f"`minikube image load {tag}`).")
+    elif loader:
+        load_image(loader, tag)
     return tag
+
+
+def _local_cluster(config: Config) -> list:
+    """How to load a built image into a kind / minikube cluster; an error for others."""
+    from .launch.build import local_cluster_loader
+
+    context = _kube_context(config)
+    loader = local_cluster_loader(context)
+    if loader is None:
+        raise ConfigError(
+            f"fibrl run --build has no registry to push to (--registry or config registry), "
+            f"and the cluster (kubeconfig context {context or '<none>'!r}) is neither kind "
+            f"nor minikube, whose nodes an image can be loaded into: its nodes could never "
+            f"pull the built image. Fix: --registry REGISTRY (after `docker login`), or "
+            f"build and push yourself and pass --image.")
+    return loader
+
+
+def _kube_context(config: Config) -> str:
+    from kubernetes import config as kube_config
+
+    path = (config.kubernetes_kubeconfig or os.environ.get("KUBECONFIG", "").split(os.pathsep)[0]
+            or os.path.expanduser("~/.kube/config"))
+    try:
+        _, active = kube_config.list_kube_config_contexts(config_file=path)
+    except Exception:   # no kubeconfig, or not one the loader reads: no local cluster known
+        return ""
+    return (active or {}).get("name", "")
 
 
 def _run(args: argparse.Namespace, config: Config) -> int:

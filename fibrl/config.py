@@ -91,10 +91,21 @@ class Config:
     """Extra labels of worker pods, ``"k=v,k=v"``."""
     kubernetes_env: str = ""
     """Extra environment of worker pods, ``"K=V,K=V"``."""
-    kubernetes_pending_timeout: float = 120.0
-    """Seconds a worker pod may stay unschedulable before its start is reported failed."""
+    kubernetes_pending_timeout: float = 600.0
+    """Seconds a worker pod may stay unschedulable before its start is reported failed
+    (long enough for a cluster autoscaler to add a node and pull a large image)."""
     kubernetes_create_batch: int = 20
     """Worker pods created concurrently, per wave (a large Pool is created in waves)."""
+    kubernetes_image_pull_policy: str = "IfNotPresent"
+    """``imagePullPolicy`` of fibrl's pods: ``IfNotPresent``, ``Always`` or ``Never``."""
+    kubernetes_run_as_user: int = 10001
+    """Numeric uid fibrl's pods run as (the worker image's user; 0: the image's own USER)."""
+    kubernetes_mesh_annotations: str = "sidecar.istio.io/inject=false,linkerd.io/inject=disabled"
+    """Annotations of fibrl's pods, ``"k=v,k=v"``: by default, no service-mesh sidecar."""
+    kubernetes_job_ttl: int = 3600
+    """``ttlSecondsAfterFinished`` of a ``fibrl run`` Job: the cluster removes it and its pod."""
+    kubernetes_allow_loopback: bool = False
+    """Allow a parent outside the cluster to listen on a loopback ``listen_host``."""
     registry: str = ""
     """Registry that ``fibrl run --build`` pushes the image to (empty: no push)."""
 

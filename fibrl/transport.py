@@ -55,7 +55,7 @@ import pynng
 
 from .errors import AuthenticationError, ChannelClosed, TransportError
 
-__all__ = ["Listener", "Peer", "Channel", "HELLO", "run_certificate"]
+__all__ = ["Listener", "Peer", "Channel", "HELLO", "run_certificate", "tcp_address"]
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +76,18 @@ _LOG_BURST, _LOG_WINDOW = 20, 10.0
 
 def _mac(secret: bytes, role: bytes, data: bytes) -> bytes:
     return hmac.new(secret, role + data, hashlib.sha256).digest()
+
+
+def tcp_address(host: str, port: int, scheme: str = "tcp") -> str:
+    """The nng URL of ``host:port``; an IPv6 host is bracketed (nng refuses ``tcp://::1:0``).
+
+    Example:
+        >>> tcp_address("10.0.0.5", 0), tcp_address("fd00::5", 7000), tcp_address("[::1]", 0)
+        ('tcp://10.0.0.5:0', 'tcp://[fd00::5]:7000', 'tcp://[::1]:0')
+    """
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"{scheme}://{host}:{port}"
 
 
 def _address_of(sock: pynng.Socket, scheme: str) -> str:
@@ -276,7 +288,7 @@ class Listener:
         self._accept.add_pre_pipe_connect_cb(self._accept_pipe_added)
         self._accept.add_post_pipe_remove_cb(self._accept_pipe_removed)
         try:
-            self._accept.listen(f"{_scheme(tls)}://{host}:{port}")
+            self._accept.listen(tcp_address(host, port, _scheme(tls)))
         except pynng.NNGException as exc:
             self._accept.close()
             raise TransportError(
@@ -398,7 +410,7 @@ class Listener:
             return self._refuse_for_lack(pipe, exc)
         _OnePipe(sock, self._dropped)   # kept alive by the callbacks it registers
         try:
-            sock.listen(f"{_scheme(self._tls)}://{self._host}:0")
+            sock.listen(tcp_address(self._host, 0, _scheme(self._tls)))
         except pynng.NNGException as exc:
             sock.close()
             return self._refuse_for_lack(pipe, exc)

@@ -16,9 +16,11 @@ Data flow::
                    '-> later pods: Creator queue --> waves of concurrent creates (creator.py)
     PodWatcher thread (watch.py): list+watch pods labelled fibrl.owner=<this backend>
       --> KubernetesJob.on_pod / on_deleted: exit code, OOMKilled, Evicted, image pull
-          failures and unschedulable pods (after kubernetes_pending_timeout) end the job
+          failures and unschedulable pods (after kubernetes_pending_timeout) end the job;
+          a pod that can never run is deleted by the delete threads, not the watch's
     Popen's thread: job.wait() --> job.remove(): delete the pod (background propagation)
-    at exit (after multiprocessing joined the children): delete leftover pods and the Secrets
+    at exit (after multiprocessing joined the children): delete leftover pods (concurrently,
+    kubernetes_create_batch at a time) and the Secrets
 
 When the parent itself runs in a pod, worker pods (and the Secret) carry an
 ownerReference to it: the cluster deletes them when the parent's pod goes.
@@ -27,12 +29,14 @@ Outside a cluster, workers exit by themselves when the parent is gone, and
 """
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import hashlib
 import logging
 import os
 import re
 import secrets
+import socket
 import threading
 import time
 from typing import Callable, Optional
@@ -57,6 +61,7 @@ log = logging.getLogger(__name__)
 _DEFAULTS = Config()
 _LOOPBACK = ("127.", "localhost", "::1", "[::1]")
 _START_WAIT = 60.0           # seconds create_job waits for the first watch
+_CLOSE_WAIT = 30.0           # seconds close() waits for its pods' deletes
 _PROBE_SECONDS = 5.0         # how long the first request retries an unreachable cluster
 _IMAGE_FAILURES = ("ImagePullBackOff", "ErrImagePull", "ErrImageNeverPull", "InvalidImageName")
 
@@ -90,9 +95,9 @@ class KubernetesBackend(Backend):
         self._fatal: Optional[BackendError] = None
         self._created = 0                          # pods created so far (resync order)
         self._parent: Optional[dict] = None        # this process's pod, when it runs in one
-        self._warned_address = False
         self._closed = False
         self._timers = Timers()   # deadlines of pending pods (its thread starts on use)
+        self._deleter: Optional[concurrent.futures.ThreadPoolExecutor] = None
 
     @property
     def pending_timeout(self) -> float:
@@ -166,6 +171,10 @@ class KubernetesBackend(Backend):
                                    self._on_event, self._on_resync, self._on_fatal,
                                    lambda: self._created)
         self._creator = Creator(self._create, self.settings.create_batch, lambda: api.throttled)
+        # Deletes the watch asks for run here: a delete retried for up to a minute (an API
+        # server answering 5xx) must not hold up the events of every other pod.
+        self._deleter = concurrent.futures.ThreadPoolExecutor(
+            max_workers=self.settings.create_batch, thread_name_prefix="fibrl-kube-delete")
         self._watcher.start()
 
     def _new_job(self, spec: JobSpec, image: str) -> KubernetesJob:
@@ -300,13 +309,16 @@ class KubernetesBackend(Backend):
                 f"pods cannot reach. Fix: set listen_host to this pod's IP: give the pod the env "
                 f"FIBRL_LISTEN_HOST from the downward API (fieldRef status.podIP), as `fibrl run` "
                 f"does, or fibrl.init(listen_host=<pod IP>).")
-        api_host = urlsplit(self.api.host).hostname or ""
-        if not self._warned_address and not api_host.startswith(_LOOPBACK):
-            self._warned_address = True
-            log.warning("the parent runs outside the cluster (%s) and listens on %s: worker pods "
-                        "can connect only if they run on this machine. Fix: launch the script in "
-                        "the cluster with `fibrl run`, or set listen_host to an address of this "
-                        "machine that pods can route to.", self.api.host, host)
+        if self.identity.in_pod or self.settings.allow_loopback:
+            return   # a pod's own IP (FIBRL_LISTEN_HOST), or loopback on purpose
+        raise BackendError(
+            f"this process runs outside the cluster and listens for its workers on {host}: "
+            f"each worker pod would dial {host} inside its own pod and never reach this "
+            f"process (the API server at {self.api.host} being on this machine does not make "
+            f"its pods so). Fix: set listen_host to an address of this machine that pods can "
+            f"route to{_routable_hint(self.api.host)}, and let workers reach it (firewall, "
+            f"NetworkPolicy); or launch the script in the cluster with `fibrl run`. A cluster "
+            f"whose pods share this machine's network may set kubernetes_allow_loopback=True.")
 
     # -- what the watch reports ------------------------------------------------------------
     def _on_event(self, kind: str, pod: dict) -> None:
@@ -331,7 +343,7 @@ class KubernetesBackend(Backend):
         log.error("fibrl lost track of its worker pods: %s", exc)
         for job in list(self._jobs.values()):
             if job.fail(1, f"the watch of worker pods failed: {exc}"):
-                self.delete_pod(job.name, 0, quiet=True)
+                self._delete_later(job.name)
 
     def job_failed_to_start(self, job: KubernetesJob, reason: str) -> None:
         """A pod that cannot run (image, scheduling): end its job, delete it, say why."""
@@ -341,7 +353,14 @@ class KubernetesBackend(Backend):
             self._bad_images[image] = text
         if job.fail(1, text):
             log.error("%s", text)
-            self.delete_pod(job.name, 0, quiet=True)
+            self._delete_later(job.name)
+
+    def _delete_later(self, name: str) -> None:
+        """Delete pod ``name`` now, with no grace, off the calling (watch or timer) thread."""
+        try:
+            self._deleter.submit(self.delete_pod, name, 0, quiet=True)
+        except RuntimeError:   # shut down by close(), which deleted every pod itself
+            pass
 
     # -- removing --------------------------------------------------------------------------
     def delete_pod(self, name: str, grace: Optional[int], *, quiet: bool = False,
@@ -388,9 +407,14 @@ class KubernetesBackend(Backend):
         for job in self._creator.close():
             job.fail(-15, "")
         self.api.retry_for = 2.0
-        for name, job in list(self._jobs.items()):
-            if job.created_seq is not None:
-                self.delete_pod(name, 0, quiet=True)
+        # Ours to delete (a requested kill, not a lost pod), all at once: at most
+        # kubernetes_create_batch requests in flight, not one pod after another.
+        # Threads of its own, not the delete pool: close() runs at interpreter exit, when
+        # concurrent.futures refuses new work.
+        self._deleter.shutdown(wait=False)
+        _each_concurrently([job.kill for job in list(self._jobs.values())
+                            if job.created_seq is not None],
+                           self.settings.create_batch, _CLOSE_WAIT)
         self._watcher.stop()
         for job in list(self._jobs.values()):
             job.on_deleted(None)   # nothing will report on them any more
@@ -416,6 +440,46 @@ class KubernetesBackend(Backend):
                 "waves": creator.waves if creator else 0, "live_jobs": len(self._jobs)}
 
 
+def _each_concurrently(calls: list, width: int, timeout: float) -> None:
+    """Run every one of ``calls`` on at most ``width`` threads; wait up to ``timeout`` s."""
+    pending = list(calls)
+    lock = threading.Lock()
+
+    def drain() -> None:
+        while True:
+            with lock:
+                if not pending:
+                    return
+                call = pending.pop()
+            call()
+
+    threads = [threading.Thread(target=drain, daemon=True, name="fibrl-kube-close")
+               for _ in range(min(width, len(pending)))]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + timeout
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+
+
+def _routable_hint(api_url: str) -> str:
+    """``" (e.g. 192.168.1.20, the address this machine reaches the API server from)"``."""
+    parts = urlsplit(api_url)
+    host, port = parts.hostname or "", parts.port or 443
+    try:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect((host, port))      # no packet: only picks the route's source
+            local = probe.getsockname()[0]
+    except OSError:
+        return ""
+    if local.startswith(_LOOPBACK):
+        return (" (the API server is on loopback, as with kind or minikube: use this "
+                "machine's address on the cluster's network, e.g. its address on the "
+                "`kind` docker network, `docker network inspect kind`)")
+    return f" (e.g. {local}, the address this machine reaches the API server from)"
+
+
 def _pod_image(pod: dict) -> str:
     containers = (pod.get("spec") or {}).get("containers") or [{}]
     return containers[0].get("image", "")
@@ -425,9 +489,12 @@ def _start_failure(job: KubernetesJob, image: str, reason: str) -> str:
     where = f"worker pod {job.namespace}/{job.name}"
     if reason.startswith(_IMAGE_FAILURES):
         return (f"{where} cannot pull its image {image!r}: {reason}. Likely cause: a wrong name "
-                f"or tag, an image never pushed, or a private registry without credentials. "
-                f"Fix: push the image (fibrl run --build --registry ...), set image=..., or "
-                f"give kubernetes_image_pull_secrets.")
+                f"or tag, an image never pushed, a private registry without credentials, or an "
+                f"image only loaded into the nodes (kind load, minikube image load) pulled "
+                f"again under kubernetes_image_pull_policy=Always. Fix: push the image (fibrl "
+                f"run --build --registry ...), set image=..., give "
+                f"kubernetes_image_pull_secrets, or use kubernetes_image_pull_policy="
+                f"IfNotPresent for a loaded image.")
     if reason.startswith("Unschedulable"):
         spec = job.spec
         return (f"{where} cannot be scheduled: {reason}. Likely cause: no node has the "

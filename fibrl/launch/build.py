@@ -1,7 +1,9 @@
 """``fibrl run --build``: build the project's image with docker and push it.
 
-Owns the image tag of a run and the two docker CLI calls (``build``,
-``push``). Their output goes to stderr, so that stdout stays the script's.
+Owns the image tag of a run, the docker CLI calls (``build``, ``push``) and,
+for a local cluster without a registry, loading the image into its nodes
+(``kind load docker-image``, ``minikube image load``). Their output goes to
+stderr, so that stdout stays the script's.
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from typing import Optional, TextIO
 
 from ..errors import BackendError
 
-__all__ = ["image_tag", "build_image", "push_image"]
+__all__ = ["image_tag", "build_image", "push_image", "local_cluster_loader", "load_image"]
 
 
 def image_tag(registry: str, project_dir: str, run_id: str) -> str:
@@ -55,16 +57,43 @@ def _run(argv: list, what: str, out: TextIO) -> None:
                            f"its output is above.")
 
 
-def build_image(project_dir: str, tag: str, out: Optional[TextIO] = None) -> str:
-    """``docker build -t tag project_dir`` (its ``Dockerfile``); returns ``tag``."""
+def build_image(project_dir: str, tag: str, out: Optional[TextIO] = None,
+                platform: str = "") -> str:
+    """``docker build [--platform P] -t tag project_dir`` (its ``Dockerfile``); returns ``tag``."""
     dockerfile = os.path.join(project_dir, "Dockerfile")
     if not os.path.isfile(dockerfile):
         raise BackendError(
             f"--build needs a Dockerfile in {project_dir}, and there is none. Fix: write one "
             f"that copies the project into an image with python and fibrl (e.g. `FROM "
             f"fibrl:latest` then `COPY . /app` and `WORKDIR /app`), or pass --image.")
-    _run([_docker(), "build", "-t", tag, project_dir], "building the image", out or sys.stderr)
+    argv = [_docker(), "build"] + (["--platform", platform] if platform else [])
+    _run(argv + ["-t", tag, project_dir], "building the image", out or sys.stderr)
     return tag
+
+
+def local_cluster_loader(context: str) -> Optional[list]:
+    """The command that loads an image into the nodes of a local cluster, from the name of
+    the kubeconfig context (None for any other cluster: it needs a registry).
+
+    Example:
+        >>> local_cluster_loader("kind-rl"), local_cluster_loader("minikube")
+        (['kind', 'load', 'docker-image', '--name', 'rl'], ['minikube', 'image', 'load'])
+        >>> local_cluster_loader("gke_project_europe-west1_prod") is None
+        True
+    """
+    if context.startswith("kind-"):
+        return ["kind", "load", "docker-image", "--name", context[len("kind-"):]]
+    if context == "minikube":
+        return ["minikube", "image", "load"]
+    return None
+
+
+def load_image(loader: list, tag: str, out: Optional[TextIO] = None) -> None:
+    """Run ``loader`` (see :func:`local_cluster_loader`) for ``tag``."""
+    if not shutil.which(loader[0]):
+        raise BackendError(f"loading {tag} into the cluster needs the {loader[0]} command, "
+                           f"which is not on PATH. Fix: install it, or give --registry.")
+    _run(loader + [tag], f"loading {tag} into the cluster's nodes", out or sys.stderr)
 
 
 def push_image(tag: str, out: Optional[TextIO] = None) -> None:

@@ -27,9 +27,9 @@ import time
 from collections import Counter
 from typing import Any, BinaryIO, Callable, Optional
 
-from ..backends.kube.api import Api, KubeApiError, api_error, connect
-from ..backends.kube.job import fatal_waiting, pod_failure, stuck_pending
-from ..backends.kube.manifests import launcher_job
+from ..backends.kube.api import Api, KubeApiError, admission_denial, api_error, connect
+from ..backends.kube.job import ended_code, fatal_waiting, pod_failure, stuck_pending
+from ..backends.kube.manifests import LAUNCHER_CONTAINER, launcher_job
 from ..backends.kube.settings import (LABEL_BACKEND, LABEL_ROLE, LABEL_RUN, KubeSettings,
                                       PodIdentity)
 from ..errors import BackendError
@@ -37,8 +37,9 @@ from . import Ended, Launcher, RunInfo, RunRequest, age
 
 __all__ = ["KubernetesLauncher", "job_name"]
 
-MAIN_CONTAINER = "main"
+MAIN_CONTAINER = LAUNCHER_CONTAINER
 _WATCH_SECONDS = 60
+_NO_POD_RECHECK = 5.0    # seconds between reads of the Job's events while it has no pod
 
 
 def job_name(run_id: str) -> str:
@@ -103,6 +104,7 @@ class KubernetesLauncher(Launcher):
                 found = until(pod)
                 if found is not None:
                     return found
+            until.check()
             deadline = until.deadline()
             if deadline is not None and time.monotonic() > deadline:
                 raise until.expired()
@@ -117,6 +119,7 @@ class KubernetesLauncher(Launcher):
 
         left = _WATCH_SECONDS if deadline is None else max(1, min(_WATCH_SECONDS,
                                                                   deadline - time.monotonic()))
+        left = min(left, decide.recheck())
         try:
             resp = self.api.core.list_namespaced_pod(
                 self.namespace, label_selector=selector, watch=True, resource_version=rv,
@@ -154,6 +157,25 @@ class KubernetesLauncher(Launcher):
                 f"the run's parent pod {obj['metadata']['name']} was deleted before it finished "
                 f"(fibrl stop, kubectl delete, or the cluster).")
         return decide(obj) if event.get("type") in ("ADDED", "MODIFIED", "DELETED") else None
+
+    def refusal(self, run_id: str) -> Optional[BackendError]:
+        """Why the Job's controller could not create its pod (its FailedCreate events:
+        Pod Security, an admission webhook, a quota, a missing service account), if it said."""
+        try:
+            events = self.api.call(
+                "list", "events", self.api.core.list_namespaced_event, self.namespace,
+                namespace=self.namespace, field_selector=f"involvedObject.kind=Job,"
+                f"involvedObject.name={job_name(run_id)},reason=FailedCreate")
+        except KubeApiError:
+            return None   # no permission to read events: the timeout will report it
+        messages = [e.get("message", "") for e in events.get("items") or []]
+        if not messages:
+            return None
+        last = messages[-1]
+        return BackendError(
+            f"the Job {job_name(run_id)} in namespace {self.namespace} cannot create its pod: "
+            f"{last}. {admission_denial(last) or _FAILED_CREATE_FIX} Clean up with "
+            f"`fibrl stop {run_id}`.")
 
     def no_pod(self, run_id: str, timeout: float) -> BackendError:
         """The error for a Job that created no pod within ``timeout`` seconds."""
@@ -274,11 +296,22 @@ class _Relist(Exception):
     """The watch expired (410): list again."""
 
 
+_FAILED_CREATE_FIX = ("Fix: see `kubectl describe job` for the Job; a missing service "
+                      "account is created by kubectl apply -f deploy/rbac.yaml.")
+
+
 class _Until:
     """Decides, from each state of the run's parent pod, whether waiting is over."""
 
     def __call__(self, pod: dict) -> Optional[dict]:
         raise NotImplementedError
+
+    def check(self) -> None:
+        """Raise when something other than the pod shows that waiting is over."""
+
+    def recheck(self) -> float:
+        """Seconds one watch of the pod may last before :meth:`check` runs again."""
+        return _WATCH_SECONDS
 
     def deadline(self) -> Optional[float]:
         """``time.monotonic()`` past which waiting fails with :meth:`expired` (None: none)."""
@@ -317,15 +350,24 @@ class _Starting(_Until):
         state = _main_state(pod)
         if "running" in state or "terminated" in state or _finished(pod):
             return pod
-        reason = fatal_waiting(pod)
+        reason = fatal_waiting(pod, MAIN_CONTAINER)
         if reason:
             raise BackendError(_cannot_start(pod, reason, self._run_id))
-        self._stuck = stuck_pending(pod)
+        self._stuck = stuck_pending(pod, MAIN_CONTAINER)
         if not self._stuck:
             self._stuck_since = None
         elif self._stuck_since is None:
             self._stuck_since = time.monotonic()
         return None
+
+    def check(self) -> None:
+        if self._pod is None:   # a Job whose pod is refused never gets one: its events say why
+            refused = self._launcher.refusal(self._run_id)
+            if refused is not None:
+                raise refused
+
+    def recheck(self) -> float:
+        return _NO_POD_RECHECK if self._pod is None else _WATCH_SECONDS
 
     def deadline(self) -> Optional[float]:
         if self._pod is None:
@@ -350,7 +392,8 @@ def _main_state(pod: dict) -> dict:
 
 
 def _finished(pod: dict) -> Optional[dict]:
-    return pod if (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed") else None
+    """``pod`` once the script's container ended (a sidecar may keep the pod Running)."""
+    return pod if ended_code(pod, MAIN_CONTAINER) is not None else None
 
 
 def _cannot_start(pod: dict, reason: str, run_id: str) -> str:

@@ -20,6 +20,7 @@ from typing import Iterator
 from ._meta import (EVENTS, JOBS, NAMESPACES, PODS, RESOURCES, ApiError, FieldError, ResourceType,
                     already_exists, bad_request, conflict, invalid, namespace_not_found, new_uid, not_found,
                     rfc3339, stale_update, success_status)
+from ._admission import admit_pod
 from ._patch import apply_patch
 from ._selectors import Selectors
 from ._settings import Settings
@@ -95,6 +96,11 @@ class Api:
         if self.settings.strict_namespaces and namespace not in self.known_namespaces():
             raise namespace_not_found(namespace)
 
+    def namespace_labels(self, namespace: str) -> dict:
+        """Labels of a created namespace (admission reads them); {} for the synthetic ones."""
+        created = self._created_namespaces.get(namespace) or {}
+        return dict((created.get("metadata") or {}).get("labels") or {})
+
     def known_namespaces(self) -> set[str]:
         return set(self.settings.namespaces) | set(self._created_namespaces) | self.store.namespaces()
 
@@ -131,6 +137,8 @@ class Api:
         if rt is JOBS:
             meta["generation"] = 1
         prepare_create(rt, obj)
+        if rt is PODS:
+            admit_pod(obj, self.namespace_labels(namespace))
         obj = canonical(obj)
         if dry_run:
             return obj
@@ -173,7 +181,26 @@ class Api:
 
     def watch(self, rt: ResourceType, namespace: str | None, selectors: Selectors, resource_version: str | None,
               timeout: float | None, bookmarks: bool = False, initial_events: bool | None = None) -> Iterator[dict]:
-        """Watch events as dicts ``{"type", "object"}``, ending at the timeout."""
+        """Watch events as dicts ``{"type", "object"}``, ending at the timeout.
+
+        A resourceVersion newer than the store's is refused at once (504, as an API
+        server whose cache lags behind, after a failover, refuses it); with ``bookmarks``
+        a BOOKMARK is sent every ``settings.bookmark_interval`` seconds of quiet.
+        """
+        if resource_version not in (None, "", "0") and not initial_events:
+            current = self.store.resource_version
+            if _int_rv(resource_version) > current:
+                raise ApiError(504, "Timeout", f"Too large resource version: "
+                                               f"{_int_rv(resource_version)}, current: {current}",
+                               {"causes": [{"reason": "ResourceVersionTooLarge",
+                                            "message": "Too large resource version"}],
+                                "retryAfterSeconds": 1}, {"Retry-After": "1"})
+        return self._watch_events(rt, namespace, selectors, resource_version, timeout, bookmarks,
+                                  initial_events)
+
+    def _watch_events(self, rt: ResourceType, namespace: str | None, selectors: Selectors,
+                      resource_version: str | None, timeout: float | None, bookmarks: bool,
+                      initial_events: bool | None) -> Iterator[dict]:
         deadline = time.monotonic() + (self.settings.watch_default_timeout if timeout is None else timeout)
         if resource_version in (None, "", "0") or initial_events:
             items, cursor = self.store.list(rt.plural, namespace)
@@ -184,18 +211,22 @@ class Api:
                 yield self._bookmark(rt, cursor, {"k8s.io/initial-events-end": "true"})
         else:
             cursor = _int_rv(resource_version)
+        interval = self.settings.bookmark_interval
         while True:
+            wake = min(deadline, time.monotonic() + interval) if bookmarks and interval else deadline
             try:
-                events = self.store.events_after(cursor, deadline)
+                events = self.store.events_after(cursor, wake)
             except Expired as exc:
                 yield {"type": "ERROR", "object": ApiError(410, "Expired", str(exc)).status()}
                 return
             if events is None:
                 return
             if not events:
-                if bookmarks:
-                    yield self._bookmark(rt, self.store.resource_version, None)
-                return
+                if bookmarks:   # the last version delivered: nothing newer was there
+                    yield self._bookmark(rt, cursor, None)
+                if time.monotonic() >= deadline:
+                    return
+                continue
             for event in events:
                 cursor = event.rv
                 translated = _translate(rt, namespace, selectors, event)

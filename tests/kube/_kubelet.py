@@ -40,7 +40,7 @@ from ._settings import Settings
 from ._store import WatchEvent
 
 log = logging.getLogger(__name__)
-POD_IP = "127.0.0.1"
+POD_IP = "127.0.0.1"     # where pods reach the API server (the pods' own IP is Settings.pod_ip)
 _EXPANSION = re.compile(r"\$\$|\$\(([-._a-zA-Z][-._a-zA-Z0-9]*)\)")
 
 
@@ -212,13 +212,13 @@ def _expand(text: str, env: dict) -> str:
     return _EXPANSION.sub(replace, text)
 
 
-def _pod_field(pod: dict, path: str) -> str:
+def _pod_field(pod: dict, path: str, pod_ip: str) -> str:
     meta, spec = pod["metadata"], pod.get("spec") or {}
     if match := re.fullmatch(r"metadata\.(labels|annotations)\['([^']+)'\]", path):
         return (meta.get(match.group(1)) or {}).get(match.group(2), "")
     values = {"metadata.name": meta["name"], "metadata.namespace": meta["namespace"], "metadata.uid": meta["uid"],
               "spec.nodeName": spec.get("nodeName", ""), "spec.serviceAccountName": spec.get("serviceAccountName", ""),
-              "status.podIP": POD_IP, "status.podIPs": POD_IP, "status.hostIP": POD_IP, "status.hostIPs": POD_IP}
+              "status.podIP": pod_ip, "status.podIPs": pod_ip, "status.hostIP": pod_ip, "status.hostIPs": pod_ip}
     if path not in values:
         raise ConfigError(f"unsupported fieldPath: {path}")
     return values[path]
@@ -267,7 +267,7 @@ class EnvResolver:
         if "configMapKeyRef" in source:
             return self._key_ref("ConfigMap", namespace, source["configMapKeyRef"])
         if "fieldRef" in source:
-            return _pod_field(pod, source["fieldRef"]["fieldPath"])
+            return _pod_field(pod, source["fieldRef"]["fieldPath"], self._settings.pod_ip)
         if "resourceFieldRef" in source:
             return _resource_field(container, source["resourceFieldRef"], self._settings.node_capacity)
         raise ConfigError(f"unsupported valueFrom: {sorted(source)}")
@@ -442,6 +442,7 @@ class PodWorker:
                 statuses.append(new)
             else:
                 statuses[index] = new
+            statuses.sort(key=lambda cs: cs["name"])   # as the kubelet orders them
             refresh_pod_status(pod)
         self.update(mutate)
 
@@ -530,7 +531,8 @@ class PodWorker:
     def _run_containers(self, configs: list[tuple[dict, ContainerConfig, str]]) -> None:
         def mutate(pod: dict) -> None:
             status = pod["status"]
-            status.update(hostIP=POD_IP, hostIPs=[{"ip": POD_IP}], podIP=POD_IP, podIPs=[{"ip": POD_IP}],
+            ip = self.kubelet.settings.pod_ip
+            status.update(hostIP=ip, hostIPs=[{"ip": ip}], podIP=ip, podIPs=[{"ip": ip}],
                           startTime=status.get("startTime") or rfc3339())
             set_condition(status, "PodReadyToStartContainers", "True")
             set_condition(status, "Initialized", "True")
@@ -625,9 +627,12 @@ class Kubelet:
 
     # ------------------------------------------------------------------ containers
 
-    def _runtime_for(self, image: str) -> str:
+    def _runtime_for(self, image: str, policy: str = "IfNotPresent") -> str:
         mode = self.settings.runtime
         if image in self.failing_images:
+            raise PullError(_pull_message(image))
+        if policy == "Always" and not self._in_registry(image):
+            # Always pulls, even an image loaded into the node (kind load, minikube image load).
             raise PullError(_pull_message(image))
         if image in self.slow_images:
             raise Pulling(image)
@@ -638,13 +643,17 @@ class Kubelet:
             raise PullError(_pull_message(image))
         return "docker" if available else "process"
 
+    def _in_registry(self, image: str) -> bool:
+        registry = self.settings.registry
+        return registry is None or any(image.startswith(prefix) for prefix in registry)
+
     def _image_present(self, image: str) -> bool:
         if not self._images.get(image):
             self._images[image] = docker_image_exists(image)
         return self._images[image]
 
     def container_config(self, pod: dict, container: dict) -> tuple[dict, ContainerConfig, str]:
-        runtime = self._runtime_for(container["image"])
+        runtime = self._runtime_for(container["image"], container.get("imagePullPolicy", "IfNotPresent"))
         env = self.env.resolve(pod, container, process_mode=runtime == "process")
         command = container.get("command")
         if command is None and runtime == "process":

@@ -223,7 +223,10 @@ class DockerContainer:
         if cfg.working_dir:
             args += ["-w", cfg.working_dir]
         if cfg.memory_limit:
-            args += ["--memory", str(cfg.memory_limit)]
+            # The kubelet gives containers no swap (memory.swap.max=0 unless the node opts in);
+            # docker's default lets a container swap as much again as its limit, so on a host
+            # with swap a process over its limit thrashes for minutes instead of being OOM-killed.
+            args += ["--memory", str(cfg.memory_limit), "--memory-swap", str(cfg.memory_limit)]
         if cfg.cpu_limit:
             args += ["--cpus", f"{cfg.cpu_limit:g}"]
         command = list(cfg.command or [])

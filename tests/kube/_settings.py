@@ -20,6 +20,7 @@ class Settings:
     require_token: bool = True
     history_limit: int = 1000          # watch events kept; older resourceVersions get 410
     watch_default_timeout: float = 1800.0
+    bookmark_interval: float = 60.0    # seconds of quiet between BOOKMARKs (0: only at the end)
     strict_namespaces: bool = False     # False: any namespace exists; True: only known/created ones
     namespaces: tuple = ("default", "kube-system", "kube-public", "kube-node-lease")
     record_events: bool = True          # emit core/v1 Events (Scheduled, Started, FailedScheduling ...)
@@ -32,6 +33,12 @@ class Settings:
         "cpu": str(os.cpu_count() or 1), "memory": "64Gi", "pods": "110"})
     max_grace_seconds: float = 2.0      # SIGTERM -> SIGKILL delay is min(pod grace, this)
     image_pull_backoff_seconds: float = 0.3   # ErrImagePull -> ImagePullBackOff
+    # Image name prefixes a pull can fetch (the fake's "registries"); a pod whose pull policy
+    # is Always (the default for :latest and untagged images) fails ErrImagePull for any
+    # other image, as on a cluster where the image was only loaded into the node. None:
+    # every pull succeeds.
+    registry: tuple | None = ("python:", "docker.io/library/python:")
+    pod_ip: str = "127.0.0.1"           # podIP / hostIP of every pod ("::1" for IPv6)
     crash_backoff_seconds: float = 0.5  # first container restart delay (doubles, capped at 5 s)
     job_backoff_seconds: float = 0.0    # delay before replacing a failed Job pod (real: 10 s doubling)
     image_commands: dict = field(default_factory=dict)  # image -> argv when a pod gives no command

@@ -141,8 +141,16 @@ def _metadata_errors(rt: ResourceType, meta: dict) -> list[FieldError]:
 # --------------------------------------------------------------------------- pods
 
 
+# The API server's grammar (resource.Quantity); kubernetes.utils.parse_quantity is laxer
+# (it takes "512K", which a real server refuses).
+_QUANTITY = re.compile(r"^[+-]?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|"
+                       r"([eE][+-]?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$")
+
+
 def _quantity(value, path: str, errors: list[FieldError]):
     try:
+        if not _QUANTITY.match(str(value)):
+            raise ValueError(value)
         return parse_quantity(value)
     except (ValueError, TypeError):
         errors.append(FieldError("Invalid", path, value,

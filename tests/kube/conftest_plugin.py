@@ -7,7 +7,9 @@ Use them either by importing into a test module::
 or for a whole tree with ``pytest_plugins = ["tests.kube.conftest_plugin"]`` in a
 top-level conftest.py.
 
-* ``fake_apiserver`` (session): a started :class:`FakeApiServer` running pods as local processes;
+* ``fake_apiserver`` (session): the suite's one fake API server (``kube_cluster`` in
+  tests/conftest.py), running pods as local processes; its tests are skipped when the
+  suite runs against a real cluster (KUBE_TEST_KUBECONFIG);
 * ``fake_kube``: the same server, with its test hooks (forbidden rules, injected
   errors, failing images, scheduling predicate) reset after the test;
 * ``fake_kubeconfig`` (session): path of a kubeconfig pointing at it;
@@ -15,7 +17,8 @@ top-level conftest.py.
 * ``kube_api_client``: a ``kubernetes.client.ApiClient`` for it (global config untouched);
 * ``kube_namespace``: a fresh namespace name; its objects are deleted afterwards;
 * ``fake_apiserver_docker`` (session): a server running pods as docker containers;
-  skipped when no docker engine answers.
+  skipped when no docker engine answers (a failure under CI_REQUIRE_DOCKER=1). It is a
+  second server only because its runtime option differs.
 """
 from __future__ import annotations
 
@@ -27,10 +30,10 @@ from .fake_apiserver import FakeApiServer, docker_engine_answers
 
 
 @pytest.fixture(scope="session")
-def fake_apiserver():
-    server = FakeApiServer(runtime="process").start()
-    yield server
-    server.stop()
+def fake_apiserver(kube_cluster):
+    if kube_cluster.fake is None:
+        pytest.skip("tests of the fake API server itself do not run against a real cluster")
+    return kube_cluster.fake
 
 
 @pytest.fixture
@@ -69,7 +72,9 @@ def kube_namespace(fake_apiserver) -> str:
 @pytest.fixture(scope="session")
 def fake_apiserver_docker():
     if not docker_engine_answers():
-        pytest.skip("no docker engine answers")
+        from conftest import skip_or_fail
+
+        skip_or_fail("no docker engine answers", "CI_REQUIRE_DOCKER")
     server = FakeApiServer(runtime="docker").start()
     yield server
     server.stop()

@@ -30,8 +30,17 @@ finalizer; list items have no kind/apiVersion; watches re-shape events to
 the selector (ADDED/DELETED on entering/leaving it); updates of the main
 resource ignore ``status``; a resourceVersion in a create is a 500.
 
+Strict like a real cluster: the API server's quantity grammar ("512K" is a
+422); statuses sorted by container name; a pull policy of Always (the default
+for ``:latest`` and untagged images) fails for images outside ``registry``;
+namespace labels drive admission (tests/kube/_admission.py): the "restricted"
+Pod Security standard, and istio sidecar injection of a container that never
+exits; quiet watches get a BOOKMARK every ``bookmark_interval`` seconds; a watch
+from a resourceVersion newer than the store's is a 504 "Too large resource
+version" with Retry-After (as from a lagging API server after a failover).
+
 Deliberate differences from a real cluster: one node ("fake-node"); pod IP =
-host IP = 127.0.0.1; the SIGTERM->SIGKILL delay is min(grace period,
+host IP = ``pod_ip`` (127.0.0.1; "::1" for IPv6); the SIGTERM->SIGKILL delay is min(grace period,
 ``max_grace_seconds`` = 2 s); Job pod-replacement backoff is
 ``job_backoff_seconds`` (default 0; real 10 s doubling); watch errors use
 reason ``Expired``; no ``managedFields``; lists are served from the latest

@@ -24,6 +24,7 @@ from fibrl.errors import BackendError
 from fibrl.launch.build import image_tag
 
 TIMEOUT = 120
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this fibrl
 
 # Run with ``python -c``: nothing to copy into the image, even on a real cluster.
 SCRIPT = textwrap.dedent("""
@@ -291,3 +292,25 @@ def test_docker_build_then_run(docker_engine, tmp_path):
         fibrl_cli("stop", run, "--backend", "docker")
         subprocess.run(["docker", "rmi", "-f", f"fibrl-walker:{run}"], capture_output=True,
                        timeout=60)
+
+
+def test_build_loads_into_kind_or_minikube_and_knows_no_other_way():
+    from fibrl.launch.build import local_cluster_loader
+
+    assert local_cluster_loader("kind-rl") == ["kind", "load", "docker-image", "--name", "rl"]
+    assert local_cluster_loader("minikube") == ["minikube", "image", "load"]
+    assert local_cluster_loader("arn:aws:eks:eu-west-1:1:cluster/prod") is None
+
+
+@pytest.mark.kubernetes
+def test_build_without_a_registry_is_refused_before_building(kube_cluster, tmp_path):
+    """The fake's kubeconfig context is neither kind nor minikube: no node could pull the
+    image, so nothing is built (the Dockerfile here would fail any build)."""
+    (tmp_path / "Dockerfile").write_text("FROM image.invalid/never:1\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FIBRL_")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))
+    out = subprocess.run([sys.executable, "-m", "fibrl.cli", "run", "--kubeconfig",
+                          kube_cluster.kubeconfig, "--build", "--", "python", "-c", "pass"],
+                         capture_output=True, text=True, timeout=TIMEOUT, cwd=tmp_path, env=env)
+    assert out.returncode == 1, out.stderr
+    assert "--build has no registry" in out.stderr and "docker build" not in out.stderr

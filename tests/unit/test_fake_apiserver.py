@@ -16,8 +16,11 @@ import uuid
 from pathlib import Path
 
 import pytest
-from kubernetes import client, config, watch
-from kubernetes.client.exceptions import ApiException
+from conftest import require_module
+
+require_module("kubernetes")
+from kubernetes import client, config, watch  # noqa: E402
+from kubernetes.client.exceptions import ApiException  # noqa: E402
 
 try:
     import tests.kube.conftest_plugin  # noqa: F401
@@ -28,7 +31,7 @@ from tests.kube.conftest_plugin import (fake_apiserver, fake_apiserver_docker, f
                                         fake_kubeconfig, kube_api_client, kube_namespace)
 from tests.kube.fake_apiserver import FakeApiServer, docker_leaked_containers  # noqa: E402
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.kubernetes, pytest.mark.timeout(60)]
 
 FIXTURES = Path(__file__).resolve().parents[1] / "kube" / "fixtures"
 IMAGE = "python:3.11-slim"
@@ -203,6 +206,9 @@ def test_label_and_field_selectors(v1, kube_namespace, fake_kube):
 
 
 def test_watch_from_resource_version_and_timeout(v1, kube_namespace):
+    # a real cluster's resourceVersion is never "0" (which a watch reads as "any version")
+    v1.create_namespaced_config_map(kube_namespace, {"metadata": {"generateName": "rv-"}},
+                                    _request_timeout=5)
     start = v1.list_namespaced_secret(kube_namespace, _request_timeout=5).metadata.resource_version
     v1.create_namespaced_secret(kube_namespace, {"metadata": {"name": "s"}, "stringData": {"k": "v"}},
                                 _request_timeout=5)
@@ -228,6 +234,7 @@ def test_watch_selector_transitions_and_bookmark(v1, kube_namespace):
 
 
 def test_watch_too_old_resource_version_is_410():
+    # its own server: a history of 3 events (the session's is long)
     with FakeApiServer(history_limit=3) as server, server.api_client() as api:
         v1 = client.CoreV1Api(api)
         first = v1.create_namespaced_secret("default", {"metadata": {"generateName": "s-"}}, _request_timeout=5)
@@ -589,6 +596,7 @@ def test_responses_have_the_real_api_shape(v1, batch, kube_namespace, fake_kube)
 
 
 def test_expired_watch_event_shape():
+    # its own server: a history of 1 event (the session's is long)
     with FakeApiServer(history_limit=1) as server, server.api_client() as api:
         v1 = client.CoreV1Api(api)
         for _ in range(3):
@@ -602,6 +610,7 @@ def test_expired_watch_event_shape():
 
 
 def test_stop_kills_every_process():
+    # its own server: the test stops it
     server = FakeApiServer().start()
     with server.api_client() as api:
         v1 = client.CoreV1Api(api)
@@ -620,10 +629,16 @@ def test_docker_mode_runs_a_container(fake_apiserver_docker):
     image = os.environ.get("FIBRL_IMAGE", "fibrl:latest")
     from tests.kube._runtime import docker_image_exists
     if not docker_image_exists(image):
-        pytest.skip(f"image {image} is not present locally")
+        from conftest import skip_or_fail
+
+        skip_or_fail(f"image {image} is not present locally (docker/build-image.sh)",
+                      "CI_REQUIRE_DOCKER")
     with fake_apiserver_docker.api_client() as api:
         v1 = client.CoreV1Api(api)
-        pod = v1.create_namespaced_pod("default", pod_body("print('from docker')", image=image), _request_timeout=5)
+        # IfNotPresent: a :latest image is pulled (and fails) under the default policy, Always
+        pod = v1.create_namespaced_pod("default", pod_body("print('from docker')", image=image,
+                                                           container={"imagePullPolicy": "IfNotPresent"}),
+                                       _request_timeout=5)
         done = wait_pod(v1, "default", pod.metadata.name, phase_in("Succeeded", "Failed"), timeout=60)
         assert done.status.phase == "Succeeded"
         assert done.status.container_statuses[0].container_id.startswith("docker://")
@@ -631,3 +646,116 @@ def test_docker_mode_runs_a_container(fake_apiserver_docker):
         v1.delete_namespaced_pod(pod.metadata.name, "default", _request_timeout=5)
         wait_gone(v1.list_namespaced_pod, v1.read_namespaced_pod, "default", pod.metadata.name)
     assert docker_leaked_containers(fake_apiserver_docker.settings.instance) == []
+
+
+def test_docker_containers_get_no_swap_beyond_their_memory_limit():
+    """As the kubelet does: a container over its limit is OOM-killed, it does not swap."""
+    from tests.kube._runtime import ContainerConfig, DockerContainer
+
+    limit = 12 * 2 ** 20
+    args = DockerContainer(ContainerConfig("ns/p", "c", "img", ["python"], None, {}, None,
+                                           memory_limit=limit))._run_args()
+    assert args[args.index("--memory") + 1] == str(limit)
+    assert args[args.index("--memory-swap") + 1] == str(limit)
+
+
+# --------------------------------------------------------------------------- as strict as a cluster
+
+
+def _labelled_namespace(v1, **labels) -> str:
+    name = f"t-{uuid.uuid4().hex[:10]}"
+    v1.create_namespace({"metadata": {"name": name, "labels": labels}}, _request_timeout=5)
+    return name
+
+
+def test_quantities_follow_the_api_servers_grammar(v1, kube_namespace):
+    """Only k / Ki are kilo: "512K" is refused as a real API server refuses it."""
+    status, body, _ = error_of(v1.create_namespaced_pod, kube_namespace,
+                               pod_body(container={"resources": {"limits": {"memory": "512K"}}}))
+    assert status == 422 and "must match the regex" in body["message"]
+    for good in ("512Ki", "512k", "1e3", "1.5Gi", "100m"):
+        v1.create_namespaced_pod(kube_namespace, pod_body(
+            container={"resources": {"limits": {"cpu": "100m", "memory": good}}}),
+            dry_run="All", _request_timeout=5)
+
+
+def test_restricted_pod_security_refuses_pods_that_do_not_meet_it(v1):
+    namespace = _labelled_namespace(v1, **{"pod-security.kubernetes.io/enforce": "restricted"})
+    try:
+        status, body, _ = error_of(v1.create_namespaced_pod, namespace, pod_body())
+        assert status == 403
+        assert 'violates PodSecurity "restricted:latest"' in body["message"]
+        assert "runAsNonRoot != true" in body["message"]
+        secure = pod_body(securityContext={"runAsNonRoot": True, "runAsUser": 1000,
+                                           "seccompProfile": {"type": "RuntimeDefault"}},
+                          container={"securityContext": {"allowPrivilegeEscalation": False,
+                                                         "capabilities": {"drop": ["ALL"]}}})
+        v1.create_namespaced_pod(namespace, secure, _request_timeout=5)
+    finally:
+        v1.delete_namespace(namespace, _request_timeout=5)
+
+
+def test_pull_policy_always_fails_for_an_image_only_on_the_node(v1, kube_namespace):
+    """fibrl:latest defaults to Always: pulled again from a registry that lacks it."""
+    pod = v1.create_namespaced_pod(kube_namespace, pod_body(image="fibrl:latest"), _request_timeout=5)
+    assert pod.spec.containers[0].image_pull_policy == "Always"
+    wait_pod(v1, kube_namespace, pod.metadata.name, lambda p: any(
+        cs.state.waiting and cs.state.waiting.reason in ("ErrImagePull", "ImagePullBackOff")
+        for cs in p.status.container_statuses or []))
+    loaded = v1.create_namespaced_pod(kube_namespace, pod_body(
+        image="fibrl:latest", container={"imagePullPolicy": "IfNotPresent"}), _request_timeout=5)
+    done = wait_pod(v1, kube_namespace, loaded.metadata.name, phase_in("Succeeded", "Failed"))
+    assert done.status.phase == "Succeeded"
+
+
+def test_istio_injection_adds_a_sidecar_that_never_exits(v1):
+    namespace = _labelled_namespace(v1, **{"istio-injection": "enabled"})
+    try:
+        pod = v1.create_namespaced_pod(namespace, pod_body(name="w", container={"name": "worker"}),
+                                       _request_timeout=5)
+        assert [c.name for c in pod.spec.containers] == ["worker", "istio-proxy"]
+        done = wait_pod(v1, namespace, "w", lambda p: any(
+            cs.name == "worker" and cs.state.terminated for cs in p.status.container_statuses or []))
+        assert [cs.name for cs in done.status.container_statuses] == ["istio-proxy", "worker"]
+        assert done.status.phase == "Running"          # the sidecar still runs
+        opted_out = v1.create_namespaced_pod(namespace, pod_body(
+            metadata={"annotations": {"sidecar.istio.io/inject": "false"}}), _request_timeout=5)
+        assert [c.name for c in opted_out.spec.containers] == ["main"]
+    finally:
+        v1.delete_namespace(namespace, _request_timeout=5)
+
+
+def test_pod_ip_is_configurable_to_ipv6():
+    # its own server: pods with IP ::1
+    with FakeApiServer(pod_ip="::1") as server, server.api_client() as api:
+        v1 = client.CoreV1Api(api)
+        body = pod_body("import os; print(os.environ['IP'])")
+        body["spec"]["containers"][0]["env"] = [{"name": "IP", "valueFrom": {"fieldRef": {
+            "fieldPath": "status.podIP"}}}]
+        pod = v1.create_namespaced_pod("default", body, _request_timeout=5)
+        done = wait_pod(v1, "default", pod.metadata.name, phase_in("Succeeded", "Failed"))
+        assert done.status.pod_ip == "::1"
+        assert v1.read_namespaced_pod_log(pod.metadata.name, "default", _request_timeout=5) == "::1\n"
+
+
+def test_quiet_watches_get_periodic_bookmarks():
+    # its own server: a bookmark every 0.3 s (the session's: every minute)
+    with FakeApiServer(bookmark_interval=0.3) as server, server.api_client() as api:
+        v1 = client.CoreV1Api(api)
+        rv = v1.list_namespaced_pod("default", _request_timeout=5).metadata.resource_version
+        begin = time.monotonic()
+        events = [e["type"] for e in watch.Watch().stream(
+            v1.list_namespaced_pod, "default", resource_version=rv, timeout_seconds=1,
+            allow_watch_bookmarks=True, _request_timeout=10)]
+        assert time.monotonic() - begin >= 0.9
+        assert events.count("BOOKMARK") >= 3
+
+
+def test_a_too_large_resource_version_is_refused_with_retry_after(v1, kube_namespace):
+    """As an API server whose watch cache lags behind (after a failover) answers."""
+    current = int(v1.list_namespaced_pod(kube_namespace, _request_timeout=5).metadata.resource_version)
+    status, body, headers = error_of(v1.list_namespaced_pod, kube_namespace, watch=True,
+                                     resource_version=str(current + 1000), timeout_seconds=1)
+    assert status == 504 and "Too large resource version" in body["message"]
+    assert body["details"]["causes"][0]["reason"] == "ResourceVersionTooLarge"
+    assert headers.get("Retry-After") == "1"

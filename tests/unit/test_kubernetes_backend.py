@@ -18,7 +18,7 @@ import time
 import uuid
 
 import pytest
-from conftest import require_module
+from conftest import require_module, wait_until
 
 import fibrl
 from fibrl import backends
@@ -140,6 +140,9 @@ def test_cpu_quantities_and_bad_sizes():
         cpu_quantity(0.0001)
     with pytest.raises(ConfigError, match="not a size.*512m"):
         memory_quantity("lots")
+    for refused in ("512K", "1KB", "2gi", "1.5.3Mi"):    # real API servers refuse these
+        with pytest.raises(ConfigError, match="'K' alone is not one"):
+            memory_quantity(refused)
 
 
 @pytest.mark.parametrize("key,value,match", [
@@ -335,8 +338,7 @@ def test_waiting_reasons_that_end_or_bound_a_start(reason, stuck, fatal):
 def test_unschedulable_pod_reports_the_schedulers_reason(kube_init):
     kube_init(kubernetes_node_selector="disktype=nonexistent", kubernetes_pending_timeout=1.5)
     p = _started(sleep_forever)
-    time.sleep(0.5)
-    assert "Unschedulable" in p._popen.job.logs()
+    wait_until(lambda: "Unschedulable" in p._popen.job.logs(), "the scheduler's reason", WAIT)
     p.join(WAIT)
     assert p.exitcode == 1
     reason = p._popen.job.failure_reason()
@@ -345,11 +347,10 @@ def test_unschedulable_pod_reports_the_schedulers_reason(kube_init):
 
 
 def test_unschedulable_pod_is_reported_not_killed_with_the_default_timeouts(kube_init, caplog):
-    """Both timeouts scaled down together from their defaults (start_timeout is not
-    smaller than kubernetes_pending_timeout): the scheduler's reason, not a lost worker."""
+    """Both timeouts scaled down together from their defaults (start_timeout, which counts
+    from the pod's Running phase, is the shorter): the scheduler's reason, not a lost worker."""
     defaults = Config()
     scale = 1.5 / defaults.kubernetes_pending_timeout
-    assert defaults.start_timeout >= defaults.kubernetes_pending_timeout
     kube_init(kubernetes_node_selector="disktype=nonexistent",
               kubernetes_pending_timeout=defaults.kubernetes_pending_timeout * scale,
               start_timeout=defaults.start_timeout * scale)
@@ -394,8 +395,8 @@ def test_pod_deleted_by_someone_else_is_a_lost_worker(kube_init, core, kube_sett
     core.delete_namespaced_pod(out.get(timeout=WAIT), kube_settings["kubernetes_namespace"],
                                grace_period_seconds=0, _request_timeout=10)
     p.join(WAIT)
-    assert p.exitcode < 0
-    assert "deleted by someone else" in p._popen.job.failure_reason() or p.exitcode == -9
+    assert p.exitcode == -9      # grace period 0: SIGKILL
+    assert "deleted by someone else" in p._popen.job.failure_reason()
 
 
 def test_terminate_before_the_pod_exists(kube_init):
@@ -421,10 +422,8 @@ def test_worker_pods_of_a_pod_carry_an_owner_reference(kube_init, core, kube_set
     owner = core.read_namespaced_pod(child, namespace, _request_timeout=10)
     assert [(r.kind, r.name, r.uid) for r in refs] == [("Pod", child, owner.metadata.uid)]
     core.delete_namespaced_pod(child, namespace, _request_timeout=10)   # the parent pod goes ...
-    deadline = time.monotonic() + WAIT
-    while grandchild in _pod_names(core, namespace):                # ... and takes its workers
-        assert time.monotonic() < deadline, f"worker pod {grandchild} outlived its owner pod"
-        time.sleep(0.2)
+    wait_until(lambda: grandchild not in _pod_names(core, namespace),   # ... and its workers go
+               f"worker pod {grandchild} to go with its owner pod", WAIT)
     p.join(WAIT)
 
 
@@ -442,11 +441,11 @@ def test_close_removes_the_runs_pods_and_secret(kube_init, core, kube_settings):
     backend.close()
     p.join(WAIT)
     assert p.exitcode == -9
+    assert p._popen.job.failure_reason() == ""    # its own kill, not "deleted by someone else"
     assert not core.list_namespaced_secret(namespace, label_selector=selector).items
-    deadline = time.monotonic() + WAIT
-    while core.list_namespaced_pod(namespace, label_selector=selector).items:
-        assert time.monotonic() < deadline
-        time.sleep(0.2)
+    wait_until(lambda: not core.list_namespaced_pod(namespace, label_selector=selector,
+                                                    _request_timeout=10).items,
+               "the closed backend's pods to be deleted", WAIT)
 
 
 def test_watch_recovers_from_410_and_from_failed_lists(kube_cluster):
@@ -456,7 +455,7 @@ def test_watch_recovers_from_410_and_from_failed_lists(kube_cluster):
     from fibrl.backends.kube.api import Api, connect
     from fibrl.backends.kube.watch import PodWatcher
 
-    with FakeApiServer(history_limit=3) as server:
+    with FakeApiServer(history_limit=3) as server:   # its own: a tiny watch history
         settings = KubeSettings.from_config(Config(kubernetes_kubeconfig=server.write_kubeconfig()))
         api = Api(connect(settings, PodIdentity()))
         events, lists = [], []
@@ -475,45 +474,198 @@ def test_watch_recovers_from_410_and_from_failed_lists(kube_cluster):
                              on_resync, lambda exc: None, lambda: 0)
         watcher.start()
         try:
-            while not lists:
-                time.sleep(0.05)
+            wait_until(lambda: lists, "the first list", WAIT)
             with server.api_client() as client:
                 for i in range(10):      # 10 events: the listed resourceVersion is now too old
                     kubernetes.client.CoreV1Api(client).create_namespaced_secret(
                         "w", {"metadata": {"name": f"s{i}"}}, _request_timeout=10)
             release.set()
             assert watcher.ready.wait(WAIT)
-            deadline = time.monotonic() + WAIT
-            while len(lists) < 2 and time.monotonic() < deadline:
-                time.sleep(0.05)
-            assert len(lists) >= 2, "a 410 must lead to a new list (resync)"
+            wait_until(lambda: len(lists) >= 2, "a new list (resync) after the 410", WAIT)
             with server.api_client() as client:
                 kubernetes.client.CoreV1Api(client).create_namespaced_pod("w", {
                     "metadata": {"name": "p", "labels": {"app": "x"}},
                     "spec": {"containers": [{"name": "c", "image": "i",
                                              "command": ["python", "-c", "pass"]}]}},
                     _request_timeout=10)
-            while not events and time.monotonic() < deadline:
-                time.sleep(0.05)
-            assert events   # from the watch, or from a resync when the tiny history overflowed
+            # from the watch, or from a resync when the tiny history overflowed
+            wait_until(lambda: events, "an event of the new pod", WAIT)
         finally:
             watcher.stop()
 
 
-def test_oomkilled_pod_is_reported(kube_init, request):
-    """Pods as docker containers of the worker image, with a memory limit python cannot start in."""
+def test_oomkilled_pod_is_reported(kube_init):
+    """Pods as docker containers of the worker image, with a memory limit python cannot
+    start in. Needs its own fake API server: one whose runtime is docker."""
     if os.environ.get("KUBE_TEST_KUBECONFIG"):
         pytest.skip("uses the fake API server's docker runtime")
-    from conftest import docker_available
+    from conftest import skip_or_fail, docker_available
 
-    if docker_available():
-        pytest.skip(docker_available())
+    missing = docker_available()
+    if missing:
+        skip_or_fail(missing, "CI_REQUIRE_DOCKER")
     from tests.kube.fake_apiserver import FakeApiServer
 
     with FakeApiServer(runtime="docker") as server:
         backend = kube_init(kubernetes_kubeconfig=server.write_kubeconfig(), memory="12m")
         p = _started(exit_with, 0)
-        p.join(60)
+        p.join(90)
+        job = p._popen.job
+        ended, reason, logs = p.exitcode, job.failure_reason(), job.logs()
         backend.close()       # while its API server still answers
-        assert p.exitcode == -9
-        assert p._popen.job.failure_reason() == "OOMKilled"
+    assert ended == -9, f"exit code {ended}, reason {reason!r}, logs {logs!r}"
+    assert reason == "OOMKilled"
+
+
+# --------------------------------------------------------------------------- a real cluster's rules
+
+def _namespace(core, **labels):
+    name = f"t-{uuid.uuid4().hex[:10]}"
+    core.create_namespace({"metadata": {"name": name, "labels": labels}}, _request_timeout=10)
+    return name
+
+
+def test_workers_run_in_a_namespace_enforcing_restricted_pod_security(kube_init, core, fake):
+    namespace = _namespace(core, **{"pod-security.kubernetes.io/enforce": "restricted"})
+    try:
+        kube_init(kubernetes_namespace=namespace)
+        p = _started(exit_with, 3)
+        p.join(WAIT)
+        assert p.exitcode == 3, p._popen.job.failure_reason()
+    finally:
+        core.delete_namespace(namespace, _request_timeout=10)
+
+
+def test_a_service_mesh_sidecar_does_not_hide_the_workers_exit(kube_init, core, fake):
+    """istio injects a container that never exits: the worker's own status ends the job."""
+    namespace = _namespace(core, **{"istio-injection": "enabled"})
+    try:
+        kube_init(kubernetes_namespace=namespace, kubernetes_mesh_annotations="")
+        p = _started(exit_with, 3)
+        p.join(WAIT)
+        assert p.exitcode == 3, p._popen.job.failure_reason()
+        pod = core.read_namespaced_pod(p._popen.job.name, namespace, _request_timeout=10)
+        assert [c.name for c in pod.status.container_statuses] == ["istio-proxy", "worker"]
+        kube_init(kubernetes_namespace=namespace)     # default: opted out of the mesh
+        q = _started(exit_with, 0)
+        q.join(WAIT)
+        assert q.exitcode == 0
+    finally:
+        core.delete_namespace(namespace, _request_timeout=10)
+
+
+def test_pod_security_denial_is_not_reported_as_missing_rbac():
+    from fibrl.backends.kube.api import api_error
+
+    class Denied:
+        status, reason = 403, "Forbidden"
+        body = json.dumps({"message": 'pods "w" is forbidden: violates PodSecurity '
+                                      '"restricted:latest": runAsNonRoot != true (pod or '
+                                      'container "worker" must set securityContext.runAsNonRoot'
+                                      '=true)'})
+    text = str(api_error(Denied(), "create", "pods", "ns", api=None))
+    assert "admission control refused it, not RBAC" in text
+    assert "kubernetes_run_as_user" in text and "rbac.yaml" not in text
+
+
+def test_pull_policy_always_pulls_an_image_the_registry_lacks(kube_init, fake):
+    kube_init(kubernetes_image_pull_policy="Always")
+    p = _started(exit_with, 0)
+    p.join(WAIT)
+    assert p.exitcode == 1
+    assert "cannot pull its image" in p._popen.job.failure_reason()
+    assert "kubernetes_image_pull_policy" in p._popen.job.failure_reason()
+
+
+def test_a_parent_outside_the_cluster_may_not_listen_on_loopback(kube_init, fake):
+    kube_init(kubernetes_allow_loopback=False)
+    with pytest.raises(BackendError, match="dial 127.0.0.1 inside its own pod") as info:
+        _started(exit_with, 0)
+    assert "listen_host" in str(info.value) and "kubernetes_allow_loopback" in str(info.value)
+
+
+def test_workers_start_workers_on_an_ipv6_pod_network(kube_init):
+    """Pods get IP ::1; a worker that starts a worker listens on it (tcp://[::1]:port).
+    Needs its own fake API server: one whose pods have an IPv6 address."""
+    if os.environ.get("KUBE_TEST_KUBECONFIG"):
+        pytest.skip("sets the fake API server's pod IP")
+    from tests.kube.fake_apiserver import FakeApiServer
+
+    with FakeApiServer(pod_ip="::1") as server:
+        backend = kube_init(kubernetes_kubeconfig=server.write_kubeconfig())
+        out, go = fibrl.Queue(), fibrl.Queue()
+        p = _started(start_grandchild, out, go)
+        names = {out.get(timeout=WAIT), out.get(timeout=WAIT)}
+        go.put(None)
+        p.join(WAIT)
+        backend.close()
+    assert len(names) == 2 and p.exitcode == 0
+
+
+def test_a_job_refused_by_pod_security_is_reported_at_once(kube_cluster, core, fake):
+    """The Job is admitted, its pod is not: `fibrl run` reads the Job's FailedCreate event."""
+    from fibrl.launch.kubernetes import KubernetesLauncher, job_name
+
+    namespace = _namespace(core, **{"pod-security.kubernetes.io/enforce": "restricted"})
+    run = uuid.uuid4().hex[:12]
+    try:
+        with kube_cluster.client() as api:
+            kubernetes.client.BatchV1Api(api).create_namespaced_job(namespace, {
+                "metadata": {"name": job_name(run)},
+                "spec": {"backoffLimit": 0, "template": {
+                    "metadata": {"labels": {"fibrl.run": run, "fibrl.role": "parent"}},
+                    "spec": {"restartPolicy": "Never", "containers": [{
+                        "name": "main", "image": "python:3.11", "command": ["python"]}]}}}},
+                _request_timeout=10)
+        launcher = KubernetesLauncher(Config(kubernetes_kubeconfig=kube_cluster.kubeconfig,
+                                             kubernetes_namespace=namespace,
+                                             kubernetes_pending_timeout=40))
+        begin = time.monotonic()
+        with pytest.raises(BackendError) as info:
+            launcher.wait(run, False, None)
+        assert time.monotonic() - begin < 20
+        assert "violates PodSecurity" in str(info.value) and "not RBAC" not in str(info.value)
+        assert "kubernetes_run_as_user" in str(info.value)
+    finally:
+        core.delete_namespace(namespace, _request_timeout=10)
+
+
+def test_a_slow_delete_does_not_hold_up_the_watch(kube_init, fake, kube_settings):
+    """The watch deletes a pod that cannot pull its image; while that delete is retried
+    (the API server answers 503), another pod's exit still arrives at once."""
+    kube_init()
+    out, go = fibrl.Queue(), fibrl.Queue()
+    ok = _started(report_pod_then_wait, out, go)
+    out.get(timeout=WAIT)
+    fake.fail_image_pulls(kube_settings["image"])      # from now on, for new pods
+    fake.inject_errors(503, count=12, verb="delete", resource="pods", retry_after=1)
+    bad = _started(sleep_forever)
+    wait_until(lambda: fake.count_requests("delete", "pods", 503), "the first refused delete",
+               WAIT)
+    go.put(None)
+    code = ok._popen.job.wait(6)       # the refused deletes retry for about 12 s
+    fake.reset_hooks()
+    assert code == 0, "the worker's exit waited for another pod's delete"
+    bad.join(WAIT)
+    ok.join(WAIT)
+
+
+def test_the_watch_waits_as_long_as_the_server_asks(kube_cluster, fake):
+    from fibrl.backends.kube.api import Api, connect
+    from fibrl.backends.kube.watch import PodWatcher
+
+    settings = KubeSettings.from_config(Config(kubernetes_kubeconfig=kube_cluster.kubeconfig))
+    before = fake.count_requests("watch", "pods")
+    # 500, not 503 or 429: urllib3 itself retries those when they carry Retry-After
+    fake.inject_errors(500, count=1, verb="watch", resource="pods", retry_after=3)
+    watcher = PodWatcher(Api(connect(settings, PodIdentity())), "default", "app=retry-after",
+                         lambda kind, pod: None, lambda pods, seq: None, lambda exc: None,
+                         lambda: 0)
+    begin = time.monotonic()
+    watcher.start()
+    try:
+        wait_until(lambda: fake.count_requests("watch", "pods") >= before + 2,
+                   "the watch after the refused one", WAIT)
+        assert time.monotonic() - begin >= 2.5, "Retry-After: 3 was not honoured"
+    finally:
+        watcher.stop()

@@ -17,6 +17,7 @@ from fibrl.backends.kube.manifests import launcher_job, owner_reference, secret_
 from fibrl.backends.kube.settings import (NEWEST_KUBERNETES, OLDEST_KUBERNETES, KubeSettings,
                                           PodIdentity, pod_name)
 from fibrl.config import Config
+from fibrl.errors import ConfigError
 
 
 kubernetes_validate = require_module("kubernetes_validate")
@@ -145,3 +146,48 @@ def test_worker_pod_carries_what_the_design_requires():
     assert pod["spec"]["nodeSelector"]["disktype"] == "ssd"
     assert pod["spec"]["imagePullSecrets"] == [{"name": "regcred"}]
     assert pod["metadata"]["labels"]["team"] == "rl"
+
+
+@pytest.mark.parametrize("which", sorted(k for k in MANIFESTS if k != "secret"))
+def test_pods_meet_the_restricted_pod_security_standard(which):
+    """A namespace enforcing "restricted" admits every pod fibrl makes (the fake's checks)."""
+    from tests.kube._admission import restricted_violations
+
+    obj = MANIFESTS[which]()
+    spec = obj["spec"]["template"]["spec"] if obj["kind"] == "Job" else obj["spec"]
+    assert restricted_violations(spec) == []
+    assert spec["securityContext"]["runAsUser"] == 10001      # numeric, as the image's USER
+    assert {c["imagePullPolicy"] for c in spec["containers"]} == {"IfNotPresent"}
+
+
+def test_pods_opt_out_of_mesh_sidecars_and_jobs_expire():
+    pod = MANIFESTS["worker pod, defaults"]()
+    job = MANIFESTS["launcher job, defaults"]()
+    for annotations in (pod["metadata"]["annotations"],
+                        job["spec"]["template"]["metadata"]["annotations"]):
+        assert annotations["sidecar.istio.io/inject"] == "false"
+        assert annotations["linkerd.io/inject"] == "disabled"
+    assert job["spec"]["ttlSecondsAfterFinished"] == 3600
+
+
+def test_pull_policy_user_and_annotations_are_configurable():
+    settings = KubeSettings.from_config(Config(
+        kubernetes_image_pull_policy="Always", kubernetes_run_as_user=0,
+        kubernetes_mesh_annotations="", kubernetes_job_ttl=60))
+    pod = _pod(settings, _spec())
+    assert pod["spec"]["containers"][0]["imagePullPolicy"] == "Always"
+    assert "runAsUser" not in pod["spec"]["securityContext"]        # the image's own USER
+    assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
+    assert set(pod["metadata"]["annotations"]) == {"fibrl.process-name"}
+    job = launcher_job(name="j", namespace="d", run_id="ab", image="i:1", command=("python",),
+                       env={}, settings=settings, service_account="")
+    assert job["spec"]["ttlSecondsAfterFinished"] == 60
+    with pytest.raises(ConfigError, match="kubernetes_image_pull_policy"):
+        KubeSettings.from_config(Config(kubernetes_image_pull_policy="Sometimes"))
+
+
+def test_rbac_documents_binding_the_parent_role_to_a_person():
+    """A parent on a laptop needs the parent role bound to its user, not only the launcher's."""
+    text = RBAC.read_text()
+    assert "--role=fibrl-parent --user=" in text
+    assert "--role=fibrl-launcher --user=" in text

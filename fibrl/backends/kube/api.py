@@ -28,7 +28,8 @@ from typing import Any, Callable, Optional
 from ...errors import BackendError
 from .settings import KubeSettings, PodIdentity
 
-__all__ = ["Api", "KubeApiError", "connect", "sdk", "RBAC_HINT", "REQUIRED_PERMISSIONS"]
+__all__ = ["Api", "KubeApiError", "connect", "sdk", "RBAC_HINT", "REQUIRED_PERMISSIONS",
+           "admission_denial"]
 
 log = logging.getLogger(__name__)
 
@@ -60,9 +61,10 @@ def sdk():
 class KubeApiError(BackendError):
     """An API request failed; ``status`` is the HTTP status (0: no answer)."""
 
-    def __init__(self, message: str, status: int = 0) -> None:
+    def __init__(self, message: str, status: int = 0, retry_after: float = 0.0) -> None:
         super().__init__(message)
         self.status = status
+        self.retry_after = retry_after   # seconds the server asked to wait (Retry-After)
 
 
 # -- connecting -------------------------------------------------------------------------
@@ -259,6 +261,9 @@ def api_error(exc: Any, verb: str, resource: str, namespace: str, api: Api) -> K
     elif status == 403 and "exceeded quota" in message:
         text = (f"cannot {verb} {resource}{where}: a ResourceQuota is exhausted ({message}). Fix: "
                 f"ask fewer workers or smaller requests (cpu/memory/gpu), or raise the quota.")
+    elif status in (400, 403) and admission_denial(message):
+        text = (f"cannot {verb} {resource}{where}: the cluster's admission control refused it, "
+                f"not RBAC ({message}). {admission_denial(message)}")
     elif status == 403:
         text = _forbidden(message, verb, resource, namespace, api)
     elif status == 404 and "namespaces" in message:
@@ -272,7 +277,25 @@ def api_error(exc: Any, verb: str, resource: str, namespace: str, api: Api) -> K
     else:
         text = (f"kubernetes API request '{verb} {resource}'{where} failed: {status} "
                 f"{exc.reason}: {message}.")
-    return KubeApiError(text, status)
+    return KubeApiError(text, status, _retry_after(exc))
+
+
+def admission_denial(message: str) -> str:
+    """The likely cause and fix of a Pod Security or admission webhook denial ("" if
+    ``message`` is neither): these are 403s too, but granting RBAC does not help."""
+    if "violates PodSecurity" in message:
+        return ("Likely cause: the namespace enforces a Pod Security standard (its label "
+                "pod-security.kubernetes.io/enforce) that the pod does not meet. fibrl's pods "
+                "meet \"restricted\" as long as kubernetes_run_as_user is a non-zero uid (or "
+                "the image's USER is a numeric non-root uid); the message names the field. Fix: "
+                "set that config, or run in a namespace whose standard the pod meets.")
+    if "admission webhook" in message:
+        return ("Likely cause: an admission webhook of the cluster (a policy engine such as "
+                "Gatekeeper or Kyverno, or a service mesh) denied the pod; its message above "
+                "says which rule. Fix: meet that rule (kubernetes_labels, "
+                "kubernetes_mesh_annotations, image, resources) or ask the cluster's admins "
+                "for an exception.")
+    return ""
 
 
 def _forbidden(message: str, verb: str, resource: str, namespace: str, api: Api) -> str:

@@ -29,6 +29,7 @@ from typing import Any, Callable, Optional
 
 from ...errors import describe_exitcode
 from ..base import Job, JobSpec, JobStatus
+from .settings import CONTAINER
 
 __all__ = ["KubernetesJob", "exit_code", "ended_code", "pod_failure", "fatal_waiting",
            "stuck_pending", "LOG_TAIL_LINES"]
@@ -41,6 +42,8 @@ _FATAL_WAITING = ("ImagePullBackOff", "ErrImageNeverPull", "InvalidImageName")
 # ErrImagePull comes before ImagePullBackOff (which ends the job at once); a kubelet that
 # keeps retrying a flaky registry may show it for long, so it starts the pending timer.
 _STUCK_WAITING = ("CreateContainerConfigError", "CreateContainerError", "ErrImagePull")
+_DELETED_ELSEWHERE = ("the pod was deleted by someone else (kubectl delete, a node drain, "
+                      "the cluster)")
 
 
 # -- reading a pod ------------------------------------------------------------------------
@@ -55,20 +58,23 @@ def exit_code(status: int) -> int:
     return 128 - status if 128 < status <= 128 + _MAX_SIGNAL else status
 
 
-def _container(pod: dict) -> dict:
-    statuses = (pod.get("status") or {}).get("containerStatuses") or [{}]
-    return statuses[0]
+def _container(pod: dict, name: str = CONTAINER) -> dict:
+    """The status of container ``name``: the kubelet sorts statuses by name, and an injected
+    sidecar (istio-proxy, linkerd-proxy) may come first."""
+    statuses = (pod.get("status") or {}).get("containerStatuses") or []
+    return next((s for s in statuses if s.get("name") == name), {})
 
 
-def ended_code(pod: dict) -> Optional[int]:
-    """The exit code of a pod in a terminal phase (None while it may still run)."""
-    status = pod.get("status") or {}
-    if status.get("phase") not in ("Succeeded", "Failed"):
-        return None
-    terminated = (_container(pod).get("state") or {}).get("terminated")
-    if terminated is None:  # failed before its container ran (evicted while pending...)
-        return -signal.SIGKILL
-    return exit_code(int(terminated.get("exitCode", 1)))
+def ended_code(pod: dict, container: str = CONTAINER) -> Optional[int]:
+    """The exit code of the pod's ``container`` once it terminated, or of a pod in a terminal
+    phase (None while it may still run). The container's end is the job's end: a sidecar
+    that never exits keeps the pod Running after it (restartPolicy Never: no restart)."""
+    terminated = (_container(pod, container).get("state") or {}).get("terminated")
+    if terminated is not None:
+        return exit_code(int(terminated.get("exitCode", 1)))
+    if (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
+        return -signal.SIGKILL   # failed before its container ran (evicted while pending...)
+    return None
 
 
 def pod_failure(pod: dict) -> str:
@@ -92,26 +98,26 @@ def _condition(pod: dict, kind: str) -> dict:
     return next((c for c in conditions if c.get("type") == kind), {})
 
 
-def _waiting(pod: dict) -> dict:
-    return (_container(pod).get("state") or {}).get("waiting") or {}
+def _waiting(pod: dict, container: str = CONTAINER) -> dict:
+    return (_container(pod, container).get("state") or {}).get("waiting") or {}
 
 
-def fatal_waiting(pod: dict) -> str:
+def fatal_waiting(pod: dict, container: str = CONTAINER) -> str:
     """``"ImagePullBackOff: ..."`` when the container can never start, else ``""``."""
-    waiting = _waiting(pod)
+    waiting = _waiting(pod, container)
     if waiting.get("reason") in _FATAL_WAITING:
         return f"{waiting['reason']}: {waiting.get('message', '')}".rstrip(": ")
     return ""
 
 
-def stuck_pending(pod: dict) -> str:
+def stuck_pending(pod: dict, container: str = CONTAINER) -> str:
     """The scheduler's (or kubelet's) reason a pending pod does not start, else ``""``."""
     if (pod.get("status") or {}).get("phase") not in (None, "Pending"):
         return ""
     scheduled = _condition(pod, "PodScheduled")
     if scheduled.get("status") == "False" and scheduled.get("reason") == "Unschedulable":
         return f"Unschedulable: {scheduled.get('message', '')}"
-    waiting = _waiting(pod)
+    waiting = _waiting(pod, container)
     if waiting.get("reason") in _STUCK_WAITING:
         return f"{waiting['reason']}: {waiting.get('message', '')}"
     return ""
@@ -168,13 +174,24 @@ class KubernetesJob(Job):
             callback()
         code = ended_code(pod)
         if code is not None:
-            self._end(code, pod_failure(pod) if code != 0 else "")
+            self._end(code, self._why_ended(pod, code))
             return
         fatal = fatal_waiting(pod)
         if fatal:
             self._owner.job_failed_to_start(self, fatal)
             return
         self._watch_stuck(stuck_pending(pod))
+
+    def _why_ended(self, pod: dict, code: int) -> str:
+        """The reason of a pod that ended with ``code``; a pod that ended because someone
+        deleted it says so whether its last status or its DELETED event came first."""
+        if code == 0:
+            return ""
+        reason = pod_failure(pod)
+        if reason or not (pod.get("metadata") or {}).get("deletionTimestamp"):
+            return reason
+        with self._lock:
+            return "" if self._requested else _DELETED_ELSEWHERE
 
     def _runs(self, pod: dict) -> list:
         """The when_running() callbacks to call now that ``pod`` runs (under the lock)."""
@@ -221,8 +238,7 @@ class KubernetesJob(Job):
             requested = self._requested
         if code is None:
             code = requested or -signal.SIGKILL
-        reason = "" if requested else pod_failure(pod or {}) or (
-            "the pod was deleted by someone else (kubectl delete, a node drain, the cluster)")
+        reason = "" if requested else pod_failure(pod or {}) or _DELETED_ELSEWHERE
         self._end(code, reason)
 
     def on_create_failed(self, message: str) -> None:

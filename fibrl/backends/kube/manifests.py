@@ -11,7 +11,14 @@ What every pod fibrl creates carries::
                  FIBRL_POD_NAME / _NAMESPACE / _UID and FIBRL_LISTEN_HOST (the pod IP)
                  from the downward API, so a worker can start workers of its own
     spec         restartPolicy Never; requests = limits for cpu, memory, nvidia.com/gpu;
-                 ownerReferences to the parent pod when the parent runs in one
+                 ownerReferences to the parent pod when the parent runs in one;
+                 imagePullPolicy kubernetes_image_pull_policy (IfNotPresent: an image
+                 loaded with `kind load` is used, not pulled again)
+    security     what the "restricted" Pod Security standard asks: runAsNonRoot, a
+                 numeric runAsUser (kubernetes_run_as_user), seccomp RuntimeDefault; no
+                 privilege escalation, every capability dropped
+    annotations  kubernetes_mesh_annotations (default: no istio / linkerd sidecar, which
+                 would keep a finished pod Running and intercept the workers' connections)
 """
 from __future__ import annotations
 
@@ -25,9 +32,10 @@ from .settings import (ANNOTATION_NAME, CONTAINER, ENV_LISTEN_HOST, ENV_POD_NAME
                        memory_quantity)
 
 __all__ = ["secret_manifest", "worker_pod", "launcher_job", "owner_reference", "resources",
-           "launcher_labels", "GPU_RESOURCE", "TERMINATION_GRACE"]
+           "launcher_labels", "GPU_RESOURCE", "TERMINATION_GRACE", "LAUNCHER_CONTAINER"]
 
 GPU_RESOURCE = "nvidia.com/gpu"
+LAUNCHER_CONTAINER = "main"
 TERMINATION_GRACE = 10  # seconds between SIGTERM and SIGKILL when a pod is deleted
 _DOWNWARD = ((ENV_POD_NAME, "metadata.name"), (ENV_POD_NAMESPACE, "metadata.namespace"),
              (ENV_POD_UID, "metadata.uid"), (ENV_LISTEN_HOST, "status.podIP"))
@@ -80,9 +88,26 @@ def _env(values: Mapping[str, str], secret_name: Optional[str] = None) -> list:
     return env
 
 
+def _pod_security(settings: KubeSettings) -> dict:
+    context: dict = {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
+    if settings.run_as_user:
+        context["runAsUser"] = settings.run_as_user
+        context["runAsGroup"] = settings.run_as_user
+    return context
+
+
+def _container(name: str, image: str, command: Sequence[str], env: list, resources_: dict,
+               settings: KubeSettings) -> dict:
+    return {"name": name, "image": image, "imagePullPolicy": settings.image_pull_policy,
+            "command": [str(a) for a in command], "env": env, "resources": resources_,
+            "securityContext": {"allowPrivilegeEscalation": False,
+                                "capabilities": {"drop": ["ALL"]}}}
+
+
 def _pod_spec(settings: KubeSettings, container: dict, service_account: str) -> dict:
     spec: dict = {"restartPolicy": "Never", "enableServiceLinks": False,
-                  "terminationGracePeriodSeconds": TERMINATION_GRACE, "containers": [container]}
+                  "terminationGracePeriodSeconds": TERMINATION_GRACE, "containers": [container],
+                  "securityContext": _pod_security(settings)}
     if service_account:
         spec["serviceAccountName"] = service_account
     if settings.node_selector:
@@ -101,14 +126,14 @@ def worker_pod(spec: JobSpec, settings: KubeSettings, *, name: str, namespace: s
 
     ``service_account`` (None: ``settings.service_account``) is the pod's.
     """
-    container = {"name": CONTAINER, "image": image, "command": [str(a) for a in spec.command],
-                 "env": _env({**settings.env, **spec.env}, secret_name),
-                 "resources": resources(spec.cpu, spec.memory, spec.gpu)}
+    container = _container(CONTAINER, image, spec.command,
+                           _env({**settings.env, **spec.env}, secret_name),
+                           resources(spec.cpu, spec.memory, spec.gpu), settings)
     if workdir:
         container["workingDir"] = workdir
     return {"apiVersion": "v1", "kind": "Pod",
             "metadata": _metadata(name, namespace, {**settings.labels, **labels}, owner,
-                                  {ANNOTATION_NAME: spec.name}),
+                                  {**settings.annotations, ANNOTATION_NAME: spec.name}),
             "spec": _pod_spec(settings, container, settings.service_account
                               if service_account is None else service_account)}
 
@@ -129,11 +154,17 @@ def launcher_job(*, name: str, namespace: str, run_id: str, image: str, command:
     """
     values = {"FIBRL_BACKEND": "kubernetes", "FIBRL_RUN_ID": run_id,
               "FIBRL_KUBERNETES_NAMESPACE": namespace, **env}
-    container = {"name": "main", "image": image, "command": [str(a) for a in command],
-                 "env": _env(values), "resources": resources(cpu, memory, gpu)}
+    container = _container(LAUNCHER_CONTAINER, image, command, _env(values),
+                           resources(cpu, memory, gpu), settings)
     labels = {**settings.labels, **launcher_labels(run_id)}
     template = {"metadata": {"labels": {k: label_value(v) for k, v in labels.items()}},
                 "spec": _pod_spec(settings, container, service_account)}
+    if settings.annotations:
+        template["metadata"]["annotations"] = dict(settings.annotations)
+    # ttlSecondsAfterFinished: a parent that crashed (or was OOM-killed) deletes nothing; the
+    # TTL controller then removes the Job, and with it its pod, whose dependents (worker pods,
+    # the run's Secret) the garbage collector removes in turn.
     return {"apiVersion": "batch/v1", "kind": "Job",
             "metadata": _metadata(name, namespace, labels, None),
-            "spec": {"backoffLimit": 0, "template": template}}
+            "spec": {"backoffLimit": 0, "ttlSecondsAfterFinished": settings.job_ttl,
+                     "template": template}}

@@ -13,6 +13,8 @@ Value formats (kept simple so they fit an environment variable)::
     kubernetes_env                "OMP_NUM_THREADS=1,WANDB_MODE=offline"
     kubernetes_image_pull_secrets "regcred,other-cred"
     kubernetes_tolerations        '[{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}]'
+    kubernetes_mesh_annotations   "sidecar.istio.io/inject=false,linkerd.io/inject=disabled"
+    kubernetes_image_pull_policy  "IfNotPresent" | "Always" | "Never"
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ import os
 import re
 import secrets
 import string
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Mapping, Optional
 
 from ...config import Config
@@ -56,7 +58,11 @@ _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9
 _ENV_NAME = re.compile(r"^[-._a-zA-Z][-._a-zA-Z0-9]*$")
 _TOLERATION_KEYS = {"key", "operator", "value", "effect", "tolerationSeconds"}
 _DOCKER_MEMORY = re.compile(r"^(\d+(?:\.\d+)?)\s*([kmgt]?)b?$")
-_KUBE_QUANTITY = re.compile(r"^\d+(\.\d+)?([KMGTPE]i?|[eE]\d+|m)?$")
+# The API server's quantity grammar (k8s.io/apimachinery resource.Quantity): binary Ki..Ei,
+# decimal n u m "" k M G T P E (lower-case k only), or a decimal exponent.
+_NUMBER = r"[+-]?(\d+(\.\d*)?|\.\d+)"
+_KUBE_QUANTITY = re.compile(rf"^{_NUMBER}([KMGTPE]i|[numkMGTPE]|[eE]{_NUMBER})?$")
+PULL_POLICIES = ("IfNotPresent", "Always", "Never")
 _BINARY = {"": 1, "k": 1024, "m": 1024 ** 2, "g": 1024 ** 3, "t": 1024 ** 4}
 _SUFFIX_CHARS = string.ascii_lowercase + string.digits
 
@@ -172,8 +178,10 @@ def memory_quantity(memory: str) -> str:
     if _KUBE_QUANTITY.match(text):
         return text
     raise ConfigError(
-        f"memory={memory!r} is not a size. Fix: write e.g. '512m' or '2g' (MiB, GiB, as docker "
-        f"reads them) or a kubernetes quantity such as '512Mi' or '2Gi'.")
+        f"memory={memory!r} is not a size a kubernetes API server accepts (suffixes: k, M, G, "
+        f"T, P, E, Ki, Mi, Gi, Ti, Pi, Ei; 'K' alone is not one). Fix: write e.g. '512m' or "
+        f"'2g' (MiB, GiB, as docker reads them) or a kubernetes quantity such as '512Ki', "
+        f"'512Mi' or '2Gi'.")
 
 
 def pod_name(process_name: str, suffix: Optional[str] = None) -> str:
@@ -256,6 +264,11 @@ class KubeSettings:
     env: Mapping[str, str]
     pending_timeout: float
     create_batch: int
+    image_pull_policy: str = "IfNotPresent"
+    run_as_user: int = 10001
+    annotations: Mapping[str, str] = field(default_factory=dict)
+    job_ttl: int = 3600
+    allow_loopback: bool = False
 
     @classmethod
     def from_config(cls, config: Config) -> "KubeSettings":
@@ -277,7 +290,13 @@ class KubeSettings:
             labels=labels,
             env=_check_env(parse_pairs(config.kubernetes_env, "kubernetes_env"), "kubernetes_env"),
             pending_timeout=_positive(config.kubernetes_pending_timeout, "kubernetes_pending_timeout"),
-            create_batch=int(_positive(config.kubernetes_create_batch, "kubernetes_create_batch")))
+            create_batch=int(_positive(config.kubernetes_create_batch, "kubernetes_create_batch")),
+            image_pull_policy=_pull_policy(config.kubernetes_image_pull_policy),
+            run_as_user=_uid(config.kubernetes_run_as_user),
+            annotations=parse_pairs(config.kubernetes_mesh_annotations,
+                                    "kubernetes_mesh_annotations"),
+            job_ttl=int(_positive(config.kubernetes_job_ttl, "kubernetes_job_ttl")),
+            allow_loopback=bool(config.kubernetes_allow_loopback))
 
 
 def _namespace(name: str) -> str:
@@ -286,6 +305,21 @@ def _namespace(name: str) -> str:
                           f"(lower-case letters, digits and '-'). Fix it, e.g. "
                           f"kubernetes_namespace='default'.")
     return name
+
+
+def _pull_policy(policy: str) -> str:
+    if policy not in PULL_POLICIES:
+        raise ConfigError(f"config kubernetes_image_pull_policy={policy!r} is not one of "
+                          f"{', '.join(PULL_POLICIES)}. Fix: IfNotPresent (an image loaded into "
+                          f"the nodes or pushed once), Always (a moving tag in a registry).")
+    return policy
+
+
+def _uid(uid: int) -> int:
+    if uid < 0:
+        raise ConfigError(f"config kubernetes_run_as_user must be a uid >= 0 (0: the image's "
+                          f"own USER), got {uid}.")
+    return int(uid)
 
 
 def _positive(value: float, key: str) -> float:

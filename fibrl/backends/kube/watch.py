@@ -14,7 +14,8 @@ Data flow::
          |-- BOOKMARK         --> rv only
          |-- stream ends      --> watch again from the last rv
          |-- 410 Gone         --> list again (resync)
-         '-- error / no answer --> capped jittered backoff, then list again
+         '-- error / no answer --> capped jittered backoff (at least the server's
+                                  Retry-After), then list again
 
 A watch that is forbidden (RBAC) or otherwise refused for good ends the loop
 through ``on_fatal``. ``ready`` is set once the first watch is established,
@@ -100,6 +101,7 @@ class PodWatcher:
         quiet_since = quiet_since or now
         level = logging.WARNING if now - quiet_since > _QUIET_WARNING else logging.DEBUG
         delay = min(_MAX_BACKOFF, 0.5 * 2 ** failures) * random.uniform(0.5, 1.0)
+        delay = max(delay, min(_MAX_BACKOFF, getattr(exc, "retry_after", 0.0)))
         log.log(level, "watch of pods %s in %s failed (%s); listing again in %.1f s",
                 self.selector, self.namespace, exc, delay)
         self._stop.wait(delay)
