@@ -94,8 +94,10 @@ class Popen:
         if self._job.pid is not None:
             self.pid = self._job.pid
         self._job.when_running(self._arm_start_deadline)
-        threading.Thread(target=self._watch, daemon=True,
-                         name=f"fibrl-watch-{process_obj.name}").start()
+        watcher = threading.Thread(target=self._watch, daemon=True,
+                                   name=f"fibrl-watch-{process_obj.name}")
+        _watching(watcher)
+        watcher.start()
 
     def _pickle(self, process_obj: Any) -> bytes:
         mp_context.set_spawning_popen(self)  # lets the authkey travel, as spawn does
@@ -240,6 +242,31 @@ def _preparation(process_obj: Any, elsewhere: bool) -> dict:
         if source is not None:
             data[MAIN_SOURCE] = source
     return data
+
+
+# Watcher threads still running. A watcher goes on after its process ended (it
+# removes the job: a container, a pod delete over HTTP), and a daemon thread that
+# wakes from a socket call while the interpreter finalizes aborts the process, so
+# the exit sequence waits for them once the children have ended.
+_watchers: "weakref.WeakSet[threading.Thread]" = weakref.WeakSet()
+_WATCHERS_AT_EXIT = 10.0   # seconds, for all of them together
+
+
+_watchers_joined_at_exit = False
+
+
+def _watching(thread: threading.Thread) -> None:
+    global _watchers_joined_at_exit
+    if not _watchers_joined_at_exit:   # once: the join sees every watcher
+        _watchers_joined_at_exit = True
+        runtime.at_exit(runtime.CHILDREN, _join_watchers)
+    _watchers.add(thread)
+
+
+def _join_watchers() -> None:
+    deadline = time.monotonic() + _WATCHERS_AT_EXIT
+    for thread in list(_watchers):
+        thread.join(max(0.0, deadline - time.monotonic()))
 
 
 _MAIN_SOURCE_LIMIT = 1 << 20

@@ -312,7 +312,8 @@ def parent_env(ctx, run: str) -> dict:
     """The environment of a parent program run in a subprocess: this worktree's fibrl,
     the backend under test (FIBRL_* settings) and the run id ``run`` its workers carry."""
     config = ctx.config
-    keys = ["backend", "image", "listen_host", "kubernetes_kubeconfig", "kubernetes_namespace"]
+    keys = ["backend", "image", "listen_host", "kubernetes_kubeconfig", "kubernetes_namespace",
+            "kubernetes_allow_loopback"]
     settings = {f"FIBRL_{key.upper()}": str(getattr(config, key)) for key in keys
                 if getattr(config, key)}
     return {**os.environ, **settings, "FIBRL_RUN_ID": run,
