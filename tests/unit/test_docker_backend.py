@@ -85,26 +85,26 @@ def _kwargs(spec=None, **config):
     return backend._container_kwargs(spec or _spec(), "fibrl:latest")
 
 
-def _secret_file(kw: dict) -> str:
-    """The host file mounted as the worker's secret."""
-    found = [host for host, mount in kw["volumes"].items()
-             if mount["bind"] == "/run/fibrl-secret"]
-    assert len(found) == 1, kw["volumes"]
-    return found[0]
+def test_secret_archive_is_one_private_file_of_the_worker_user():
+    import io
+    import tarfile
+
+    from fibrl.backends.docker.backend import SECRET_PATH, secret_archive
+
+    with tarfile.open(fileobj=io.BytesIO(secret_archive("ab12"))) as tar:
+        member = tar.getmember(SECRET_PATH.lstrip("/"))
+        assert member.mode == 0o400 and (member.uid, member.gid) == (os.getuid(), os.getgid())
+        assert tar.extractfile(member).read() == b"ab12"
 
 
 def test_container_defaults_host_network_readonly_cwd_and_labels():
     kw = _kwargs()
     assert kw["network_mode"] == "host"
-    secret_file = _secret_file(kw)
-    assert kw["volumes"] == {"/work/project": {"bind": "/work/project", "mode": "ro"},
-                             secret_file: {"bind": "/run/fibrl-secret", "mode": "ro"}}
+    assert kw["volumes"] == {"/work/project": {"bind": "/work/project", "mode": "ro"}}
     assert kw["working_dir"] == "/work/project"
     assert kw["command"] == ["python", "-m", "fibrl.bootstrap", "tcp://127.0.0.1:1", "h-1"]
-    # the secret travels in a 0400 file, never in the environment docker inspect shows
+    # the secret is copied in as a file, never in the environment docker inspect shows
     assert kw["environment"] == {"FIBRL_SECRET_FILE": "/run/fibrl-secret", "FIBRL_RUN_ID": "r1"}
-    assert open(secret_file).read() == "ab"
-    assert os.stat(secret_file).st_mode & 0o777 == 0o400
     assert kw["labels"]["fibrl.backend"] == "docker"
     assert kw["labels"]["fibrl.run"] == "r1" and kw["labels"]["fibrl.role"] == "process"
     assert kw["labels"]["fibrl.host"] == socket.gethostname()
@@ -220,7 +220,7 @@ def test_reaper_gives_up_quietly_when_the_engine_is_gone_too(tmp_path, monkeypat
 def test_mount_and_workdir_options():
     assert _kwargs(docker_mount_readonly=False)["volumes"]["/work/project"]["mode"] == "rw"
     kw = _kwargs(docker_mount_cwd=False)
-    assert list(kw["volumes"]) == [_secret_file(kw)] and kw["working_dir"] is None
+    assert kw["volumes"] == {} and kw["working_dir"] is None
     assert _kwargs(docker_workdir="/app")["working_dir"] == "/app"
     extra = _kwargs(_spec(volumes=(("/data", "/mnt/data", True),)))
     assert extra["volumes"]["/data"] == {"bind": "/mnt/data", "mode": "ro"}

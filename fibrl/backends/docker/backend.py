@@ -15,13 +15,10 @@ Data flow of one job::
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import logging
 import os
-import shutil
 import socket
 import sys
-import tempfile
 import threading
 import weakref
 from typing import Any, Optional
@@ -93,7 +90,6 @@ class DockerBackend(Backend):
         self._ncpu: Optional[int] = None
         self._nested: Optional[bool] = None
         self._local_backend: Optional[Backend] = None
-        self._secret_dir: Optional[str] = None
 
     @property
     def client(self) -> Any:
@@ -177,38 +173,17 @@ class DockerBackend(Backend):
         labels = dict(spec.labels)
         labels.update({LABEL_BACKEND: "docker", LABEL_HOST: socket.gethostname(),
                        LABEL_PIDNS: pid_namespace()})
-        volumes = self._volumes(spec)
+        env = dict(spec.env)
+        if env.pop("FIBRL_SECRET", None) is not None:   # copied in before start: _start
+            env["FIBRL_SECRET_FILE"] = SECRET_PATH
         kwargs = dict(
-            image=image, command=list(spec.command),
-            environment=self._secret_to_file(dict(spec.env), volumes),
+            image=image, command=list(spec.command), environment=env,
             labels=labels, network_mode=self.config.docker_network, init=True,
-            working_dir=self._workdir(spec), volumes=volumes,
+            working_dir=self._workdir(spec), volumes=self._volumes(spec),
             user=f"{os.getuid()}:{os.getgid()}", security_opt=["no-new-privileges"],
             stdin_open=False, tty=False, auto_remove=False)
         kwargs.update(_resources(spec))
         return kwargs
-
-    def _secret_to_file(self, env: dict, volumes: dict) -> dict:
-        """Move FIBRL_SECRET out of ``env`` into a 0400 file in a 0700 directory of this
-        process (in /dev/shm: never on disk), mounted read-only into the container
-        (FIBRL_SECRET_FILE names it): ``docker inspect`` shows a container's
-        environment, not a mount's content."""
-        secret = env.pop("FIBRL_SECRET", None)
-        if secret is None:
-            return env
-        with self._lock:
-            if self._secret_dir is None or not os.path.isdir(self._secret_dir):
-                shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
-                self._secret_dir = tempfile.mkdtemp(prefix="fibrl-secret-", dir=shm)
-            path = os.path.join(self._secret_dir,
-                                hashlib.sha256(secret.encode()).hexdigest()[:16])
-            if not os.path.exists(path):
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o400)
-                with os.fdopen(fd, "w") as file:
-                    file.write(secret)
-        volumes[path] = {"bind": _SECRET_MOUNT, "mode": "ro"}
-        env["FIBRL_SECRET_FILE"] = _SECRET_MOUNT
-        return env
 
     def _workdir(self, spec: JobSpec) -> Optional[str]:
         if self.config.docker_workdir:
@@ -299,6 +274,9 @@ class DockerBackend(Backend):
         container = self._create(dict(kwargs, name=name), image)
         api = self.client.api
         try:
+            secret = spec.env.get("FIBRL_SECRET")
+            if secret is not None:
+                api.put_archive(container.id, "/", secret_archive(secret))
             stream = api.attach(container.id, stdout=True, stderr=True, stream=True,
                                 logs=True, demux=True)
             api.start(container.id)
@@ -310,21 +288,38 @@ class DockerBackend(Backend):
         return job
 
     def close_at_exit(self) -> None:
-        """Remove the containers of jobs that ended but were not removed yet, and the
-        secret file their workers read."""
+        """Remove the containers of jobs that ended but were not removed yet."""
         with self._lock:
             jobs = [job for job in self._jobs if job._ended.is_set()]
-            secret_dir, self._secret_dir = self._secret_dir, None
         for job in jobs:
             job.remove()
-        if secret_dir is not None:
-            shutil.rmtree(secret_dir, ignore_errors=True)
 
     def python(self) -> str:
         return "python"
 
 
-_SECRET_MOUNT = "/run/fibrl-secret"
+SECRET_PATH = "/run/fibrl-secret"
+
+
+def secret_archive(secret: str) -> bytes:
+    """A tar holding the run's secret as ``SECRET_PATH``, mode 0400, owned by the user
+    the worker runs as. Copied into the created container before it starts (through
+    the engine's API, so it works from a parent that is itself a container):
+    ``docker inspect`` shows a container's environment, never its files."""
+    import io
+    import tarfile
+
+    data = secret.encode()
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w") as tar:
+        folder = tarfile.TarInfo(os.path.dirname(SECRET_PATH).lstrip("/"))
+        folder.type, folder.mode = tarfile.DIRTYPE, 0o755
+        tar.addfile(folder)
+        info = tarfile.TarInfo(SECRET_PATH.lstrip("/"))
+        info.size, info.mode = len(data), 0o400
+        info.uid, info.gid = os.getuid(), os.getgid()
+        tar.addfile(info, io.BytesIO(data))
+    return out.getvalue()
 
 
 def _resources(spec: JobSpec) -> dict:
