@@ -108,21 +108,27 @@ def chain_remote(exc: BaseException, tb: str) -> BaseException:
 
 
 def owner_gone(address: object, detail: object = "", *, owner: str = "fibrl process",
-               hosted: str = "queues, locks, values or managers") -> RemoteObjectError:
+               hosted: str = "queues, locks, values or managers",
+               in_flight: bool = False) -> RemoteObjectError:
     """The one wording for "the process that hosts this object is gone".
 
     ``owner`` names that process (``"manager server"``), ``hosted`` what it
-    hosted, ``detail`` the evidence (the transport's error).
+    hosted, ``detail`` the evidence (the transport's error); ``in_flight``: the
+    call that gets this error had been sent and was waiting for its answer, so it
+    may or may not have taken effect.
 
     Example:
         >>> str(owner_gone("tcp://10.0.0.7:4100", owner="manager server"))[:56]
-        'lost the manager server at tcp://10.0.0.7:4100 that hos'
+        'lost the manager server at tcp://10.0.0.7:4100 that host'
     """
     extra = f" ({detail})" if detail else ""
+    flight = (" while this call was in flight (sent, its answer not yet back: it may or "
+              "may not have taken effect)") if in_flight else ""
     return RemoteObjectError(
-        f"lost the {owner} at {address} that hosts this object{extra}: it exited, was shut "
-        f"down or killed, or its machine is gone, so the {hosted} it hosted are gone. "
-        f"Create them again (check that process's output if it should still be running).")
+        f"lost the {owner} at {address} that hosts this object{extra}{flight}: it exited, "
+        f"was shut down or killed, or its machine is gone, so the {hosted} it hosted are "
+        f"gone. Create them again (check that process's output if it should still be "
+        f"running).")
 
 
 def object_gone(oid: str, where: object, how: str = "closed or garbage-collected") -> \

@@ -428,8 +428,8 @@ class Client:
                 if handle is not None:
                     handle._resolve(*_decode(reply))
 
-    def _lost_error(self) -> RemoteObjectError:
-        return owner_gone(self.address, "its connection dropped")
+    def _lost_error(self, in_flight: bool = False) -> RemoteObjectError:
+        return owner_gone(self.address, "its connection dropped", in_flight=in_flight)
 
     def _on_lost(self) -> None:
         with self._lock:
@@ -440,7 +440,7 @@ class Client:
             self._outbox.clear()
             self._idle.notify_all()
         self._wake.set()
-        err = self._lost_error()
+        err = self._lost_error(in_flight=True)
         for handle in pending.values():
             handle._resolve(False, err)
         self._hub._client_lost(self)

@@ -49,9 +49,10 @@ _decrefs: dict[str, deque] = {}
 _exit_hooked = False
 
 
-def lost_error(address: str, detail: Any = "") -> RemoteObjectError:
+def lost_error(address: str, detail: Any = "", in_flight: bool = False) -> RemoteObjectError:
     """The manager server at ``address`` is gone (``errors.owner_gone``'s wording)."""
-    return owner_gone(address, detail, owner="manager server", hosted="managed objects")
+    return owner_gone(address, detail, owner="manager server", hosted="managed objects",
+                      in_flight=in_flight)
 
 
 class Line:
@@ -81,12 +82,14 @@ class Line:
             raise lost_error(self.address)
         rid = next(self._rids)
         args = tuple(wrap_raw(a) for a in args)
+        sent = False
         try:
             self._channel.send(serialization.dumps(Call(rid, MANAGER_OID, method, args)))
+            sent = True
             reply = self._receive(rid)
         except ChannelClosed as exc:
             self.close()
-            raise lost_error(self.address) from exc
+            raise lost_error(self.address, in_flight=sent) from exc
         except BaseException:
             self.close()  # a reply may still come: this line can no longer be trusted
             raise

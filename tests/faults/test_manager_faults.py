@@ -93,6 +93,7 @@ def test_killed_server_fails_pending_and_later_calls(ctx):
     thread.join(15)
     assert not thread.is_alive(), "the pending call hung after the server was killed"
     assert isinstance(box.get("error"), RemoteObjectError), box
+    assert "while this call was in flight" in str(box["error"]), box
     start = time.monotonic()
     with pytest.raises(RemoteObjectError, match="manager server"):
         lst.append(1)
@@ -112,7 +113,7 @@ def test_killed_server_fails_async_handles(ctx):
     assert not handle.ready()
     m._process.kill()
     assert handle.wait(15), "the pending handle was not failed"
-    with pytest.raises(RemoteObjectError):
+    with pytest.raises(RemoteObjectError, match="while this call was in flight"):
         handle.get()
     with pytest.raises(RemoteObjectError):
         sleeper.sleep(0).get(15)
