@@ -166,9 +166,9 @@ def receive_and_describe(conn):
 
 
 @pytest.mark.slow
-def test_one_gib_message_through_a_pipe_arrives_whole():
-    a, b = fibrl.Pipe()
-    p = fibrl.Process(target=receive_and_describe, args=(b,))
+def test_one_gib_message_through_a_pipe_arrives_whole(ctx):
+    a, b = ctx.Pipe()
+    p = ctx.Process(target=receive_and_describe, args=(b,))
     p.start()
     big = np.ones(1 << 30, dtype=np.uint8)
     big[-1], big[1 << 29] = 7, 9

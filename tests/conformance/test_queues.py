@@ -207,11 +207,9 @@ def test_large_numpy_array_arrives_whole(ctx):
 
 
 @pytest.mark.slow
-def test_one_gib_message_arrives_whole():
-    import fibrl
-
-    inq, outq = fibrl.Queue(), fibrl.Queue()
-    p = fibrl.Process(target=echo_back, args=(inq, outq))
+def test_one_gib_message_arrives_whole(ctx):
+    inq, outq = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=echo_back, args=(inq, outq))
     p.start()
     big = np.ones(1 << 30, dtype=np.uint8)
     big[-1] = 7
