@@ -81,18 +81,20 @@ def _main_from_source(path: str, source: bytes) -> None:
         sys.modules.pop("__mp_main__", None)
         if previous is not None:
             sys.modules["__main__"] = previous
+        if _starts_at_import(exc):
+            raise   # nothing works in this worker: the parent says why
         sys.stderr.write(
             f"fibrl worker: could not rebuild __main__ from the parent's script {path} "
             f"({type(exc).__name__}: {exc}); functions and classes defined in it cannot be "
             f"used here. Move them into a module the worker can import.\n")
 
 
-def _become(start, hub, client, exiting):
+def _become(start, hub, client, exiting, oid):
     """Adopt the parent's config and state; return the unpickled process object."""
     from multiprocessing import process as mp_process
     from multiprocessing import spawn as mp_spawn
 
-    from . import runtime, serialization
+    from . import runtime
 
     config = _own_listen_host(start.config)
     hub.host = config.listen_host   # before install: the hub has not listened yet
@@ -107,9 +109,92 @@ def _become(start, hub, client, exiting):
         mp_spawn.prepare(preparation)
         if main is not None:
             _main_from_source(*main)
-        return serialization.loads(start.process)
+        process_obj = _load(start.process, client, oid, config.start_timeout)
+        client.send(oid, "loaded", ())   # the parent drops the copy it kept for _load
+        return process_obj
     finally:
         del mp_process.current_process()._inheriting
+
+
+class _LoadError(Exception):
+    """The process object cannot be rebuilt here, by reference nor by value."""
+
+
+def _load(frame: bytes, client, oid: str, timeout: float):
+    """Unpickle the process; if that fails, ask the parent for a copy by value
+    (cloudpickle), which carries the main script's functions and classes along."""
+    from . import serialization
+    from .errors import SerializationError
+
+    try:
+        return serialization.loads(frame)
+    except SerializationError as by_reference:
+        try:
+            frame = client.call(oid, "by_value", ()).get(timeout)
+        except Exception:
+            raise by_reference from by_reference.__cause__
+        try:
+            return serialization.loads(frame)
+        except SerializationError as exc:
+            raise _LoadError(_not_loadable(exc)) from exc
+
+
+def _not_loadable(exc: Exception) -> str:
+    cause = exc.__cause__
+    text = f"{type(cause or exc).__name__}: {cause or exc}"
+    if isinstance(cause, AttributeError) and "__mp_main__" in str(cause):
+        return (f"the process's target (or an argument) is a function or class of the "
+                f"main script that the worker cannot find by name, and it could not be "
+                f"sent by value either ({text}). It is probably defined inside "
+                f"`if __name__ == \"__main__\":` or inside another function. Fix: move "
+                f"the function to the module's top level.")
+    return (f"cannot rebuild the process object in the worker, by reference nor by "
+            f"value ({text}). The worker must be able to import every module the target "
+            f"and its arguments use: check that they are on its sys.path (for a "
+            f"container or pod: in its image, or under the mounted working directory).")
+
+
+_GUARD_TEMPLATE = """the main script {path} starts processes when it is imported: it has \
+no `if __name__ == "__main__":` guard. Each worker imports the main script to find its \
+functions (as the stdlib's spawn does), so every worker would start processes again; \
+they all fail instead. Fix: put the code that starts processes (and what it needs at \
+run time only) under the guard, at the bottom of the script:
+
+    if __name__ == "__main__":
+        main()
+"""
+
+
+def _starts_at_import(exc: BaseException) -> bool:
+    """multiprocessing.spawn._check_not_importing_main's RuntimeError: a process was
+    started while this worker was still rebuilding its state (importing __main__),
+    possibly behind another error (a Pool that could not start its workers)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, RuntimeError) and "bootstrapping phase" in str(exc):
+            return True
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def _report_load_failure(client, oid: str, start, exc: BaseException) -> bool:
+    """Tell the parent why this worker cannot run its process; True if it heard."""
+    import traceback
+
+    from .messages import MISSING_MAIN_GUARD
+
+    kind, text = "", "".join(traceback.format_exception(exc)).rstrip()
+    if _starts_at_import(exc):
+        path = start.preparation.get("init_main_from_path", "(the main script)")
+        kind, text = MISSING_MAIN_GUARD, _GUARD_TEMPLATE.format(path=path)
+    elif isinstance(exc, _LoadError):
+        text = str(exc)
+    try:
+        client.call(oid, "load_failed", (text, kind)).get(10.0)
+        return True
+    except Exception:
+        return False
 
 
 def main(argv: list[str]) -> int:
@@ -136,11 +221,15 @@ def main(argv: list[str]) -> int:
     client = hub.client(address)
     exiting = threading.Event()
     client.on_lost(lambda: exiting.is_set() or _parent_lost("lost the connection to the parent"))
+    start = None
     try:
         start = client.call(oid, "payload", (os.getpid(),)).get(Config().start_timeout)
-        process_obj = _become(start, hub, client, exiting)
-    except BaseException:
+        process_obj = _become(start, hub, client, exiting, oid)
+    except BaseException as exc:
         exiting.set()  # a failed start is this worker's error, not a lost parent
+        if (start is not None and isinstance(exc, Exception)
+                and _report_load_failure(client, oid, start, exc)):
+            return 1   # the parent logs the error, where the user looks
         raise
     parent_r, parent_w = os.pipe()  # the parent "sentinel": closed only when we exit
     exitcode = process_obj._bootstrap(parent_sentinel=parent_r)

@@ -17,6 +17,7 @@ It has the surface of ``multiprocessing``'s Popen objects: ``pid``,
 """
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import sys
@@ -32,18 +33,23 @@ from .backends.base import job_labels, run_id
 from .config import Config
 from .errors import BackendError
 from .hub import ReplySink, Service, get_hub
-from .messages import MAIN_SOURCE, WorkerStart
+from .messages import MAIN_SOURCE, MISSING_MAIN_GUARD, WorkerStart
 
 __all__ = ["Popen", "WorkerStart", "run_id"]
 
 log = logging.getLogger(__name__)
 
 class _Handover(Service):
-    """Gives the pickled process to the worker that connects for it, once."""
+    """Gives the pickled process to the worker that connects for it, once; sends it
+    again by value when the worker cannot load it by reference; hears why a worker
+    could not load it at all."""
 
-    def __init__(self, popen: "Popen", start: WorkerStart) -> None:
+    def __init__(self, popen: "Popen", start: WorkerStart, process_obj: Any) -> None:
         self._popen = popen
         self._start: Optional[WorkerStart] = start
+        # Kept until the worker has loaded it, as it is now: start() drops the target
+        # and arguments from the process object once its Popen exists.
+        self._process: Any = copy.copy(process_obj)
 
     def op_payload(self, reply: ReplySink, pid: Optional[int] = None) -> None:
         start, self._start = self._start, None
@@ -51,6 +57,28 @@ class _Handover(Service):
             raise BackendError("this worker's process object was already handed over")
         self._popen._connected(pid)
         reply(start)
+
+    def op_by_value(self, reply: ReplySink) -> None:
+        # A function of the main script that the worker's __mp_main__ lacks (defined
+        # under `if __name__ == "__main__":`, or the script is not visible there):
+        # cloudpickle sends __main__'s functions and classes by value.
+        process_obj, self._process = self._process, None
+        if process_obj is None:
+            raise BackendError("this worker's process object was already sent by value")
+        reply(self._popen._pickle(process_obj, by_value=True))
+
+    def op_loaded(self, reply: ReplySink) -> None:
+        self._process = None
+        reply(None)
+
+    def op_loaded(self, reply: ReplySink) -> None:
+        self._process = None
+        reply(None)
+
+    def op_load_failed(self, reply: ReplySink, error: str, kind: str = "") -> None:
+        self._process = None
+        self._popen._load_failed(error, kind)
+        reply(None)
 
 
 class Popen:
@@ -65,10 +93,11 @@ class Popen:
         self._closed = False
         self._stopped = False    # terminate()/kill() asked for the end
         self._backend = runtime.backend(config)
+        self._spec_name = process_obj.name
         hub = get_hub()
         start = WorkerStart(self._pickle(process_obj), config,
                             _preparation(process_obj, config.backend != "local"), hub.address)
-        self._oid = hub.register(_Handover(self, start))
+        self._oid = hub.register(_Handover(self, start, process_obj))
         self._read_fd, self._write_fd = os.pipe()
         self.sentinel = self._read_fd
         self._started = threading.Event()
@@ -90,10 +119,10 @@ class Popen:
         threading.Thread(target=self._watch, daemon=True,
                          name=f"fibrl-watch-{process_obj.name}").start()
 
-    def _pickle(self, process_obj: Any) -> bytes:
+    def _pickle(self, process_obj: Any, by_value: bool = False) -> bytes:
         mp_context.set_spawning_popen(self)  # lets the authkey travel, as spawn does
         try:
-            return serialization.dumps(process_obj, spawning=True)
+            return serialization.dumps(process_obj, spawning=True, by_value=by_value)
         finally:
             mp_context.set_spawning_popen(None)
 
@@ -160,6 +189,15 @@ class Popen:
         self._done.set()
         self._job.remove()
 
+    def _load_failed(self, error: str, kind: str) -> None:
+        # The worker exits with code 1 right after telling us; its error is logged here,
+        # where the user looks, whatever the backend keeps of its output.
+        if kind == MISSING_MAIN_GUARD:
+            _log_missing_guard_once(error)
+            return
+        log.error("worker %s (%s) could not load its process and exits with code 1:\n%s",
+                  getattr(self._job, "id", "?"), self._spec_name, error)
+
     def _explain_early_exit(self, code: int) -> None:
         from .errors import describe_exitcode
 
@@ -205,6 +243,19 @@ class Popen:
     def job(self):
         """The backend's :class:`~fibrl.backends.Job` of this worker."""
         return self._job
+
+
+_guard_lock = threading.Lock()
+_guard_said = False
+
+
+def _log_missing_guard_once(error: str) -> None:
+    """Every worker of a script without the guard fails the same way: say it once."""
+    global _guard_said
+    with _guard_lock:
+        said, _guard_said = _guard_said, True
+    if not said:
+        log.error("%s", error)
 
 
 # What a worker imports before it connects (a fork server imports it once; importing

@@ -1,0 +1,126 @@
+"""What a newcomer's first programs run into: targets that cannot be loaded in the
+worker, functions defined under the main guard, a missing main guard, a script
+that imports modules from its own folder. Scripts run as real programs (a
+subprocess from the repository root, so containers mount this checkout)."""
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+import fibrl
+
+TIMEOUT = 60
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _explode_in_worker(parent_pid):
+    if os.getpid() != parent_pid:
+        raise RuntimeError("this argument cannot be rebuilt in a worker (test)")
+    return "rebuilt"
+
+
+class BreaksInWorker:
+    """Pickles fine; its unpickling raises in any process but the one that made it."""
+
+    def __reduce__(self):
+        return (_explode_in_worker, (os.getpid(),))
+
+
+def noop(arg):
+    return arg
+
+
+def test_target_that_cannot_be_loaded_fails_at_once_with_its_error_logged(ctx, caplog):
+    p = ctx.Process(target=noop, args=(BreaksInWorker(),))
+    begin = time.monotonic()
+    with caplog.at_level(logging.ERROR, logger="fibrl"):
+        p.start()
+        p.join(TIMEOUT)
+    elapsed = time.monotonic() - begin
+    assert p.exitcode == 1
+    assert elapsed < fibrl.get_context().config.start_timeout
+    logged = "\n".join(r.getMessage() for r in caplog.records if r.name.startswith("fibrl"))
+    assert "could not load its process" in logged
+    assert "this argument cannot be rebuilt in a worker (test)" in logged
+
+
+def _run_script(tmp_path, source, *args, cwd=ROOT, name="main.py", timeout=240):
+    script = tmp_path / name
+    script.write_text(textwrap.dedent(source))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+    return subprocess.run([sys.executable, str(script), *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def _backend_param(request):
+    if request.param == "docker":
+        from conftest import _skip_or_fail, docker_available
+
+        reason = docker_available()
+        if reason:
+            _skip_or_fail(reason, "CI_REQUIRE_DOCKER")
+    return request.param
+
+
+@pytest.fixture(params=["local", pytest.param("docker", marks=pytest.mark.docker)])
+def script_backend(request):
+    return _backend_param(request)
+
+
+GUARDED_TARGET = """
+    import sys
+    import fibrl
+
+    if __name__ == "__main__":
+        fibrl.init(backend=sys.argv[1])
+
+        def cube(q, x):
+            q.put(x ** 3)
+
+        class Holder:
+            def __init__(self, v):
+                self.v = v
+
+        def unwrap(q, holder):
+            q.put(holder.v)
+
+        q = fibrl.Queue()
+        for target, args in ((cube, (q, 3)), (unwrap, (q, Holder("held")))):
+            p = fibrl.Process(target=target, args=args)
+            p.start()
+            print(q.get(timeout=120))
+            p.join(120)
+            print("exitcode", p.exitcode)
+"""
+
+
+def test_function_defined_under_the_main_guard_runs_as_target(tmp_path, script_backend):
+    out = _run_script(tmp_path, GUARDED_TARGET, script_backend)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["27", "exitcode", "0", "held", "exitcode", "0"]
+
+
+UNGUARDED = """
+    import fibrl
+
+    def square(x):
+        return x * x
+
+    with fibrl.Pool(2) as pool:
+        print(pool.map(square, range(4), chunksize=1))
+"""
+
+
+def test_missing_main_guard_is_said_once_with_the_fix(tmp_path):
+    out = _run_script(tmp_path, UNGUARDED, timeout=180)
+    assert out.returncode != 0
+    said = out.stderr.count('no `if __name__ == "__main__":` guard')
+    assert said == 1, out.stderr[-5000:]
+    assert 'if __name__ == "__main__":\n        main()' in out.stderr
+    assert out.stderr.count("bootstrapping phase") == 0, out.stderr[-5000:]
+    assert len(out.stderr.splitlines()) < 60, out.stderr[-5000:]
