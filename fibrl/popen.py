@@ -145,7 +145,8 @@ class Popen:
             gpu=meta.get("gpu", config.gpu),
             labels=job_labels(getattr(process_obj, "_fibrl_role", "process")),
             name=process_obj.name, workdir=os.getcwd(),
-            probe=(python, "-c", "import fibrl.bootstrap"), preload=WORKER_PRELOAD)
+            probe=(python, "-c", "import fibrl.bootstrap"), preload=WORKER_PRELOAD,
+            code_dirs=_main_dirs())
 
     def _connected(self, pid: Optional[int]) -> None:
         log.debug("job %s connected back (pid %s)", getattr(self._job, "id", "?"), pid)
@@ -284,6 +285,14 @@ def _preparation(process_obj: Any, elsewhere: bool) -> dict:
         if source is not None:
             data[MAIN_SOURCE] = source
     return data
+
+
+def _main_dirs() -> tuple:
+    """The main script's folder, which spawn puts first on a worker's ``sys.path``."""
+    path = getattr(sys.modules.get("__main__"), "__file__", None)
+    if not path or sys.flags.interactive or not os.path.isfile(path):
+        return ()
+    return (os.path.dirname(os.path.abspath(path)),)
 
 
 _MAIN_SOURCE_LIMIT = 1 << 20

@@ -124,3 +124,30 @@ def test_missing_main_guard_is_said_once_with_the_fix(tmp_path):
     assert 'if __name__ == "__main__":\n        main()' in out.stderr
     assert out.stderr.count("bootstrapping phase") == 0, out.stderr[-5000:]
     assert len(out.stderr.splitlines()) < 60, out.stderr[-5000:]
+
+
+SCRIPT_WITH_NEIGHBOUR = """
+    import sys
+    import fibrl
+    import helpers
+
+    if __name__ == "__main__":
+        fibrl.init(backend=sys.argv[1])
+        q = fibrl.Queue()
+        p = fibrl.Process(target=helpers.work, args=(q, 6))
+        p.start()
+        print(q.get(timeout=120))
+        p.join(120)
+        print("exitcode", p.exitcode)
+"""
+
+
+def test_script_run_from_elsewhere_imports_its_own_folder(tmp_path, script_backend):
+    """`cd project && python ~/tools/run.py`, where run.py imports a module of its own
+    folder: the worker finds it, as spawn's would (the folder is on sys.path)."""
+    tools = tmp_path / "tools"
+    tools.mkdir()
+    (tools / "helpers.py").write_text("def work(q, x):\n    q.put(x * 7)\n")
+    out = _run_script(tools, SCRIPT_WITH_NEIGHBOUR, script_backend, name="run.py")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["42", "exitcode", "0"]
