@@ -93,6 +93,8 @@ class Popen:
         self._closed = False
         self._stopped = False    # terminate()/kill() asked for the end
         self._backend = runtime.backend(config)
+        if config.backend == "kubernetes":
+            _say_if_code_is_not_in_image(config)
         self._spec_name = process_obj.name
         hub = get_hub()
         start = WorkerStart(self._pickle(process_obj), config,
@@ -244,6 +246,69 @@ class Popen:
     def job(self):
         """The backend's :class:`~fibrl.backends.Job` of this worker."""
         return self._job
+
+
+_images_checked: set = set()
+
+
+def _say_if_code_is_not_in_image(config: Config) -> None:
+    """Warn once per image, before any pod starts, when the program imports modules of
+    its own that the worker image cannot hold: the stock image has only fibrl."""
+    with _guard_lock:
+        if config.image in _images_checked:
+            return
+        _images_checked.add(config.image)
+    message = code_not_in_image(config)
+    if message:
+        log.warning("%s", message)
+
+
+def code_not_in_image(config: Config) -> Optional[str]:
+    """Why the kubernetes workers of ``config`` will not find this program's modules,
+    or None: the parent runs in a pod (``fibrl run``: workers share its image), or
+    the image is one the user chose, or the program imports no module of its own."""
+    if os.environ.get("KUBERNETES_SERVICE_HOST") or config.image != _STOCK_IMAGE:
+        return None
+    mine = _own_modules()
+    if not mine:
+        return None
+    shown = ", ".join(sorted(mine)[:5]) + (", ..." if len(mine) > 5 else "")
+    return (f"kubernetes workers run the image {config.image}, which holds fibrl but not "
+            f"this program's code: the modules it imports from "
+            f"{', '.join(sorted(set(mine.values())))} ({shown}) will be missing in the pods, and a worker whose target or "
+            f"arguments need them fails with ModuleNotFoundError (functions of the main "
+            f"script itself travel with it). Fix: launch the program with `fibrl run "
+            f"--build -- python {_script_name()}` (it builds this directory into the image "
+            f"the parent and workers run), or build an image holding your code and pass "
+            f"it as image= (fibrl.init(image=...) or FIBRL_IMAGE).")
+
+
+_STOCK_IMAGE = Config.__dataclass_fields__["image"].default
+
+
+def _own_modules() -> dict:
+    """``{module name: folder}`` for imported modules that live in the working
+    directory or the main script's folder (fibrl itself aside)."""
+    roots = {os.path.abspath(os.getcwd()), *_main_dirs()}
+    found = {}
+    for name, module in list(sys.modules.items()):
+        path = getattr(module, "__file__", None)
+        if not path or name == "__main__" or name.split(".")[0] in ("fibrl", "__mp_main__"):
+            continue
+        path = os.path.abspath(path)
+        for root in roots:
+            if path.startswith(root + os.sep) and "site-packages" not in path:
+                found[name.split(".")[0]] = root
+    return found
+
+
+def _script_name() -> str:
+    path = getattr(sys.modules.get("__main__"), "__file__", None)
+    if not path:
+        return "your_script.py"
+    path = os.path.abspath(path)
+    inside = path.startswith(os.path.abspath(os.getcwd()) + os.sep)
+    return os.path.relpath(path) if inside else path
 
 
 _guard_lock = threading.Lock()

@@ -151,3 +151,26 @@ def test_script_run_from_elsewhere_imports_its_own_folder(tmp_path, script_backe
     out = _run_script(tools, SCRIPT_WITH_NEIGHBOUR, script_backend, name="run.py")
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split() == ["42", "exitcode", "0"]
+
+
+@pytest.mark.kubernetes
+@pytest.mark.parametrize("ctx", ["kubernetes"], indirect=True)
+def test_kubernetes_says_at_start_when_the_image_lacks_the_programs_code(ctx, caplog,
+                                                                          monkeypatch):
+    """This test module is imported from the working directory; the stock image cannot
+    hold it: said in the parent, before the pod starts, with both fixes."""
+    from fibrl import popen
+
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    monkeypatch.setattr(popen, "_images_checked", set())
+    with caplog.at_level(logging.WARNING, logger="fibrl"):
+        p = ctx.Process(target=noop, args=(1,))
+        p.start()
+        said = [r for r in caplog.records if "holds fibrl but not this program's code"
+                in r.getMessage()]
+        p.join(TIMEOUT)
+    assert p.exitcode == 0
+    assert len(said) == 1
+    text = said[0].getMessage()
+    assert "test_newcomer" in text and "fibrl run" in text and "image=" in text
+    assert popen.code_not_in_image(fibrl.get_context().config.replace(image="me/app:1")) is None
