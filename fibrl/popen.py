@@ -199,7 +199,7 @@ class Popen:
             _log_missing_guard_once(error)
             return
         log.error("worker %s (%s) could not load its process and exits with code 1:\n%s",
-                  getattr(self._job, "id", "?"), self._spec_name, error)
+                  getattr(self._job, "id", None) or self.pid, self._spec_name, error)
 
     def _explain_early_exit(self, code: int) -> None:
         from .errors import describe_exitcode
@@ -354,10 +354,16 @@ def _preparation(process_obj: Any, elsewhere: bool) -> dict:
 
 def _main_dirs() -> tuple:
     """The main script's folder, which spawn puts first on a worker's ``sys.path``."""
-    path = getattr(sys.modules.get("__main__"), "__file__", None)
-    if not path or sys.flags.interactive or not os.path.isfile(path):
-        return ()
-    return (os.path.dirname(os.path.abspath(path)),)
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if (not path or sys.flags.interactive or not os.path.isfile(path)
+            or getattr(main, "__spec__", None) is not None):
+        return ()   # `python -m module` puts the working directory first, not its folder
+    folder = os.path.dirname(os.path.abspath(path))
+    installed = {os.path.abspath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}
+    if any(folder == p or folder.startswith(p + os.sep) for p in installed):
+        return ()   # an installed launcher's folder: the image has its own
+    return (folder,)
 
 
 _MAIN_SOURCE_LIMIT = 1 << 20
