@@ -136,12 +136,18 @@ def _load(frame: bytes, client, oid: str, timeout: float):
         try:
             return serialization.loads(frame)
         except SerializationError as exc:
-            raise _LoadError(_not_loadable(exc)) from exc
+            raise _LoadError(_not_loadable(exc, by_reference)) from exc
 
 
-def _not_loadable(exc: Exception) -> str:
+def _not_loadable(exc: Exception, by_reference: Exception) -> str:
+    def reason(error: Exception) -> str:
+        cause = error.__cause__ or error
+        return f"{type(cause).__name__}: {cause}"
+
     cause = exc.__cause__
-    text = f"{type(cause or exc).__name__}: {cause or exc}"
+    text = reason(exc)
+    if reason(by_reference) != text:
+        text = f"by reference: {reason(by_reference)}; by value: {text}"
     if isinstance(cause, AttributeError) and "__mp_main__" in str(cause):
         return (f"the process's target (or an argument) is a function or class of the "
                 f"main script that the worker cannot find by name, and it could not be "

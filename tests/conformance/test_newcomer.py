@@ -174,3 +174,33 @@ def test_kubernetes_says_at_start_when_the_image_lacks_the_programs_code(ctx, ca
     text = said[0].getMessage()
     assert "test_newcomer" in text and "fibrl run" in text and "image=" in text
     assert popen.code_not_in_image(fibrl.get_context().config.replace(image="me/app:1")) is None
+
+
+def close_std_streams():
+    sys.stdout.close()
+    sys.stderr.close()
+
+
+def drop_std_streams():
+    sys.stdout = None
+    sys.stderr = None
+
+
+@pytest.mark.parametrize("target", [close_std_streams, drop_std_streams])
+def test_child_that_closes_or_removes_stdout_and_stderr_exits_0(ctx, target):
+    p = ctx.Process(target=target)
+    p.start()
+    p.join(TIMEOUT)
+    assert p.exitcode == 0
+
+
+def test_child_without_std_streams_exits_0_when_spawned(target=close_std_streams):
+    previous = fibrl.get_context().config
+    fibrl.init(backend="local", local_fork_server=False)
+    try:
+        p = fibrl.Process(target=target)
+        p.start()
+        p.join(TIMEOUT)
+        assert p.exitcode == 0
+    finally:
+        fibrl.init(**{f: getattr(previous, f) for f in ("backend", "local_fork_server")})
