@@ -303,7 +303,10 @@ def _own_modules() -> dict:
 
 
 def _script_name() -> str:
-    path = getattr(sys.modules.get("__main__"), "__file__", None)
+    main = sys.modules.get("__main__")
+    spec, path = getattr(main, "__spec__", None), getattr(main, "__file__", None)
+    if spec is not None:
+        return "-m " + spec.name.removesuffix(".__main__")
     if not path:
         return "your_script.py"
     path = os.path.abspath(path)
@@ -339,8 +342,6 @@ def _preparation(process_obj: Any, elsewhere: bool) -> dict:
     """
     data = mp_spawn.get_preparation_data(process_obj._name)
     data.pop("start_method", None)  # the stdlib's own start method is not ours to change
-    data.pop("log_to_stderr", None)
-    data.pop("log_level", None)
     data["authkey"] = bytes(data["authkey"])
     path = data.get("init_main_from_path")
     if path and (sys.flags.interactive or not os.path.isfile(path)):

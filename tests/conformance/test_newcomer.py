@@ -204,3 +204,54 @@ def test_child_without_std_streams_exits_0_when_spawned(target=close_std_streams
         assert p.exitcode == 0
     finally:
         fibrl.init(**{f: getattr(previous, f) for f in ("backend", "local_fork_server")})
+
+
+def report_executable_and_logger(q):
+    from multiprocessing import util
+
+    logger = util.get_logger()
+    q.put((sys.executable, logger.level, util._log_to_stderr))
+
+
+def test_set_executable_chooses_the_local_workers_interpreter(tmp_path):
+    from multiprocessing import spawn
+
+    chosen = tmp_path / "python-chosen"
+    chosen.symlink_to(sys.executable)
+    ctx = fibrl.get_context("local")
+    q = ctx.Queue()
+    ctx.set_executable(str(chosen))
+    try:
+        p = ctx.Process(target=report_executable_and_logger, args=(q,))
+        p.start()
+        executable, _, _ = q.get(timeout=TIMEOUT)
+        p.join(TIMEOUT)
+    finally:
+        spawn.set_executable(sys.executable)
+    assert executable == str(chosen)
+    assert p.exitcode == 0
+
+
+def test_set_executable_on_a_container_backend_says_the_image_decides():
+    with pytest.raises(NotImplementedError, match=r"image=\.\.\."):
+        fibrl.get_context("docker").set_executable(sys.executable)
+
+
+def test_log_to_stderr_level_reaches_children(ctx):
+    from multiprocessing import util
+
+    q = ctx.Queue()
+    logger = util.get_logger()
+    handlers = list(logger.handlers)
+    try:
+        ctx.log_to_stderr(logging.INFO)
+        p = ctx.Process(target=report_executable_and_logger, args=(q,))
+        p.start()
+        _, level, to_stderr = q.get(timeout=TIMEOUT)
+        p.join(TIMEOUT)
+    finally:
+        for handler in logger.handlers[len(handlers):]:
+            logger.removeHandler(handler)
+        logger.setLevel(logging.NOTSET)
+        util._log_to_stderr = False
+    assert (level, to_stderr) == (logging.INFO, True)
