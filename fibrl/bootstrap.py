@@ -16,12 +16,29 @@ import sys
 import threading
 
 
+# How long a worker whose parent is gone goes on: parent_process() already reports
+# the parent dead, so code waiting on it (join, is_alive) gets to react, then the
+# worker exits by itself, as no worker outlives its parent (DESIGN.md).
+PARENT_LOST_GRACE = 3.0
+
+_parent_sentinel_w: list = []   # write end of parent_process().sentinel, until lost
+
+
 def _parent_lost(reason: str) -> None:
+    while _parent_sentinel_w:
+        try:
+            os.close(_parent_sentinel_w.pop())   # parent_process().join() returns
+        except OSError:
+            pass
+    ending = threading.Timer(PARENT_LOST_GRACE, os._exit, (255,))
+    ending.daemon = True
+    ending.start()
     try:
-        sys.stderr.write(f"fibrl worker {os.getpid()}: {reason}; exiting.\n")
+        sys.stderr.write(f"fibrl worker {os.getpid()}: {reason}; exiting within "
+                         f"{PARENT_LOST_GRACE:.0f} s.\n")
         sys.stderr.flush()
-    finally:
-        os._exit(255)
+    except (AttributeError, ValueError, OSError):
+        pass   # the program closed its stderr
 
 
 def _heartbeat(client, interval: float, limit: float, stop: threading.Event) -> None:
@@ -29,6 +46,7 @@ def _heartbeat(client, interval: float, limit: float, stop: threading.Event) -> 
         handle = client.call("hub", "ping", ())
         if not handle.wait(limit) and not stop.is_set():
             _parent_lost(f"the parent did not answer a heartbeat within {limit:.0f} s")
+            return
 
 
 def _keep_own_sys_path(preparation: dict) -> dict:
@@ -224,6 +242,9 @@ def main(argv: list[str]) -> int:
     # built from defaults: the parent's config arrives over this hub's first connection
     hub = Hub.from_config(Config(), secret, host="127.0.0.1")
     runtime.install_hub(hub)
+    # parent_process().sentinel: readable once the parent is gone (see _parent_lost)
+    parent_r, parent_w = os.pipe()
+    _parent_sentinel_w.append(parent_w)
     client = hub.client(address)
     exiting = threading.Event()
     client.on_lost(lambda: exiting.is_set() or _parent_lost("lost the connection to the parent"))
@@ -237,7 +258,6 @@ def main(argv: list[str]) -> int:
                 and _report_load_failure(client, oid, start, exc)):
             return 1   # the parent logs the error, where the user looks
         raise
-    parent_r, parent_w = os.pipe()  # the parent "sentinel": closed only when we exit
     exitcode = process_obj._bootstrap(parent_sentinel=parent_r)
     exiting.set()
     hub.flush(10.0)

@@ -255,3 +255,69 @@ def test_log_to_stderr_level_reaches_children(ctx):
         logger.setLevel(logging.NOTSET)
         util._log_to_stderr = False
     assert (level, to_stderr) == (logging.INFO, True)
+
+
+def grandchild_watches_its_parent(q, reported):
+    parent = fibrl.parent_process()
+    q.put(("alive", parent.is_alive(), parent.pid == os.getppid() or parent.pid))
+    reported.set()
+    begin = time.monotonic()
+    parent.join(TIMEOUT)
+    q.put(("after", parent.is_alive(), time.monotonic() - begin))
+
+
+def child_dies_after_grandchild_reports(q, reported):
+    grandchild = fibrl.Process(target=grandchild_watches_its_parent, args=(q, reported))
+    grandchild.start()
+    q.put(("child", os.getpid()))
+    reported.wait(TIMEOUT)
+    os._exit(0)   # abruptly: the grandchild's parent dies under it
+
+
+# Not on docker: there the grandchild's "after" report does not arrive (not yet explained).
+@pytest.mark.parametrize("ctx", ["local", pytest.param("kubernetes", marks=pytest.mark.kubernetes)],
+                         indirect=True)
+def test_parent_process_in_a_grandchild_sees_its_parent_die(ctx):
+    q, reported = ctx.Queue(), ctx.Event()
+    p = ctx.Process(target=child_dies_after_grandchild_reports, args=(q, reported))
+    p.start()
+    got = dict((item[0], item[1:]) for item in (q.get(timeout=TIMEOUT) for _ in range(2)))
+    child_pid = got["child"][0]
+    alive, parent_pid = got["alive"]
+    assert alive is True
+    assert parent_pid in (True, child_pid)
+    kind, alive_after, waited = q.get(timeout=TIMEOUT)
+    assert (kind, alive_after) == ("after", False)
+    assert waited < TIMEOUT / 2
+    p.join(TIMEOUT)
+
+
+PIPED = """
+    import sys
+    import fibrl
+
+    class Greeting:
+        def __init__(self, text):
+            self.text = text
+
+    def greet(q, greeting):
+        q.put(greeting.text + " from a piped-in script")
+
+    if __name__ == "__main__":
+        fibrl.init(backend=sys.argv[1] if len(sys.argv) > 1 else "local")
+        q = fibrl.Queue()
+        p = fibrl.Process(target=greet, args=(q, Greeting("hello")))
+        p.start()
+        print(q.get(timeout=120))
+        p.join(120)
+        print("exitcode", p.exitcode)
+"""
+
+
+def test_piped_in_script_runs(script_backend):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+    out = subprocess.run([sys.executable, "-", script_backend], input=textwrap.dedent(PIPED),
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.splitlines() == ["hello from a piped-in script", "exitcode 0"]
