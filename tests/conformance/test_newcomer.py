@@ -274,7 +274,8 @@ def child_dies_after_grandchild_reports(q, reported):
     os._exit(0)   # abruptly: the grandchild's parent dies under it
 
 
-# Not on docker: there the grandchild's "after" report does not arrive (not yet explained).
+# Not on docker: a docker worker's children are local processes inside its container,
+# which ends with it (docs/docker.md).
 @pytest.mark.parametrize("ctx", ["local", pytest.param("kubernetes", marks=pytest.mark.kubernetes)],
                          indirect=True)
 def test_parent_process_in_a_grandchild_sees_its_parent_die(ctx):
