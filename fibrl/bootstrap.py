@@ -4,7 +4,11 @@ Owns the worker's side of a start (see DESIGN.md, "How a worker starts"):
 connect back to the parent's hub, prove knowledge of the run's secret (from
 ``FIBRL_SECRET``), receive the pickled process object with the parent's
 config and what spawn needs to rebuild ``__main__``, run it, and exit with its
-exit code. The worker also exits by itself when the parent goes away: the
+exit code. A process that does not unpickle here by reference is asked for
+again by value (cloudpickle: functions of the main script that this worker's
+``__mp_main__`` lacks); one that cannot be rebuilt at all, or a main script
+that starts processes at import (no main guard), is reported to the parent,
+which logs it, and the worker exits with code 1. The worker also exits by itself when the parent goes away: the
 connection drops, or heartbeats stop being answered for ``parent_timeout``.
 
 It imports as little as possible before connecting: start latency matters.

@@ -8,8 +8,10 @@ Owns the parent's side of a worker's life. Data flow::
            hosts a _Handover service on this process's hub
            backend.create_job(JobSpec(python -m fibrl.bootstrap <hub address> <oid>))
            watcher thread: job.wait() -> returncode, closes the sentinel's write end
-      worker (fibrl.bootstrap) connects, authenticates, calls _Handover.payload,
-      runs the process and exits; the backend reports the exit code.
+      worker (fibrl.bootstrap) connects, authenticates, calls _Handover.payload
+      (then, if it cannot unpickle that, _Handover.by_value; if it still cannot,
+      _Handover.load_failed, which logs the worker's error here), runs the
+      process and exits; the backend reports the exit code.
 
 It has the surface of ``multiprocessing``'s Popen objects: ``pid``,
 ``sentinel``, ``returncode``, ``poll``, ``wait``, ``terminate``, ``kill``,
