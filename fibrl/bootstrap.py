@@ -4,7 +4,11 @@ Owns the worker's side of a start (see DESIGN.md, "How a worker starts"):
 connect back to the parent's hub, prove knowledge of the run's secret (from
 ``FIBRL_SECRET``), receive the pickled process object with the parent's
 config and what spawn needs to rebuild ``__main__``, run it, and exit with its
-exit code. The worker also exits by itself when the parent goes away: the
+exit code. A process that does not unpickle here by reference is asked for
+again by value (cloudpickle: functions of the main script that this worker's
+``__mp_main__`` lacks); one that cannot be rebuilt at all, or a main script
+that starts processes at import (no main guard), is reported to the parent,
+which logs it, and the worker exits with code 1. The worker also exits by itself when the parent goes away: the
 connection drops, or heartbeats stop being answered for ``parent_timeout``.
 
 It imports as little as possible before connecting: start latency matters.
@@ -16,12 +20,29 @@ import sys
 import threading
 
 
+# How long a worker whose parent is gone goes on: parent_process() already reports
+# the parent dead, so code waiting on it (join, is_alive) gets to react, then the
+# worker exits by itself, as no worker outlives its parent (DESIGN.md).
+PARENT_LOST_GRACE = 3.0
+
+_parent_sentinel_w: list = []   # write end of parent_process().sentinel, until lost
+
+
 def _parent_lost(reason: str) -> None:
+    while _parent_sentinel_w:
+        try:
+            os.close(_parent_sentinel_w.pop())   # parent_process().join() returns
+        except OSError:
+            pass
+    ending = threading.Timer(PARENT_LOST_GRACE, os._exit, (255,))
+    ending.daemon = True
+    ending.start()
     try:
-        sys.stderr.write(f"fibrl worker {os.getpid()}: {reason}; exiting.\n")
+        sys.stderr.write(f"fibrl worker {os.getpid()}: {reason}; exiting within "
+                         f"{PARENT_LOST_GRACE:.0f} s.\n")
         sys.stderr.flush()
-    finally:
-        os._exit(255)
+    except (AttributeError, ValueError, OSError):
+        pass   # the program closed its stderr
 
 
 def _heartbeat(client, interval: float, limit: float, stop: threading.Event) -> None:
@@ -29,6 +50,7 @@ def _heartbeat(client, interval: float, limit: float, stop: threading.Event) -> 
         handle = client.call("hub", "ping", ())
         if not handle.wait(limit) and not stop.is_set():
             _parent_lost(f"the parent did not answer a heartbeat within {limit:.0f} s")
+            return
 
 
 def _keep_own_sys_path(preparation: dict) -> dict:
@@ -81,18 +103,20 @@ def _main_from_source(path: str, source: bytes) -> None:
         sys.modules.pop("__mp_main__", None)
         if previous is not None:
             sys.modules["__main__"] = previous
+        if _starts_at_import(exc):
+            raise   # nothing works in this worker: the parent says why
         sys.stderr.write(
             f"fibrl worker: could not rebuild __main__ from the parent's script {path} "
             f"({type(exc).__name__}: {exc}); functions and classes defined in it cannot be "
             f"used here. Move them into a module the worker can import.\n")
 
 
-def _become(start, hub, client, exiting):
+def _become(start, hub, client, exiting, oid):
     """Adopt the parent's config and state; return the unpickled process object."""
     from multiprocessing import process as mp_process
     from multiprocessing import spawn as mp_spawn
 
-    from . import runtime, serialization
+    from . import runtime
 
     config = _own_listen_host(start.config)
     hub.host = config.listen_host   # before install: the hub has not listened yet
@@ -108,14 +132,16 @@ def _become(start, hub, client, exiting):
         mp_spawn.prepare(preparation)
         if main is not None:
             _main_from_source(*main)
-        return serialization.loads(start.process)
+        process_obj = _load(start.process, client, oid, config.start_timeout)
+        client.send(oid, "loaded", ())   # the parent drops the copy it kept for _load
+        return process_obj
     finally:
         del mp_process.current_process()._inheriting
 
 
 def _take_secret() -> str:
     """The run's secret, from where the backend left it: a pipe (FIBRL_SECRET_FD, local
-    workers), a 0400 file in a private mount (FIBRL_SECRET_FILE, docker) or the
+    workers), a 0400 file copied into the container (FIBRL_SECRET_FILE, docker) or the
     environment (a kubernetes Secret; the fork server). Each is dropped after use."""
     fd = os.environ.pop("FIBRL_SECRET_FD", "")
     if fd:
@@ -126,6 +152,93 @@ def _take_secret() -> str:
         with open(path) as file:
             return file.read().strip()
     return os.environ.pop("FIBRL_SECRET", "")
+
+
+class _LoadError(Exception):
+    """The process object cannot be rebuilt here, by reference nor by value."""
+
+
+def _load(frame: bytes, client, oid: str, timeout: float):
+    """Unpickle the process; if that fails, ask the parent for a copy by value
+    (cloudpickle), which carries the main script's functions and classes along."""
+    from . import serialization
+    from .errors import SerializationError
+
+    try:
+        return serialization.loads(frame)
+    except SerializationError as by_reference:
+        try:
+            frame = client.call(oid, "by_value", ()).get(timeout)
+        except Exception:
+            raise by_reference from by_reference.__cause__
+        try:
+            return serialization.loads(frame)
+        except SerializationError as exc:
+            raise _LoadError(_not_loadable(exc, by_reference)) from exc
+
+
+def _not_loadable(exc: Exception, by_reference: Exception) -> str:
+    def reason(error: Exception) -> str:
+        cause = error.__cause__ or error
+        return f"{type(cause).__name__}: {cause}"
+
+    cause = exc.__cause__
+    text = reason(exc)
+    if reason(by_reference) != text:
+        text = f"by reference: {reason(by_reference)}; by value: {text}"
+    if isinstance(cause, AttributeError) and "__mp_main__" in str(cause):
+        return (f"the process's target (or an argument) is a function or class of the "
+                f"main script that the worker cannot find by name, and it could not be "
+                f"sent by value either ({text}). It is probably defined inside "
+                f"`if __name__ == \"__main__\":` or inside another function. Fix: move "
+                f"the function to the module's top level.")
+    return (f"cannot rebuild the process object in the worker, by reference nor by "
+            f"value ({text}). The worker must be able to import every module the target "
+            f"and its arguments use: check that they are on its sys.path (for a "
+            f"container or pod: in its image, or under the mounted working directory).")
+
+
+_GUARD_TEMPLATE = """the main script {path} starts processes when it is imported: it has \
+no `if __name__ == "__main__":` guard. Each worker imports the main script to find its \
+functions (as the stdlib's spawn does), so every worker would start processes again; \
+they all fail instead. Fix: put the code that starts processes (and what it needs at \
+run time only) under the guard, at the bottom of the script:
+
+    if __name__ == "__main__":
+        main()
+"""
+
+
+def _starts_at_import(exc: BaseException) -> bool:
+    """multiprocessing.spawn._check_not_importing_main's RuntimeError: a process was
+    started while this worker was still rebuilding its state (importing __main__),
+    possibly behind another error (a Pool that could not start its workers)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, RuntimeError) and "bootstrapping phase" in str(exc):
+            return True
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def _report_load_failure(client, oid: str, start, exc: BaseException) -> bool:
+    """Tell the parent why this worker cannot run its process; True if it heard."""
+    import traceback
+
+    from .messages import MISSING_MAIN_GUARD
+
+    kind, text = "", "".join(traceback.format_exception(exc)).rstrip()
+    if _starts_at_import(exc):
+        path = start.preparation.get("init_main_from_path", "(the main script)")
+        kind, text = MISSING_MAIN_GUARD, _GUARD_TEMPLATE.format(path=path)
+    elif isinstance(exc, _LoadError):
+        text = str(exc)
+    try:
+        client.call(oid, "load_failed", (text, kind)).get(10.0)
+        return True
+    except Exception:
+        return False
 
 
 def main(argv: list[str]) -> int:
@@ -149,16 +262,22 @@ def main(argv: list[str]) -> int:
     # built from defaults: the parent's config arrives over this hub's first connection
     hub = Hub.from_config(Config(), secret, host="127.0.0.1")
     runtime.install_hub(hub)
+    # parent_process().sentinel: readable once the parent is gone (see _parent_lost)
+    parent_r, parent_w = os.pipe()
+    _parent_sentinel_w.append(parent_w)
     client = hub.client(address)
     exiting = threading.Event()
     client.on_lost(lambda: exiting.is_set() or _parent_lost("lost the connection to the parent"))
+    start = None
     try:
         start = client.call(oid, "payload", (os.getpid(),)).get(Config().start_timeout)
-        process_obj = _become(start, hub, client, exiting)
-    except BaseException:
+        process_obj = _become(start, hub, client, exiting, oid)
+    except BaseException as exc:
         exiting.set()  # a failed start is this worker's error, not a lost parent
+        if (start is not None and isinstance(exc, Exception)
+                and _report_load_failure(client, oid, start, exc)):
+            return 1   # the parent logs the error, where the user looks
         raise
-    parent_r, parent_w = os.pipe()  # the parent "sentinel": closed only when we exit
     exitcode = process_obj._bootstrap(parent_sentinel=parent_r)
     exiting.set()
     hub.flush(10.0)

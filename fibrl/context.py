@@ -178,9 +178,19 @@ class BaseContext:
         """Nothing to do: fibrl connections are always picklable."""
 
     def set_executable(self, executable: str) -> None:
-        raise NotImplementedError(
-            "fibrl workers run the backend's interpreter (this one for local, the image's "
-            "python for containers); choose the image with fibrl.init(image=...).")
+        """Choose the interpreter of local workers, as ``multiprocessing.set_executable``
+        does for spawn (it sets the same value). Containers and pods run their
+        image's python: there it raises NotImplementedError."""
+        backend = self.get_start_method()
+        if backend != "local":
+            raise NotImplementedError(
+                f"set_executable() chooses the interpreter of local workers; {backend} "
+                f"workers run the python of their image ({self.config.image}). Fix: build "
+                f"an image with the interpreter you need and pass it as "
+                f"fibrl.init(image=...), or use the local backend.")
+        from multiprocessing import spawn
+
+        spawn.set_executable(executable)
 
     def set_forkserver_preload(self, module_names) -> None:
         """Accepted for compatibility; fibrl has no fork server."""

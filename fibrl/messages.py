@@ -129,3 +129,9 @@ def wrap_raw(value: Any) -> Any:
     picklable.
     """
     return blob(value) if type(value) in RAW_TYPES else value
+
+
+# The ``kind`` a worker gives when it reports that it could not load its process
+# because the main script starts processes at import (no ``if __name__ ==
+# "__main__":`` guard); the parent says so once (see ``bootstrap`` and ``popen``).
+MISSING_MAIN_GUARD = "missing-main-guard"

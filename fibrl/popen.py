@@ -8,8 +8,10 @@ Owns the parent's side of a worker's life. Data flow::
            hosts a _Handover service on this process's hub
            backend.create_job(JobSpec(python -m fibrl.bootstrap <hub address> <oid>))
            watcher thread: job.wait() -> returncode, closes the sentinel's write end
-      worker (fibrl.bootstrap) connects, authenticates, calls _Handover.payload,
-      runs the process and exits; the backend reports the exit code.
+      worker (fibrl.bootstrap) connects, authenticates, calls _Handover.payload
+      (then, if it cannot unpickle that, _Handover.by_value; if it still cannot,
+      _Handover.load_failed, which logs the worker's error here), runs the
+      process and exits; the backend reports the exit code.
 
 It has the surface of ``multiprocessing``'s Popen objects: ``pid``,
 ``sentinel``, ``returncode``, ``poll``, ``wait``, ``terminate``, ``kill``,
@@ -17,6 +19,7 @@ It has the surface of ``multiprocessing``'s Popen objects: ``pid``,
 """
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import sys
@@ -33,18 +36,23 @@ from .backends.base import job_labels, run_id
 from .config import Config
 from .errors import BackendError
 from .hub import ReplySink, Service, get_hub
-from .messages import MAIN_SOURCE, WorkerStart
+from .messages import MAIN_SOURCE, MISSING_MAIN_GUARD, WorkerStart
 
 __all__ = ["Popen", "WorkerStart", "run_id"]
 
 log = logging.getLogger(__name__)
 
 class _Handover(Service):
-    """Gives the pickled process to the worker that connects for it, once."""
+    """Gives the pickled process to the worker that connects for it, once; sends it
+    again by value when the worker cannot load it by reference; hears why a worker
+    could not load it at all."""
 
-    def __init__(self, popen: "Popen", start: WorkerStart) -> None:
+    def __init__(self, popen: "Popen", start: WorkerStart, process_obj: Any) -> None:
         self._popen = popen
         self._start: Optional[WorkerStart] = start
+        # Kept until the worker has loaded it, as it is now: start() drops the target
+        # and arguments from the process object once its Popen exists.
+        self._process: Any = copy.copy(process_obj)
 
     def op_payload(self, reply: ReplySink, pid: Optional[int] = None) -> None:
         start, self._start = self._start, None
@@ -52,6 +60,28 @@ class _Handover(Service):
             raise BackendError("this worker's process object was already handed over")
         self._popen._connected(pid)
         reply(start)
+
+    def op_by_value(self, reply: ReplySink) -> None:
+        # A function of the main script that the worker's __mp_main__ lacks (defined
+        # under `if __name__ == "__main__":`, or the script is not visible there):
+        # cloudpickle sends __main__'s functions and classes by value.
+        process_obj, self._process = self._process, None
+        if process_obj is None:
+            raise BackendError("this worker's process object was already sent by value")
+        reply(self._popen._pickle(process_obj, by_value=True))
+
+    def op_loaded(self, reply: ReplySink) -> None:
+        self._process = None
+        reply(None)
+
+    def op_loaded(self, reply: ReplySink) -> None:
+        self._process = None
+        reply(None)
+
+    def op_load_failed(self, reply: ReplySink, error: str, kind: str = "") -> None:
+        self._process = None
+        self._popen._load_failed(error, kind)
+        reply(None)
 
 
 class Popen:
@@ -66,10 +96,13 @@ class Popen:
         self._closed = False
         self._stopped = False    # terminate()/kill() asked for the end
         self._backend = runtime.backend(config)
+        if config.backend == "kubernetes":
+            _say_if_code_is_not_in_image(config)
+        self._spec_name = process_obj.name
         hub = get_hub()
         start = WorkerStart(self._pickle(process_obj), config,
                             _preparation(process_obj, config.backend != "local"), hub.address)
-        self._oid = hub.register(_Handover(self, start))
+        self._oid = hub.register(_Handover(self, start, process_obj))
         self._read_fd, self._write_fd = os.pipe()
         self.sentinel = self._read_fd
         # The sentinel stays open after the job ends (join() may be followed by a wait
@@ -99,10 +132,10 @@ class Popen:
         _watching(watcher)
         watcher.start()
 
-    def _pickle(self, process_obj: Any) -> bytes:
+    def _pickle(self, process_obj: Any, by_value: bool = False) -> bytes:
         mp_context.set_spawning_popen(self)  # lets the authkey travel, as spawn does
         try:
-            return serialization.dumps(process_obj, spawning=True)
+            return serialization.dumps(process_obj, spawning=True, by_value=by_value)
         finally:
             mp_context.set_spawning_popen(None)
 
@@ -125,7 +158,8 @@ class Popen:
             gpu=meta.get("gpu", config.gpu),
             labels=job_labels(getattr(process_obj, "_fibrl_role", "process")),
             name=process_obj.name, workdir=os.getcwd(),
-            probe=(python, "-c", "import fibrl.bootstrap"), preload=WORKER_PRELOAD)
+            probe=(python, "-c", "import fibrl.bootstrap"), preload=WORKER_PRELOAD,
+            code_dirs=_main_dirs())
 
     def _connected(self, pid: Optional[int]) -> None:
         log.debug("job %s connected back (pid %s)", getattr(self._job, "id", "?"), pid)
@@ -168,6 +202,15 @@ class Popen:
         os.close(self._write_fd)
         self._done.set()
         self._job.remove()
+
+    def _load_failed(self, error: str, kind: str) -> None:
+        # The worker exits with code 1 right after telling us; its error is logged here,
+        # where the user looks, whatever the backend keeps of its output.
+        if kind == MISSING_MAIN_GUARD:
+            _log_missing_guard_once(error)
+            return
+        log.error("worker %s (%s) could not load its process and exits with code 1:\n%s",
+                  getattr(self._job, "id", None) or self.pid, self._spec_name, error)
 
     def _explain_early_exit(self, code: int) -> None:
         from .errors import describe_exitcode
@@ -216,6 +259,85 @@ class Popen:
         return self._job
 
 
+_images_checked: set = set()
+
+
+def _say_if_code_is_not_in_image(config: Config) -> None:
+    """Warn once per image, before any pod starts, when the program imports modules of
+    its own that the worker image cannot hold: the stock image has only fibrl."""
+    with _guard_lock:
+        if config.image in _images_checked:
+            return
+        _images_checked.add(config.image)
+    message = code_not_in_image(config)
+    if message:
+        log.warning("%s", message)
+
+
+def code_not_in_image(config: Config) -> Optional[str]:
+    """Why the kubernetes workers of ``config`` will not find this program's modules,
+    or None: the parent runs in a pod (``fibrl run``: workers share its image), or
+    the image is one the user chose, or the program imports no module of its own."""
+    if os.environ.get("KUBERNETES_SERVICE_HOST") or config.image != _STOCK_IMAGE:
+        return None
+    mine = _own_modules()
+    if not mine:
+        return None
+    shown = ", ".join(sorted(mine)[:5]) + (", ..." if len(mine) > 5 else "")
+    return (f"kubernetes workers run the image {config.image}, which holds fibrl but not "
+            f"this program's code: the modules it imports from "
+            f"{', '.join(sorted(set(mine.values())))} ({shown}) will be missing in the pods, and a worker whose target or "
+            f"arguments need them fails with ModuleNotFoundError (functions of the main "
+            f"script itself travel with it). Fix: launch the program with `fibrl run "
+            f"--build -- python {_script_name()}` (it builds this directory into the image "
+            f"the parent and workers run), or build an image holding your code and pass "
+            f"it as image= (fibrl.init(image=...) or FIBRL_IMAGE).")
+
+
+_STOCK_IMAGE = Config.__dataclass_fields__["image"].default
+
+
+def _own_modules() -> dict:
+    """``{module name: folder}`` for imported modules that live in the working
+    directory or the main script's folder (fibrl itself aside)."""
+    roots = {os.path.abspath(os.getcwd()), *_main_dirs()}
+    found = {}
+    for name, module in list(sys.modules.items()):
+        path = getattr(module, "__file__", None)
+        if not path or name == "__main__" or name.split(".")[0] in ("fibrl", "__mp_main__"):
+            continue
+        path = os.path.abspath(path)
+        for root in roots:
+            if path.startswith(root + os.sep) and "site-packages" not in path:
+                found[name.split(".")[0]] = root
+    return found
+
+
+def _script_name() -> str:
+    main = sys.modules.get("__main__")
+    spec, path = getattr(main, "__spec__", None), getattr(main, "__file__", None)
+    if spec is not None:
+        return "-m " + spec.name.removesuffix(".__main__")
+    if not path:
+        return "your_script.py"
+    path = os.path.abspath(path)
+    inside = path.startswith(os.path.abspath(os.getcwd()) + os.sep)
+    return os.path.relpath(path) if inside else path
+
+
+_guard_lock = threading.Lock()
+_guard_said = False
+
+
+def _log_missing_guard_once(error: str) -> None:
+    """Every worker of a script without the guard fails the same way: say it once."""
+    global _guard_said
+    with _guard_lock:
+        said, _guard_said = _guard_said, True
+    if not said:
+        log.error("%s", error)
+
+
 # What a worker imports before it connects (a fork server imports it once; importing
 # transport loads pynng but starts no nng thread, so forking afterwards is safe). Not
 # bootstrap itself: it runs as __main__, as with `python -m`.
@@ -231,8 +353,6 @@ def _preparation(process_obj: Any, elsewhere: bool) -> dict:
     """
     data = mp_spawn.get_preparation_data(process_obj._name)
     data.pop("start_method", None)  # the stdlib's own start method is not ours to change
-    data.pop("log_to_stderr", None)
-    data.pop("log_level", None)
     data["authkey"] = bytes(data["authkey"])
     path = data.get("init_main_from_path")
     if path and (sys.flags.interactive or not os.path.isfile(path)):
@@ -267,6 +387,20 @@ def _join_watchers() -> None:
     deadline = time.monotonic() + _WATCHERS_AT_EXIT
     for thread in list(_watchers):
         thread.join(max(0.0, deadline - time.monotonic()))
+
+
+def _main_dirs() -> tuple:
+    """The main script's folder, which spawn puts first on a worker's ``sys.path``."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if (not path or sys.flags.interactive or not os.path.isfile(path)
+            or getattr(main, "__spec__", None) is not None):
+        return ()   # `python -m module` puts the working directory first, not its folder
+    folder = os.path.dirname(os.path.abspath(path))
+    installed = {os.path.abspath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}
+    if any(folder == p or folder.startswith(p + os.sep) for p in installed):
+        return ()   # an installed launcher's folder: the image has its own
+    return (folder,)
 
 
 _MAIN_SOURCE_LIMIT = 1 << 20

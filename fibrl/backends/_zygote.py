@@ -74,9 +74,18 @@ def _child(request: dict, stdio: list, keep_fds: tuple) -> None:
         import atexit
 
         atexit._run_exitfuncs()
-        sys.stdout.flush()
-        sys.stderr.flush()
+        _flush_std_streams()
         os._exit(code if isinstance(code, int) else 1)
+
+
+def _flush_std_streams() -> None:
+    # A program may close sys.stdout or set it to None; as with the stdlib, that is
+    # no failure of the process (and an exception here would skip os._exit).
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (AttributeError, ValueError, OSError):
+            pass
 
 
 def _reap(out) -> None:

@@ -79,6 +79,9 @@ class JobSpec:
             it fails (``()``: no probe).
         preload: modules a fork server may import ahead of time for a
             ``python -m module ...`` command, to start it faster (local backend).
+        code_dirs: host directories of the program's code besides ``workdir`` (the
+            main script's folder, which spawn puts on ``sys.path``); a container
+            backend that mounts the working directory mounts these too, read-only.
     """
 
     command: tuple
@@ -93,6 +96,7 @@ class JobSpec:
     workdir: str = ""
     probe: tuple = ()
     preload: tuple = ()
+    code_dirs: tuple = ()
 
 
 class Job(abc.ABC):

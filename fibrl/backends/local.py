@@ -223,7 +223,11 @@ class LocalBackend(Backend):
         self._lock = threading.Lock()
 
     def python(self) -> str:
-        return sys.executable
+        # set_executable()'s choice, kept where the stdlib keeps it (sys.executable by
+        # default); another interpreter than ours is spawned, not forked from ours.
+        from multiprocessing import spawn
+
+        return os.fsdecode(spawn.get_executable() or sys.executable)
 
     def create_job(self, spec: JobSpec) -> Job:
         env = dict(os.environ)

@@ -200,6 +200,7 @@ class DockerBackend(Backend):
                     "directory, or set docker_mount_cwd=False.")
             mode = "ro" if self.config.docker_mount_readonly else "rw"
             volumes[spec.workdir] = {"bind": spec.workdir, "mode": mode}
+            volumes.update(_code_volumes(spec))
         for host_path, container_path, read_only in spec.volumes:
             volumes[host_path] = {"bind": container_path, "mode": "ro" if read_only else "rw"}
         return volumes
@@ -352,6 +353,19 @@ def _shell(command: tuple) -> str:
     if not command:
         return "its probe command"
     return "`" + " ".join(f'"{part}"' if " " in part else part for part in command) + "`"
+
+
+def _code_volumes(spec: JobSpec) -> dict:
+    """The main script's folder, read-only at the same path: a script run from outside
+    the working directory imports its neighbours (``sys.path[0]``) there as here."""
+    volumes = {}
+    for path in spec.code_dirs:
+        path = os.path.abspath(path)
+        inside = os.path.commonpath([path, os.path.abspath(spec.workdir)])
+        if path == "/" or inside == os.path.abspath(spec.workdir) or not os.path.isdir(path):
+            continue  # the host's root is never mounted; the working directory already is
+        volumes[path] = {"bind": path, "mode": "ro"}
+    return volumes
 
 
 def _unusable_image(image: str, workdir: Optional[str], status: int,
