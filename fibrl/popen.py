@@ -74,10 +74,6 @@ class _Handover(Service):
         self._process = None
         reply(None)
 
-    def op_loaded(self, reply: ReplySink) -> None:
-        self._process = None
-        reply(None)
-
     def op_load_failed(self, reply: ReplySink, error: str, kind: str = "") -> None:
         self._process = None
         self._popen._load_failed(error, kind)
