@@ -114,16 +114,21 @@ def serve(requests_fd: int, replies_fd: int) -> None:
     sel = selectors.DefaultSelector()
     sel.register(requests, selectors.EVENT_READ)
     sel.register(wake_r, selectors.EVENT_READ)
-    while True:
-        for key, _ in sel.select():
-            if key.fileobj == wake_r:
-                os.read(wake_r, 4096)
-                _reap(out)
-                continue
-            data, fds, _, _ = socket.recv_fds(requests, 1 << 20, 2)
-            if not data:
-                return  # the parent is gone
-            _fork(json.loads(data), fds, out, (requests_fd, replies_fd, wake_r, wake_w))
+    try:
+        while True:
+            for key, _ in sel.select():
+                if key.fileobj == wake_r:
+                    os.read(wake_r, 4096)
+                    _reap(out)
+                    continue
+                data, fds, _, _ = socket.recv_fds(requests, 1 << 20, 2)
+                if not data:
+                    return  # the parent is gone
+                _fork(json.loads(data), fds, out, (requests_fd, replies_fd, wake_r, wake_w))
+    except BrokenPipeError:
+        # The parent went away while we answered it: nothing is left to do, and a
+        # normal exit would only print the same error again when it flushes ``out``.
+        os._exit(0)
 
 
 def _fork(request: dict, stdio: list, out, fds: tuple) -> None:

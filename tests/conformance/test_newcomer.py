@@ -59,11 +59,11 @@ def _run_script(tmp_path, source, *args, cwd=ROOT, name="main.py", timeout=240):
 
 def _backend_param(request):
     if request.param == "docker":
-        from conftest import _skip_or_fail, docker_available
+        from conftest import docker_available, skip_or_fail
 
         reason = docker_available()
         if reason:
-            _skip_or_fail(reason, "CI_REQUIRE_DOCKER")
+            skip_or_fail(reason, "CI_REQUIRE_DOCKER")
     return request.param
 
 
