@@ -4,6 +4,7 @@ that imports modules from its own folder. Scripts run as real programs (a
 subprocess from the repository root, so containers mount this checkout)."""
 import logging
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -172,7 +173,11 @@ def test_kubernetes_says_at_start_when_the_image_lacks_the_programs_code(ctx, ca
     assert p.exitcode == 0
     assert len(said) == 1
     text = said[0].getMessage()
-    assert "test_newcomer" in text and "fibrl run" in text and "image=" in text
+    # names modules of the working directory (the first few, in the suite: any of them)
+    found = re.search(r"the modules it imports from (\S+) \(([^)]*)\)", text)
+    assert found and found.group(1) == os.getcwd(), text
+    assert found.group(2).split(", ")[0].isidentifier(), text
+    assert "fibrl run" in text and "image=" in text
     assert popen.code_not_in_image(fibrl.get_context().config.replace(image="me/app:1")) is None
 
 
