@@ -73,7 +73,7 @@ class Connection:
                 self._pushed = _Inbox.use(self._address, self._inbox)
         if self._outbox is not None:
             hub.call(self._address, self._outbox, "adopt" if adopt else "attach")
-            self._watch = hub.call_async(self._address, self._outbox, "watch")
+            self._watch = _watch_for(hub, self._address, self._outbox)
         self._finalizer = Finalizer(self, _detach, self._address, self._inbox, self._outbox,
                                     atexit=True)
 
@@ -158,7 +158,7 @@ class Connection:
 
     def _put(self, payload: bytes) -> None:
         watch = self._watch
-        if watch is not None and watch.ready() and watch.successful():
+        if watch is not None and watch.ready() and watch.successful() and watch.get(0):
             raise BrokenPipeError(
                 f"[Errno 32] Broken pipe: every reader of {self!r} was closed or its process "
                 f"died; nothing can read what is sent. Keep a reader open (do not close the "
@@ -219,6 +219,20 @@ def _detach(address: str, inbox: Optional[str], outbox: Optional[str]) -> None:
                 hub.call(address, oid, method, timeout=5.0)
             except Exception:
                 pass  # the owner is gone: so is the pipe
+
+
+_watches: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
+_watches_lock = threading.Lock()
+
+
+def _watch_for(hub: Any, address: str, oid: str) -> Any:
+    """The parked ``watch`` of this process on a pipe direction, shared by its handles,
+    so that passing ends around does not park one more reply at the owner each time."""
+    with _watches_lock:
+        handle = _watches.get((address, oid))
+        if handle is None or (handle.ready() and not handle.successful()):
+            handle = _watches[(address, oid)] = hub.call_async(address, oid, "watch")
+        return handle
 
 
 def _rebuild(address: str, inbox: Optional[str], outbox: Optional[str]) -> Connection:

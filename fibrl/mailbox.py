@@ -504,6 +504,18 @@ class PipeBox(Mailbox):
             super().drop_peer(peer)
             self._flush()
 
+    def closed(self) -> None:
+        with self._lock:
+            watchers, self._watchers = self._watchers, []
+            sub, self._sub = self._sub, None
+        for watcher in watchers:
+            watcher(False)  # retired, not broken: a later send reports the owner's answer
+        if sub is not None:
+            from .errors import object_gone
+
+            sub.fail(object_gone(self.oid, "its process", "closed"))
+        super().closed()
+
 
 def _take_one(counts: dict, owner: Any) -> None:
     count = counts.get(owner, 0)
