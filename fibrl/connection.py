@@ -1,18 +1,29 @@
 """``Pipe()``, ``Connection`` and ``wait()`` that work between any processes.
 
-A pipe is two :class:`~fibrl.mailbox.Mailbox` objects hosted by the process
+A pipe is two :class:`~fibrl.mailbox.PipeBox` objects hosted by the process
 that called ``Pipe()``: one per direction. A :class:`Connection` is a handle
-on them (address, the mailbox it reads, the one it writes) and pickles to any
+on them (address, the direction it reads, the one it writes) and pickles to any
 process of the run. Each process holding the write side of a direction counts
 as one open writer (a pickled handle counts from the moment it is pickled);
 when the last one closes or its process dies, a reader gets ``EOFError`` once
-the buffered messages are read, as with an OS pipe.
+the buffered messages are read, as with an OS pipe. Readers are counted the
+same way: once none is left, ``send()`` raises ``BrokenPipeError`` (after a
+reader's process dies, as soon as the owner has seen its connection drop).
+
+An end read in another process than the owner's gets its messages *pushed*:
+its first ``recv``/``poll`` subscribes that process's :class:`_Inbox`, and
+from then on each ``send`` is one frame to the owner, which forwards it at
+once (one frame; none when the sender is the owner). ``recv`` and ``poll``
+then wait on local state. Messages pushed to a process that dies unread are
+lost with it, like the data in a dead reader's OS pipe; a process that closes
+its end, or whose subscription another reader takes over, gives them back.
 
 ::
 
-    process A                owner of the pipe (hub)               process B
-    a.send(obj) ==dumps==>  Mailbox a->b  ==parked recv/poll==>   b.recv()
-    a.recv()    <=========  Mailbox b->a  <=====================  b.send(obj)
+    process A               owner of the pipe (hub)                 process B
+    a.send(obj) ==put==>    PipeBox a->b  ==push (subscribed)==>    _Inbox -> b.recv()
+    a.recv()    <=========  PipeBox b->a  <==========put=========   b.send(obj)
+    (A is the owner here: its recv() reads the PipeBox in-process)
 
 ``wait()`` mixes connections, process sentinels and any object with
 ``fileno()``: connections are watched with parked ``poll`` requests that
@@ -26,13 +37,15 @@ import selectors
 import threading
 import time
 import weakref
+from collections import deque
 from multiprocessing import BufferTooShort
 from typing import Any, Iterable, Optional
 
 from . import serialization
 from .hub import drop_owner, get_hub, mark_pickled
 from .janitor import Finalizer
-from .mailbox import Mailbox, take
+from .mailbox import PipeBox, take
+from .messages import blob
 
 __all__ = ["Connection", "Pipe", "wait"]
 
@@ -48,21 +61,32 @@ class Connection:
         self._outbox = outbox    # mailbox this end writes (None: read-only)
         self._closed = False
         self._finalizer = None
+        self._watch = None       # answered when no reader is left: BrokenPipeError
+        self._pushed: Optional[_Inbox] = None  # this process's inbox (reader elsewhere)
 
     # -- lifetime ----------------------------------------------------------------
-    def _attach(self, method: str = "attach") -> None:
+    def _attach(self, adopt: bool = False) -> None:
+        hub = get_hub()
+        if self._inbox is not None:
+            hub.call(self._address, self._inbox, "adopt_reader" if adopt else "attach_reader")
+            if not hub.is_local(self._address):
+                self._pushed = _Inbox.use(self._address, self._inbox)
         if self._outbox is not None:
-            get_hub().call(self._address, self._outbox, method)
-            self._finalizer = Finalizer(self, _detach, self._address, self._outbox,
-                                        atexit=True)
+            hub.call(self._address, self._outbox, "adopt" if adopt else "attach")
+            self._watch = _watch_for(hub, self._address, self._outbox)
+        self._finalizer = Finalizer(self, _detach, self._address, self._inbox, self._outbox,
+                                    atexit=True)
 
     def __reduce__(self):
         self._check_closed()
+        hub = get_hub()
         for oid in (self._inbox, self._outbox):
             if oid is not None:
                 mark_pickled(self._address, oid)
+        if self._inbox is not None:
+            hub.call(self._address, self._inbox, "attach_reader", "inflight")
         if self._outbox is not None:
-            get_hub().call(self._address, self._outbox, "attach", "inflight")
+            hub.call(self._address, self._outbox, "attach", "inflight")
         return (_rebuild, (self._address, self._inbox, self._outbox))
 
     def close(self) -> None:
@@ -133,11 +157,19 @@ class Connection:
         self._put(bytes(view[start:start + size * itemsize]))
 
     def _put(self, payload: bytes) -> None:
+        watch = self._watch
+        if watch is not None and watch.ready() and watch.successful() and watch.get(0):
+            raise BrokenPipeError(
+                f"[Errno 32] Broken pipe: every reader of {self!r} was closed or its process "
+                f"died; nothing can read what is sent. Keep a reader open (do not close the "
+                f"other end, or end the process holding it) while sending.")
         # inline: a pipe is used for request/response, where latency matters most
         get_hub().send(self._address, self._outbox, "put", payload, None, inline=True)
 
     # -- receiving -----------------------------------------------------------------
     def _get(self) -> Any:
+        if self._pushed is not None:
+            return self._pushed.take()
         return take(get_hub(), self._address, self._inbox, None)
 
     def recv(self) -> Any:
@@ -172,20 +204,187 @@ class Connection:
     def poll(self, timeout: Optional[float] = 0.0) -> bool:
         """Whether there is data to read (or EOF), waiting up to ``timeout`` seconds."""
         self._check_readable()
+        if self._pushed is not None:
+            return self._pushed.poll(timeout)
         return get_hub().call(self._address, self._inbox, "poll", timeout)
 
 
-def _detach(address: str, oid: str) -> None:
-    try:
-        get_hub().call(address, oid, "detach", timeout=5.0)
-    except Exception:
-        pass  # the owner is gone: so is the pipe
+def _detach(address: str, inbox: Optional[str], outbox: Optional[str]) -> None:
+    hub = get_hub()
+    if inbox is not None and not hub.is_local(address):
+        _Inbox.release(address, inbox)
+    for oid, method in ((inbox, "detach_reader"), (outbox, "detach")):
+        if oid is not None:
+            try:
+                hub.call(address, oid, method, timeout=5.0)
+            except Exception:
+                pass  # the owner is gone: so is the pipe
+
+
+_watches: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
+_watches_lock = threading.Lock()
+
+
+def _watch_for(hub: Any, address: str, oid: str) -> Any:
+    """The parked ``watch`` of this process on a pipe direction, shared by its handles,
+    so that passing ends around does not park one more reply at the owner each time."""
+    with _watches_lock:
+        handle = _watches.get((address, oid))
+        if handle is None or (handle.ready() and not handle.successful()):
+            handle = _watches[(address, oid)] = hub.call_async(address, oid, "watch")
+        return handle
 
 
 def _rebuild(address: str, inbox: Optional[str], outbox: Optional[str]) -> Connection:
     conn = Connection(address, inbox, outbox)
-    conn._attach("adopt")
+    conn._attach(adopt=True)
     return conn
+
+
+class _Inbox:
+    """This process's end of a pipe direction whose owner (another process) pushes
+    each message here: ``recv`` and ``poll`` wait on local state, not on the network.
+
+    Shared by every handle of this process on that direction; it subscribes on
+    the first ``recv``/``poll`` and gives back what it holds unread when its
+    last handle closes or the owner revokes it (a reader elsewhere asked).
+    """
+
+    _registry: dict = {}
+    _registry_lock = threading.Lock()
+
+    def __init__(self, address: str, oid: str) -> None:
+        self.address, self.oid = address, oid
+        self.items: deque = deque()
+        self.cond = threading.Condition()
+        self.users = 0
+        self.rid = 0            # the subscription's call id; 0: not subscribed
+        self.ready = False      # the owner pushed what it stored (answered "ready")
+        self.revokes = 0        # how many times the owner took the subscription back
+        self.eof = False
+        self.error: Optional[BaseException] = None
+        self.listeners: set = set()
+
+    @classmethod
+    def use(cls, address: str, oid: str) -> "_Inbox":
+        with cls._registry_lock:
+            inbox = cls._registry.get((address, oid))
+            if inbox is None:
+                inbox = cls._registry[(address, oid)] = cls(address, oid)
+            inbox.users += 1
+            return inbox
+
+    @classmethod
+    def release(cls, address: str, oid: str) -> None:
+        with cls._registry_lock:
+            inbox = cls._registry.get((address, oid))
+            if inbox is None:
+                return
+            inbox.users -= 1
+            if inbox.users > 0:
+                return
+            del cls._registry[(address, oid)]
+        inbox.unsubscribe()
+
+    # -- the subscription ----------------------------------------------------------------
+    def _subscribe(self) -> None:
+        """Ask the owner to push (cond held); replies arrive on the client's reader."""
+        self.ready, self.eof, self.error = False, False, None
+        self.rid = -1  # subscribing: the owner's replies may arrive before stream() returns
+        rid = get_hub().client(self.address).stream(self.oid, "subscribe", (), self._on_reply)
+        if self.rid == -1:
+            self.rid = rid
+
+    def _on_reply(self, ok: bool, value: Any) -> None:
+        with self.cond:
+            if not ok:
+                self.error, self.rid = value, 0
+            elif value == "ready":
+                self.ready = True
+            elif value == "eof":
+                self.eof = True
+            elif value == "revoke":
+                self._give_back()
+                self.revokes += 1
+            else:
+                self.items.append(value)
+            self.cond.notify_all()
+            listeners = list(self.listeners)
+        for poke in listeners:
+            poke()
+
+    def _give_back(self) -> None:
+        """End the subscription and return what was not read, in order (cond held)."""
+        hub = get_hub()
+        client = hub.client(self.address)
+        if self.rid > 0:
+            client.end_stream(self.rid)
+        self.rid, self.ready, self.eof = 0, False, False
+        items = [blob(item) for item in self.items]
+        self.items.clear()
+        try:
+            hub.send(self.address, self.oid, "giveback", items)
+        except Exception:
+            pass  # the owner is gone, and the pipe with it
+
+    def unsubscribe(self) -> None:
+        with self.cond:
+            if self.rid != 0:
+                self._give_back()
+
+    # -- reading ---------------------------------------------------------------------
+    def _state(self) -> Optional[bool]:
+        """True: a message or EOF is here; None: not subscribed (cond held)."""
+        if self.items or self.eof or self.error is not None:
+            return True
+        if self.rid == 0:
+            return None
+        return False
+
+    def take(self) -> Any:
+        hub = get_hub()
+        with self.cond:
+            revokes = self.revokes
+            while True:
+                state = self._state()
+                if state:
+                    return self._pop()
+                if state is None:
+                    if self.revokes != revokes:
+                        break  # another reader took it meanwhile: queue up with a get
+                    self._subscribe()
+                if not self.cond.wait(hub.heartbeat_interval):
+                    self.cond.release()
+                    try:  # a vanished owner closes no socket: ping it
+                        hub.ensure_alive(self.address, hub.parent_timeout)
+                    finally:
+                        self.cond.acquire()
+        return take(hub, self.address, self.oid, None)
+
+    def _pop(self) -> Any:
+        if self.items:
+            return self.items.popleft()
+        if self.error is not None:
+            raise self.error
+        raise EOFError("the other end of the pipe was closed")
+
+    def poll(self, timeout: Optional[float]) -> bool:
+        hub = get_hub()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self.cond:
+            if self._state() is None:
+                self._subscribe()
+            while self.rid != 0 and not self.ready and self.error is None:
+                if not self.cond.wait(hub.parent_timeout):
+                    break  # the owner stays silent: the next recv() reports it
+            while True:
+                state = self._state()
+                if state is not False:
+                    return bool(state) if state is not None else False
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self.cond.wait(left if left is not None else hub.heartbeat_interval)
 
 
 def Pipe(duplex: bool = True) -> tuple[Connection, Connection]:
@@ -199,8 +398,8 @@ def Pipe(duplex: bool = True) -> tuple[Connection, Connection]:
         [1, 2]
     """
     hub = get_hub()
-    to_1 = hub.register(Mailbox(pipe_end=True))
-    to_2 = hub.register(Mailbox(pipe_end=True)) if duplex else None
+    to_1 = hub.register(PipeBox())
+    to_2 = hub.register(PipeBox()) if duplex else None
     address = hub.address
     conn1 = Connection(address, to_1, to_2)
     conn2 = Connection(address, to_2, to_1)
@@ -257,9 +456,14 @@ def _wait_blocking(conns: list, others: list, timeout: Optional[float]) -> list:
     hub = get_hub()
     waker = _Waker()
     token = (os.getpid(), next(_tokens))
+    pushed = [c for c in conns if c._pushed is not None]
+    polled = [c for c in conns if c._pushed is None]
     handles = []
     try:
-        for conn in conns:
+        for conn in pushed:  # the message itself arrives here: watch the local inbox
+            with conn._pushed.cond:
+                conn._pushed.listeners.add(waker.poke)
+        for conn in polled:
             handle = hub.call_async(conn._address, conn._inbox, "poll", timeout, token)
             handle.add_done_callback(waker.poke)
             handles.append(handle)
@@ -269,18 +473,26 @@ def _wait_blocking(conns: list, others: list, timeout: Optional[float]) -> list:
             for obj in others:
                 sel.register(obj, selectors.EVENT_READ)
             while True:
-                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                if any(c._pushed.poll(0) for c in pushed):
+                    left = 0.0
+                else:
+                    left = None if deadline is None else max(0.0, deadline - time.monotonic())
                 keys = [k.fileobj for k, _ in sel.select(left)]
                 fds = [o for o in keys if o is not waker.read_fd]
-                conns_ready = [c for c, h in zip(conns, handles) if h.ready() and _true(h)]
+                conns_ready = [c for c, h in zip(polled, handles) if h.ready() and _true(h)]
+                conns_ready += [c for c in pushed if c._pushed.poll(0)]
                 if fds or conns_ready or left == 0:
                     return conns_ready + fds
-                if all(h.ready() for h in handles) and not others and waker.read_fd in keys:
+                if (not pushed and all(h.ready() for h in handles) and not others
+                        and waker.read_fd in keys):
                     return []
                 if waker.read_fd in keys:
                     os.read(waker.read_fd, 4096)
     finally:
-        for conn, handle in zip(conns, handles):
+        for conn in pushed:
+            with conn._pushed.cond:
+                conn._pushed.listeners.discard(waker.poke)
+        for conn, handle in zip(polled, handles):
             if not handle.ready():
                 hub.call_async(conn._address, conn._inbox, "unpoll", token)
         waker.close()

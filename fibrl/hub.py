@@ -306,6 +306,7 @@ class Client:
         self._hub = hub
         self._channel = Channel.connect(address, hub.secret, timeout)
         self._pending: dict[int, Handle] = {}
+        self._streams: dict[int, Callable[[bool, Any], None]] = {}
         self._rids = itertools.count(1)
         self._lock = threading.Lock()
         self._outbox: deque = deque()
@@ -336,6 +337,31 @@ class Client:
             self._pending[rid] = handle = Handle(rid)
         self._submit(Call(rid, oid, method, _wrap(args)), inline=inline)
         return handle
+
+    def stream(self, oid: str, method: str, args: tuple,
+               on_reply: Callable[[bool, Any], None]) -> int:
+        """Send a call whose service answers many times: each reply runs
+        ``on_reply(ok, value)`` on the reader thread (keep it short) until
+        :meth:`end_stream`; a lost connection runs it once with ``ok`` False.
+
+        This is how a pipe's owner pushes messages to the process that reads
+        them: one frame per message, on the connection already open.
+        """
+        with self._lock:
+            lost = self.lost
+            if not lost:
+                rid = next(self._rids)
+                self._streams[rid] = on_reply
+        if lost:
+            on_reply(False, self._lost_error())
+            return 0
+        self._submit(Call(rid, oid, method, _wrap(args)), inline=True)
+        return rid
+
+    def end_stream(self, rid: int) -> None:
+        """Stop delivering the replies of stream ``rid`` (late ones are dropped)."""
+        with self._lock:
+            self._streams.pop(rid, None)
 
     def send(self, oid: str, method: str, args: tuple, inline: bool = False) -> None:
         """Send a one-way call (no reply).
@@ -425,8 +451,11 @@ class Client:
             for reply in (msg if isinstance(msg, list) else (msg,)):
                 with self._lock:
                     handle = self._pending.pop(reply.rid, None)
+                    stream = self._streams.get(reply.rid) if handle is None else None
                 if handle is not None:
                     handle._resolve(*_decode(reply))
+                elif stream is not None:
+                    stream(*_decode(reply))
 
     def _lost_error(self, in_flight: bool = False) -> RemoteObjectError:
         return owner_gone(self.address, "its connection dropped", in_flight=in_flight)
@@ -437,12 +466,15 @@ class Client:
                 return
             self.lost = True
             pending, self._pending = self._pending, {}
+            streams, self._streams = self._streams, {}
             self._outbox.clear()
             self._idle.notify_all()
         self._wake.set()
         err = self._lost_error(in_flight=True)
         for handle in pending.values():
             handle._resolve(False, err)
+        for on_reply in streams.values():
+            on_reply(False, err)
         self._hub._client_lost(self)
         for cb in self._lost_callbacks:
             cb()

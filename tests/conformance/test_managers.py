@@ -458,3 +458,23 @@ def test_failing_initializer_is_reported(ctx):
     with pytest.raises(ValueError, match="initializer failed") as info:
         CalcManager(ctx=ctx).start(bad_initializer)
     assert isinstance(info.value.__cause__, RemoteTraceback)
+
+
+def test_a_sync_proxy_call_is_one_request_and_one_reply(monkeypatch):
+    """Nothing else rides on a sync call's path: one frame out and one back, on the
+    caller's own line (no acknowledgement, no ping, no separate decref message)."""
+    from fibrl import transport
+
+    counts = {"send": 0, "recv": 0}
+    with fibrl.Manager() as manager:
+        items = manager.list(range(5))
+        assert len(items) == 5          # the line is connected; setup traffic is over
+        for name in counts:
+            def counted(self, *args, _orig=getattr(transport.Channel, name), _name=name, **kw):
+                counts[_name] += 1
+                return _orig(self, *args, **kw)
+            monkeypatch.setattr(transport.Channel, name, counted)
+        for _ in range(50):
+            assert len(items) == 5
+        monkeypatch.undo()
+    assert counts == {"send": 50, "recv": 50}

@@ -1,5 +1,6 @@
 """Pipe and Connection conformance across processes. Runs on every backend."""
 import array
+import time
 
 import numpy as np
 import pytest
@@ -176,5 +177,125 @@ def test_one_gib_message_through_a_pipe_arrives_whole(ctx):
     del big
     assert a.poll(240), "no answer within 240 s"
     assert a.recv() == (1 << 30, 1, 7, 9)
+    p.join(TIMEOUT)
+    assert p.exitcode == 0
+
+
+# -- ends that live in another process get their messages pushed there -------------------
+def echo_end_from_queue(q):
+    conn = q.get(timeout=TIMEOUT)
+    echo(conn)
+
+
+def echo_end_from_pipe(carrier):
+    conn = carrier.recv()
+    echo(conn)
+
+
+def poll_then_echo(conn, out):
+    out.put(conn.poll(0.05))            # nothing was sent yet
+    ready = wait([conn], timeout=TIMEOUT)
+    out.put(ready == [conn] and conn.poll(0) and conn.recv())
+    conn.send("polled")
+
+
+def read_one_then_block(conn, out):
+    out.put(conn.recv())
+    conn.recv()                         # blocks until killed
+
+
+def read_one_then_hold(conn, out, stop):
+    out.put(conn.recv())
+    stop.get(timeout=TIMEOUT)           # holds its end, reads no more
+
+
+def test_end_passed_through_a_queue_works_both_ways(ctx):
+    a, b = ctx.Pipe()
+    q = ctx.Queue()
+    p = ctx.Process(target=echo_end_from_queue, args=(q,))
+    p.start()
+    q.put(b)
+    b.close()                           # the child's copy is the only reader left
+    for obj in ("first", [1, 2], b"x" * 100):
+        a.send(obj)
+        assert a.poll(TIMEOUT) and a.recv() == obj
+    a.send("stop")
+    with pytest.raises(EOFError):      # the child closed its end: EOF, as with an OS pipe
+        a.recv()
+    p.join(TIMEOUT)
+    assert p.exitcode == 0
+
+
+def test_end_passed_inside_another_pipe_works_both_ways(ctx):
+    a, b = ctx.Pipe()
+    carrier_here, carrier_there = ctx.Pipe()
+    p = ctx.Process(target=echo_end_from_pipe, args=(carrier_there,))
+    p.start()
+    carrier_here.send(b)
+    b.close()
+    for obj in range(20):               # many in a row: order is kept
+        a.send(obj)
+    assert [a.recv() for _ in range(20)] == list(range(20))
+    a.send("stop")
+    p.join(TIMEOUT)
+    assert p.exitcode == 0
+
+
+def test_poll_and_wait_in_the_reading_process(ctx):
+    a, b = ctx.Pipe()
+    out = ctx.Queue()
+    p = ctx.Process(target=poll_then_echo, args=(b, out))
+    p.start()
+    assert out.get(timeout=TIMEOUT) is False
+    a.send("go")
+    assert out.get(timeout=TIMEOUT) == "go"
+    assert a.recv() == "polled"
+    p.join(TIMEOUT)
+
+
+def test_send_to_a_closed_reader_raises_broken_pipe():
+    a, b = fibrl.Pipe()
+    b.close()
+    with pytest.raises(BrokenPipeError):
+        a.send("nobody reads this")
+
+
+def _send_until_broken(conn) -> None:
+    """The reader's death reaches the writer asynchronously (its connection drops):
+    sending keeps working until then, and must fail within a bounded time."""
+    deadline = time.monotonic() + TIMEOUT
+    with pytest.raises(BrokenPipeError):
+        while time.monotonic() < deadline:
+            conn.send("x")
+            wait([], timeout=0.05)
+    assert time.monotonic() < deadline
+
+
+def test_send_to_a_killed_reader_raises_broken_pipe(ctx):
+    a, b = ctx.Pipe()
+    out = ctx.Queue()
+    p = ctx.Process(target=read_one_then_block, args=(b, out))
+    p.start()
+    b.close()
+    a.send("one")
+    assert out.get(timeout=TIMEOUT) == "one"
+    p.kill()
+    p.join(TIMEOUT)
+    _send_until_broken(a)
+
+
+def test_a_second_reader_takes_over_from_one_that_keeps_its_end(ctx):
+    """A reader that holds its end but stopped reading does not keep the messages
+    the owner pushed to it: another reader that asks gets them, in order."""
+    a, b = ctx.Pipe()
+    out, stop = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=read_one_then_hold, args=(b, out, stop))
+    p.start()
+    a.send("one")
+    assert out.get(timeout=TIMEOUT) == "one"
+    for obj in ("two", "three", "four"):  # pushed to the child, which holds them unread
+        a.send(obj)
+    assert [b.recv() for _ in range(3)] == ["two", "three", "four"]
+    stop.put(None)
     p.join(TIMEOUT)
     assert p.exitcode == 0
