@@ -46,6 +46,7 @@ from .hub import drop_owner, get_hub, mark_pickled
 from .janitor import Finalizer
 from .mailbox import PipeBox, take
 from .messages import blob
+from .serialization import Encoded
 
 __all__ = ["Connection", "Pipe", "wait"]
 
@@ -140,7 +141,7 @@ class Connection:
     def send(self, obj: Any) -> None:
         """Send a picklable object to the other end."""
         self._check_writable()
-        self._put(serialization.dumps(obj))
+        self._put(serialization.encode(obj))
 
     def send_bytes(self, buf: Any, offset: int = 0, size: Optional[int] = None) -> None:
         """Send bytes from a bytes-like object (``offset``/``size`` in items of ``buf``)."""
@@ -163,8 +164,11 @@ class Connection:
                 f"[Errno 32] Broken pipe: every reader of {self!r} was closed or its process "
                 f"died; nothing can read what is sent. Keep a reader open (do not close the "
                 f"other end, or end the process holding it) while sending.")
+        hub = get_hub()
+        if type(payload) is Encoded and hub.is_local(self._address):
+            payload.own()  # the pipe may keep it: the caller may change the original
         # inline: a pipe is used for request/response, where latency matters most
-        get_hub().send(self._address, self._outbox, "put", payload, None, inline=True)
+        hub.send(self._address, self._outbox, "put", payload, None, inline=True)
 
     # -- receiving -----------------------------------------------------------------
     def _get(self) -> Any:
@@ -182,7 +186,7 @@ class Connection:
         self._check_readable()
         if maxlength is not None and maxlength < 0:
             raise ValueError("negative maxlength")
-        data = bytes(self._get())
+        data = bytes(serialization.as_bytes(self._get()))
         if maxlength is not None and len(data) > maxlength:
             self.close()
             raise OSError("bad message length")
@@ -195,7 +199,7 @@ class Connection:
         view = memoryview(buf).cast("B")
         if offset < 0 or offset > len(view):
             raise ValueError("offset out of bounds")
-        data = memoryview(self._get())
+        data = memoryview(serialization.as_bytes(self._get())).cast("B")
         if len(data) > len(view) - offset:
             raise BufferTooShort(bytes(data))
         view[offset:offset + len(data)] = data

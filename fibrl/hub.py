@@ -48,6 +48,7 @@ from .errors import (ChannelClosed, RemoteObjectError, TransportError, object_go
                      owner_gone)
 from .janitor import Finalizer
 from .messages import RAW_TYPES, Call, RemoteError, Reply, blob, wrap_raw
+from .serialization import Encoded
 from .timers import Timers
 
 __all__ = ["Hub", "Handle", "Service", "SharedService", "Client", "get_hub", "drop_owner",
@@ -172,7 +173,7 @@ class _PeerReply(ReplySink):
         if self.rid == 0 or self.peer.closed:
             return self.rid == 0
         try:
-            self.peer.send(serialization.dumps(reply))
+            self.peer.send(serialization.dumps_parts(reply))
             return True
         except ChannelClosed:
             return False
@@ -180,15 +181,17 @@ class _PeerReply(ReplySink):
     def __call__(self, value: Any = None) -> bool:
         if self.rid == 0:
             return True
-        if type(value) in RAW_TYPES:
+        kind = type(value)
+        if kind is Encoded or kind in RAW_TYPES:
             return self._send(Reply(self.rid, True, blob(value)))
-        if value is None or type(value) in _PLAIN:
+        if value is None or kind in _PLAIN:
             return self._send(Reply(self.rid, True, value))
         try:
-            frame = serialization.dumps(value)
+            encoded = serialization.encode(value)
         except Exception as exc:
             return self.fail(exc)
-        return self._send(Reply(self.rid, True, blob(frame), encoded=True))
+        # sent before this returns: the value's own buffers may be borrowed
+        return self._send(Reply(self.rid, True, encoded, encoded=True))
 
     def fail(self, exc: BaseException) -> bool:
         if self.rid == 0:
@@ -379,6 +382,9 @@ class Client:
             if inline and not self._outbox and not self._sending:
                 self._sending = True
             else:
+                for arg in call.args:
+                    if type(arg) is Encoded:
+                        arg.own()  # sent later: the caller may change the original meanwhile
                 self._outbox.append(call)
                 self._start_feeder()
                 return
@@ -419,7 +425,8 @@ class Client:
 
     def _transmit(self, calls: list) -> None:
         try:
-            self._channel.send(serialization.dumps(calls[0] if len(calls) == 1 else calls))
+            self._channel.send(serialization.dumps_parts(calls[0] if len(calls) == 1
+                                                         else calls))
         except ChannelClosed:
             self._on_lost()
 

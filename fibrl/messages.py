@@ -12,7 +12,7 @@ from typing import Any
 
 from .config import Config
 from .errors import RemoteObjectError, chain_remote
-from .serialization import OOB_THRESHOLD, dumps
+from .serialization import OOB_THRESHOLD, Encoded, dumps
 
 __all__ = ["Call", "Reply", "RemoteError", "WorkerStart", "MAIN_SOURCE", "blob", "wrap_raw",
            "RAW_TYPES"]
@@ -112,8 +112,11 @@ MAIN_SOURCE = "fibrl_main_source"
 RAW_TYPES = (bytes, bytearray, memoryview)
 
 
-def blob(data: bytes | bytearray | memoryview) -> Any:
-    """Wrap an already serialized payload so a large one travels out of band."""
+def blob(data: "bytes | bytearray | memoryview | Encoded") -> Any:
+    """Wrap an already serialized payload so a large one travels out of band (an
+    :class:`~fibrl.serialization.Encoded` does so by itself)."""
+    if type(data) is Encoded:
+        return data
     if memoryview(data).nbytes >= OOB_THRESHOLD:
         return pickle.PickleBuffer(data)
     # a small memoryview (a slice of a received frame) cannot be pickled as it is

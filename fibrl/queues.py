@@ -75,9 +75,12 @@ class Queue(HostedHandle):
     def put(self, obj: Any, block: bool = True, timeout: Optional[float] = None) -> None:
         """Put ``obj`` on the queue; waits for room when the queue has a ``maxsize``."""
         self._check_closed()
-        payload = serialization.dumps(obj)
+        payload = serialization.encode(obj)
+        hub = get_hub()
+        if hub.is_local(self._address):
+            payload.own()  # the queue keeps it: the caller may change the original
         if self._maxsize == 0:
-            get_hub().send(self._address, self._oid, "put", payload, None)
+            hub.send(self._address, self._oid, "put", payload, None)
             return
         try:
             self._call("put", payload, _timeout(block, timeout))

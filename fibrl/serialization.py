@@ -25,7 +25,8 @@ from typing import Any
 
 from .errors import FrameError, SerializationError
 
-__all__ = ["dumps", "loads", "dumps_parts", "MAGIC", "OOB_THRESHOLD", "stdlib_advice"]
+__all__ = ["dumps", "loads", "dumps_parts", "encode", "Encoded", "as_bytes", "MAGIC",
+           "OOB_THRESHOLD", "stdlib_advice"]
 
 MAGIC = b"FB\x01"
 OOB_THRESHOLD = 64 * 1024  # smaller buffers are cheaper inline than out of band
@@ -231,6 +232,99 @@ def _error_class(kind: type) -> type:
     return cls
 
 
+class Encoded:
+    """An object serialized for another process: its pickle stream and its large
+    buffers, kept apart (never joined into one ``bytes``).
+
+    Pickling an ``Encoded`` (inside a message) sends the stream and each buffer
+    out of band, so a 512 MB array is copied once, into the outgoing message; on
+    the receiving side it arrives as views of the received message, and
+    :meth:`load` rebuilds the object on them without another copy.
+
+    ``borrowed``: the buffers are views of the caller's own objects (an array
+    that was just put on a queue). Whoever keeps an ``Encoded`` beyond the call
+    that made it (a local queue, a batch sent later) calls :meth:`own` first, so
+    that changing the original afterwards does not change what is received.
+    """
+
+    __slots__ = ("data", "buffers", "borrowed")
+
+    def __init__(self, data: Any, buffers: Any = (), borrowed: bool = False) -> None:
+        self.data = data
+        self.buffers = buffers
+        self.borrowed = borrowed
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.data) + sum(memoryview(b).nbytes for b in self.buffers)
+
+    def own(self) -> "Encoded":
+        """Copy borrowed buffers (once), so the original objects may change."""
+        if self.borrowed:
+            self.buffers = [bytearray(b) for b in self.buffers]
+            self.borrowed = False
+        return self
+
+    def parts(self) -> list:
+        """The frame (see :func:`dumps`) as parts that concatenate to it."""
+        head = [_HEAD.pack(MAGIC, len(self.buffers)), _LEN.pack(len(self.data))]
+        head += [_LEN.pack(memoryview(b).nbytes) for b in self.buffers]
+        return [b"".join(head), self.data, *self.buffers]
+
+    def __bytes__(self) -> bytes:
+        return b"".join(memoryview(p).cast("B") if type(p) is not bytes else p
+                        for p in self.parts())
+
+    def load(self) -> Any:
+        """Rebuild the object (arrays share the buffers' memory when those are writable)."""
+        self.own()  # never hand out views of the sender's own objects
+        buffers = [memoryview(bytearray(b)) if memoryview(b).readonly else b
+                   for b in self.buffers]  # receivers expect writable arrays, as in mp
+        return _unpickle(self.data, buffers)
+
+    def __reduce__(self):
+        data = self.data
+        if len(data) >= OOB_THRESHOLD:
+            data = pickle.PickleBuffer(data)
+        elif type(data) is not bytes:
+            data = bytes(data)  # a small view of a received frame
+        return (Encoded, (data, tuple(pickle.PickleBuffer(b) for b in self.buffers)))
+
+    def __repr__(self) -> str:
+        return f"<Encoded {self.nbytes} bytes, {len(self.buffers)} buffers>"
+
+
+def encode(obj: Any, *, by_value: bool = False, spawning: bool = False) -> Encoded:
+    """Serialize ``obj`` without joining its parts (see :class:`Encoded`).
+
+    Large contiguous buffers (numpy arrays, tensors, ``bytearray``, a ``bytes``
+    of at least ``OOB_THRESHOLD``) are borrowed, not copied.
+    """
+    buffers: list[pickle.PickleBuffer] = []
+    if type(obj) is bytes and len(obj) >= OOB_THRESHOLD:
+        obj = _LargeBytes(obj)
+    data = _pickle(obj, buffers, by_value or main_is_interactive(), spawning)
+    return Encoded(data, [b.raw() for b in buffers], bool(buffers))
+
+
+class _LargeBytes:
+    """A large ``bytes`` sent out of band (pickle writes ``bytes`` into its stream, a
+    copy; this sends the object's own memory and rebuilds ``bytes`` on arrival)."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+    def __reduce_ex__(self, protocol: int):
+        return (bytes, (pickle.PickleBuffer(self.data),))
+
+
+def as_bytes(payload: Any) -> Any:
+    """A received payload as a bytes-like object (an :class:`Encoded` as its frame)."""
+    return bytes(payload) if type(payload) is Encoded else payload
+
+
 def dumps_parts(obj: Any, *, by_value: bool = False, spawning: bool = False) -> list:
     """Serialize ``obj`` into a list of byte-like parts that concatenate to one frame.
 
@@ -238,12 +332,7 @@ def dumps_parts(obj: Any, *, by_value: bool = False, spawning: bool = False) -> 
     bound to this machine (a stdlib Queue, Lock, Pipe end...) are refused with the
     fibrl object to use instead.
     """
-    buffers: list[pickle.PickleBuffer] = []
-    data = _pickle(obj, buffers, by_value or main_is_interactive(), spawning)
-    raws = [b.raw() for b in buffers]
-    head = [_HEAD.pack(MAGIC, len(raws)), _LEN.pack(len(data))]
-    head += [_LEN.pack(r.nbytes) for r in raws]
-    return [b"".join(head), data, *raws]
+    return encode(obj, by_value=by_value, spawning=spawning).parts()
 
 
 def dumps(obj: Any, *, by_value: bool = False, spawning: bool = False) -> bytes:
@@ -253,16 +342,17 @@ def dumps(obj: Any, *, by_value: bool = False, spawning: bool = False) -> bytes:
         >>> loads(dumps({"a": 1}))
         {'a': 1}
     """
-    parts = dumps_parts(obj, by_value=by_value, spawning=spawning)
-    return b"".join(parts)
+    return bytes(encode(obj, by_value=by_value, spawning=spawning))
 
 
-def loads(frame: bytes | bytearray | memoryview) -> Any:
-    """Rebuild the object of a frame made by :func:`dumps`.
+def loads(frame: "bytes | bytearray | memoryview | Encoded") -> Any:
+    """Rebuild the object of a frame made by :func:`dumps` (or an :class:`Encoded`).
 
     Raises:
         FrameError: ``frame`` is not a fibrl frame (wrong magic, truncated).
     """
+    if type(frame) is Encoded:
+        return frame.load()
     view = memoryview(frame)
     if view.nbytes < _HEAD.size or bytes(view[:3]) != MAGIC:
         raise FrameError(
@@ -287,8 +377,12 @@ def loads(frame: bytes | bytearray | memoryview) -> Any:
     for size in sizes[1:]:
         bufs.append(view[offset:offset + size])
         offset += size
+    return _unpickle(data, bufs)
+
+
+def _unpickle(data: Any, buffers: list) -> Any:
     try:
-        return pickle.loads(data, buffers=bufs)
+        return pickle.loads(data, buffers=buffers)
     except Exception as exc:
         raise SerializationError(
             f"cannot unpickle a received object ({type(exc).__name__}: {exc}). The "

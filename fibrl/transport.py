@@ -47,11 +47,14 @@ import hmac
 import logging
 import os
 import resource
+import struct
 import threading
 import time
 from typing import Callable, Optional
 
 import pynng
+from pynng import _nng
+from pynng.exceptions import check_err
 
 from .errors import AuthenticationError, ChannelClosed, TransportError
 
@@ -72,6 +75,115 @@ HANDSHAKE_MAX_SIZE = 1024
 MAX_PENDING = 64
 _NOFILE_SHARE = 8
 _LOG_BURST, _LOG_WINDOW = 20, 10.0
+
+
+# -- frames: one copy into nng's message on send, none out of it on receive ------------------
+_lib, _ffi = _nng.lib, _nng.ffi
+# Frames at least this large are received without a copy: the caller gets a writable view
+# of nng's own message, freed when the last view of it is collected. Smaller ones are
+# copied into ``bytes`` (cheaper than keeping nng's message alive).
+ZERO_COPY_MIN = 64 * 1024
+# Frames larger than this travel as a header and pieces of this size, so that neither
+# side ever holds a second copy of a large frame in nng's messages: the sender copies
+# one piece at a time, the receiver copies each into the frame's one buffer.
+PIECE = 4 << 20
+_LARGE = struct.Struct("<8sQ")
+_LARGE_TAG = b"FB\x00LARGE"[:8]
+
+
+def _send_frame(sock: pynng.Socket, frame) -> None:
+    """Send ``frame``: bytes, or a list of byte-like parts sent as one frame.
+
+    Parts are copied once, straight into nng's messages; they are never joined into
+    an intermediate ``bytes`` (a large array is copied once on its way out, a piece at
+    a time). The caller holds the connection's send lock: pieces of two frames must
+    not interleave.
+    """
+    if type(frame) is bytes:
+        if len(frame) <= PIECE:
+            sock.send(frame)
+            return
+        frame = [frame]
+    parts = [p if type(p) is bytes else memoryview(p).cast("B") for p in frame]
+    total = sum(len(p) for p in parts)
+    if total < ZERO_COPY_MIN:
+        sock.send(b"".join(parts))
+        return
+    if total <= PIECE:
+        _send_msg(sock, parts, total)
+        return
+    sock.send(_LARGE.pack(_LARGE_TAG, total))
+    piece: list = []
+    size = 0
+    for part in parts:
+        view = part if type(part) is memoryview else memoryview(part)
+        while len(view):
+            take = view[:PIECE - size]
+            piece.append(take)
+            size += len(take)
+            view = view[len(take):]
+            if size == PIECE:
+                _send_msg(sock, piece, size)
+                piece, size = [], 0
+    if size:
+        _send_msg(sock, piece, size)
+
+
+def _send_msg(sock: pynng.Socket, parts: list, total: int) -> None:
+    holder = _ffi.new("nng_msg **")
+    check_err(_lib.nng_msg_alloc(holder, total))
+    msg = holder[0]
+    body = memoryview(_ffi.buffer(_lib.nng_msg_body(msg), total))
+    offset = 0
+    for part in parts:
+        body[offset:offset + len(part)] = part
+        offset += len(part)
+    body.release()
+    err = _lib.nng_sendmsg(sock.socket, msg, 0)
+    if err:
+        _lib.nng_msg_free(msg)  # nng owns it only when the send succeeded
+        check_err(err)
+
+
+def _recv_msg(sock: pynng.Socket):
+    holder = _ffi.new("nng_msg **")
+    check_err(_lib.nng_recvmsg(sock.socket, holder, 0))
+    msg = holder[0]
+    return msg, _lib.nng_msg_len(msg)
+
+
+def _recv_frame(sock: pynng.Socket):
+    """Receive one frame: ``bytes`` when small, else a writable memoryview (of nng's
+    message itself, or of the one buffer a frame sent in pieces was gathered in)."""
+    msg, size = _recv_msg(sock)
+    body = _ffi.cast("char *", _lib.nng_msg_body(msg))
+    if size < ZERO_COPY_MIN:
+        data = _ffi.unpack(body, size)
+        _lib.nng_msg_free(msg)
+        if size == _LARGE.size and data.startswith(_LARGE_TAG):
+            return _gather(sock, _LARGE.unpack(data)[1])
+        return data
+    body = _ffi.gc(body, lambda _body, msg=msg: _lib.nng_msg_free(msg), size)
+    return memoryview(_ffi.buffer(body, size))
+
+
+def _gather(sock: pynng.Socket, total: int) -> memoryview:
+    frame = memoryview(bytearray(total))
+    offset = 0
+    while offset < total:
+        try:
+            msg, size = _recv_msg(sock)
+        except pynng.Timeout:
+            continue  # the pieces follow each other: a receive timeout must not split them
+        try:
+            if size > total - offset:
+                raise TransportError(f"a frame announced as {total} bytes came with more; "
+                                     f"the peer is broken")
+            frame[offset:offset + size] = _ffi.buffer(_lib.nng_msg_body(msg), size)
+        finally:
+            _lib.nng_msg_free(msg)
+        offset += size
+    return frame
 
 
 def _mac(secret: bytes, role: bytes, data: bytes) -> bytes:
@@ -224,15 +336,18 @@ class Peer:
 
     def __init__(self, sock: pynng.Pair1, peer_id: int) -> None:
         self._sock = sock
+        self._send_lock = threading.Lock()
         self.id = peer_id
         self.closed = False
         self.context: dict = {}  # per-connection state kept by the frame handler
         self.thread: Optional[threading.Thread] = None
 
-    def send(self, data: bytes) -> None:
-        """Send one frame; raises :class:`ChannelClosed` when the peer is gone."""
+    def send(self, frame) -> None:
+        """Send one frame (bytes, or a list of parts: see :func:`_send_frame`); raises
+        :class:`ChannelClosed` when the peer is gone."""
         try:
-            self._sock.send(data)
+            with self._send_lock:
+                _send_frame(self._sock, frame)
         except pynng.NNGException as exc:
             raise ChannelClosed(f"peer {self.id} is gone ({exc})") from exc
 
@@ -449,8 +564,8 @@ class Listener:
         try:
             while True:
                 try:
-                    data = sock.recv()
-                except pynng.NNGException:
+                    data = _recv_frame(sock)
+                except (pynng.NNGException, TransportError):
                     break
                 self._on_frame(peer, data)
         finally:
@@ -512,6 +627,8 @@ class Channel:
         self._sock = sock
         self.address = address
         self.closed = False
+        self._timeout: Optional[float] = None   # the socket's receive timeout now
+        self._send_lock = threading.Lock()
         self._lost_cb: Optional[Callable[[], None]] = None
         self._lost_once = threading.Lock()
         sock.add_post_pipe_remove_cb(lambda _pipe: _call_soon(self._lost))
@@ -561,20 +678,25 @@ class Channel:
         else:
             self._lost_once.release()  # let a callback registered later run
 
-    def send(self, data: bytes) -> None:
-        """Send one frame; raises :class:`ChannelClosed` when the connection is gone."""
+    def send(self, frame) -> None:
+        """Send one frame (bytes, or a list of parts: see :func:`_send_frame`); raises
+        :class:`ChannelClosed` when the connection is gone."""
         try:
-            self._sock.send(data)
+            with self._send_lock:
+                _send_frame(self._sock, frame)
         except pynng.NNGException as exc:
             raise ChannelClosed(
                 f"connection to {self.address} is closed ({exc}); the process at the "
                 f"other end exited or was killed.") from exc
 
-    def recv(self, timeout: Optional[float] = None) -> bytes:
-        """Receive one frame, waiting at most ``timeout`` seconds (None: forever)."""
-        self._sock.recv_timeout = -1 if timeout is None else max(1, int(timeout * 1000))
+    def recv(self, timeout: Optional[float] = None):
+        """Receive one frame, waiting at most ``timeout`` seconds (None: forever): ``bytes``,
+        or for a large one a writable ``memoryview`` of the message (no copy)."""
+        if timeout != self._timeout:
+            self._sock.recv_timeout = -1 if timeout is None else max(1, int(timeout * 1000))
+            self._timeout = timeout
         try:
-            return self._sock.recv()
+            return _recv_frame(self._sock)
         except pynng.Timeout as exc:
             raise TimeoutError(f"no message from {self.address} within {timeout} s") from exc
         except pynng.NNGException as exc:

@@ -84,7 +84,7 @@ class Line:
         args = tuple(wrap_raw(a) for a in args)
         sent = False
         try:
-            self._channel.send(serialization.dumps(Call(rid, MANAGER_OID, method, args)))
+            self._channel.send(serialization.dumps_parts(Call(rid, MANAGER_OID, method, args)))
             sent = True
             reply = self._receive(rid)
         except ChannelClosed as exc:

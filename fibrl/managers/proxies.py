@@ -46,10 +46,10 @@ __all__ = [
 _NO_ARGS = serialization.dumps(((), {}))
 
 
-def _payload(args: tuple, kwds: Optional[dict]) -> bytes:
+def _payload(args: tuple, kwds: Optional[dict]) -> Any:
     if not args and not kwds:
         return _NO_ARGS
-    return serialization.dumps((args, kwds or {}))
+    return serialization.encode((args, kwds or {}))
 
 
 class _InFlight:

@@ -335,7 +335,7 @@ class ManagerService(Service):
                 lane = self.lanes[ident] = _Lane(self.workers)
         lane.submit(lambda: answer(reply, lambda: self.invoke(ident, method, payload)))
 
-    def invoke(self, ident: str, method: str, payload: bytes) -> bytes:
+    def invoke(self, ident: str, method: str, payload: Any) -> Any:
         """Run ``method`` of object ``ident``; returns the pickled result or ProxyRef."""
         entry = self._entry(ident)
         args, kwds = serialization.loads(payload)
@@ -345,7 +345,7 @@ class ManagerService(Service):
                 raise AttributeError(
                     f"method {method!r} of {type(entry.obj)!r} object is not in "
                     f"exposed={sorted(entry.exposed)!r}")
-            return serialization.dumps(fallback(entry.obj))
+            return serialization.encode(fallback(entry.obj))
         result = getattr(entry.obj, method)(*args, **kwds)
         typeid = entry.method_to_typeid.get(method)
         if typeid:
@@ -354,7 +354,7 @@ class ManagerService(Service):
                               self.registry[typeid].proxytype)
         elif isinstance(result, _VIEWS):
             result = list(result)
-        return serialization.dumps(result)
+        return serialization.encode(result)  # sent before the reply returns: no copy
 
 
 _FALLBACKS: dict[str, Callable[[Any], Any]] = {
