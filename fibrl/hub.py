@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from _thread import allocate_lock as _allocate_lock
 import os
 import threading
 import time
@@ -72,45 +73,58 @@ _callback_lock = threading.RLock()
 class Handle:
     """The pending result of a call: ``get(timeout)``, ``ready()``, ``wait(timeout)``.
 
+    Waiting uses one bare lock, held from creation until the result arrives (a
+    ``threading.Event`` costs a condition, a lock per wait and a list of waiters:
+    measurable on every call).
+
     Example:
         >>> h = Handle(); h._resolve(True, 3); h.get(1)
         3
     """
 
-    __slots__ = ("_event", "_done", "_ok", "_value", "_callbacks", "rid", "__weakref__")
+    __slots__ = ("_gate", "_done", "_ok", "_value", "_callbacks", "rid", "__weakref__")
 
     def __init__(self, rid: int = 0) -> None:
         self.rid = rid  # the call's id on its connection (0: a local call)
-        self._event = threading.Event()
+        self._gate = _allocate_lock()
+        self._gate.acquire()  # released once, when the result arrives
         self._done = False
         self._ok = True
         self._value: Any = None
-        self._callbacks: list[Callable[["Handle"], None]] = []
+        self._callbacks: Optional[list] = None
 
     def _resolve(self, ok: bool, value: Any) -> None:
         with _callback_lock:
             if self._done:
                 return
-            self._done = True
             self._ok, self._value = ok, value
-            callbacks, self._callbacks = self._callbacks, []
-        self._event.set()  # outside the lock: waking waiters takes the event's own lock
-        for cb in callbacks:
-            cb(self)
+            self._done = True
+            callbacks, self._callbacks = self._callbacks, None
+        self._gate.release()  # outside the lock: waking a waiter must not wait for it
+        if callbacks:
+            for cb in callbacks:
+                cb(self)
 
     def add_done_callback(self, fn: Callable[["Handle"], None]) -> None:
         """Run ``fn(handle)`` once, when the result arrives (at once if it has)."""
         with _callback_lock:
             if not self._done:
+                if self._callbacks is None:
+                    self._callbacks = []
                 self._callbacks.append(fn)
                 return
         fn(self)
 
     def ready(self) -> bool:
-        return self._event.is_set()
+        return self._done
 
     def wait(self, timeout: Optional[float] = None) -> bool:
-        return self._event.wait(timeout)
+        if self._done:
+            return True
+        gate = self._gate
+        if gate.acquire(True, -1 if timeout is None else max(0.0, timeout)):
+            gate.release()  # let any other waiter through too
+        return self._done
 
     def successful(self) -> bool:
         if not self.ready():
@@ -119,7 +133,7 @@ class Handle:
 
     def get(self, timeout: Optional[float] = None) -> Any:
         """Return the result, raise the remote error, or raise ``TimeoutError``."""
-        if not self._event.wait(timeout):
+        if not self._done and not self.wait(timeout):
             raise TimeoutError(f"no result within {timeout} s")
         if not self._ok:
             raise self._value  # a remote one has its traceback as __cause__ already
@@ -378,7 +392,12 @@ class Client:
         self._submit(Call(0, oid, method, _wrap(args)), inline=inline)
 
     def _submit(self, call: Call, inline: bool) -> None:
+        borrowed = inline and any(type(a) is Encoded and a.borrowed for a in call.args)
         with self._lock:
+            while borrowed and (self._outbox or self._sending) and not self.lost:
+                # a large payload that views the caller's objects: send it from this
+                # thread once earlier calls are out, rather than copy it for the feeder
+                self._idle.wait()
             if inline and not self._outbox and not self._sending:
                 self._sending = True
             else:

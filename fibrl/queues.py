@@ -80,7 +80,9 @@ class Queue(HostedHandle):
         if hub.is_local(self._address):
             payload.own()  # the queue keeps it: the caller may change the original
         if self._maxsize == 0:
-            hub.send(self._address, self._oid, "put", payload, None)
+            # a large item is sent from this thread (copied once, into the connection)
+            # rather than copied here for the connection's feeder thread
+            hub.send(self._address, self._oid, "put", payload, None, inline=payload.borrowed)
             return
         try:
             self._call("put", payload, _timeout(block, timeout))

@@ -126,8 +126,16 @@ hub_lock = threading.Lock()   # held while a hub is built and installed
 
 def installed_hub() -> Any:
     """This process's hub, or None when none was built here (a forked child has none)."""
-    hub = _hub
-    return hub if hub is not None and _hub_pid == os.getpid() else None
+    return _hub
+
+
+def _forget_hub_in_child() -> None:
+    # a forked child inherits the parent's hub object, not its threads or sockets
+    global _hub, _hub_pid
+    _hub, _hub_pid = None, 0
+
+
+os.register_at_fork(after_in_child=_forget_hub_in_child)
 
 
 def install_hub(hub: Any) -> None:

@@ -278,9 +278,9 @@ class Encoded:
     def load(self) -> Any:
         """Rebuild the object (arrays share the buffers' memory when those are writable)."""
         self.own()  # never hand out views of the sender's own objects
-        buffers = [memoryview(bytearray(b)) if memoryview(b).readonly else b
-                   for b in self.buffers]  # receivers expect writable arrays, as in mp
-        return _unpickle(self.data, buffers)
+        # Buffers are views of a writable received frame (or owned copies); pickle marks
+        # those whose original was read-only, so arrays come back as writable as they left.
+        return _unpickle(self.data, list(self.buffers))
 
     def __reduce__(self):
         data = self.data
@@ -359,6 +359,10 @@ def loads(frame: "bytes | bytearray | memoryview | Encoded") -> Any:
             f"received {view.nbytes} bytes that do not start with a fibrl frame header; "
             f"the peer is not a fibrl process of a compatible version.")
     _, nbuf = _HEAD.unpack_from(view)
+    if nbuf == 0:  # the common small message: one pickle stream, no buffers
+        size = _LEN.unpack_from(view, _HEAD.size)[0]
+        if view.nbytes == _HEAD.size + _LEN.size + size:
+            return _unpickle(view[_HEAD.size + _LEN.size:], [])
     offset = _HEAD.size
     need = offset + _LEN.size * (nbuf + 1)
     if view.nbytes < need:

@@ -99,8 +99,8 @@ def _send_frame(sock: pynng.Socket, frame) -> None:
     a time). The caller holds the connection's send lock: pieces of two frames must
     not interleave.
     """
-    if type(frame) is bytes:
-        if len(frame) <= PIECE:
+    if type(frame) is not list:
+        if type(frame) is bytes and len(frame) <= PIECE:
             sock.send(frame)
             return
         frame = [frame]

@@ -113,3 +113,44 @@ def test_stdlib_multiprocessing_objects_name_the_fibrl_replacement():
                              (multiprocessing.Value("i", 1), "fibrl.Value")):
         with pytest.raises(SerializationError, match=f"create a {replacement} instead"):
             serialization.dumps({"nested": [obj]}, spawning=True)   # a start: refused here
+
+
+def test_encoded_borrows_large_buffers_and_owns_them_before_they_are_kept():
+    """An Encoded views the sender's array (no copy); loading it, or own(), copies first,
+    so changing the original afterwards never changes what a receiver gets."""
+    import numpy as np
+
+    arr = np.arange(100_000)
+    enc = serialization.encode({"a": arr})
+    assert enc.borrowed and len(enc.buffers) == 1
+    arr[0] = -1                      # still borrowed: the view sees it
+    got = serialization.loads(enc)   # load owns first
+    arr[1] = -2
+    assert got["a"][0] == -1 and got["a"][1] == 1 and got["a"].flags.writeable
+
+
+def test_encoded_travels_out_of_band_inside_a_message():
+    import pickle
+
+    import numpy as np
+
+    arr = np.arange(100_000)
+    enc = serialization.encode(arr)
+    frame = serialization.dumps(("reply", enc))
+    _, back = serialization.loads(bytearray(frame))
+    assert not back.borrowed
+    assert np.array_equal(serialization.loads(back), arr)
+    big = b"x" * 200_000            # a large bytes is sent out of band, comes back as bytes
+    enc = serialization.encode(big)
+    assert len(enc.data) < 100 and serialization.loads(enc) == big
+    assert type(pickle.loads(pickle.dumps(serialization.loads(enc)))) is bytes
+
+
+def test_read_only_arrays_stay_read_only_writable_ones_writable():
+    import numpy as np
+
+    ro = np.arange(100_000)
+    ro.setflags(write=False)
+    for arr, writable in ((ro, False), (np.arange(100_000), True)):
+        frame = serialization.dumps(arr)
+        assert serialization.loads(bytearray(frame)).flags.writeable is writable

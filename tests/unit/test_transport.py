@@ -42,6 +42,30 @@ def test_round_trip_and_loss_notification(echo):
     assert lost.wait(5)
 
 
+@pytest.mark.parametrize("size", [10, 100_000, 9 * (1 << 20) + 7])
+def test_frames_of_parts_arrive_whole_small_large_and_in_pieces(echo, size):
+    """Parts go out as one frame (a large one in pieces); a large frame comes back as a
+    writable view, and frames around a pieced one keep their order."""
+    import numpy as np
+
+    from fibrl.transport import PIECE
+
+    listener, _, _ = echo
+    channel = Channel.connect(listener.address, SECRET, timeout=5)
+    body = np.arange(size, dtype=np.uint8)
+    channel.send(b"before")
+    channel.send([b"head", memoryview(body), b"tail"])
+    channel.send(b"after")
+    assert channel.recv(10) == b"before"
+    frame = channel.recv(10)
+    assert channel.recv(10) == b"after"
+    assert bytes(frame[:4]) == b"head" and bytes(frame[-4:]) == b"tail"
+    assert np.array_equal(np.frombuffer(frame[4:-4], dtype=np.uint8), body)
+    if size > PIECE or size >= 64 * 1024:
+        assert not memoryview(frame).readonly
+    channel.close()
+
+
 def test_wrong_secret_is_rejected_and_listener_keeps_serving(echo):
     listener, received, _ = echo
     with pytest.raises(AuthenticationError):
