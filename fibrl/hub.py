@@ -468,6 +468,12 @@ class Client:
             except (ChannelClosed, TransportError):
                 self._on_lost()
                 return
+            except MemoryError:  # a frame larger than this process can hold
+                log.error("a message from %s is larger than this process can allocate; "
+                          "closing that connection (calls waiting on it fail)", self.address)
+                self._channel.close()
+                self._on_lost()
+                return
             try:
                 msg = serialization.loads(data)
             except Exception:

@@ -567,6 +567,10 @@ class Listener:
                     data = _recv_frame(sock)
                 except (pynng.NNGException, TransportError):
                     break
+                except MemoryError:
+                    log.error("peer %s sent a message larger than this process can "
+                              "allocate; dropping it", peer.id)
+                    break
                 self._on_frame(peer, data)
         finally:
             with self._lock:
