@@ -52,8 +52,8 @@ from .messages import RAW_TYPES, Call, RemoteError, Reply, blob, wrap_raw
 from .serialization import Encoded
 from .timers import Timers
 
-__all__ = ["Hub", "Handle", "Service", "SharedService", "Client", "get_hub", "drop_owner",
-           "mark_pickled", "own"]
+__all__ = ["Hub", "Handle", "Service", "SharedService", "Client", "HeldReplies", "get_hub",
+           "drop_owner", "mark_pickled", "own"]
 
 log = logging.getLogger(__name__)
 
@@ -153,6 +153,12 @@ class ReplySink:
     def fail(self, exc: BaseException) -> bool:
         raise NotImplementedError
 
+    def hold(self, timers: Timers) -> Optional["HeldReplies"]:
+        """Let this reply wait to share a frame with the next ones to the same peer
+        (see :class:`HeldReplies`); returns the holder to flush, or None when this
+        reply goes nowhere a frame could be shared (a local caller, a one-way call)."""
+        return None
+
 
 class _LocalReply(ReplySink):
     __slots__ = ("handle",)
@@ -172,20 +178,82 @@ class _LocalReply(ReplySink):
         return True
 
 
+# How long a reply may be held back to share a frame with the next ones (see HeldReplies).
+HOLD_S = 0.001
+
+
+class HeldReplies:
+    """Replies to one peer gathered into one frame: a service that runs a burst of
+    pipelined calls holds their replies while more of them wait, so a thousand quick
+    calls cost a few frames instead of a thousand. Nothing is held longer than
+    ``HOLD_S``: the hub's timer thread sends what is still held then, even while a
+    slow call runs.
+    """
+
+    __slots__ = ("peer", "_timers", "_lock", "_replies", "_timer")
+
+    def __init__(self, peer, timers: Timers) -> None:
+        self.peer = peer
+        self._timers = timers
+        self._lock = threading.Lock()
+        self._replies: list = []
+        self._timer = None
+
+    @classmethod
+    def of(cls, peer, timers: Timers) -> "HeldReplies":
+        """The one holder of ``peer`` (made on first use)."""
+        held = peer.context.get(cls)
+        if held is None:
+            held = peer.context.setdefault(cls, cls(peer, timers))
+        return held
+
+    def add(self, reply: Reply) -> None:
+        with self._lock:
+            self._replies.append(reply)
+            if self._timer is None:
+                self._timer = self._timers.call_at(time.monotonic() + HOLD_S, self.flush)
+
+    def flush(self) -> None:
+        """Send what is held now, as one frame."""
+        with self._lock:
+            replies, self._replies = self._replies, []
+            timer, self._timer = self._timer, None
+        if timer is not None:
+            self._timers.cancel(timer)
+        if replies and not self.peer.closed:
+            try:
+                self.peer.send(serialization.dumps_parts(replies[0] if len(replies) == 1
+                                                         else replies))
+            except ChannelClosed:
+                pass  # the caller is gone: its calls fail on its side
+
+
 class _PeerReply(ReplySink):
-    __slots__ = ("rid",)
+    __slots__ = ("rid", "holder")
 
     def __init__(self, peer, rid: int) -> None:
         self.peer = peer
         self.rid = rid
+        self.holder: Optional[HeldReplies] = None  # set: the reply waits there (see above)
 
     @property
     def wanted(self) -> bool:  # type: ignore[override]
         return self.rid != 0
 
+    def hold(self, timers: Timers) -> Optional[HeldReplies]:
+        if self.rid == 0:
+            return None
+        self.holder = HeldReplies.of(self.peer, timers)
+        return self.holder
+
     def _send(self, reply: Reply) -> bool:
         if self.rid == 0 or self.peer.closed:
             return self.rid == 0
+        if self.holder is not None:
+            if type(reply.value) is Encoded:
+                reply.value.own()  # sent later: the service may change the objects it views
+            self.holder.add(reply)
+            return True
         try:
             self.peer.send(serialization.dumps_parts(reply))
             return True

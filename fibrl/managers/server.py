@@ -158,30 +158,46 @@ class _Workers:
 
 
 class _Lane:
-    """Calls to one object from async proxies: run in arrival order, one at a time."""
+    """Calls to one object from async proxies: run in arrival order, one at a time.
 
-    def __init__(self, workers: _Workers) -> None:
+    While more calls wait behind the one running, its reply is held to share a frame
+    with theirs (:class:`~fibrl.hub.HeldReplies`, at most ``hub.HOLD_S``): a pipelined
+    burst costs a few frames, a lone call is answered at once.
+    """
+
+    def __init__(self, workers: _Workers, timers: Any) -> None:
         self._workers = workers
+        self._timers = timers
         self._calls: deque = deque()
         self._lock = threading.Lock()
         self._running = False
 
-    def submit(self, fn: Callable[[], None]) -> None:
+    def submit(self, reply: ReplySink, fn: Callable[[ReplySink], None]) -> None:
         with self._lock:
-            self._calls.append(fn)
+            self._calls.append((reply, fn))
             if self._running:
                 return
             self._running = True
         self._workers.submit(self._drain)
 
     def _drain(self) -> None:
-        while True:
-            with self._lock:
-                if not self._calls:
-                    self._running = False
-                    return
-                fn = self._calls.popleft()
-            fn()
+        held: set = set()
+        try:
+            while True:
+                with self._lock:
+                    if not self._calls:
+                        self._running = False
+                        return
+                    reply, fn = self._calls.popleft()
+                    more = bool(self._calls)
+                if more:
+                    holder = reply.hold(self._timers)
+                    if holder is not None:
+                        held.add(holder)
+                fn(reply)
+        finally:
+            for holder in held:
+                holder.flush()
 
 
 class ManagerService(Service):
@@ -332,8 +348,8 @@ class ManagerService(Service):
         with self.mutex:
             lane = self.lanes.get(ident)
             if lane is None:
-                lane = self.lanes[ident] = _Lane(self.workers)
-        lane.submit(lambda: answer(reply, lambda: self.invoke(ident, method, payload)))
+                lane = self.lanes[ident] = _Lane(self.workers, self.hub.timers)
+        lane.submit(reply, lambda r: answer(r, lambda: self.invoke(ident, method, payload)))
 
     def invoke(self, ident: str, method: str, payload: Any) -> Any:
         """Run ``method`` of object ``ident``; returns the pickled result or ProxyRef."""

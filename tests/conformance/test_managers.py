@@ -415,6 +415,18 @@ def test_async_calls_to_one_object_run_in_order(ctx):
         assert child.add(1, 1).get(TIMEOUT) == 2
 
 
+def test_a_pipelined_reply_is_not_held_back_by_a_slow_call_behind_it(ctx):
+    """Replies of a burst share frames, but one that is ready is never kept waiting for
+    the slow call queued after it on the same object."""
+    with AsyncCalcManager(ctx=ctx) as m:
+        calc = m.Calc()
+        quick = [calc.add(i, 1) for i in range(30)]
+        slow = calc.sleep(3.0)
+        assert [h.get(1.5) for h in quick] == [i + 1 for i in range(30)]
+        assert not slow.ready()
+        assert slow.get(TIMEOUT) == 3.0
+
+
 def test_four_managers_overlap(ctx):
     managers = [AsyncCalcManager(ctx=ctx) for _ in range(4)]
     try:
