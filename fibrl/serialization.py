@@ -32,6 +32,7 @@ MAGIC = b"FB\x01"
 OOB_THRESHOLD = 64 * 1024  # smaller buffers are cheaper inline than out of band
 _HEAD = struct.Struct("<3sI")
 _LEN = struct.Struct("<Q")
+_SMALL_HEAD = _HEAD.pack(MAGIC, 0)
 
 
 def _pickle(obj: Any, buffers: list, by_value: bool, spawning: bool = False) -> bytes:
@@ -332,7 +333,10 @@ def dumps_parts(obj: Any, *, by_value: bool = False, spawning: bool = False) -> 
     bound to this machine (a stdlib Queue, Lock, Pipe end...) are refused with the
     fibrl object to use instead.
     """
-    return encode(obj, by_value=by_value, spawning=spawning).parts()
+    encoded = encode(obj, by_value=by_value, spawning=spawning)
+    if not encoded.buffers:  # the common small message: one bytes, joined once
+        return [_SMALL_HEAD + _LEN.pack(len(encoded.data)) + encoded.data]
+    return encoded.parts()
 
 
 def dumps(obj: Any, *, by_value: bool = False, spawning: bool = False) -> bytes:

@@ -100,10 +100,10 @@ def _send_frame(sock: pynng.Socket, frame) -> None:
     not interleave.
     """
     if type(frame) is not list:
-        if type(frame) is bytes and len(frame) <= PIECE:
-            sock.send(frame)
-            return
         frame = [frame]
+    if len(frame) == 1 and type(frame[0]) is bytes and len(frame[0]) <= PIECE:
+        check_err(_lib.nng_send(sock.socket, frame[0], len(frame[0]), 0))
+        return
     parts = [p if type(p) is bytes else memoryview(p).cast("B") for p in frame]
     total = sum(len(p) for p in parts)
     if total < ZERO_COPY_MIN:
