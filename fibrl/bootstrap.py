@@ -256,7 +256,9 @@ def main(argv: list[str]) -> int:
     from . import runtime
     from .config import Config
     from .hub import Hub
+    from .transport import WORKER_NNG_THREADS, set_nng_threads
 
+    set_nng_threads(WORKER_NNG_THREADS)   # before the first socket: a light worker
     secret = bytes.fromhex(secret_hex)
     mp_process.current_process().authkey = secret
     # built from defaults: the parent's config arrives over this hub's first connection

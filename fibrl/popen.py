@@ -32,7 +32,7 @@ from typing import Any, Optional
 
 from . import runtime, serialization
 from .backends import JobSpec
-from .backends.base import job_labels, run_id
+from .backends.base import LABEL_ROLE, job_labels, run_id
 from .config import Config
 from .errors import BackendError
 from .hub import ReplySink, Service, get_hub
@@ -212,12 +212,24 @@ class Popen:
         from .errors import describe_exitcode
 
         reason = self._job.failure_reason()
-        log.error(
+        output = self._job.logs()[-4000:]
+        # Many pool workers failing alike (a parent out of descriptors, a broken image)
+        # are told in full once; the others at debug level.
+        last = next((line for line in reversed(output.splitlines()) if line.strip()), "")
+        repeat = False
+        if self._job.spec.labels.get(LABEL_ROLE) == "pool-worker":
+            with _guard_lock:
+                repeat = (code, reason, last) in _early_exits_said
+                _early_exits_said.add((code, reason, last))
+        log.log(
+            logging.DEBUG if repeat else logging.ERROR,
             "worker %s (%s) ended before it connected back to this process: %s%s. Likely "
-            "cause: its interpreter could not import fibrl or reach %s. Its output:\n%s",
+            "cause: its interpreter could not import fibrl or reach %s. Its output:\n%s%s",
             self._job.id, self._job.spec.name, describe_exitcode(code),
             f" ({reason})" if reason else "", get_hub().address,
-            self._job.logs()[-4000:] or "(none kept by the backend)")
+            output or "(none kept by the backend)",
+            "" if repeat else "\n(Other workers that end the same way are logged at debug "
+            "level.)")
 
     def _release(self) -> None:
         hub = get_hub()
@@ -323,6 +335,9 @@ def _script_name() -> str:
 
 _guard_lock = threading.Lock()
 _guard_said = False
+
+
+_early_exits_said: set = set()   # (exit code, reason, last output line) logged in full
 
 
 def _log_missing_guard_once(error: str) -> None:

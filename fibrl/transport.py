@@ -265,7 +265,60 @@ def _tls_config(secret: bytes, server: bool) -> pynng.TLSConfig:
                            auth_mode=pynng.TLSConfig.AUTH_MODE_REQUIRED)
 
 
+# nng starts its thread pools with the process's first socket, sized by default for a
+# busy server (several task, expire and resolver threads). A worker needs few: it
+# talks to its parent and the few peers it uses. ``set_nng_threads`` sizes them, and
+# FIBRL_NNG_THREADS="task,expire,poller,resolver" overrides it for any process.
+_NNG_PARAMS = (("task", "NNG_INIT_NUM_TASK_THREADS", "NNG_INIT_MAX_TASK_THREADS"),
+               ("expire", "NNG_INIT_NUM_EXPIRE_THREADS", "NNG_INIT_MAX_EXPIRE_THREADS"),
+               ("poller", "NNG_INIT_NUM_POLLER_THREADS", "NNG_INIT_MAX_POLLER_THREADS"),
+               ("resolver", "NNG_INIT_NUM_RESOLVER_THREADS", None))
+WORKER_NNG_THREADS = {"task": 2, "expire": 1, "poller": 1, "resolver": 1}
+_nng_started = False
+
+
+def _threads_from_env() -> Optional[dict]:
+    text = os.environ.get("FIBRL_NNG_THREADS", "").strip()
+    if not text:
+        return None
+    try:
+        counts = [int(part) for part in text.split(",")]
+        if len(counts) != len(_NNG_PARAMS) or min(counts) < 1:
+            raise ValueError
+    except ValueError:
+        raise ValueError(f"FIBRL_NNG_THREADS={text!r} is not four positive counts; set it "
+                         f"to 'task,expire,poller,resolver', e.g. '2,1,1,1', or unset it") from None
+    return dict(zip((name for name, _, _ in _NNG_PARAMS), counts))
+
+
+def set_nng_threads(counts: Optional[dict] = None) -> bool:
+    """Size nng's thread pools for this process; False once nng has started (too late).
+
+    ``counts`` maps task/expire/poller/resolver to a thread count; FIBRL_NNG_THREADS wins.
+    """
+    counts = _threads_from_env() or counts
+    if _nng_started:
+        return False
+    if not counts:
+        return True
+    lib = pynng.lib
+    for name, num, most in _NNG_PARAMS:
+        if name not in counts:
+            continue
+        value = int(counts[name])
+        if value < 1:
+            raise ValueError(f"nng {name} threads must be at least 1, not {value}")
+        lib.nng_init_set_parameter(getattr(lib, num), value)
+        if most is not None:
+            lib.nng_init_set_parameter(getattr(lib, most), value)
+    return True
+
+
 def _make(kind: type, secret: bytes, tls: bool, server: bool, **options) -> pynng.Socket:
+    global _nng_started
+    if not _nng_started:
+        set_nng_threads()   # FIBRL_NNG_THREADS, if set, before nng starts
+        _nng_started = True
     sock = kind(**options)
     if tls:
         sock.tls_config = _tls_config(secret, server)

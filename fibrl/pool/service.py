@@ -66,6 +66,10 @@ __all__ = ["PoolService", "Hooks"]
 
 log = logging.getLogger(__name__)
 
+# Starts that failed in a row, while other workers run, before the pool gives up on
+# reaching its size and goes on with the workers it has.
+_SHORT_AFTER = 3
+
 HORIZON_S = 0.05        # estimated work a worker may hold (hides the round trip)
 LOST_GRACE_S = 2.0      # wait this long for an exit code after a connection drops
 _EWMA = 0.3
@@ -209,6 +213,8 @@ class PoolService(Service):
         self._parked: OrderedDict[int, _Worker] = OrderedDict()
         self._ids = itertools.count(1)
         self._failed_starts: list = []   # evidence of consecutive failed starts
+        self._short_of: set = set()   # causes of refused starts, each logged once
+        self._retiring = 0   # workers in _workers that are retiring, kept as they change
         self.stats = {"lost": 0, "requeued": 0, "failed": 0}
 
     # == caller side ======================================================================
@@ -339,7 +345,7 @@ class PoolService(Service):
                 self._connected(worker, reply.peer)
                 worker.parked = reply
                 self._parked[wid] = worker
-                self._dispatch(effects)
+                self._dispatch(effects, worker)
         effects.run(self)
 
     def op_report(self, reply: ReplySink, wid: int, reports: list,
@@ -465,8 +471,21 @@ class PoolService(Service):
             effects.wake = True
 
     # == dispatch ==========================================================================
-    def _dispatch(self, effects: _Effects) -> None:
-        """Answer parked workers (idle ones first): with work, or with STOP when done."""
+    def _dispatch(self, effects: _Effects, parked: Optional[_Worker] = None) -> None:
+        """Answer parked workers (idle ones first): with work, or with STOP when done.
+
+        ``parked``: the worker that just parked. While the pool runs with nothing to
+        grant, only it can need an answer (STOP, if it retires): every other parked
+        worker was answered when it parked and nothing changed for it since, so its
+        cost per task stays flat however many workers wait.
+        """
+        if not self._parked:
+            return
+        if (self._state == RUN and self._broken is None and not self._pending
+                and not self._careful):
+            if parked is not None and parked.parked is not None:
+                self._answer(parked, effects)
+            return
         for worker in sorted(self._parked.values(), key=_idleness):
             self._answer(worker, effects)
         if self._parked and self._state != RUN and not self._jobs:
@@ -480,9 +499,14 @@ class PoolService(Service):
                 self._send(worker, self._batch(worker, tasks), effects)
                 return
         if self._should_stop(worker):  # checked after granting: that may end the last job
-            worker.retiring = True
+            self._retire(worker)
             self._send(worker, STOP, effects)
             effects.wake = True
+
+    def _retire(self, worker: _Worker) -> None:
+        if not worker.retiring:
+            worker.retiring = True
+            self._retiring += 1
 
     def _send(self, worker: _Worker, batch: Batch, effects: _Effects) -> None:
         reply, worker.parked = worker.parked, None
@@ -548,7 +572,7 @@ class PoolService(Service):
         worker.held_cost += task.cost
         worker.granted += 1
         if self.maxtasks is not None and worker.granted >= self.maxtasks:
-            worker.retiring = True  # its replacement starts now, not when it exits
+            self._retire(worker)  # its replacement starts now, not when it exits
             effects.wake = True
         return task.cost
 
@@ -557,7 +581,7 @@ class PoolService(Service):
         return None if per_item is None else per_item * (task.n - task.lo)
 
     def _share(self) -> int:
-        workers = sum(1 for w in self._workers.values() if not w.retiring) or 1
+        workers = len(self._workers) - self._retiring or 1
         return max(1, math.ceil(len(self._pending) / workers))
 
     def _batch(self, worker: _Worker, tasks: list) -> Batch:
@@ -591,7 +615,7 @@ class PoolService(Service):
         with self._lock:
             if not self._wants_workers():
                 return []
-            active = sum(1 for w in self._workers.values() if not w.retiring)
+            active = len(self._workers) - self._retiring
             wids = [next(self._ids) for _ in range(self.processes - active)]
             for wid in wids:
                 self._workers[wid] = _Worker(wid)
@@ -622,6 +646,8 @@ class PoolService(Service):
             worker = self._workers.pop(wid, None)
             if worker is None:
                 return
+            if worker.retiring:
+                self._retiring -= 1
             self._forget(worker)
             if worker.held:
                 self.stats["lost"] += 1
@@ -701,6 +727,22 @@ class PoolService(Service):
     def _failed_start(self, evidence: str, exc: Optional[BaseException],
                       effects: _Effects) -> None:
         self._failed_starts.append(evidence)
+        running = sum(1 for w in self._workers.values() if w.connected and not w.retiring)
+        alive = len(self._workers) - self._retiring   # running or still starting
+        if ((exc is not None and alive) or
+                (running and len(self._failed_starts) >= _SHORT_AFTER)):
+            # The backend refused a start (descriptors, processes, memory, a refused
+            # container), or starts keep failing, while others run: go on with those
+            # (and the starts under way), and say so once per cause.
+            self.processes = alive
+            self._failed_starts.clear()
+            if evidence not in self._short_of:
+                self._short_of.add(evidence)
+                log.warning("pool: could not start another worker (%s); the pool goes on "
+                            "with the workers it has (%d running, %d starting). Raise the "
+                            "limit, or create a smaller Pool.", evidence, running,
+                            alive - running)
+            return
         limit = max(10, 2 * self.processes)
         if len(self._failed_starts) < limit:
             return

@@ -1,0 +1,191 @@
+"""Pools at scale: fibrl against multiprocessing (spawn), measured in one run.
+
+For each pool size and task length (sleep tasks at chunksize=1) this reports:
+
+- start: seconds from ``Pool()`` until every worker has run a task;
+- efficiency: ideal time (tasks x task length / workers) over the measured time of a
+  ``map`` on the warm pool;
+- parent CPU per task and worker CPU per task (user + system, from /proc);
+- threads and PSS per idle worker (fibrl's PSS counts its zygote's share).
+
+    python benchmarks/bench_scale.py                      # 2 8 32 128 512, 10 ms and 1 ms
+    python benchmarks/bench_scale.py --sizes 2 8 32 --plot docs/img/scale.png
+
+Run it from the repository root with PYTHONPATH=. so that workers import this checkout.
+"""
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import fibrl  # noqa: E402
+
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def nap(seconds: float) -> int:
+    time.sleep(seconds)
+    return os.getpid()
+
+
+def _cpu(pid: int) -> float:
+    """User + system CPU seconds of one process, or 0.0 once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / _TICK
+
+
+def _threads(pid: int) -> int:
+    try:
+        return len(os.listdir(f"/proc/{pid}/task"))
+    except OSError:
+        return 0
+
+
+def _pss_kb(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def _helpers(lib: str) -> list[int]:
+    """Pids of the library's helper processes that are not workers (fibrl's zygote)."""
+    if lib != "fibrl":
+        return []
+    found = []
+    me = os.getpid()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmd = f.read()
+        except OSError:
+            continue
+        if ppid == me and b"_zygote" in cmd:
+            found.append(int(entry))
+    return found
+
+
+def measure(lib: str, workers: int, task: float, rounds: int) -> dict:
+    make = fibrl.Pool if lib == "fibrl" else multiprocessing.get_context("spawn").Pool
+    t0 = time.perf_counter()
+    pool = make(workers)
+    try:
+        # every worker has run a task: tasks long enough that no worker takes two
+        seen: set[int] = set()
+        while len(seen) < workers:
+            seen.update(pool.map(nap, [0.2] * workers, chunksize=1))
+            if time.perf_counter() - t0 > 600:
+                raise RuntimeError(f"{lib} Pool({workers}): only {len(seen)} workers ran a "
+                                   f"task within 600 s")
+        start = time.perf_counter() - t0
+        pids = sorted(seen)
+        time.sleep(0.5)   # idle
+        threads = sum(_threads(p) for p in pids) / len(pids)
+        helpers = _helpers(lib)
+        pss = (sum(_pss_kb(p) for p in pids + helpers)) / len(pids) / 1024
+        n = workers * rounds
+        cpu_w0 = sum(_cpu(p) for p in pids + helpers)
+        cpu_p0 = time.process_time()
+        t1 = time.perf_counter()
+        pool.map(nap, [task] * n, chunksize=1)
+        elapsed = time.perf_counter() - t1
+        cpu_p = time.process_time() - cpu_p0
+        cpu_w = sum(_cpu(p) for p in pids + helpers) - cpu_w0
+    finally:
+        pool.terminate()
+        pool.join()
+    return {"lib": lib, "workers": workers, "task_ms": task * 1e3, "start_s": start,
+            "efficiency": n * task / workers / elapsed, "parent_us": cpu_p / n * 1e6,
+            "worker_us": cpu_w / n * 1e6, "threads": threads, "pss_mb": pss}
+
+
+def plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for lib, style in (("fibrl", "-o"), ("mp", "--s")):
+        for task in sorted({r["task_ms"] for r in rows}):
+            pts = [r for r in rows if r["lib"] == lib and r["task_ms"] == task]
+            if not pts:
+                continue
+            xs = [r["workers"] for r in pts]
+            label = f"{lib}, {task:g} ms tasks"
+            axes[0].plot(xs, [r["efficiency"] for r in pts], style, label=label)
+            axes[1].plot(xs, [r["parent_us"] for r in pts], style, label=label)
+    for ax, title in ((axes[0], "efficiency"), (axes[1], "parent CPU per task (us)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("workers")
+        ax.set_title(title)
+        ax.grid(True, alpha=0.3)
+    axes[1].set_yscale("log")
+    axes[0].legend(fontsize=8)
+    fig.suptitle("Pool at scale: sleep tasks, chunksize=1 (2 cores, Python 3.11)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[2, 8, 32, 128, 512])
+    parser.add_argument("--tasks-ms", type=float, nargs="+", default=[10.0, 1.0])
+    parser.add_argument("--rounds", type=int, default=20,
+                        help="tasks per worker in the timed map (default 20)")
+    parser.add_argument("--libs", nargs="+", default=["fibrl", "mp"], choices=["fibrl", "mp"])
+    parser.add_argument("--plot", help="write a PNG of efficiency and parent CPU per task")
+    opts = parser.parse_args(argv)
+    print(f"{os.cpu_count()} cores, Python {sys.version.split()[0]}, load "
+          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
+    rows = []
+    for workers in opts.sizes:
+        for task_ms in opts.tasks_ms:
+            for lib in opts.libs:
+                try:
+                    row = measure(lib, workers, task_ms / 1e3, opts.rounds)
+                except Exception as exc:   # a size one library cannot reach: say so, go on
+                    print(f"{lib} Pool({workers}) {task_ms:g} ms: failed: "
+                          f"{type(exc).__name__}: {exc}", flush=True)
+                    continue
+                rows.append(row)
+                print(f"{lib:5} workers={workers:4} task={task_ms:4g} ms  "
+                      f"start={row['start_s']:6.2f} s  eff={row['efficiency']:.2f}  "
+                      f"parent={row['parent_us']:7.0f} us/task  "
+                      f"worker={row['worker_us']:7.0f} us/task  "
+                      f"threads={row['threads']:.1f}  pss={row['pss_mb']:.1f} MB", flush=True)
+    print("\n| workers | task | lib | start s | efficiency | fibrl/mp | parent us/task "
+          "| worker us/task | threads | PSS MB |")
+    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        peer = [m for m in rows if m["lib"] == "mp" and m["workers"] == r["workers"]
+                and m["task_ms"] == r["task_ms"]]
+        ratio = (f"{r['efficiency'] / peer[0]['efficiency']:.2f}x"
+                 if r["lib"] == "fibrl" and peer else "")
+        print(f"| {r['workers']} | {r['task_ms']:g} ms | {r['lib']} | {r['start_s']:.2f} | "
+              f"{r['efficiency']:.2f} | {ratio} | {r['parent_us']:.0f} | {r['worker_us']:.0f} | "
+              f"{r['threads']:.1f} | {r['pss_mb']:.1f} |")
+    if opts.plot and rows:
+        plot(rows, opts.plot)
+        print(f"\nplot: {opts.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,88 @@
+"""Pools at scale on the local backend: hundreds of workers, and a pool that can start
+only some of its workers (the parent runs out of file descriptors) and still finishes.
+
+Semantics only; speed at scale is measured by benchmarks/bench_scale.py.
+"""
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import fibrl
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _square(x):
+    return x * x
+
+
+@pytest.mark.slow
+def test_pool_256_map_returns_exact_results():
+    with fibrl.Pool(256) as pool:
+        assert pool.map(_square, range(2000), chunksize=1) == [x * x for x in range(2000)]
+        assert pool.map(_square, range(5000)) == [x * x for x in range(5000)]
+
+
+_SHORT_OF_FILES = textwrap.dedent("""
+    import logging, resource, sys
+    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+    import fibrl
+
+    def square(x):
+        return x * x
+
+    if __name__ == "__main__":
+        resource.setrlimit(resource.RLIMIT_NOFILE, (100, 100))
+        with fibrl.Pool(64) as pool:
+            assert pool.map(square, range(300), chunksize=1) == [x * x for x in range(300)]
+            assert pool.map(square, range(300)) == [x * x for x in range(300)]
+        print("DONE", flush=True)
+""")
+
+
+@pytest.mark.slow
+def test_pool_short_of_descriptors_says_so_once_and_completes(tmp_path):
+    script = tmp_path / "short_of_files.py"
+    script.write_text(_SHORT_OF_FILES)
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("FIBRL_BACKEND", None)
+    done = subprocess.run([sys.executable, str(script)], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "DONE" in done.stdout
+    said = [line for line in done.stderr.splitlines()
+            if line.startswith("fibrl.pool.service: pool: could not start another worker")]
+    assert said, done.stderr[-4000:]
+    assert len(said) == len(set(said)), said              # each cause once
+    assert any("Too many open files" in line for line in said), said
+    early = [line for line in done.stderr.splitlines()
+             if "ended before it connected back" in line]
+    assert len(early) <= 1, early                          # workers failing alike: once
+
+
+def test_bad_nng_thread_counts_are_refused_with_the_fix():
+    env = dict(os.environ, PYTHONPATH=REPO, FIBRL_NNG_THREADS="2,1")
+    done = subprocess.run(
+        [sys.executable, "-c", "import fibrl.transport as t; t.set_nng_threads()"],
+        env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0
+    assert "FIBRL_NNG_THREADS='2,1' is not four positive counts" in done.stderr
+
+
+def test_nng_thread_counts_are_too_late_once_nng_started():
+    code = textwrap.dedent("""
+        import fibrl.transport as t
+        assert t.set_nng_threads({"task": 2}) is True
+        import pynng  # nng starts with the first socket
+        t._make(pynng.Pair1, b"k" * 32, False, True).close()
+        assert t.set_nng_threads({"task": 2}) is False
+        print("OK")
+    """)
+    env = dict(os.environ, PYTHONPATH=REPO)
+    env.pop("FIBRL_NNG_THREADS", None)
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0 and "OK" in done.stdout, done.stderr
