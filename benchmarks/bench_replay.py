@@ -44,6 +44,7 @@ from fibrl.rl import ReplayStore
 from fibrl.rl.replay import Prioritized
 
 INSERT_BATCH, SAMPLE_BATCH = 64, 256
+SNAPSHOTS = 3
 
 
 def transitions(n: int, seed: int = 0) -> dict:
@@ -55,13 +56,18 @@ def transitions(n: int, seed: int = 0) -> dict:
             "done": np.zeros(n, bool)}
 
 
-def writer(store: ReplayStore, index: int, ready, go, stop) -> None:
+def writer(store: ReplayStore, index: int, ready, go, stop, timings) -> None:
     batch = transitions(INSERT_BATCH, index)
     prios = np.random.default_rng(index).random(INSERT_BATCH) + 0.1
     ready.put(index)
     go.wait(120)
+    starts, lasted = [], []
     while not stop.is_set():
+        t0 = time.perf_counter()  # CLOCK_MONOTONIC: comparable across local processes
         store.insert(batch, prios, timeout=60)
+        starts.append(t0)
+        lasted.append(time.perf_counter() - t0)
+    timings.put((np.asarray(starts), np.asarray(lasted)))
 
 
 def learner_loop(store: Any, seconds: float, latencies: list, combined: bool) -> int:
@@ -95,8 +101,10 @@ class Writers:
 
     def __init__(self, store: ReplayStore, n: int) -> None:
         self.ready, self.go, self.stop = fibrl.Queue(), fibrl.Event(), fibrl.Event()
+        self.timings = fibrl.Queue()
         self.procs = [fibrl.Process(target=writer, args=(store, i, self.ready, self.go,
-                                                         self.stop)) for i in range(n)]
+                                                         self.stop, self.timings))
+                      for i in range(n)]
         for proc in self.procs:
             proc.start()
         for _ in self.procs:
@@ -105,10 +113,14 @@ class Writers:
     def start(self) -> None:
         self.go.set()
 
-    def close(self) -> None:
+    def close(self) -> list:
+        """Stop the writers; each insert call's (start, duration), all writers together."""
         self.stop.set()
+        calls = [self.timings.get(timeout=120) for _ in self.procs]
         for proc in self.procs:
             proc.join(60)
+        return [(t, d) for starts, lasted in calls for t, d in zip(starts.tolist(),
+                                                                    lasted.tolist())]
 
 
 def bench_fibrl(args, results: dict) -> None:
@@ -135,35 +147,44 @@ def bench_fibrl(args, results: dict) -> None:
 
         lat = []
         before = store.stats()["inserts"]
-        t0 = time.perf_counter()
-        sampled = learner_loop(store, args.seconds / 2, lat, True)
         path = os.path.join(tempfile.mkdtemp(), "replay.snap")
-        snap: dict = {}
-        def take() -> None:
-            snap.update(store.snapshot(path))
-            snap["end"] = time.perf_counter()
+        snaps: list = []
+
+        def take() -> None:  # SNAPSHOTS snapshots spread over the shared run
+            for i in range(SNAPSHOTS):
+                time.sleep(args.seconds / (SNAPSHOTS + 1))
+                start = time.perf_counter()
+                snaps.append(dict(store.snapshot(path), start=start, end=time.perf_counter()))
 
         thread = threading.Thread(target=take)
-        snap_start = time.perf_counter()
+        t0 = time.perf_counter()
         thread.start()
-        sampled += learner_loop(store, args.seconds / 2, lat, True)
+        sampled = learner_loop(store, args.seconds * 1.25, lat, True)
         thread.join(120)
         elapsed = time.perf_counter() - t0
         inserted = store.stats()["inserts"] - before
-        writers.close()
+        inserts = writers.close()
         results["fibrl shared: inserted/s"] = inserted / elapsed
         results["fibrl shared: sampled/s"] = sampled / elapsed
         results["fibrl shared: p50 ms"] = pct([l for _, l in lat], 0.5) * 1e3
         results["fibrl shared: p99 ms"] = pct([l for _, l in lat], 0.99) * 1e3
-        window_end = snap["end"]  # from the call to its return
-        inside = [l for t, l in lat if snap_start <= t + l and t <= window_end]
-        outside = [l for t, l in lat if not (snap_start <= t + l and t <= window_end)]
-        results["snapshot: items"] = snap["items"]
-        results["snapshot: server lock held ms"] = snap["stall_s"] * 1e3
-        results["snapshot: file written in ms"] = snap["write_s"] * 1e3
-        results["snapshot: slowest learner call in window ms"] = max(inside) * 1e3 \
-            if inside else float("nan")
-        results["snapshot: slowest learner call outside it ms"] = max(outside) * 1e3
+        results["fibrl shared: insert call p50 ms"] = pct([l for _, l in inserts], 0.5) * 1e3
+        results["fibrl shared: insert call p99 ms"] = pct([l for _, l in inserts], 0.99) * 1e3
+
+        def during(t: float, lasted: float) -> bool:  # overlaps a snapshot call
+            return any(s["start"] <= t + lasted and t <= s["end"] for s in snaps)
+
+        results["snapshots taken (each of items)"] = snaps[0]["items"]
+        results["snapshot: server lock held, worst ms"] = max(s["stall_s"] for s in snaps) * 1e3
+        results["snapshot: call lasted, worst ms"] = max(s["end"] - s["start"]
+                                                          for s in snaps) * 1e3
+        for side, calls in (("learner step", lat), ("insert call", inserts)):
+            inside = [l for t, l in calls if during(t, l)]
+            outside = [l for t, l in calls if not during(t, l)]
+            results[f"snapshot: slowest {side} during snapshots ms"] = \
+                max(inside) * 1e3 if inside else float("nan")
+            results[f"snapshot: {side} p99 / slowest outside them ms"] = \
+                f"{pct(outside, 0.99) * 1e3:.1f} / {max(outside) * 1e3:.1f}"
         os.remove(path)
 
 
@@ -209,9 +230,15 @@ def bench_torchrl(args, results: dict) -> None:
                                      storage=LazyTensorStorage(args.capacity),
                                      batch_size=SAMPLE_BATCH)
     except RuntimeError as exc:  # its C++ sum tree is missing or built for another torch
-        print(f"skipping torchrl: its PrioritizedReplayBuffer cannot be built here ({exc}); "
-              f"torchrl's compiled extension must match the installed torch "
-              f"{torch.__version__}")
+        try:
+            import torchrl._torchrl  # noqa: F401  the extension holding the sum tree
+            why = ""
+        except ImportError as cause:
+            why = f"; importing its extension torchrl._torchrl fails: {cause}"
+        import torchrl
+        print(f"skipping torchrl {torchrl.__version__}: its PrioritizedReplayBuffer cannot be "
+              f"built here ({exc}){why}. torchrl's compiled extension must be built for the "
+              f"installed torch {torch.__version__}")
         return
     t = {k: torch.from_numpy(v) for k, v in transitions(INSERT_BATCH).items()}
     td = TensorDict(t, batch_size=[INSERT_BATCH])
@@ -262,7 +289,8 @@ def main() -> None:
         print(f"{bench.__name__} done", file=sys.stderr, flush=True)
     width = max(map(len, results))
     for key, value in results.items():
-        print(f"{key:<{width}}  {value:>14,.1f}")
+        shown = value if isinstance(value, str) else f"{value:,.1f}"
+        print(f"{key:<{width}}  {shown:>14}")
     print()
     for peer in ("cpprb", "torchrl"):
         if f"{peer} sampled/s" not in results:
