@@ -52,6 +52,20 @@ def test_prioritized_sampling_matches_exact_probabilities():
     assert chi_square(counts, exact) < CHI2_999[9]
 
 
+def test_importance_weights_follow_the_formula_on_one_shard():
+    from fibrl.rl.replay.client import _finish
+    spec = Prioritized(alpha=0.6, beta=0.4, eps=0.0)
+    t = table(16, sampler=spec, seed=3)
+    prios = np.arange(1.0, 11.0)
+    ids = t.insert(items(10), prios)
+    batch = _finish(t.sample(64), as_torch=False)
+    exact = prios ** spec.alpha / (prios ** spec.alpha).sum()
+    p = exact[np.searchsorted(ids, batch.ids)]
+    w = (10 * p) ** -spec.beta
+    np.testing.assert_allclose(batch.weights, w / w.max(), rtol=1e-5)
+    assert batch.weights.dtype == np.float32 and batch.weights.max() == 1.0
+
+
 def test_priority_update_changes_the_distribution_and_stale_ids_are_ignored():
     t = table(8, sampler=Prioritized(alpha=1.0, eps=0.0), seed=7)
     ids = t.insert(items(8), np.ones(8))

@@ -281,6 +281,7 @@ class ReplayTable:
     def _snapshot_forked(self, path: str) -> dict:
         start = time.perf_counter()
         errors_r, errors_w = os.pipe()
+        pid, message = 0, ""
         try:
             with self.cond:
                 held = time.perf_counter()
@@ -290,17 +291,17 @@ class ReplayTable:
                 if pid == 0:  # the child: never returns, never touches the lock or sockets
                     _write_in_child(path, PointInTimeCopy.arrays(self), meta, errors_w)
                 stall = time.perf_counter() - held
+            forked = time.perf_counter()
             os.close(errors_w)
             errors_w = -1
-            forked = time.perf_counter()
             with os.fdopen(errors_r, "rb") as pipe:
                 errors_r = -1
                 message = pipe.read().decode("utf-8", "replace")  # EOF when the child ends
-            _pid, status = os.waitpid(pid, 0)
         finally:
             for fd in (errors_r, errors_w):
                 if fd >= 0:
                     os.close(fd)
+            status = os.waitpid(pid, 0)[1] if pid else 0
         code = os.waitstatus_to_exitcode(status)
         if code != 0:
             raise OSError(f"writing the replay snapshot {path!r} failed (writer process "
@@ -598,6 +599,10 @@ class PointInTimeCopy:
         self.copied = hi
 
 
+#: how much lower the forked snapshot writer's CPU priority is than the store's
+SNAPSHOT_NICENESS = 19
+
+
 def _write_in_child(path: str, arrays: dict, meta: dict, errors: int) -> None:
     """The forked snapshot writer: write the frozen arrays, report a failure on the
     ``errors`` pipe, and leave with ``os._exit`` (no atexit handlers, no finalizers
@@ -608,6 +613,9 @@ def _write_in_child(path: str, arrays: dict, meta: dict, errors: int) -> None:
         # go at once instead of when this writer is done
         os.closerange(3, errors)
         os.closerange(errors + 1, _max_fd())
+        # the store's serving threads and its clients go first on a busy machine: the
+        # snapshot may take longer, but it takes the CPU only when they leave some
+        os.nice(SNAPSHOT_NICENESS)
         write_snapshot(path, arrays, meta, yield_gil=False)
         code = 0
     except BaseException as exc:  # reported to the parent, which raises it
