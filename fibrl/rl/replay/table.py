@@ -613,6 +613,9 @@ def _write_in_child(path: str, arrays: dict, meta: dict, errors: int) -> None:
         # go at once instead of when this writer is done
         os.closerange(3, errors)
         os.closerange(errors + 1, _max_fd())
+        quiet = os.open(os.devnull, os.O_RDWR)   # nor keep the server's output pipes open
+        for fd in (0, 1, 2):
+            os.dup2(quiet, fd)
         # the store's serving threads and its clients go first on a busy machine: the
         # snapshot may take longer, but it takes the CPU only when they leave some
         os.nice(SNAPSHOT_NICENESS)
