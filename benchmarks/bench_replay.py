@@ -2,8 +2,8 @@
 
 Run::
 
-    python benchmarks/bench_replay.py            # about two minutes
-    python benchmarks/bench_replay.py --quick    # about 40 seconds
+    python benchmarks/bench_replay.py            # about 90 seconds
+    python benchmarks/bench_replay.py --quick    # about a minute
 
 Items are CartPole-sized transitions (obs and next_obs 4 x float32, action
 int64, reward float32, done bool: 49 bytes). Measured in one run:
