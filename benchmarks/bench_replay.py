@@ -2,8 +2,8 @@
 
 Run::
 
-    python benchmarks/bench_replay.py            # about two minutes
-    python benchmarks/bench_replay.py --quick    # about 40 seconds
+    python benchmarks/bench_replay.py            # about 90 seconds
+    python benchmarks/bench_replay.py --quick    # about a minute
 
 Items are CartPole-sized transitions (obs and next_obs 4 x float32, action
 int64, reward float32, done bool: 49 bytes). Measured in one run:
@@ -15,9 +15,11 @@ int64, reward float32, done bool: 49 bytes). Measured in one run:
   previous step's priority update carried in the same call);
 - the learner loop with no writers (the update as its own call, and carried
   by the next sample), and the writers with no learner;
-- the snapshot stall: a ``snapshot()`` taken during the shared run; the time
-  the server held its lock (``stall_s``), and the learner's slowest call in
-  the snapshot's window against its p99 outside it;
+- the snapshot stall: ``--snapshots`` (3) ``snapshot()`` calls during the
+  shared run; the time the server held its lock (``stall_s``), and the
+  slowest and p99 learner step and insert call overlapping a snapshot,
+  against those in a window as long just before each snapshot (on a loaded
+  machine calls stall without any snapshot too);
 - peers, driven by one process (no sharing): cpprb's
   ``PrioritizedReplayBuffer`` and torchrl's ``PrioritizedReplayBuffer``
   (``LazyTensorStorage``) doing the same inserts and the same sample+update
@@ -31,6 +33,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import shutil
 import sys
 import tempfile
 import threading
@@ -55,13 +58,18 @@ def transitions(n: int, seed: int = 0) -> dict:
             "done": np.zeros(n, bool)}
 
 
-def writer(store: ReplayStore, index: int, ready, go, stop) -> None:
+def writer(store: ReplayStore, index: int, ready, go, stop, timings) -> None:
     batch = transitions(INSERT_BATCH, index)
     prios = np.random.default_rng(index).random(INSERT_BATCH) + 0.1
     ready.put(index)
     go.wait(120)
+    starts, lasted = [], []
     while not stop.is_set():
+        t0 = time.perf_counter()  # CLOCK_MONOTONIC: comparable across local processes
         store.insert(batch, prios, timeout=60)
+        starts.append(t0)
+        lasted.append(time.perf_counter() - t0)
+    timings.put((np.asarray(starts), np.asarray(lasted)))
 
 
 def learner_loop(store: Any, seconds: float, latencies: list, combined: bool) -> int:
@@ -95,8 +103,10 @@ class Writers:
 
     def __init__(self, store: ReplayStore, n: int) -> None:
         self.ready, self.go, self.stop = fibrl.Queue(), fibrl.Event(), fibrl.Event()
+        self.timings = fibrl.Queue()
         self.procs = [fibrl.Process(target=writer, args=(store, i, self.ready, self.go,
-                                                         self.stop)) for i in range(n)]
+                                                         self.stop, self.timings))
+                      for i in range(n)]
         for proc in self.procs:
             proc.start()
         for _ in self.procs:
@@ -105,10 +115,14 @@ class Writers:
     def start(self) -> None:
         self.go.set()
 
-    def close(self) -> None:
+    def close(self) -> list:
+        """Stop the writers; each insert call's (start, duration), all writers together."""
         self.stop.set()
+        calls = [self.timings.get(timeout=120) for _ in self.procs]
         for proc in self.procs:
             proc.join(60)
+        return [(t, d) for starts, lasted in calls for t, d in zip(starts.tolist(),
+                                                                    lasted.tolist())]
 
 
 def bench_fibrl(args, results: dict) -> None:
@@ -135,36 +149,54 @@ def bench_fibrl(args, results: dict) -> None:
 
         lat = []
         before = store.stats()["inserts"]
-        t0 = time.perf_counter()
-        sampled = learner_loop(store, args.seconds / 2, lat, True)
-        path = os.path.join(tempfile.mkdtemp(), "replay.snap")
-        snap: dict = {}
-        def take() -> None:
-            snap.update(store.snapshot(path))
-            snap["end"] = time.perf_counter()
+        folder = tempfile.mkdtemp()
+        path = os.path.join(folder, "replay.snap")
+        snaps: list = []
+
+        def take() -> None:  # args.snapshots snapshots spread over the shared run
+            for _ in range(args.snapshots):
+                time.sleep(args.seconds / (args.snapshots + 1))
+                start = time.perf_counter()
+                snaps.append(dict(store.snapshot(path), start=start, end=time.perf_counter()))
 
         thread = threading.Thread(target=take)
-        snap_start = time.perf_counter()
+        t0 = time.perf_counter()
         thread.start()
-        sampled += learner_loop(store, args.seconds / 2, lat, True)
+        sampled = learner_loop(store, args.seconds * 1.25, lat, True)
         thread.join(120)
         elapsed = time.perf_counter() - t0
         inserted = store.stats()["inserts"] - before
-        writers.close()
+        inserts = writers.close()
         results["fibrl shared: inserted/s"] = inserted / elapsed
         results["fibrl shared: sampled/s"] = sampled / elapsed
         results["fibrl shared: p50 ms"] = pct([l for _, l in lat], 0.5) * 1e3
         results["fibrl shared: p99 ms"] = pct([l for _, l in lat], 0.99) * 1e3
-        window_end = snap["end"]  # from the call to its return
-        inside = [l for t, l in lat if snap_start <= t + l and t <= window_end]
-        outside = [l for t, l in lat if not (snap_start <= t + l and t <= window_end)]
-        results["snapshot: items"] = snap["items"]
-        results["snapshot: server lock held ms"] = snap["stall_s"] * 1e3
-        results["snapshot: file written in ms"] = snap["write_s"] * 1e3
-        results["snapshot: slowest learner call in window ms"] = max(inside) * 1e3 \
-            if inside else float("nan")
-        results["snapshot: slowest learner call outside it ms"] = max(outside) * 1e3
-        os.remove(path)
+        results["fibrl shared: insert call p50 ms"] = pct([l for _, l in inserts], 0.5) * 1e3
+        results["fibrl shared: insert call p99 ms"] = pct([l for _, l in inserts], 0.99) * 1e3
+
+        def overlaps(windows: list) -> Any:
+            return lambda t, lasted: any(lo <= t + lasted and t <= hi for lo, hi in windows)
+
+        # each snapshot's window, and a control window as long just before it: the load
+        # on a shared machine stalls calls too, snapshot or not
+        during = overlaps([(s["start"], s["end"]) for s in snaps])
+        control = overlaps([(2 * s["start"] - s["end"] - 0.05, s["start"] - 0.05)
+                            for s in snaps])
+        results["snapshot: items held at the first"] = snaps[0]["items"]
+        results["snapshot: server lock held, best / worst ms"] = \
+            f"{min(s['stall_s'] for s in snaps) * 1e3:.1f} / " \
+            f"{max(s['stall_s'] for s in snaps) * 1e3:.1f}"
+        results["snapshot: call lasted, worst ms"] = max(s["end"] - s["start"]
+                                                          for s in snaps) * 1e3
+        for side, calls in (("learner step", lat), ("insert call", inserts)):
+            inside = [l for t, l in calls if during(t, l)]
+            before_ = [l for t, l in calls if control(t, l) and not during(t, l)]
+            results[f"snapshot: slowest {side} during / just before snapshots ms"] = \
+                f"{max(inside, default=float('nan')) * 1e3:.1f} / " \
+                f"{max(before_, default=float('nan')) * 1e3:.1f}"
+            results[f"snapshot: {side} p99 during / just before snapshots ms"] = \
+                f"{pct(inside, 0.99) * 1e3:.1f} / {pct(before_, 0.99) * 1e3:.1f}"
+        shutil.rmtree(folder)
 
 
 def bench_cpprb(args, results: dict) -> None:
@@ -209,9 +241,15 @@ def bench_torchrl(args, results: dict) -> None:
                                      storage=LazyTensorStorage(args.capacity),
                                      batch_size=SAMPLE_BATCH)
     except RuntimeError as exc:  # its C++ sum tree is missing or built for another torch
-        print(f"skipping torchrl: its PrioritizedReplayBuffer cannot be built here ({exc}); "
-              f"torchrl's compiled extension must match the installed torch "
-              f"{torch.__version__}")
+        try:
+            import torchrl._torchrl  # noqa: F401  the extension holding the sum tree
+            why = ""
+        except ImportError as cause:
+            why = f"; importing its extension torchrl._torchrl fails: {cause}"
+        import torchrl
+        print(f"skipping torchrl {torchrl.__version__}: its PrioritizedReplayBuffer cannot be "
+              f"built here ({exc}){why}. torchrl's compiled extension must be built for the "
+              f"installed torch {torch.__version__}")
         return
     t = {k: torch.from_numpy(v) for k, v in transitions(INSERT_BATCH).items()}
     td = TensorDict(t, batch_size=[INSERT_BATCH])
@@ -250,6 +288,8 @@ def main() -> None:
     parser.add_argument("--shards", type=int, default=1)
     parser.add_argument("--capacity", type=int, default=1_000_000)
     parser.add_argument("--prefill", type=int, default=100_000)
+    parser.add_argument("--snapshots", type=int, default=3,
+                        help="snapshots taken during the shared run")
     args = parser.parse_args()
     if args.quick:
         args.seconds = 4.0
@@ -262,7 +302,8 @@ def main() -> None:
         print(f"{bench.__name__} done", file=sys.stderr, flush=True)
     width = max(map(len, results))
     for key, value in results.items():
-        print(f"{key:<{width}}  {value:>14,.1f}")
+        shown = value if isinstance(value, str) else f"{value:,.1f}"
+        print(f"{key:<{width}}  {shown:>14}")
     print()
     for peer in ("cpprb", "torchrl"):
         if f"{peer} sampled/s" not in results:

@@ -262,6 +262,10 @@ def test_store_server_and_writer_on_each_backend(ctx):
         batch = store.sample(16)
         assert set(batch.ids.tolist()) <= set(ids.tolist())
         assert batch["obs"].shape == (16, 8)
+        # the server forks a snapshot writer wherever it runs (a container too)
+        info = store.snapshot("/tmp/fibrl-replay-backend-test.snap")
+        assert info["items"] == len(store) and info["stall_s"] < 5
+        assert store.stats()["snapshots"] == 1
 
 
 def test_n_step_items_from_sharded_appends():

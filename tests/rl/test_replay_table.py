@@ -7,6 +7,7 @@ in test_replay_store.py.
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -49,6 +50,20 @@ def test_prioritized_sampling_matches_exact_probabilities():
         np.testing.assert_allclose(out["probabilities"],
                                    exact[np.searchsorted(ids, out["ids"])], rtol=1e-12)
     assert chi_square(counts, exact) < CHI2_999[9]
+
+
+def test_importance_weights_follow_the_formula_on_one_shard():
+    from fibrl.rl.replay.client import _finish
+    spec = Prioritized(alpha=0.6, beta=0.4, eps=0.0)
+    t = table(16, sampler=spec, seed=3)
+    prios = np.arange(1.0, 11.0)
+    ids = t.insert(items(10), prios)
+    batch = _finish(t.sample(64), as_torch=False)
+    exact = prios ** spec.alpha / (prios ** spec.alpha).sum()
+    p = exact[np.searchsorted(ids, batch.ids)]
+    w = (10 * p) ** -spec.beta
+    np.testing.assert_allclose(batch.weights, w / w.max(), rtol=1e-5)
+    assert batch.weights.dtype == np.float32 and batch.weights.max() == 1.0
 
 
 def test_priority_update_changes_the_distribution_and_stale_ids_are_ignored():
@@ -237,9 +252,11 @@ def test_n_step_items_assembled_per_environment():
 
 
 # -- persistence -------------------------------------------------------------------------------
-def test_snapshot_during_concurrent_inserts_restores_equal_contents(tmp_path):
+@pytest.mark.parametrize("method", ["fork", "chunked"])
+def test_snapshot_during_concurrent_inserts_restores_equal_contents(tmp_path, method):
     path = str(tmp_path / "snap.bin")
     t = table(50_000, sampler=Prioritized(), remover=Fifo())
+    t.snapshot_method = method
     t.insert(items(1000), np.random.default_rng(0).random(1000))
     stop = threading.Event()
 
@@ -251,11 +268,14 @@ def test_snapshot_during_concurrent_inserts_restores_equal_contents(tmp_path):
 
     writer = threading.Thread(target=write)
     writer.start()
+    while t.size() < 2000:   # the snapshot starts while the writer is inserting
+        time.sleep(0.001)
     try:
         info = t.snapshot(path)
     finally:
         stop.set()
         writer.join(30)
+    assert info["method"] == method
     restored = ReplayTable(TableConfig(50_000, sampler=Prioritized()), restore_path=path)
     assert restored.size() == info["items"] >= 1000
     live = restored.slot_ids >= 0
@@ -269,6 +289,16 @@ def test_snapshot_during_concurrent_inserts_restores_equal_contents(tmp_path):
     assert restored.sample(10)["data"]["obs"].shape == (10, 4)
     more = restored.insert(items(1, 10**6))
     assert more[0] > restored.slot_ids[live].max()   # ids keep counting after a restore
+
+
+def test_a_failed_forked_snapshot_raises_the_reason(tmp_path):
+    t = table(10)
+    t.insert(items(5))
+    with pytest.raises(OSError, match="No such file or directory.*directory exists"):
+        t.snapshot(str(tmp_path / "missing" / "snap.bin"))
+    assert t.stats()["snapshots"] == 0
+    info = t.snapshot(str(tmp_path / "snap.bin"))   # the table still serves and snapshots
+    assert info["items"] == 5 and t.stats()["snapshots"] == 1
 
 
 def test_write_ahead_log_replays_and_drops_a_torn_tail(tmp_path):

@@ -441,7 +441,8 @@ class ReplayStore:
     def snapshot(self, path: Optional[str] = None) -> dict:
         """Write every item to ``path`` (``path.shard<i>`` per shard) on the servers'
         filesystem. Inserts and samples go on meanwhile: a shard's lock is held only
-        while its arrays are copied in memory (``stall_s``); the file is written after."""
+        while its server forks (``stall_s``); the forked child writes the file from
+        its frozen view of the table. Raises ``OSError`` if a file cannot be written."""
         results = [shard.snapshot(_shard_path(path, i, self.num_shards))
                    for i, shard in enumerate(self._shards)]
         return dict(paths=[r["path"] for r in results], items=sum(r["items"] for r in results),

@@ -34,12 +34,13 @@ _LEN = struct.Struct("<Q")
 _SLICE = 1 << 20
 
 
-def write_snapshot(path: str, arrays: dict, meta: dict) -> None:
+def write_snapshot(path: str, arrays: dict, meta: dict, yield_gil: bool = True) -> None:
     """Write ``arrays`` and ``meta`` atomically to ``path``.
 
     Arrays are written 1 MB at a time: each slice is one ``write`` that releases
-    the GIL, so the store's other threads keep answering calls meanwhile (one
-    whole-array write or copy would hold it for tens of ms).
+    the GIL, and with ``yield_gil`` the writer also yields between slices, so the
+    store's other threads keep answering calls meanwhile (one whole-array write
+    or copy would hold it for tens of ms). A forked writer has no other threads.
     """
     layout = [(name, value.dtype.str, value.shape) for name, value in arrays.items()]
     header = pickle.dumps(dict(meta=meta, layout=layout), protocol=5)
@@ -50,7 +51,8 @@ def write_snapshot(path: str, arrays: dict, meta: dict) -> None:
             flat = np.ascontiguousarray(value).reshape(-1).view(np.uint8)
             for lo in range(0, len(flat), _SLICE):
                 out.write(flat[lo:lo + _SLICE])
-                time.sleep(0)  # let the threads serving calls take the GIL first
+                if yield_gil:
+                    time.sleep(0)  # let the threads serving calls take the GIL first
         out.flush()
         os.fsync(out.fileno())
     os.replace(tmp, path)

@@ -14,7 +14,8 @@ caller's timeout) until another call changes the counters::
 
     writer threads --insert/append--+                     +--> columns[name][slot]
     learner threads --sample/update-+--> Condition(lock) -+--> indexes (sampler, remover)
-    snapshot thread --copy under lock, write after--------+--> write-ahead log (before ack)
+    snapshot caller --fork under lock (or chunked copy)---+--> write-ahead log (before ack)
+                         child process writes the file from its frozen view
 
 An id is ``(sequence * capacity + slot) * num_shards + shard``: the shard and
 slot are read off the id (no lookup table), and the sequence number makes it
@@ -96,6 +97,10 @@ class TableConfig:
 
 class ReplayTable:
     """One shard's items; its public methods are what the proxy calls."""
+
+    #: how :meth:`snapshot` makes its point-in-time view: "fork" where the OS can
+    #: fork, else "chunked" (:class:`PointInTimeCopy`)
+    snapshot_method = "fork" if hasattr(os, "fork") else "chunked"
 
     def __init__(self, config: TableConfig, restore_path: Optional[str] = None) -> None:
         self.config = config
@@ -243,45 +248,93 @@ class ReplayTable:
 
     # -- persistence -------------------------------------------------------------------------
     def snapshot(self, path: Optional[str] = None) -> dict:
-        """Write the items held now to ``path``, a chunk at a time (see :class:`PointInTimeCopy`).
+        """Write the items held now to ``path`` while inserts and samples go on.
+
+        Where the OS can fork (Linux, macOS), the server forks under its lock: the
+        child holds a frozen copy-on-write view of the table and writes the file in
+        its own process, so it neither holds the lock nor competes for this
+        process's GIL. Elsewhere a :class:`PointInTimeCopy` is made a chunk at a time.
 
         Returns ``path``, ``items``, ``stall_s`` (the longest time the lock was held
-        for the copy: what a concurrent insert or sample may wait) and ``write_s``.
+        for the snapshot: what a concurrent insert or sample may wait), ``copy_s``,
+        ``write_s`` and ``method`` (``"fork"`` or ``"chunked"``).
         """
         path = path or self.config.snapshot_path
         if not path:
             raise ValueError("snapshot() needs a path (or create the store with snapshot_path)")
         with self.snapshot_lock:
-            start = time.perf_counter()
-            spare = PointInTimeCopy.spare(self)
-            with self.cond:
-                held = time.perf_counter()
-                copy = self.copy = PointInTimeCopy(self, spare)
-                meta = dict(config=self.config, counters=dict(self.counters),
-                            next_local=self.next_local, max_priority=self.max_priority,
-                            wal_path=self.config.wal_path,
-                            wal_offset=self.wal.offset if self.wal is not None else 0)
-                items = self.size()
-                stall = time.perf_counter() - held
-            try:
-                while not copy.done():
-                    with self.cond:  # the time to get the lock is not a stall of others
-                        held = time.perf_counter()
-                        copy.copy_chunk()
-                        stall = max(stall, time.perf_counter() - held)
-                    # hand the GIL over between chunks: a thread that never blocks keeps it
-                    # for the whole switch interval each time a serving thread gives it up
-                    time.sleep(0)
-            finally:
-                with self.cond:
-                    self.copy = None
-            copied = time.perf_counter()
-            write_snapshot(path, copy.out, meta)
+            if self.snapshot_method == "fork":
+                result = self._snapshot_forked(path)
+            else:
+                result = self._snapshot_chunked(path)
             with self.cond:
                 self.counters["snapshots"] += 1
-                self.counters["last_snapshot_stall_s"] = stall
+                self.counters["last_snapshot_stall_s"] = result["stall_s"]
+        return result
+
+    def _snapshot_meta(self) -> dict:
+        return dict(config=self.config, counters=dict(self.counters),
+                    next_local=self.next_local, max_priority=self.max_priority,
+                    wal_path=self.config.wal_path,
+                    wal_offset=self.wal.offset if self.wal is not None else 0)
+
+    def _snapshot_forked(self, path: str) -> dict:
+        start = time.perf_counter()
+        errors_r, errors_w = os.pipe()
+        pid, message = 0, ""
+        try:
+            with self.cond:
+                held = time.perf_counter()
+                meta = self._snapshot_meta()
+                items = self.size()
+                pid = os.fork()
+                if pid == 0:  # the child: never returns, never touches the lock or sockets
+                    _write_in_child(path, PointInTimeCopy.arrays(self), meta, errors_w)
+                stall = time.perf_counter() - held
+            forked = time.perf_counter()
+            os.close(errors_w)
+            errors_w = -1
+            with os.fdopen(errors_r, "rb") as pipe:
+                errors_r = -1
+                message = pipe.read().decode("utf-8", "replace")  # EOF when the child ends
+        finally:
+            for fd in (errors_r, errors_w):
+                if fd >= 0:
+                    os.close(fd)
+            status = os.waitpid(pid, 0)[1] if pid else 0
+        code = os.waitstatus_to_exitcode(status)
+        if code != 0:
+            raise OSError(f"writing the replay snapshot {path!r} failed (writer process "
+                          f"exit code {code}): {message.strip() or 'no message'}; check that "
+                          f"the directory exists on the store server and has space")
+        return dict(path=path, items=items, stall_s=stall, copy_s=forked - start,
+                    write_s=time.perf_counter() - forked, method="fork")
+
+    def _snapshot_chunked(self, path: str) -> dict:
+        start = time.perf_counter()
+        spare = PointInTimeCopy.spare(self)
+        with self.cond:
+            held = time.perf_counter()
+            copy = self.copy = PointInTimeCopy(self, spare)
+            meta = self._snapshot_meta()
+            items = self.size()
+            stall = time.perf_counter() - held
+        try:
+            while not copy.done():
+                with self.cond:  # the time to get the lock is not a stall of others
+                    held = time.perf_counter()
+                    copy.copy_chunk()
+                    stall = max(stall, time.perf_counter() - held)
+                # hand the GIL over between chunks: a thread that never blocks keeps it
+                # for the whole switch interval each time a serving thread gives it up
+                time.sleep(0)
+        finally:
+            with self.cond:
+                self.copy = None
+        copied = time.perf_counter()
+        write_snapshot(path, copy.out, meta)
         return dict(path=path, items=items, stall_s=stall, copy_s=copied - start,
-                    write_s=time.perf_counter() - copied)
+                    write_s=time.perf_counter() - copied, method="chunked")
 
     def _load(self, path: str) -> None:
         arrays, meta = read_snapshot(path)
@@ -544,6 +597,44 @@ class PointInTimeCopy:
             where = keep.reshape((-1,) + (1,) * (src.ndim - 1))
             np.copyto(self.out[name][lo:hi], src[lo:hi], where=where)
         self.copied = hi
+
+
+#: how much lower the forked snapshot writer's CPU priority is than the store's
+SNAPSHOT_NICENESS = 19
+
+
+def _write_in_child(path: str, arrays: dict, meta: dict, errors: int) -> None:
+    """The forked snapshot writer: write the frozen arrays, report a failure on the
+    ``errors`` pipe, and leave with ``os._exit`` (no atexit handlers, no finalizers
+    touching the parent's sockets or threads)."""
+    code = 1
+    try:
+        # drop the parent's sockets and files, so that a client sees a killed store
+        # go at once instead of when this writer is done
+        os.closerange(3, errors)
+        os.closerange(errors + 1, _max_fd())
+        quiet = os.open(os.devnull, os.O_RDWR)   # nor keep the server's output pipes open
+        for fd in (0, 1, 2):
+            os.dup2(quiet, fd)
+        # the store's serving threads and its clients go first on a busy machine: the
+        # snapshot may take longer, but it takes the CPU only when they leave some
+        os.nice(SNAPSHOT_NICENESS)
+        write_snapshot(path, arrays, meta, yield_gil=False)
+        code = 0
+    except BaseException as exc:  # reported to the parent, which raises it
+        try:
+            os.write(errors, f"{type(exc).__name__}: {exc}".encode("utf-8", "replace"))
+        except OSError:
+            pass
+    finally:
+        os._exit(code)
+
+
+def _max_fd() -> int:
+    try:
+        return os.sysconf("SC_OPEN_MAX")
+    except (AttributeError, ValueError, OSError):
+        return 65536
 
 
 def _same_layout(a: Optional[np.ndarray], b: np.ndarray) -> bool:
