@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+from multiprocessing import spawn as mp_spawn
 from itertools import islice
 from typing import Any, Callable, Iterable, Optional
 
@@ -102,6 +103,9 @@ class Pool:
                  context: Any = None, *, max_task_retries: Optional[int] = None,
                  meta: Optional[dict] = None) -> None:
         self._state = INIT
+        # As the stdlib's Pool does (its first Process.start): a worker still importing
+        # the main script (no main guard) raises here, before any start is tried.
+        mp_spawn._check_not_importing_main()
         self._ctx = fibrl_context(context)
         processes = self._ctx.cpu_count() if processes is None else processes
         _check_args(processes, initializer, maxtasksperchild)
