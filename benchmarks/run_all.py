@@ -372,7 +372,7 @@ def main(argv: list) -> int:
     if args.dry_run:
         print(text + "\n\n" + block)
     else:
-        doc.write_text(replace_between(doc.read_text(), BEGIN, END, text, "## Core"))
+        doc.write_text(replace_between(doc.read_text(), BEGIN, END, text, "## Pool"))
         readme = Path(args.readme)
         readme.write_text(replace_between(readme.read_text(), HEADLINE_BEGIN, HEADLINE_END,
                                           block, "## Development"))
