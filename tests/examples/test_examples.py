@@ -3,8 +3,8 @@
 The examples are imported from their files (examples/ is not a package) and run
 in this process, as a user's ``python examples/<name>.py`` would run them; each
 test checks the example's answer, not only that it returned. All run on the
-local backend; ``pi_estimation`` also on docker; ``pi_estimation``,
-``queue_pipeline`` and ``shared_state`` also on kubernetes (the fake API server
+local backend; ``pi_estimation`` also on docker; the four
+core examples also on kubernetes (the fake API server
 of tests/kube unless ``KUBE_TEST_KUBECONFIG`` names a cluster). On kubernetes the
 cluster's settings reach the unchanged example as a user's would: ``FIBRL_*``
 environment variables, which its ``fibrl.init(backend=...)`` reads. The ``ctx``
@@ -83,14 +83,14 @@ def test_shared_state(ctx):
     assert result["log"] == [f"worker {w} done" for w in range(3)]
 
 
-@LOCAL
+@LOCAL_AND_KUBERNETES
 def test_evolution_strategies(ctx, tmp_path):
     pytest.importorskip("gymnasium", reason="the rl extra (gymnasium) is not installed")
     pytest.importorskip("matplotlib", reason="the docs extra (matplotlib) is not installed")
     example = load("evolution_strategies")
     png = tmp_path / "es.png"
     history = example.main(example.parse([
-        "--workers", "2", "--generations", "2", "--population", "4", "--episodes", "1",
+        "--backend", ctx.get_start_method(), "--workers", "2", "--generations", "2", "--population", "4", "--episodes", "1",
         "--plot", str(png)]))
     assert [h["generation"] for h in history] == [0, 1]
     assert all(h["max"] >= h["mean"] > 0 for h in history)
