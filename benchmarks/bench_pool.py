@@ -120,6 +120,7 @@ def plan(quick: bool) -> list:
 
 BASE_LIBS = ("fibrl", "mp spawn", "mp fork")
 PEERS = {"loky": "loky", "ray": "ray"}   # library -> module that must be importable
+RAY_CPUS = [1]   # CPUs Ray is told it has: the largest pool of the run (set by main)
 
 
 def available_peers() -> tuple:
@@ -168,9 +169,9 @@ def make_pool(lib: str, workers: int):
         import ray
         from ray.util.multiprocessing import Pool as RayPool
 
-        if not ray.is_initialized():
-            ray.init(num_cpus=max(workers, os.cpu_count() or 1), include_dashboard=False,
-                     log_to_driver=False, logging_level="ERROR")
+        if not ray.is_initialized():   # one Ray instance for every pool size of the run
+            ray.init(num_cpus=max(workers, RAY_CPUS[0], os.cpu_count() or 1),
+                     include_dashboard=False, log_to_driver=False, logging_level="ERROR")
         return RayPool(processes=workers)
     import multiprocessing
 
@@ -317,9 +318,10 @@ def main(argv: list) -> None:
     present, absent = available_peers()
     libs = BASE_LIBS + tuple(lib for lib in present if lib not in args.without)
     rows = plan(args.quick)
+    sizes = args.sweep if args.sweep is not None else ([1, 2, 4] if args.quick else [1, 2, 4, 8])
+    RAY_CPUS[0] = max([args.workers, *sizes])
     load_before = os.getloadavg()[0]
     results = measure_all(libs, args.workers, rows, args.repeat)
-    sizes = args.sweep if args.sweep is not None else ([1, 2, 4] if args.quick else [1, 2, 4, 8])
     points = sweep(libs, sizes, 2500 if args.quick else 10000, 100 if args.quick else 400,
                    args.repeat) if sizes else {}
     ceilings = [sleep_ceiling(0.001, 1000), sleep_ceiling(0.010, 100)]

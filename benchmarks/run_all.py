@@ -257,7 +257,7 @@ HEADLINES = (
     ("core", "Queue 100 B child->parent", ("fibrl/mp", "fibrl/fiber"), "messages/s"),
     ("core", "Queue 100 B parent->child", ("fibrl/mp",), "messages/s"),
     ("core", "Pipe round trip 100 B", ("fibrl/floor", "fibrl/fiber"),
-     "round-trip time (floor: a bare pynng round trip)"),
+     "round-trip time against a bare pynng round trip"),
     ("pool", "no-op map, chunksize=1 (tasks/s)", ("fibrl/spawn", "fibrl/loky", "fibrl/ray"),
      "tasks/s"),
     ("pool", "1 ms sleep map, chunksize=1: efficiency", ("fibrl/spawn", "fibrl/loky",

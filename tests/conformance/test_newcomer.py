@@ -289,9 +289,9 @@ def child_dies_after_grandchild_reports(q, reported):
     os._exit(0)   # abruptly: the grandchild's parent dies under it
 
 
-# Local only: a docker worker's children are local processes inside its container,
-# which ends with it; a kubernetes worker's pods may be removed with its own pod.
-@pytest.mark.parametrize("ctx", ["local"], indirect=True)
+# On docker the grandchild is a process inside its parent's container (the container
+# cannot reach the engine), which must outlive the parent long enough to see it die;
+# on kubernetes it is a pod of its own.
 def test_parent_process_in_a_grandchild_sees_its_parent_die(ctx):
     q, reported = ctx.Queue(), ctx.Event()
     p = ctx.Process(target=child_dies_after_grandchild_reports, args=(q, reported))
