@@ -18,7 +18,9 @@ Then:
   tables and plots, with the machine, the date, the command and the peers
   that were absent;
 - ``README.md``: the headline table between its ``run_all`` markers (in
-  "Measured") is rebuilt from the same run's ratios.
+  "Measured") is rebuilt from the same run's ratios (not with ``--only``).
+
+With ``--only``, the other benchmarks' blocks of the doc are kept as they were.
 
 ``--doc`` and ``--readme`` write elsewhere (a copy), ``--dry-run`` writes
 nothing; the plots go to ``img/`` next to the doc. What it does not own: what
@@ -83,6 +85,7 @@ class Outcome:
     stdout: str
     stderr: str
     note: str = ""
+    began: str = ""
 
 
 # -- peers and machine ------------------------------------------------------------------
@@ -160,6 +163,7 @@ def run(bench: Bench, quick: bool, img_dir: Path, timeout: float) -> Outcome:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     print(f"run_all: {bench.name}: {shlex.join(command)}", file=sys.stderr, flush=True)
+    began = _now()
     started = time.monotonic()
     try:
         done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
@@ -173,7 +177,11 @@ def run(bench: Bench, quick: bool, img_dir: Path, timeout: float) -> Outcome:
         note = note or f"exited with code {code}"
     print(f"run_all: {bench.name}: {seconds:.0f} s{', ' + note if note else ''}",
           file=sys.stderr, flush=True)
-    return Outcome(bench, command, seconds, code, out, err, note)
+    return Outcome(bench, command, seconds, code, out, err, note, began)
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
 
 
 def _text(data) -> str:
@@ -189,7 +197,7 @@ def markdown_of(outcome: Outcome, doc_dir: Path) -> str:
     if outcome.returncode is None:
         return f"{head}\n\nNot run: {outcome.note}."
     ran = f"`{shlex.join(['python', 'benchmarks/' + bench.script] + _shown_args(outcome))}`"
-    parts = [head, f"{ran}, {outcome.seconds:.0f} s."]
+    parts = [head, f"{ran}, {outcome.seconds:.0f} s, {outcome.began}."]
     if outcome.note:
         tail = "\n".join(outcome.stderr.strip().splitlines()[-15:])
         parts.append(f"**Incomplete: {outcome.note}.** The end of its error output:\n\n"
@@ -295,8 +303,14 @@ def headline(outcomes: dict) -> list:
 
 
 # -- writing ----------------------------------------------------------------------------
+def bench_blocks(text: str) -> dict:
+    """``{bench name: its block}`` in a section written before (kept by ``--only``)."""
+    found = re.finditer(r"<!-- run_all:(\w+) -->\n.*?<!-- /run_all:\1 -->", text, re.S)
+    return {m.group(1): m.group(0) for m in found}
+
+
 def section(outcomes: list, quick: bool, argv: list, began: str, load: tuple,
-            doc_dir: Path) -> str:
+            doc_dir: Path, before: dict) -> str:
     present, absent = peers()
     kind = ("Quick run: every benchmark at its smaller size and fewer repeats, to check "
             "that they run; quote a full run." if quick else "Full run.")
@@ -312,7 +326,13 @@ def section(outcomes: list, quick: bool, argv: list, began: str, load: tuple,
         f"Peers measured where a benchmark has them: {', '.join(['multiprocessing'] + present)}."
         + (f" Absent, so not measured: {missing}." if absent else " None absent."),
     ]
-    body = [markdown_of(o, doc_dir) for o in outcomes]
+    fresh = {o.bench.name: (f"<!-- run_all:{o.bench.name} -->\n{markdown_of(o, doc_dir)}\n"
+                            f"<!-- /run_all:{o.bench.name} -->") for o in outcomes}
+    kept = [name for name in before if name not in fresh]
+    if kept:
+        head.append(f"Not run this time (`--only`), from an earlier run: {', '.join(kept)}.")
+    body = [fresh.get(b.name) or before[b.name] for b in BENCHES
+            if b.name in fresh or b.name in before]
     return "\n\n".join(head + body + [END])
 
 
@@ -362,21 +382,28 @@ def main(argv: list) -> int:
     print(f"run_all: peers present: {', '.join(present) or 'none'}; absent: "
           + ("; ".join(f"{n} ({fix})" for n, fix in absent.items()) or "none"),
           file=sys.stderr, flush=True)
-    began = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    began = _now()
     load_before = os.getloadavg()[0]
     chosen = [b for b in BENCHES if not args.only or b.name in args.only]
     outcomes = [run(bench, args.quick, img_dir, timeout) for bench in chosen]
     load = (load_before, os.getloadavg()[0])
-    text = section(outcomes, args.quick, argv, began, load, doc.parent)
+    old = doc.read_text() if doc.exists() else ""
+    previous = (bench_blocks(old[old.index(BEGIN):old.index(END)])
+                if BEGIN in old and END in old else {})
+    text = section(outcomes, args.quick, argv, began, load, doc.parent, previous)
     block = readme_block({o.bench.name: o for o in outcomes}, began, args.quick)
     if args.dry_run:
         print(text + "\n\n" + block)
     else:
         doc.write_text(replace_between(doc.read_text(), BEGIN, END, text, "## Pool"))
+        print(f"run_all: wrote {doc}", file=sys.stderr)
         readme = Path(args.readme)
-        readme.write_text(replace_between(readme.read_text(), HEADLINE_BEGIN, HEADLINE_END,
-                                          block, "## Development"))
-        print(f"run_all: wrote {doc} and {readme}", file=sys.stderr)
+        if args.only:   # its headline draws on every benchmark: only a whole run writes it
+            print(f"run_all: {readme} left as it was (--only)", file=sys.stderr)
+        else:
+            readme.write_text(replace_between(readme.read_text(), HEADLINE_BEGIN,
+                                              HEADLINE_END, block, "## Development"))
+            print(f"run_all: wrote {readme}", file=sys.stderr)
     failed = [o.bench.name for o in outcomes if o.returncode]
     for o in outcomes:
         print(f"run_all: {o.bench.name:9s} {o.seconds:6.0f} s  "
