@@ -10,6 +10,7 @@ For each pool size and task length (sleep tasks at chunksize=1) this reports:
 
     python benchmarks/bench_scale.py                      # 2 8 32 128 512, 10 ms and 1 ms
     python benchmarks/bench_scale.py --sizes 2 8 32 --plot docs/img/scale.png
+    python benchmarks/bench_scale.py --backend docker --sizes 64 --tasks-ms 1 --libs fibrl
 
 Run it from the repository root with PYTHONPATH=. so that workers import this checkout.
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing
 import os
+import subprocess
 import sys
 import time
 
@@ -28,9 +30,16 @@ import fibrl  # noqa: E402
 _TICK = os.sysconf("SC_CLK_TCK")
 
 
-def nap(seconds: float) -> int:
+# which process ran a task: a container's pid is its own, often the same in every one
+_process = (0, "")
+
+
+def nap(seconds: float) -> tuple:
+    global _process
     time.sleep(seconds)
-    return os.getpid()
+    if _process[0] != os.getpid():   # a process forked after this module was imported
+        _process = (os.getpid(), os.urandom(8).hex())
+    return _process
 
 
 def _cpu(pid: int) -> float:
@@ -82,24 +91,35 @@ def _helpers(lib: str) -> list[int]:
     return found
 
 
-def measure(lib: str, workers: int, task: float, rounds: int) -> dict:
+def _containers(parent: int) -> int:
+    """Containers, running or not, that this process started on the docker backend."""
+    out = subprocess.run(["docker", "ps", "-aq", "--filter", "label=fibrl.backend=docker",
+                          "--filter", f"label=fibrl.parent={parent}"],
+                         capture_output=True, text=True, timeout=60)
+    return len(out.stdout.split())
+
+
+def measure(lib: str, workers: int, task: float, rounds: int, backend: str = "local") -> dict:
     make = fibrl.Pool if lib == "fibrl" else multiprocessing.get_context("spawn").Pool
+    local = lib != "fibrl" or backend == "local"
     t0 = time.perf_counter()
     pool = make(workers)
     try:
         # every worker has run a task: tasks long enough that no worker takes two
-        seen: set[int] = set()
+        seen: set[tuple] = set()
         while len(seen) < workers:
             seen.update(pool.map(nap, [0.2] * workers, chunksize=1))
             if time.perf_counter() - t0 > 600:
                 raise RuntimeError(f"{lib} Pool({workers}): only {len(seen)} workers ran a "
                                    f"task within 600 s")
         start = time.perf_counter() - t0
-        pids = sorted(seen)
+        # a container's pids are its own: its processes cannot be read from here
+        pids = sorted(pid for pid, _ in seen) if local else []
         time.sleep(0.5)   # idle
-        threads = sum(_threads(p) for p in pids) / len(pids)
+        threads = sum(_threads(p) for p in pids) / len(pids) if pids else float("nan")
         helpers = _helpers(lib)
-        pss = (sum(_pss_kb(p) for p in pids + helpers)) / len(pids) / 1024
+        pss = (sum(_pss_kb(p) for p in pids + helpers)) / len(pids) / 1024 if pids \
+            else float("nan")
         n = workers * rounds
         cpu_w0 = sum(_cpu(p) for p in pids + helpers)
         cpu_p0 = time.process_time()
@@ -107,13 +127,19 @@ def measure(lib: str, workers: int, task: float, rounds: int) -> dict:
         pool.map(nap, [task] * n, chunksize=1)
         elapsed = time.perf_counter() - t1
         cpu_p = time.process_time() - cpu_p0
-        cpu_w = sum(_cpu(p) for p in pids + helpers) - cpu_w0
+        cpu_w = sum(_cpu(p) for p in pids + helpers) - cpu_w0 if pids else float("nan")
     finally:
         pool.terminate()
         pool.join()
-    return {"lib": lib, "workers": workers, "task_ms": task * 1e3, "start_s": start,
-            "efficiency": n * task / workers / elapsed, "parent_us": cpu_p / n * 1e6,
-            "worker_us": cpu_w / n * 1e6, "threads": threads, "pss_mb": pss}
+    row = {"lib": lib, "workers": workers, "task_ms": task * 1e3, "start_s": start,
+           "efficiency": n * task / workers / elapsed, "parent_us": cpu_p / n * 1e6,
+           "worker_us": cpu_w / n * 1e6, "threads": threads, "pss_mb": pss}
+    if not local:
+        deadline = time.monotonic() + 60   # containers are removed as they stop
+        while (left := _containers(os.getpid())) and time.monotonic() < deadline:
+            time.sleep(1.0)
+        row["leftover"] = left
+    return row
 
 
 def plot(rows: list[dict], path: str) -> None:
@@ -151,7 +177,12 @@ def main(argv: list[str]) -> int:
                         help="tasks per worker in the timed map (default 20)")
     parser.add_argument("--libs", nargs="+", default=["fibrl", "mp"], choices=["fibrl", "mp"])
     parser.add_argument("--plot", help="write a PNG of efficiency and parent CPU per task")
+    parser.add_argument("--backend", default="local", choices=["local", "docker"],
+                        help="fibrl's backend (docker: worker CPU, threads and PSS are not "
+                             "measured; containers left after join are counted)")
     opts = parser.parse_args(argv)
+    if opts.backend != "local":
+        fibrl.init(backend=opts.backend)
     print(f"{os.cpu_count()} cores, Python {sys.version.split()[0]}, load "
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
     rows = []
@@ -159,7 +190,7 @@ def main(argv: list[str]) -> int:
         for task_ms in opts.tasks_ms:
             for lib in opts.libs:
                 try:
-                    row = measure(lib, workers, task_ms / 1e3, opts.rounds)
+                    row = measure(lib, workers, task_ms / 1e3, opts.rounds, opts.backend)
                 except Exception as exc:   # a size one library cannot reach: say so, go on
                     print(f"{lib} Pool({workers}) {task_ms:g} ms: failed: "
                           f"{type(exc).__name__}: {exc}", flush=True)
@@ -169,7 +200,9 @@ def main(argv: list[str]) -> int:
                       f"start={row['start_s']:6.2f} s  eff={row['efficiency']:.2f}  "
                       f"parent={row['parent_us']:7.0f} us/task  "
                       f"worker={row['worker_us']:7.0f} us/task  "
-                      f"threads={row['threads']:.1f}  pss={row['pss_mb']:.1f} MB", flush=True)
+                      f"threads={row['threads']:.1f}  pss={row['pss_mb']:.1f} MB"
+                      + (f"  leftover containers={row['leftover']}" if "leftover" in row
+                         else ""), flush=True)
     print("\n| workers | task | lib | start s | efficiency | fibrl/mp | parent us/task "
           "| worker us/task | threads | PSS MB |")
     print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|")

@@ -27,8 +27,8 @@ item, results the parent cannot unpickle as a block; ``engine`` wires them up
 from __future__ import annotations
 
 import functools
+import multiprocessing.spawn as mp_spawn
 import warnings
-from multiprocessing import spawn as mp_spawn
 from itertools import islice
 from typing import Any, Callable, Iterable, Optional
 
@@ -103,8 +103,8 @@ class Pool:
                  context: Any = None, *, max_task_retries: Optional[int] = None,
                  meta: Optional[dict] = None) -> None:
         self._state = INIT
-        # As the stdlib's Pool does (its first Process.start): a worker still importing
-        # the main script (no main guard) raises here, before any start is tried.
+        # a worker still importing the main script (no `if __name__ == "__main__":`
+        # guard): refuse before any worker starts, so the parent says it once
         mp_spawn._check_not_importing_main()
         self._ctx = fibrl_context(context)
         processes = self._ctx.cpu_count() if processes is None else processes
