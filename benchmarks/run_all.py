@@ -68,7 +68,7 @@ BENCHES = (
     Bench("managers", "bench_managers.py", "Managers", ("--quick",), ()),
     Bench("pool", "bench_pool.py", "Pool", ("--quick",), (), plot="pool_workers.png"),
     Bench("scale", "bench_scale.py", "Pool at scale",
-          ("--sizes", "2", "8", "--rounds", "5"), (), plot="pool_scale.png"),
+          ("--sizes", "2", "8", "--rounds", "5"), (), plot="pool_scale_latest.png"),
     Bench("envs", "bench_envs.py", "Remote environments (fibrl.rl)",
           ("--rounds", "1", "--seconds", "0.5", "--demo-steps", "500"), (),
           needs=("gymnasium",)),
