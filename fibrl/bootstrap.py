@@ -59,7 +59,15 @@ _FORWARDED = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")
 
 
 def _is_container_main() -> bool:
-    return os.path.exists("/.dockerenv") and 1 in (os.getpid(), os.getppid())
+    """The main process of a docker worker container: docker-init (``init=True``) is
+    its parent. Not a local worker (its parent is fibrl's), which kill() must end alone."""
+    if not os.path.exists("/.dockerenv") or os.getppid() != 1:
+        return False
+    try:
+        with open("/proc/1/cmdline", "rb") as f:
+            return os.path.basename(f.read().split(b"\0")[0]) in (b"docker-init", b"tini")
+    except OSError:
+        return False
 
 
 def _keep_container() -> int:
