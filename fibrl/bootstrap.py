@@ -9,7 +9,10 @@ again by value (cloudpickle: functions of the main script that this worker's
 ``__mp_main__`` lacks); one that cannot be rebuilt at all, or a main script
 that starts processes at import (no main guard), is reported to the parent,
 which logs it, and the worker exits with code 1. The worker also exits by itself when the parent goes away: the
-connection drops, or heartbeats stop being answered for ``parent_timeout``.
+connection drops, or heartbeats stop being answered for ``parent_timeout``. As the
+main process of a docker container it first forks, and the parent stays as the
+container's keeper until the worker's own local children have ended (see
+``_keep_container``).
 
 It imports as little as possible before connecting: start latency matters.
 """
