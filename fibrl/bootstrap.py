@@ -9,7 +9,10 @@ again by value (cloudpickle: functions of the main script that this worker's
 ``__mp_main__`` lacks); one that cannot be rebuilt at all, or a main script
 that starts processes at import (no main guard), is reported to the parent,
 which logs it, and the worker exits with code 1. The worker also exits by itself when the parent goes away: the
-connection drops, or heartbeats stop being answered for ``parent_timeout``.
+connection drops, or heartbeats stop being answered for ``parent_timeout``. As the
+main process of a docker container it first forks, and the parent stays as the
+container's keeper until the worker's own local children have ended (see
+``_keep_container``).
 
 It imports as little as possible before connecting: start latency matters.
 """
@@ -18,6 +21,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import time
 
 
 # How long a worker whose parent is gone goes on: parent_process() already reports
@@ -43,6 +47,122 @@ def _parent_lost(reason: str) -> None:
         sys.stderr.flush()
     except (AttributeError, ValueError, OSError):
         pass   # the program closed its stderr
+
+
+# A container ends when its main process does, and the kernel then kills every process
+# left in it. A worker in a container that cannot reach the engine starts its own
+# children beside it, in the container: killed with their parent, they could not see
+# parent_process() end (join() returning, is_alive() False) as local ones do during
+# their PARENT_LOST_GRACE. So the container's main process forks: the worker runs in
+# the child, and this process stays, as a child subreaper, until the worker and the
+# fibrl processes it left have ended (at most ORPHANS_WAIT after the worker).
+ORPHANS_WAIT = PARENT_LOST_GRACE + 2.0
+_PR_SET_CHILD_SUBREAPER = 36
+_FORWARDED = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")
+
+
+def _is_container_main() -> bool:
+    """The main process of a docker worker container: docker-init (``init=True``) is
+    its parent. Not a local worker (its parent is fibrl's), which kill() must end alone."""
+    if not os.path.exists("/.dockerenv") or os.getppid() != 1:
+        return False
+    try:
+        with open("/proc/1/cmdline", "rb") as f:
+            return os.path.basename(f.read().split(b"\0")[0]) in (b"docker-init", b"tini")
+    except OSError:
+        return False
+
+
+def _keep_container() -> int:
+    """Fork the worker; in the parent, wait as described above and return 0 there
+    (the caller then exits as the worker did, see ``_exit_as``); in the worker, -1."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    except (OSError, AttributeError):
+        return -1   # no prctl: run in this process, as before
+    worker = os.fork()
+    if worker == 0:
+        return -1
+    import signal
+
+    for name in _FORWARDED:
+        signal.signal(getattr(signal, name), lambda sig, _frame: _send(worker, sig))
+    _, status = os.waitpid(worker, 0)
+    _wait_for_fibrl_orphans(time.monotonic() + ORPHANS_WAIT)
+    _exit_as(status)
+    return 0
+
+
+def _send(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _wait_for_fibrl_orphans(deadline: float) -> None:
+    """Reap children (orphans reparented here) until no fibrl process is left among
+    them or ``deadline`` passes; waits on their pidfds."""
+    import select
+
+    while True:
+        try:
+            while os.waitpid(-1, os.WNOHANG)[0]:
+                pass
+        except ChildProcessError:
+            return   # no child left
+        left = _fibrl_children()
+        remaining = deadline - time.monotonic()
+        if not left or remaining <= 0:
+            return
+        fds = []
+        try:
+            for pid in left:
+                try:
+                    fds.append(os.pidfd_open(pid))
+                except ProcessLookupError:
+                    pass
+            if fds:
+                select.select(fds, [], [], remaining)
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+
+def _fibrl_children() -> list:
+    me, found = os.getpid(), []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            if ppid == me:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    if b"fibrl" in f.read():
+                        found.append(int(entry))
+        except (OSError, ValueError, IndexError):
+            continue
+    return found
+
+
+def _exit_as(status: int) -> None:
+    """End this process as the worker ended: its exit code, or its signal."""
+    import signal
+
+    code = os.waitstatus_to_exitcode(status)
+    if code < 0:
+        try:
+            signal.signal(-code, signal.SIG_DFL)
+        except (OSError, ValueError):
+            pass   # SIGKILL, SIGSTOP: cannot be caught anyway
+        os.kill(os.getpid(), -code)
+        code = 128 - code
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _heartbeat(client, interval: float, limit: float, stop: threading.Event) -> None:
@@ -246,6 +366,8 @@ def main(argv: list[str]) -> int:
         sys.stderr.write("usage: python -m fibrl.bootstrap <parent address> <handover id>\n")
         return 2
     address, oid = argv[1], argv[2]
+    if _is_container_main() and _keep_container() == 0:
+        return 0   # not reached: the keeper exits as its worker did
     secret_hex = _take_secret()
     if not secret_hex:
         sys.stderr.write("fibrl worker: FIBRL_SECRET is not set; refusing to start.\n")

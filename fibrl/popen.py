@@ -87,6 +87,7 @@ class Popen:
 
     def __init__(self, process_obj: Any, config: Config) -> None:
         self.returncode: Optional[int] = None
+        self.missing_main_guard = False   # the worker said: the main script has no guard
         self.config = config
         self._done = threading.Event()
         self._closed = False
@@ -203,6 +204,7 @@ class Popen:
         # The worker exits with code 1 right after telling us; its error is logged here,
         # where the user looks, whatever the backend keeps of its output.
         if kind == MISSING_MAIN_GUARD:
+            self.missing_main_guard = True   # read by a pool: it stops starting workers
             _log_missing_guard_once(error)
             return
         log.error("worker %s (%s) could not load its process and exits with code 1:\n%s",

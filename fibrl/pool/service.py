@@ -781,6 +781,12 @@ class PoolService(Service):
     def closed(self) -> None:
         self._break(WorkerLostError("the pool's service was closed by its owner"))
 
+    def missing_main_guard(self) -> None:
+        """A worker found the main script without its guard: every start would fail alike."""
+        self._break(WorkerLostError(
+            "the pool stopped starting workers: its main script starts processes when a "
+            "worker imports it (the missing main guard, explained above with the fix)."))
+
 
 def _idleness(worker: _Worker) -> float:
     return worker.held_cost

@@ -174,6 +174,8 @@ class Supervisor:
         proc.join(_SELECT_S)
         code = proc.exitcode
         detail = "" if code == 0 else _failure_reason(proc)
+        if getattr(proc._popen, "missing_main_guard", False):
+            self._service.missing_main_guard()   # before lose(): no replacement starts
         self._service.lose(wid, code, detail)
         if code is not None:
             proc.close()

@@ -107,7 +107,12 @@ def test_function_defined_under_the_main_guard_runs_as_target(tmp_path, script_b
 
 
 UNGUARDED = """
+    import os
     import fibrl
+
+    if __name__ == "__mp_main__":   # a worker importing the script: count it
+        with open(os.environ["WORKER_IMPORTS"], "a") as counts:
+            counts.write("w")
 
     def square(x):
         return x * x
@@ -117,9 +122,14 @@ UNGUARDED = """
 """
 
 
-def test_missing_main_guard_is_said_once_with_the_fix(tmp_path):
+def test_missing_main_guard_is_said_once_with_the_fix(tmp_path, monkeypatch):
+    imports = tmp_path / "worker-imports"
+    monkeypatch.setenv("WORKER_IMPORTS", str(imports))
     out = _run_script(tmp_path, UNGUARDED, timeout=180)
     assert out.returncode != 0
+    # the workers started at once (two) fail; the pool starts no replacement
+    assert 1 <= len(imports.read_text()) <= 2, out.stderr[-5000:]
+    assert "WorkerLostError: the pool stopped starting workers" in out.stderr
     said = out.stderr.count('no `if __name__ == "__main__":` guard')
     assert said == 1, out.stderr[-5000:]
     assert 'if __name__ == "__main__":\n        main()' in out.stderr
@@ -279,9 +289,9 @@ def child_dies_after_grandchild_reports(q, reported):
     os._exit(0)   # abruptly: the grandchild's parent dies under it
 
 
-# Local only: a docker worker's children are local processes inside its container,
-# which ends with it; a kubernetes worker's pods may be removed with its own pod.
-@pytest.mark.parametrize("ctx", ["local"], indirect=True)
+# On docker the grandchild is a process inside its parent's container (the container
+# cannot reach the engine), which must outlive the parent long enough to see it die;
+# on kubernetes it is a pod of its own.
 def test_parent_process_in_a_grandchild_sees_its_parent_die(ctx):
     q, reported = ctx.Queue(), ctx.Event()
     p = ctx.Process(target=child_dies_after_grandchild_reports, args=(q, reported))

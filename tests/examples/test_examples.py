@@ -3,8 +3,13 @@
 The examples are imported from their files (examples/ is not a package) and run
 in this process, as a user's ``python examples/<name>.py`` would run them; each
 test checks the example's answer, not only that it returned. All run on the
-local backend; ``pi_estimation`` also on docker. The ``ctx`` fixture (conftest)
-restores the config in force afterwards, since ``main`` calls ``fibrl.init``.
+local backend; ``pi_estimation`` also on docker; the four
+core examples also on kubernetes (the fake API server
+of tests/kube unless ``KUBE_TEST_KUBECONFIG`` names a cluster). On kubernetes the
+cluster's settings reach the unchanged example as a user's would: ``FIBRL_*``
+environment variables, which its ``fibrl.init(backend=...)`` reads. The ``ctx``
+fixture (conftest) restores the config in force afterwards, since ``main``
+calls ``fibrl.init``.
 """
 from __future__ import annotations
 
@@ -34,10 +39,24 @@ def load(name: str):
 
 
 LOCAL = pytest.mark.parametrize("ctx", ["local"], indirect=True)
+KUBERNETES = pytest.param("kubernetes", marks=pytest.mark.kubernetes)
+LOCAL_AND_KUBERNETES = pytest.mark.parametrize("ctx", ["local", KUBERNETES], indirect=True)
 
 
-@pytest.mark.parametrize("ctx", ["local", pytest.param("docker", marks=pytest.mark.docker)],
-                         indirect=True)
+@pytest.fixture(autouse=True)
+def cluster_in_environment(request, monkeypatch):
+    """On kubernetes: the test cluster's settings as FIBRL_* variables, where the
+    example's own ``fibrl.init(backend="kubernetes")`` finds them."""
+    if ("ctx" not in request.fixturenames
+            or request.getfixturevalue("ctx").get_start_method() != "kubernetes"):
+        return
+    for key, value in request.getfixturevalue("kube_settings").items():
+        text = str(value).lower() if isinstance(value, bool) else str(value)
+        monkeypatch.setenv(f"FIBRL_{key.upper()}", text)
+
+
+@pytest.mark.parametrize("ctx", ["local", pytest.param("docker", marks=pytest.mark.docker),
+                                 KUBERNETES], indirect=True)
 def test_pi_estimation(ctx):
     example = load("pi_estimation")
     pi = example.main(example.parse(["--backend", ctx.get_start_method(), "--workers", "2",
@@ -45,33 +64,33 @@ def test_pi_estimation(ctx):
     assert math.isclose(pi, math.pi, abs_tol=0.05)
 
 
-@LOCAL
+@LOCAL_AND_KUBERNETES
 def test_queue_pipeline(ctx):
     example = load("queue_pipeline")
-    args = example.parse(["--producers", "2", "--consumers", "2", "--items", "25",
-                          "--timeout", "60"])
+    args = example.parse(["--backend", ctx.get_start_method(), "--producers", "2",
+                          "--consumers", "2", "--items", "25", "--timeout", "60"])
     results = example.main(args)
     assert sorted(results) == [(p, i) for p in range(2) for i in range(25)]
     assert results[1, 7] == example.digest("item 1-7")
 
 
-@LOCAL
+@LOCAL_AND_KUBERNETES
 def test_shared_state(ctx):
     example = load("shared_state")
-    result = example.main(example.parse(["--workers", "3", "--increments", "10",
-                                         "--timeout", "60"]))
+    result = example.main(example.parse(["--backend", ctx.get_start_method(), "--workers", "3",
+                                         "--increments", "10", "--timeout", "60"]))
     assert result["counters"]["total"] == 30
     assert result["log"] == [f"worker {w} done" for w in range(3)]
 
 
-@LOCAL
+@LOCAL_AND_KUBERNETES
 def test_evolution_strategies(ctx, tmp_path):
     pytest.importorskip("gymnasium", reason="the rl extra (gymnasium) is not installed")
     pytest.importorskip("matplotlib", reason="the docs extra (matplotlib) is not installed")
     example = load("evolution_strategies")
     png = tmp_path / "es.png"
     history = example.main(example.parse([
-        "--workers", "2", "--generations", "2", "--population", "4", "--episodes", "1",
+        "--backend", ctx.get_start_method(), "--workers", "2", "--generations", "2", "--population", "4", "--episodes", "1",
         "--plot", str(png)]))
     assert [h["generation"] for h in history] == [0, 1]
     assert all(h["max"] >= h["mean"] > 0 for h in history)
