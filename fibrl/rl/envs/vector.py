@@ -6,8 +6,8 @@ worker to replace, the restart budget, the per-env step deadline). The loop
 inside each worker is :mod:`.worker`; the message types are :mod:`.protocol`.
 It uses only fibrl's public API: ``Process`` and its sentinel,
 ``fibrl.connection.wait``, the authenticated channels of ``fibrl.transport``
-and the frames of ``fibrl.serialization`` (a pickle 5 stream, large buffers
-out of band)::
+and the frames of ``fibrl.serialization`` (per-step messages use the compact
+frames of :mod:`.protocol`)::
 
     this process                                          workers (any backend)
     send(actions, ids) -- one Step frame per worker ---->  worker 0: envs 0..k-1
@@ -43,13 +43,13 @@ from gymnasium.error import AlreadyPendingCallError, ClosedEnvironmentError, NoA
 from gymnasium.vector import AutoresetMode, VectorEnv
 from gymnasium.vector.utils import batch_space, create_empty_array
 
-from ... import get_context, serialization
+from ... import get_context
 from ...connection import wait
 from ...errors import ChannelClosed, describe_exitcode
 from ...transport import Listener
 from .manager import make_gym_env
-from .protocol import (Broken, Call, Called, Close, Died, Hello, Reset, Result, Step, rows,
-                       write_rows)
+from .protocol import (Broken, Call, Called, Close, Died, Hello, Reset, Result, Step, decode,
+                       encode, rows, write_rows)
 from .worker import serve
 
 __all__ = ["RemoteVectorEnv", "EnvCrashError", "AsyncState"]
@@ -262,7 +262,7 @@ class RemoteVectorEnv(VectorEnv):
                                  "or raise the timeout") from None
         if isinstance(item, tuple):
             peer, frame = item
-            item = serialization.loads(frame)
+            item = decode(frame)
             if isinstance(item, Hello):
                 worker = self._workers[item.worker]
                 if item.gen == worker.gen:
@@ -296,8 +296,11 @@ class RemoteVectorEnv(VectorEnv):
         self._chunks.append((env_ids, msg))
         for req, sent in worker.open:
             if req.seq == msg.seq:
-                left = tuple(s for s in req.slots if s not in msg.slots)
                 worker.open.remove((req, sent))
+                if len(msg.slots) == len(req.slots):
+                    break  # the whole request answered (the common case)
+                done = set(msg.slots)
+                left = tuple(s for s in req.slots if s not in done)
                 if left:
                     worker.open.append((_narrow(req, left), sent))
                 break
@@ -365,7 +368,7 @@ class RemoteVectorEnv(VectorEnv):
     def _post_all(self, posts: list) -> None:
         # pickle every request first, then send them back to back: the first workers'
         # replies (and the reader threads they wake) then do not slow the later sends
-        frames = [serialization.dumps(msg) for _, msg in posts]
+        frames = [encode(msg) for _, msg in posts]
         now = time.monotonic()
         for (worker, msg), frame in zip(posts, frames):
             worker.open.append((msg, now))
@@ -607,7 +610,7 @@ class RemoteVectorEnv(VectorEnv):
         for worker in self._workers:
             if worker.peer is not None:
                 try:
-                    worker.peer.send(serialization.dumps(Close()))
+                    worker.peer.send(encode(Close()))
                 except ChannelClosed:
                     pass  # the worker is gone already
         deadline = time.monotonic() + grace

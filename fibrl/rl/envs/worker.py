@@ -27,9 +27,9 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ... import serialization
 from ...transport import Channel
-from .protocol import Broken, Call, Called, Hello, Reset, Result, Step, row, stack
+from .protocol import (Broken, Call, Called, Hello, Reset, Result, Step, decode, encode, row,
+                       stack)
 
 __all__ = ["serve", "restart_seed"]
 
@@ -210,13 +210,13 @@ class Worker:
 
 
 class _Outbox:
-    """Sends messages as fibrl frames (protocol 5, large arrays out of band)."""
+    """Sends messages as frames of :func:`.protocol.encode` (compact per-step frames)."""
 
     def __init__(self, channel: Channel) -> None:
         self.channel = channel
 
     def send(self, msg: Any) -> None:
-        self.channel.send(serialization.dumps(msg))
+        self.channel.send(encode(msg))
 
 
 def serve(index: int, gen: int, fns: list, env_ids: list, restarts: list, mode: str,
@@ -233,7 +233,7 @@ def serve(index: int, gen: int, fns: list, env_ids: list, restarts: list, mode: 
             return
         while True:
             try:
-                msg = serialization.loads(channel.recv())
+                msg = decode(channel.recv())
             except EOFError:  # ChannelClosed: the vector env is gone
                 return
             if not worker.handle(msg):
