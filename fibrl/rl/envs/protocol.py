@@ -38,10 +38,12 @@ __all__ = ["Hello", "Step", "Reset", "Call", "Close", "Result", "Called", "Broke
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Hello:
-    """A worker's first frame: which worker (and incarnation) this connection is."""
+    """A worker's first frame: which worker (and incarnation) this connection is, and the
+    address of its own listener when it offers a direct connection (else ``""``)."""
 
     worker: int
     gen: int
+    address: str = ""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
