@@ -193,15 +193,28 @@ def _plain(a: Any) -> bool:
     return type(a) is np.ndarray and a.dtype.kind in "biufc" and a.ndim < 256
 
 
+_heads: dict = {}    # (dtype, shape) -> array header; a few entries per vector env
+_dtypes: dict = {}   # dtype.str -> dtype
+
+
 def _array_head(a: np.ndarray) -> bytes:
-    code = a.dtype.str.encode()
-    return (bytes((len(code),)) + code + bytes((a.ndim,))
-            + struct.pack(f"<{a.ndim}I", *a.shape))
+    key = (a.dtype, a.shape)
+    head = _heads.get(key)
+    if head is None:
+        code = a.dtype.str.encode()
+        head = (bytes((len(code),)) + code + bytes((a.ndim,))
+                + struct.pack(f"<{a.ndim}I", *a.shape))
+        if len(_heads) < 1024:
+            _heads[key] = head
+    return head
 
 
 def _read_array(view: memoryview, offset: int) -> tuple:
     n = view[offset]
-    dtype = np.dtype(bytes(view[offset + 1:offset + 1 + n]).decode())
+    code = bytes(view[offset + 1:offset + 1 + n])
+    dtype = _dtypes.get(code)
+    if dtype is None:
+        dtype = _dtypes[code] = np.dtype(code.decode())
     offset += 1 + n
     ndim = view[offset]
     shape = struct.unpack_from(f"<{ndim}I", view, offset + 1)
