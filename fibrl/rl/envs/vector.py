@@ -302,6 +302,7 @@ class RemoteVectorEnv(VectorEnv):
         except TimeoutError:
             now = time.monotonic()
             if hang is not None and now >= hang:
+                self._drain_direct()  # replies already there must not count as hung
                 self._kill_hung()
             elif deadline is not None and now >= deadline:
                 raise MpTimeoutError(f"RemoteVectorEnv: timed out waiting for {what}; the "
@@ -312,6 +313,19 @@ class RemoteVectorEnv(VectorEnv):
             worker.chan = None  # the worker is gone: its Died message replaces it
             return
         self._handle(decode(frame))
+
+    def _drain_direct(self) -> None:
+        """Handle every reply already waiting on the direct connections."""
+        for worker in self._workers:
+            while worker.direct and worker.chan is not None:
+                try:
+                    frame = worker.chan.recv(0.001)
+                except TimeoutError:
+                    break
+                except ChannelClosed:
+                    worker.chan = None
+                    break
+                self._handle(decode(frame))
 
     def _dispatch(self, item: Any) -> None:
         """Handle an item of the inbox: a frame from the listener, or a Died message."""
