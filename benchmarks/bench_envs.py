@@ -10,9 +10,14 @@ Every peer is measured in the same run and each row prints its ratio:
   ``SyncVectorEnv(8)``;
 - Fiber's AsyncManager demo (4 CartPole envs in 4 managers, 5,000 steps, sync
   then async) on fibrl, and on Fiber when benchmarks/install_fiber.sh has made
-  its venv (skipped, saying so, otherwise).
+  its venv (skipped, saying so, otherwise), alternating runs.
 
-    python benchmarks/bench_envs.py [--seconds 2] [--rounds 3] [--demo-steps 5000]
+Every vector env is started once; each round then measures each of them for
+``--seconds`` in turn, and a ratio is the median of the rounds' ratios, so a
+burst of load from elsewhere on a shared machine hits both sides of a ratio.
+
+    python benchmarks/bench_envs.py [--seconds 1] [--rounds 7] [--demo-steps 5000]
+        [--demo-runs 3]
 """
 from __future__ import annotations
 
@@ -31,6 +36,9 @@ import pynng
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
+# the workers import this checkout's fibrl too
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    p for p in (str(HERE.parent), os.environ.get("PYTHONPATH")) if p)
 
 from fibrl.rl import RemoteVectorEnv  # noqa: E402
 
@@ -67,13 +75,19 @@ def rate(step, num_envs: int, seconds: float) -> float:
     return n * num_envs / (time.perf_counter() - start)
 
 
-def vector_rate(envs, seconds: float) -> float:
-    envs.reset(seed=0)
-    actions = np.zeros(envs.num_envs, dtype=np.int64)
-    try:
-        return rate(lambda: envs.step(actions), envs.num_envs, seconds)
-    finally:
-        envs.close()
+class Vector:
+    """A gymnasium vector env, reset once, stepped with zero actions."""
+
+    def __init__(self, envs) -> None:
+        self.envs, self.num_envs = envs, envs.num_envs
+        envs.reset(seed=0)
+        self.actions = np.zeros(envs.num_envs, dtype=np.int64)
+
+    def step(self) -> None:
+        self.envs.step(self.actions)
+
+    def close(self) -> None:
+        self.envs.close()
 
 
 # -- the bare pynng loop --------------------------------------------------------------------
@@ -97,34 +111,37 @@ def _bare_worker(address: str, k: int, make) -> None:
             sock.send(obs.tobytes() + rewards.tobytes() + flags.tobytes())
 
 
-def bare_rate(workers: int, k: int, seconds: float, make=cartpole) -> float:
-    ctx = multiprocessing.get_context("spawn")
-    socks, procs = [], []
-    for _ in range(workers):
-        sock = pynng.Pair0(listen="tcp://127.0.0.1:0", recv_timeout=30000)
-        address = "tcp://" + str(sock.listeners[0].local_address)
-        proc = ctx.Process(target=_bare_worker, args=(address, k, make), daemon=True)
-        proc.start()
-        socks.append(sock)
-        procs.append(proc)
-    actions = np.zeros(k, dtype=np.int64).tobytes()
-    obs = np.empty((workers * k, 4), dtype=np.float32)
+class Bare:
+    """One pynng ``Pair0`` per worker, actions out and raw result bytes back."""
 
-    def step():
-        for sock in socks:
-            sock.send(actions)
-        for w, sock in enumerate(socks):
+    def __init__(self, workers: int, k: int, make=cartpole) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self.k, self.num_envs = k, workers * k
+        self.socks, self.procs = [], []
+        for _ in range(workers):
+            sock = pynng.Pair0(listen="tcp://127.0.0.1:0", recv_timeout=30000)
+            address = "tcp://" + str(sock.listeners[0].local_address)
+            proc = ctx.Process(target=_bare_worker, args=(address, k, make), daemon=True)
+            proc.start()
+            self.socks.append(sock)
+            self.procs.append(proc)
+        self.actions = np.zeros(k, dtype=np.int64).tobytes()
+        self.obs = np.empty((workers * k, 4), dtype=np.float32)
+
+    def step(self) -> None:
+        k = self.k
+        for sock in self.socks:
+            sock.send(self.actions)
+        for w, sock in enumerate(self.socks):
             reply = sock.recv()
-            obs[w * k:(w + 1) * k] = np.frombuffer(reply, np.float32, k * 4).reshape(k, 4)
+            self.obs[w * k:(w + 1) * k] = np.frombuffer(reply, np.float32, k * 4).reshape(k, 4)
 
-    try:
-        return rate(step, workers * k, seconds)
-    finally:
-        for sock in socks:
+    def close(self) -> None:
+        for sock in self.socks:
             sock.send(b"x")  # shorter than an action: stop
-        for proc in procs:
+        for proc in self.procs:
             proc.join(10)
-        for sock in socks:
+        for sock in self.socks:
             sock.close()
 
 
@@ -141,67 +158,87 @@ def demo(lib: str, python: str, steps: int) -> dict:
 
 def table(rows: list) -> str:
     lines = ["| measure | fibrl | peer | ratio | better | target |", "|---|---|---|---|---|---|"]
-    for name, ours, peer, better, target in rows:
-        ratio = ours / peer if peer else float("nan")
+    for name, ours, peer, ratio, better, target in rows:
         fmt = ",.0f" if min(ours, peer) >= 100 else ".2f"
         lines.append(f"| {name} | {ours:{fmt}} | {peer:{fmt}} | {ratio:.2f}x | {better} | "
                      f"{target} |")
     return "\n".join(lines)
 
 
-def measure_round(s: float) -> dict:
-    """One round of every steps/s measurement (rounds interleave ours and the peers', so
-    a burst of load from elsewhere on the machine hits both)."""
+def contenders() -> dict:
+    """Every vector env of the run, started once and kept for all rounds."""
     burn = [BurnCPU] * 8
     return {
-        "r8": vector_rate(RemoteVectorEnv("CartPole-v1", 8, envs_per_worker=1), s),
-        "bare8": bare_rate(8, 1, s),
+        "r8": Vector(RemoteVectorEnv("CartPole-v1", 8, envs_per_worker=1)),
+        "bare8": Bare(8, 1),
         # spawn: a child forked after nng started aborts in nng ("not fork-reentrant safe")
-        "async8": vector_rate(gymnasium.vector.AsyncVectorEnv([cartpole] * 8,
-                                                              context="spawn"), s),
-        "sync8": vector_rate(gymnasium.vector.SyncVectorEnv([cartpole] * 8), s),
-        "r64": vector_rate(RemoteVectorEnv("CartPole-v1", 64, envs_per_worker=32), s),
-        "sync64": vector_rate(gymnasium.vector.SyncVectorEnv([cartpole] * 64), s),
-        "bare64": bare_rate(2, 32, s),
-        "rburn": vector_rate(RemoteVectorEnv(burn, envs_per_worker=4), s),
-        "sburn": vector_rate(gymnasium.vector.SyncVectorEnv(burn), s),
+        "async8": Vector(gymnasium.vector.AsyncVectorEnv([cartpole] * 8, context="spawn")),
+        "sync8": Vector(gymnasium.vector.SyncVectorEnv([cartpole] * 8)),
+        "r64": Vector(RemoteVectorEnv("CartPole-v1", 64, envs_per_worker=32)),
+        "sync64": Vector(gymnasium.vector.SyncVectorEnv([cartpole] * 64)),
+        "bare64": Bare(2, 32),
+        "rburn": Vector(RemoteVectorEnv(burn, envs_per_worker=4)),
+        "sburn": Vector(gymnasium.vector.SyncVectorEnv(burn)),
     }
+
+
+def measure(rounds: int, seconds: float) -> list:
+    """Steps/s of every contender, ``rounds`` times. A round measures each one for
+    ``seconds`` in turn (every other round in reverse order), so a burst of load from
+    elsewhere on the machine hits a pair's two members alike; ratios are taken per round."""
+    envs = contenders()
+    try:
+        names = list(envs)
+        results = []
+        for r in range(rounds):
+            order = names if r % 2 == 0 else names[::-1]
+            results.append({n: rate(envs[n].step, envs[n].num_envs, seconds) for n in order})
+        return results
+    finally:
+        for env in envs.values():
+            env.close()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seconds", type=float, default=2.0, help="per measurement")
-    parser.add_argument("--rounds", type=int, default=3, help="medians over this many")
+    parser.add_argument("--seconds", type=float, default=1.0, help="per measurement")
+    parser.add_argument("--rounds", type=int, default=7, help="medians over this many")
     parser.add_argument("--demo-steps", type=int, default=5000)
+    parser.add_argument("--demo-runs", type=int, default=3, help="runs of each demo")
     args = parser.parse_args()
-    rounds = [measure_round(args.seconds) for _ in range(args.rounds)]
+    rounds = measure(args.rounds, args.seconds)
     m = {key: float(np.median([r[key] for r in rounds])) for key in rounds[0]}
-    rows = [
-        ("8 workers x 1 env vs bare pynng loop, steps/s", m["r8"], m["bare8"], "higher",
-         ">= 0.9x"),
-        ("8 workers x 1 env vs AsyncVectorEnv(8), steps/s", m["r8"], m["async8"], "higher", ""),
-        ("bare pynng loop 8x1 vs AsyncVectorEnv(8), steps/s", m["bare8"], m["async8"],
-         "higher", ""),
-        ("8 workers x 1 env vs SyncVectorEnv(8), steps/s", m["r8"], m["sync8"], "higher", ""),
-        ("2 workers x 32 envs vs SyncVectorEnv(64), steps/s", m["r64"], m["sync64"], "higher",
-         ">= 1.0x"),
-        ("2 workers x 32 envs vs bare pynng loop 2x32, steps/s", m["r64"], m["bare64"],
-         "higher", ""),
-        ("1 ms env, 2 workers x 4 envs vs SyncVectorEnv(8), steps/s", m["rburn"], m["sburn"],
-         "higher", ">= 1.8x"),
+    pairs = [
+        ("8 workers x 1 env vs bare pynng loop, steps/s", "r8", "bare8", ">= 0.9x"),
+        ("8 workers x 1 env vs AsyncVectorEnv(8), steps/s", "r8", "async8", ""),
+        ("bare pynng loop 8x1 vs AsyncVectorEnv(8), steps/s", "bare8", "async8", ""),
+        ("8 workers x 1 env vs SyncVectorEnv(8), steps/s", "r8", "sync8", ""),
+        ("2 workers x 32 envs vs SyncVectorEnv(64), steps/s", "r64", "sync64", ">= 1.0x"),
+        ("2 workers x 32 envs vs bare pynng loop 2x32, steps/s", "r64", "bare64", ""),
+        ("1 ms env, 2 workers x 4 envs vs SyncVectorEnv(8), steps/s", "rburn", "sburn",
+         ">= 1.8x"),
     ]
-    ours = demo("fibrl", sys.executable, args.demo_steps)
+    rows = [(name, m[a], m[b], float(np.median([r[a] / r[b] for r in rounds])), "higher",
+             target) for name, a, b, target in pairs]
     note = ""
     if FIBER_PYTHON.exists():
-        theirs = demo("fiber", str(FIBER_PYTHON), args.demo_steps)
-        rows.append((f"Fiber's AsyncManager demo, async, {args.demo_steps} steps (s)",
-                     ours["async_s"], theirs["async_s"], "lower", "<= 0.5x"))
-        rows.append((f"Fiber's AsyncManager demo, sync, {args.demo_steps} steps (s)",
-                     ours["sync_s"], theirs["sync_s"], "lower", ""))
+        ours, theirs = [], []
+        for _ in range(args.demo_runs):  # alternating, so load bursts hit both alike
+            ours.append(demo("fibrl", sys.executable, args.demo_steps))
+            theirs.append(demo("fiber", str(FIBER_PYTHON), args.demo_steps))
+        for mode, target in (("async", "<= 0.5x"), ("sync", "")):
+            key = f"{mode}_s"
+            rows.append((f"Fiber's AsyncManager demo, {mode}, {args.demo_steps} steps (s)",
+                         float(np.median([o[key] for o in ours])),
+                         float(np.median([t[key] for t in theirs])),
+                         float(np.median([o[key] / t[key] for o, t in zip(ours, theirs)])),
+                         "lower", target))
     else:
+        ours1 = demo("fibrl", sys.executable, args.demo_steps)
         note = (f"Fiber not measured: no venv at {FIBER_PYTHON} (benchmarks/install_fiber.sh); "
-                f"fibrl's demo: sync {ours['sync_s']:.2f} s, async {ours['async_s']:.2f} s")
-    print(f"medians of {args.rounds} rounds of {args.seconds:g} s each")
+                f"fibrl's demo: sync {ours1['sync_s']:.2f} s, async {ours1['async_s']:.2f} s")
+    print(f"medians of {args.rounds} rounds of {args.seconds:g} s each (ratio: median of the "
+          f"rounds' ratios); demos: medians of {args.demo_runs} alternating runs")
     print(table(rows))
     if note:
         print(note)

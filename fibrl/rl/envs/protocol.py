@@ -1,9 +1,22 @@
 """Messages between a :class:`RemoteVectorEnv` and its workers, and batch helpers.
 
 One request per worker per step carries the actions of all the envs it steps;
-one reply per half carries their results as numpy arrays (pickled with
-protocol 5, so arrays travel as raw buffers, out of band when large). Infos
-travel as one list of per-env dicts, ``None`` for an empty one.
+one reply per half carries their results as numpy arrays. Infos travel as one
+list of per-env dicts, ``None`` for an empty one.
+
+:func:`encode` and :func:`decode` turn messages into frames. The per-step
+messages (a ``Step`` whose actions are one numpy array, a ``Result`` of a step
+whose observations are one numpy array) use a compact binary layout: a fixed
+header, the slots, then the arrays' raw bytes (a large observation batch is
+sent as its own part, not copied into a joined frame); only non-empty infos
+and restarts are pickled. Everything else is a fibrl frame
+(:mod:`fibrl.serialization`: pickle protocol 5, large buffers out of band)::
+
+    Step:   b"FS" | seq:u64 | nslots:u32 | slots:u32[nslots] | actions (array)
+    Result: b"FR" | worker:u32 | gen:u32 | seq:u64 | nslots:u32 | slots:u32[nslots]
+            | obs (array) | rewards:f64[n] | terminated:b1[n] | truncated:b1[n]
+            | len(tail):u32 | tail (a fibrl frame of (infos, restarts), when not empty)
+    array:  len(dtype):u8 | dtype.str | ndim:u8 | shape:u32[ndim] | raw bytes (C order)
 
 The row helpers work on batches of any gymnasium space whose batch is a
 numpy array or a dict/tuple of them (Box, Discrete, MultiDiscrete,
@@ -12,20 +25,25 @@ MultiBinary, Dict, Tuple).
 from __future__ import annotations
 
 import dataclasses
+import struct
 from typing import Any, Optional
 
 import numpy as np
 
+from ... import serialization
+
 __all__ = ["Hello", "Step", "Reset", "Call", "Close", "Result", "Called", "Broken", "Died",
-           "rows", "row", "write_rows", "stack"]
+           "rows", "row", "write_rows", "stack", "encode", "decode"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Hello:
-    """A worker's first frame: which worker (and incarnation) this connection is."""
+    """A worker's first frame: which worker (and incarnation) this connection is, and the
+    address of its own listener when it offers a direct connection (else ``""``)."""
 
     worker: int
     gen: int
+    address: str = ""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -160,3 +178,100 @@ def stack(items: list) -> Any:
     if isinstance(first, tuple):
         return tuple(stack([it[j] for it in items]) for j in range(len(first)))
     return np.stack([np.asarray(it) for it in items])
+
+
+# -- frames -------------------------------------------------------------------------------
+_STEP = struct.Struct("<2sQI")
+_RESULT = struct.Struct("<2sIIQI")
+_U32 = struct.Struct("<I")
+_STEP_TAG, _RESULT_TAG = b"FS", b"FR"
+_JOIN_MAX = 64 * 1024   # larger observation batches travel as their own part
+
+
+def _plain(a: Any) -> bool:
+    """An array the compact layout can carry: numeric numpy, not object or structured."""
+    return type(a) is np.ndarray and a.dtype.kind in "biufc" and a.ndim < 256
+
+
+_heads: dict = {}    # (dtype, shape) -> array header; a few entries per vector env
+_dtypes: dict = {}   # dtype.str -> dtype
+
+
+def _array_head(a: np.ndarray) -> bytes:
+    key = (a.dtype, a.shape)
+    head = _heads.get(key)
+    if head is None:
+        code = a.dtype.str.encode()
+        head = (bytes((len(code),)) + code + bytes((a.ndim,))
+                + struct.pack(f"<{a.ndim}I", *a.shape))
+        if len(_heads) < 1024:
+            _heads[key] = head
+    return head
+
+
+def _read_array(view: memoryview, offset: int) -> tuple:
+    n = view[offset]
+    code = bytes(view[offset + 1:offset + 1 + n])
+    dtype = _dtypes.get(code)
+    if dtype is None:
+        dtype = _dtypes[code] = np.dtype(code.decode())
+    offset += 1 + n
+    ndim = view[offset]
+    shape = struct.unpack_from(f"<{ndim}I", view, offset + 1)
+    offset += 1 + 4 * ndim
+    count = 1
+    for d in shape:
+        count *= d
+    a = np.frombuffer(view, dtype, count, offset).reshape(shape)
+    return a, offset + count * dtype.itemsize
+
+
+def encode(msg: Any) -> Any:
+    """The frame of ``msg``: ``bytes``, or a list of parts (see the module docstring)."""
+    if type(msg) is Step and _plain(msg.actions):
+        acts = np.ascontiguousarray(msg.actions)
+        return b"".join((_STEP.pack(_STEP_TAG, msg.seq, len(msg.slots)),
+                         struct.pack(f"<{len(msg.slots)}I", *msg.slots),
+                         _array_head(acts), acts.tobytes()))
+    if type(msg) is Result and msg.rewards is not None and _plain(msg.obs):
+        n = len(msg.slots)
+        obs = np.ascontiguousarray(msg.obs)
+        tail = b""
+        if msg.restarts or any(msg.infos):
+            tail = serialization.dumps((msg.infos, msg.restarts))
+        head = b"".join((_RESULT.pack(_RESULT_TAG, msg.worker, msg.gen, msg.seq, n),
+                         struct.pack(f"<{n}I", *msg.slots), _array_head(obs)))
+        stats = b"".join((np.asarray(msg.rewards, np.float64).tobytes(),
+                          np.asarray(msg.terminated, np.bool_).tobytes(),
+                          np.asarray(msg.truncated, np.bool_).tobytes(),
+                          _U32.pack(len(tail)), tail))
+        if obs.nbytes <= _JOIN_MAX:
+            return b"".join((head, obs.tobytes(), stats))
+        return [head, memoryview(obs).cast("B"), stats]
+    return serialization.dumps(msg)
+
+
+def decode(frame: Any) -> Any:
+    """The message of a frame made by :func:`encode` (arrays are views of the frame)."""
+    view = memoryview(frame)
+    tag = bytes(view[:2])
+    if tag == _STEP_TAG:
+        _, seq, n = _STEP.unpack_from(view)
+        slots = struct.unpack_from(f"<{n}I", view, _STEP.size)
+        actions, _ = _read_array(view, _STEP.size + 4 * n)
+        return Step(seq, slots, actions.copy())  # writable, as a pickled array would be
+    if tag == _RESULT_TAG:
+        _, worker, gen, seq, n = _RESULT.unpack_from(view)
+        slots = struct.unpack_from(f"<{n}I", view, _RESULT.size)
+        obs, at = _read_array(view, _RESULT.size + 4 * n)
+        rewards = np.frombuffer(view, np.float64, n, at)
+        terminated = np.frombuffer(view, np.bool_, n, at + 8 * n)
+        truncated = np.frombuffer(view, np.bool_, n, at + 9 * n)
+        at += 10 * n
+        size = _U32.unpack_from(view, at)[0]
+        infos, restarts = [None] * n, ()
+        if size:
+            infos, restarts = serialization.loads(view[at + 4:at + 4 + size])
+        return Result(worker, gen, seq, slots, obs, rewards, terminated, truncated, infos,
+                      restarts)
+    return serialization.loads(frame)

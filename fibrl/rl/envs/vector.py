@@ -6,8 +6,8 @@ worker to replace, the restart budget, the per-env step deadline). The loop
 inside each worker is :mod:`.worker`; the message types are :mod:`.protocol`.
 It uses only fibrl's public API: ``Process`` and its sentinel,
 ``fibrl.connection.wait``, the authenticated channels of ``fibrl.transport``
-and the frames of ``fibrl.serialization`` (a pickle 5 stream, large buffers
-out of band)::
+and the frames of ``fibrl.serialization`` (per-step messages use the compact
+frames of :mod:`.protocol`)::
 
     this process                                          workers (any backend)
     send(actions, ids) -- one Step frame per worker ---->  worker 0: envs 0..k-1
@@ -18,6 +18,13 @@ out of band)::
 A worker dials the vector env's listener (as fibrl workers dial their
 parent), so the same layout works on every backend. One request and one
 reply per half-step is the floor a Pipe or a manager call would double.
+
+On the local backend each worker also listens, and this process dials it
+back: ``step``/``reset`` requests go on that direct connection and their
+replies are received on the calling thread, worker after worker, with no
+reader thread and no queue in between (the hand-off between threads cost
+more than the message itself). ``send``/``recv`` and ``call`` keep the
+listener path, which returns whichever worker finishes first.
 
 A dead worker (killed, OOM, container or pod gone, or past its step deadline)
 is replaced: its envs are recreated and reset with their restart seeds, the
@@ -43,18 +50,20 @@ from gymnasium.error import AlreadyPendingCallError, ClosedEnvironmentError, NoA
 from gymnasium.vector import AutoresetMode, VectorEnv
 from gymnasium.vector.utils import batch_space, create_empty_array
 
-from ... import get_context, serialization
+from ... import get_context
 from ...connection import wait
-from ...errors import ChannelClosed, describe_exitcode
-from ...transport import Listener
+from ...errors import ChannelClosed, TransportError, describe_exitcode
+from ...transport import Channel, Listener
 from .manager import make_gym_env
-from .protocol import (Broken, Call, Called, Close, Died, Hello, Reset, Result, Step, rows,
-                       write_rows)
+from .protocol import (Broken, Call, Called, Close, Died, Hello, Reset, Result, Step, decode,
+                       encode, rows, write_rows)
 from .worker import serve
 
 __all__ = ["RemoteVectorEnv", "EnvCrashError", "AsyncState"]
 
 log = logging.getLogger(__name__)
+
+_SLICE = 0.25  # seconds a direct receive waits before looking at deaths and Hellos
 
 
 class EnvCrashError(RuntimeError):
@@ -94,6 +103,8 @@ class _WorkerSlot:
         self.gen = -1
         self.proc: Any = None
         self.peer: Any = None        # its transport peer, once it said Hello
+        self.chan: Any = None        # the direct Channel to its own listener (local backend)
+        self.direct = False          # open requests were sent on ``chan``
         self.open: list = []         # requests sent and not fully answered: (msg, sent_at)
         self.ready = False
         self.killed_for: Optional[str] = None
@@ -146,6 +157,7 @@ class RemoteVectorEnv(VectorEnv):
         self._backend, self._step_timeout = backend, step_timeout
         self._max_restarts, self._window = max_restarts, restart_window
         self._split, self._start_timeout = (split if split >= 2 else 0), start_timeout
+        self._direct = (backend or get_context().config.backend) == "local"
         self._root = int(seed if seed is not None else np.random.SeedSequence().entropy % 2**63)
         self._restart_counts = [0] * self.num_envs
         self._restart_times: collections.deque = collections.deque()
@@ -209,13 +221,16 @@ class RemoteVectorEnv(VectorEnv):
             backend=self._backend,
             args=(worker.index, gen, fns, worker.env_ids, counts,
                   _MODES[self.autoreset_mode], self._root, self._split,
-                  self._listener.address))
+                  self._listener.address, self._direct))
         proc.start()
         # Generation and process change together: the watcher must never pair the new
         # generation with the old (killed) process, or that death would count against
         # the new worker.
+        if worker.chan is not None:
+            worker.chan.close()
         with self._lock:
             worker.peer, worker.ready, worker.killed_for = None, False, None
+            worker.chan, worker.direct = None, False
             worker.gen, worker.proc = gen, proc
         os.write(self._wake_w, b"x")
 
@@ -247,6 +262,10 @@ class RemoteVectorEnv(VectorEnv):
     def _pump(self, deadline: Optional[float], what: str) -> None:
         """Handle one reply; raise ``multiprocessing.TimeoutError`` past ``deadline``."""
         self._check_alive()
+        for worker in self._workers:
+            if worker.direct and worker.chan is not None:
+                self._pump_direct(worker, deadline, what)
+                return
         hang = self._hang_deadline()
         limits = [d for d in (deadline, hang) if d is not None]
         until = min(limits) if limits else None
@@ -260,15 +279,77 @@ class RemoteVectorEnv(VectorEnv):
             raise MpTimeoutError(f"RemoteVectorEnv: timed out waiting for {what}; the "
                                  "envs are still running (call the wait method again), "
                                  "or raise the timeout") from None
+        self._dispatch(item)
+
+    def _pump_direct(self, worker: _WorkerSlot, deadline: Optional[float], what: str) -> None:
+        """Receive ``worker``'s next reply on its direct connection, on this thread; between
+        slices of waiting, handle what the listener and the watcher posted (deaths,
+        replacements' Hellos)."""
+        try:
+            item = self._inbox.get_nowait()
+        except queue.Empty:
+            pass
+        else:
+            self._dispatch(item)
+            return
+        hang = self._hang_deadline()
+        limits = [d for d in (deadline, hang) if d is not None]
+        left = _SLICE if not limits else min(_SLICE, min(limits) - time.monotonic())
+        try:
+            if left <= 0:
+                raise TimeoutError
+            frame = worker.chan.recv(left)
+        except TimeoutError:
+            now = time.monotonic()
+            if hang is not None and now >= hang:
+                self._drain_direct()  # replies already there must not count as hung
+                self._kill_hung()
+            elif deadline is not None and now >= deadline:
+                raise MpTimeoutError(f"RemoteVectorEnv: timed out waiting for {what}; the "
+                                     "envs are still running (call the wait method again), "
+                                     "or raise the timeout") from None
+            return
+        except ChannelClosed:
+            worker.chan = None  # the worker is gone: its Died message replaces it
+            return
+        self._handle(decode(frame))
+
+    def _drain_direct(self) -> None:
+        """Handle every reply already waiting on the direct connections."""
+        for worker in self._workers:
+            while worker.direct and worker.chan is not None:
+                try:
+                    frame = worker.chan.recv(0.001)
+                except TimeoutError:
+                    break
+                except ChannelClosed:
+                    worker.chan = None
+                    break
+                self._handle(decode(frame))
+
+    def _dispatch(self, item: Any) -> None:
+        """Handle an item of the inbox: a frame from the listener, or a Died message."""
         if isinstance(item, tuple):
             peer, frame = item
-            item = serialization.loads(frame)
+            item = decode(frame)
             if isinstance(item, Hello):
                 worker = self._workers[item.worker]
                 if item.gen == worker.gen:
                     worker.peer = peer
+                    if item.address:
+                        self._dial(worker, item.address)
                 return
         self._handle(item)
+
+    def _dial(self, worker: _WorkerSlot, address: str) -> None:
+        """Open the direct connection to ``worker``'s listener (the listener path stays
+        in use if that fails)."""
+        try:
+            worker.chan = Channel.connect(address, bytes(current_process().authkey),
+                                          min(30.0, self._start_timeout))
+        except (TransportError, OSError) as exc:
+            log.warning("RemoteVectorEnv: no direct connection to worker %d (%s); its "
+                        "replies go through the listener", worker.index, exc)
 
     def _handle(self, msg: Any) -> None:
         worker = self._workers[msg.worker]
@@ -296,8 +377,12 @@ class RemoteVectorEnv(VectorEnv):
         self._chunks.append((env_ids, msg))
         for req, sent in worker.open:
             if req.seq == msg.seq:
-                left = tuple(s for s in req.slots if s not in msg.slots)
                 worker.open.remove((req, sent))
+                if len(msg.slots) == len(req.slots):
+                    worker.direct = worker.direct and bool(worker.open)
+                    break  # the whole request answered (the common case)
+                done = set(msg.slots)
+                left = tuple(s for s in req.slots if s not in done)
                 if left:
                     worker.open.append((_narrow(req, left), sent))
                 break
@@ -308,6 +393,7 @@ class RemoteVectorEnv(VectorEnv):
             self._called.setdefault((0, 0), msg.values)
             return
         worker.open = [(r, t) for r, t in worker.open if r.seq != msg.seq]
+        worker.direct = worker.direct and bool(worker.open)
         self._called[(msg.seq, worker.index)] = msg
 
     def _charge(self, env_id: int, why: str, env_ids: Sequence[int] = ()) -> None:
@@ -341,8 +427,9 @@ class RemoteVectorEnv(VectorEnv):
         deadline = time.monotonic() + self._start_timeout
         while not worker.ready:
             self._pump(deadline, f"worker {worker.index} to restart")
+        direct = self._state in (AsyncState.WAITING_STEP, AsyncState.WAITING_RESET)
         for msg, _ in held:
-            self._post(worker, msg)
+            self._post(worker, msg, direct and not isinstance(msg, Call))
 
     def _hang_deadline(self) -> Optional[float]:
         if self._step_timeout is None:
@@ -359,18 +446,24 @@ class RemoteVectorEnv(VectorEnv):
                 worker.open = [(m, float("inf")) for m, _ in worker.open]
                 worker.proc.kill()
 
-    def _post(self, worker: _WorkerSlot, msg: Any) -> None:
-        self._post_all([(worker, msg)])
+    def _post(self, worker: _WorkerSlot, msg: Any, direct: bool = False) -> None:
+        self._post_all([(worker, msg)], direct)
 
-    def _post_all(self, posts: list) -> None:
-        # pickle every request first, then send them back to back: the first workers'
-        # replies (and the reader threads they wake) then do not slow the later sends
-        frames = [serialization.dumps(msg) for _, msg in posts]
+    def _post_all(self, posts: list, direct: bool = False) -> None:
+        """Send requests; ``direct``: on the workers' direct connections where they have one
+        (full-batch steps and resets, whose replies are received in worker order)."""
+        # encode every request first, then send them back to back: the first workers'
+        # replies then do not slow the later sends
+        frames = [encode(msg) for _, msg in posts]
         now = time.monotonic()
         for (worker, msg), frame in zip(posts, frames):
             worker.open.append((msg, now))
             try:
-                worker.peer.send(frame)
+                if direct and worker.chan is not None:
+                    worker.direct = True
+                    worker.chan.send(frame)
+                else:
+                    worker.peer.send(frame)
             except ChannelClosed:
                 pass  # the worker died: its sentinel brings the Died message that replaces it
 
@@ -403,7 +496,7 @@ class RemoteVectorEnv(VectorEnv):
                 acts = rows(actions, np.array([k for _, k in pairs]))
                 posts.append((self._workers[w], Step(self._next_seq(), slots, acts)))
             self._pending.update(env_ids.tolist())
-        self._post_all(posts)
+        self._post_all(posts, direct=env_ids is None)
 
     def _collect(self, num: int, deadline: Optional[float], what: str) -> list:
         """The first ``num`` finished envs, as a list of (env_ids, Result) pieces."""
@@ -473,7 +566,7 @@ class RemoteVectorEnv(VectorEnv):
             if slots:
                 self._post(worker, Reset(self._next_seq(), slots,
                                          tuple(seeds[worker.env_ids[j]] for j in slots),
-                                         options))
+                                         options), direct=True)
         self._pending.update(ids.tolist())
         self._reset_ids = ids
         self._state = AsyncState.WAITING_RESET
@@ -607,11 +700,13 @@ class RemoteVectorEnv(VectorEnv):
         for worker in self._workers:
             if worker.peer is not None:
                 try:
-                    worker.peer.send(serialization.dumps(Close()))
+                    worker.peer.send(encode(Close()))
                 except ChannelClosed:
                     pass  # the worker is gone already
         deadline = time.monotonic() + grace
         for worker in self._workers:
+            if worker.chan is not None:
+                worker.chan.close()
             proc = worker.proc
             if proc is None:
                 continue

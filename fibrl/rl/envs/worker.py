@@ -9,6 +9,18 @@ to the vector env's listener (the run's secret is its process authkey), says
                                                     step envs of half 2 -> Result --+
     reader thread -> queue <-------------------------------------------------------+
 
+With ``direct`` (the local backend), the worker also listens itself and names
+its address in ``Hello``; the vector env dials it, sends its full-batch
+requests there and receives their replies on its own thread (no reader
+thread, no hand-off in the vector env's process)::
+
+    vector env                             worker w
+    Channel.send(Step) ------------------> its listener's reader thread: step envs
+    Channel.recv() <---------------------- Result (on the connection the request came on)
+
+A request is answered on the connection it came on, so the partial-batch
+requests (``send``/``recv``) and ``call`` keep using the first one.
+
 With ``split`` on, a request for many envs is answered in two halves: the
 first half travels (and the vector env can hand it to ``recv``) while the
 second half is stepped.
@@ -27,9 +39,10 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ... import serialization
-from ...transport import Channel
-from .protocol import Broken, Call, Called, Hello, Reset, Result, Step, row, stack
+from ... import get_context
+from ...transport import Channel, Listener, Peer
+from .protocol import (Broken, Call, Called, Hello, Reset, Result, Step, decode, encode, row,
+                       stack)
 
 __all__ = ["serve", "restart_seed"]
 
@@ -113,7 +126,10 @@ class Worker:
         return True
 
     # -- requests -----------------------------------------------------------------------
-    def handle(self, msg: Any) -> bool:
+    def handle(self, msg: Any, outbox: Any = None) -> bool:
+        """Answer ``msg`` (on ``outbox``, by default the worker's); False: stop serving."""
+        if outbox is not None:
+            self.outbox = outbox
         if isinstance(msg, Step):
             return self._step(msg)
         if isinstance(msg, Reset):
@@ -210,34 +226,59 @@ class Worker:
 
 
 class _Outbox:
-    """Sends messages as fibrl frames (protocol 5, large arrays out of band)."""
+    """Sends messages as frames of :func:`.protocol.encode` (compact per-step frames) on a
+    ``Channel`` or a listener's ``Peer``."""
 
-    def __init__(self, channel: Channel) -> None:
+    def __init__(self, channel: Any) -> None:
         self.channel = channel
 
     def send(self, msg: Any) -> None:
-        self.channel.send(serialization.dumps(msg))
+        self.channel.send(encode(msg))
 
 
 def serve(index: int, gen: int, fns: list, env_ids: list, restarts: list, mode: str,
-          root_seed: int, split: int, address: str) -> None:
+          root_seed: int, split: int, address: str, direct: bool = False) -> None:
     """Entry point of a worker process: start the envs, then answer requests until Close."""
     import multiprocessing
 
-    channel = Channel.connect(address, bytes(multiprocessing.current_process().authkey))
+    authkey = bytes(multiprocessing.current_process().authkey)
+    channel = Channel.connect(address, authkey)
     outbox = _Outbox(channel)
-    outbox.send(Hello(index, gen))
+    failed: list = []
+    stop = []
+
+    def on_direct(peer: Peer, data: Any) -> None:
+        # the vector env's direct connection: answered here, in its reader thread
+        if stop:
+            return
+        try:
+            if not worker.handle(decode(data), _Outbox(peer)):
+                stop.append(True)
+                channel.close()  # wakes the main thread, which then exits
+        except BaseException as exc:  # the process must end, as in the main thread
+            failed.append(exc)
+            stop.append(True)
+            channel.close()
+
+    listener = None
+    if direct:
+        listener = Listener(get_context().config.listen_host, authkey, on_frame=on_direct)
     worker = Worker(index, gen, fns, env_ids, restarts, mode, root_seed, split, outbox)
+    outbox.send(Hello(index, gen, listener.address if listener is not None else ""))
     try:
         if not worker.start():
             return
         while True:
             try:
-                msg = serialization.loads(channel.recv())
-            except EOFError:  # ChannelClosed: the vector env is gone
-                return
-            if not worker.handle(msg):
-                return
+                msg = decode(channel.recv())
+            except EOFError:  # ChannelClosed: the vector env is gone (or a direct Close)
+                break
+            if not worker.handle(msg, outbox):
+                break
+        if failed:
+            raise failed[0]
     finally:
+        if listener is not None:
+            listener.close()
         worker.close()
         channel.close()
