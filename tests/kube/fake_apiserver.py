@@ -113,6 +113,7 @@ class FakeApiServer:
             if self._stopped or not self._started:
                 return
             self._stopped = True
+        self._http.router.stalls.clear()
         self._http.stop()
         self.store.close()
         self._manager.stop()
@@ -221,8 +222,15 @@ class FakeApiServer:
         """Answer the next ``count`` matching requests with ``code`` (429, 500, 503, 504)."""
         self.policy.add_fault(Fault(code, count, verb, resource, retry_after))
 
+    def stall_log_streams(self, count: int = 1, after_lines: int = 1) -> None:
+        """The next ``count`` followed log streams send ``after_lines`` lines, then nothing more,
+        and stay open (a stream dropped silently on the way); :meth:`reset_hooks` ends them."""
+        self._http.router.stalls.add(count, after_lines)
+
     def reset_hooks(self) -> None:
-        """Clear forbidden rules, injected faults, failing images and the scheduling predicate."""
+        """Clear forbidden rules, injected faults, failing images, the scheduling predicate
+        and stalled log streams."""
+        self._http.router.stalls.clear()
         self.policy.clear()
         self.allow_image_pulls()
         self.set_unschedulable(None)

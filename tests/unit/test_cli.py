@@ -221,6 +221,40 @@ def test_run_reports_an_unschedulable_pod_with_the_schedulers_reason(launcher, k
     assert "kubernetes_pending_timeout=1.5" in text and f"fibrl stop {run}" in text
 
 
+@pytest.mark.kubernetes
+def test_run_follow_resumes_a_log_stream_that_went_silent(launcher, kube_cluster, monkeypatch):
+    from fibrl.launch import kubernetes as kube_launch
+
+    launcher, runs = launcher
+    monkeypatch.setattr(kube_launch, "_FOLLOW_READ_TIMEOUT", 1.0)
+    # the first stream sends two lines, then nothing, and is never closed
+    kube_cluster.fake.stall_log_streams(count=1, after_lines=2)
+    script = "import time\nfor i in range(8):\n    print('line', i, flush=True)\n    time.sleep(0.3)\n"
+    run = _launch(launcher, runs, kube_cluster.image, ("python", "-c", script))
+    out, ended = io.BytesIO(), []
+    follow = threading.Thread(target=lambda: ended.append(launcher.wait(run, True, out)),
+                              daemon=True)
+    follow.start()
+    follow.join(60)
+    assert not follow.is_alive(), f"--follow hung on a silent stream; it wrote {out.getvalue()!r}"
+    assert ended[0].status == 0
+    # every line once, in order, though the resumed stream repeats the lines of the second
+    # it resumes from (sinceTime has whole seconds)
+    assert out.getvalue().decode().splitlines() == [f"line {i}" for i in range(8)]
+    streams = [r for r in kube_cluster.fake.requests if r.path.endswith(f"/log")]
+    assert len(streams) >= 2
+
+
+@pytest.mark.kubernetes
+def test_logs_follow_writes_a_last_line_without_newline(launcher, kube_cluster):
+    launcher, runs = launcher
+    run = _launch(launcher, runs, kube_cluster.image,
+                  ("python", "-c", "import sys; print('first'); sys.stdout.write('last')"))
+    out = io.BytesIO()
+    assert launcher.wait(run, True, out).status == 0
+    assert out.getvalue() == b"first\nlast"
+
+
 # --------------------------------------------------------------------------- docker
 
 @pytest.mark.docker
