@@ -394,6 +394,19 @@ class KubernetesBackend(Backend):
         except KubeApiError as exc:
             return f"<logs of pod {self.namespace}/{name} unavailable: {exc}>"
 
+    def pod_events(self, name: str) -> list:
+        """The events of pod ``name`` ([] when they cannot be read: without ``list events``
+        a pending pod's deadline only ends sooner)."""
+        try:
+            listing = self.api.call(
+                "list", "events", self.api.core.list_namespaced_event, self.namespace,
+                namespace=self.namespace, retry_for=5,
+                field_selector=f"involvedObject.kind=Pod,involvedObject.name={name}")
+        except KubeApiError as exc:
+            log.debug("cannot read the events of pod %s/%s: %s", self.namespace, name, exc)
+            return []
+        return listing.get("items") or []
+
     def close_at_exit(self) -> None:
         self.close()
 

@@ -32,7 +32,8 @@ from collections import Counter
 from typing import Any, BinaryIO, Callable, Optional
 
 from ..backends.kube.api import Api, KubeApiError, admission_denial, api_error, connect
-from ..backends.kube.job import ended_code, fatal_waiting, pod_failure, stuck_pending
+from ..backends.kube.job import (autoscaler_refusal, ended_code, fatal_waiting, pod_failure,
+                                 progress_marks, stuck_pending)
 from ..backends.kube.manifests import LAUNCHER_CONTAINER, launcher_job
 from ..backends.kube.settings import (LABEL_BACKEND, LABEL_ROLE, LABEL_RUN, KubeSettings,
                                       PodIdentity)
@@ -115,7 +116,9 @@ class KubernetesLauncher(Launcher):
             until.check()
             deadline = until.deadline()
             if deadline is not None and time.monotonic() > deadline:
-                raise until.expired()
+                if not until.progressed():
+                    raise until.expired()
+                deadline = until.deadline()
             found = self._watch(selector, until, listing["metadata"].get("resourceVersion", ""),
                                 deadline)
             if found is not None:
@@ -165,6 +168,17 @@ class KubernetesLauncher(Launcher):
                 f"the run's parent pod {obj['metadata']['name']} was deleted before it finished "
                 f"(fibrl stop, kubectl delete, or the cluster).")
         return decide(obj) if event.get("type") in ("ADDED", "MODIFIED", "DELETED") else None
+
+    def pod_events(self, pod: str) -> list:
+        """The events of ``pod`` ([] when they cannot be read)."""
+        try:
+            return self.api.call(
+                "list", "events", self.api.core.list_namespaced_event, self.namespace,
+                namespace=self.namespace,
+                field_selector=f"involvedObject.kind=Pod,involvedObject.name={pod}"
+            ).get("items") or []
+        except KubeApiError:
+            return []
 
     def refusal(self, run_id: str) -> Optional[BackendError]:
         """Why the Job's controller could not create its pod (its FailedCreate events:
@@ -375,6 +389,10 @@ class _Until:
     def expired(self) -> BackendError:
         raise NotImplementedError
 
+    def progressed(self) -> bool:
+        """At the deadline: True (and a new deadline) when the wait is making progress."""
+        return False
+
 
 class _Finishing(_Until):
     """Until the script's pod ends: as long as the script runs."""
@@ -388,7 +406,8 @@ class _Starting(_Until):
 
     ``kubernetes_pending_timeout`` bounds only the states nothing else ends: no pod yet
     (a missing service account, a quota), and a pod stuck Unschedulable, in ErrImagePull
-    or on a container config error. A pod pulling its image or creating its container
+    or on a container config error; a stuck pod whose events show progress at the
+    deadline (TriggeredScaleUp, Scheduled, Pulling, Pulled) gets another timeout. A pod pulling its image or creating its container
     is waited for (a large image takes minutes); ImagePullBackOff ends it at once.
     """
 
@@ -399,6 +418,8 @@ class _Starting(_Until):
         self._pod: Optional[dict] = None
         self._stuck = ""
         self._stuck_since: Optional[float] = None
+        self._events: list = []      # the pod's events at the last deadline
+        self._marks: dict = {}       # their progress_marks()
 
     def __call__(self, pod: dict) -> Optional[dict]:
         self._pod = pod
@@ -431,12 +452,27 @@ class _Starting(_Until):
             return self._stuck_since + self._timeout
         return None
 
+    def progressed(self) -> bool:
+        """A stuck pod whose events show progress since the last reading (the cluster
+        autoscaler adding a node, an image pull) is given another pending timeout."""
+        if self._pod is None or self._stuck_since is None:
+            return False
+        self._events = self._launcher.pod_events(self._pod["metadata"]["name"])
+        marks = progress_marks(self._events)
+        new = any(self._marks.get(name) != mark for name, mark in marks.items())
+        self._marks.update(marks)
+        if new:
+            self._stuck_since = time.monotonic()
+        return new
+
     def expired(self) -> BackendError:
         if self._pod is None:
             return self._launcher.no_pod(self._run_id, self._timeout)
+        refusal = autoscaler_refusal(self._events)
         return BackendError(_cannot_start(
             self._pod, f"{self._stuck} (pending longer than kubernetes_pending_timeout="
-                       f"{self._timeout:g} s)", self._run_id))
+                       f"{self._timeout:g} s with no progress{'; ' + refusal if refusal else ''})",
+            self._run_id))
 
 
 def _main_state(pod: dict) -> dict:

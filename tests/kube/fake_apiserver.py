@@ -64,6 +64,7 @@ from ._api import Api
 from ._controllers import ControllerManager, GarbageCollector, JobController
 from ._http import Fault, HttpServer, Policy, RequestRecord, Router
 from ._kubelet import Kubelet
+from ._meta import PODS
 from ._runtime import DOCKER_LABEL, docker, docker_engine_answers, docker_leaked_containers
 from ._settings import Settings
 from ._store import Store
@@ -221,6 +222,13 @@ class FakeApiServer:
                       resource: str | None = None, retry_after: int | None = 1) -> None:
         """Answer the next ``count`` matching requests with ``code`` (429, 500, 503, 504)."""
         self.policy.add_fault(Fault(code, count, verb, resource, retry_after))
+
+    def record_pod_event(self, namespace: str, name: str, reason: str, message: str,
+                         kind: str = "Normal", component: str = "cluster-autoscaler") -> None:
+        """An Event about pod ``name``, as another component (the cluster autoscaler:
+        ``TriggeredScaleUp`` / ``NotTriggerScaleUp``) would record it."""
+        self.api.record_event(self.api.get(PODS, namespace, name), kind, reason, message,
+                              component)
 
     def stall_log_streams(self, count: int = 1, after_lines: int = 1) -> None:
         """The next ``count`` followed log streams send ``after_lines`` lines, then nothing more,

@@ -22,6 +22,7 @@ from conftest import require_module, wait_until
 
 import fibrl
 from fibrl import backends
+from fibrl.backends.base import JobStatus
 from fibrl.backends.kube.settings import (KubeSettings, PodIdentity, cpu_quantity, label_value,
                                           memory_quantity, pod_name)
 from fibrl.config import Config
@@ -366,7 +367,8 @@ def test_unschedulable_pod_is_reported_not_killed_with_the_default_timeouts(kube
 def test_a_pod_that_never_runs_ends_after_start_plus_pending_timeout(kube_init, fake,
                                                                      kube_settings):
     """A pull that never ends is no Unschedulable pod and reports no error: the start
-    still ends, after start_timeout + kubernetes_pending_timeout, saying what it saw."""
+    still ends, once start_timeout + kubernetes_pending_timeout pass with no new pull event
+    (the pull's one Pulling event bought it one more such period), saying what it saw."""
     fake.pull_images_slowly(kube_settings["image"])
     kube_init(start_timeout=1.0, kubernetes_pending_timeout=1.0)
     begin = time.monotonic()
@@ -374,8 +376,86 @@ def test_a_pod_that_never_runs_ends_after_start_plus_pending_timeout(kube_init, 
     p.join(WAIT)
     reason = p._popen.job.failure_reason()
     assert p.exitcode == 1, reason
-    assert "did not start running within 2 s" in reason, reason
-    assert 1.5 < time.monotonic() - begin < 15
+    assert "did not start running within" in reason, reason
+    assert "kubernetes_pending_timeout = 2 s with no progress since" in reason, reason
+    assert 3.5 < time.monotonic() - begin < 15
+
+
+def _keep_recording(fake, namespace, name, reason, message, until, interval=0.4):
+    """Record ``reason`` about pod ``name`` every ``interval`` s until ``until`` is set."""
+    def loop():
+        while not until.wait(interval):
+            try:
+                fake.record_pod_event(namespace, name, reason, message)
+            except Exception:   # the pod is not there yet, or gone
+                pass
+
+    thread = threading.Thread(target=loop, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_pod_waiting_for_a_new_node_is_waited_for(kube_init, fake, kube_settings):
+    """Unschedulable, but the cluster autoscaler keeps saying it adds a node: the pending
+    timeout starts over on each new TriggeredScaleUp event instead of failing the pod."""
+    namespace = kube_settings["kubernetes_namespace"]
+    fake.set_unschedulable(lambda pod: "0/1 nodes are available: 1 Insufficient cpu."
+                           if pod["spec"]["containers"][0]["name"] == "worker" else None)
+    kube_init(kubernetes_pending_timeout=1.0, start_timeout=1.0)
+    out, go = fibrl.Queue(), fibrl.Queue()
+    p = _started(report_pod_then_wait, out, go)
+    name, done = p._popen.job.name, threading.Event()
+    _keep_recording(fake, namespace, name, "TriggeredScaleUp",
+                    "pod triggered scale-up: [{pool-b 1->2 (max: 5)}]", done)
+    try:
+        time.sleep(4.0)   # four pending timeouts
+        assert p._popen.job.status() is not JobStatus.FAILED, p._popen.job.failure_reason()
+        fake.set_unschedulable(None)    # the new node joined
+        assert out.get(timeout=WAIT)
+    finally:
+        done.set()
+        go.put(1)
+    p.join(WAIT)
+    assert p.exitcode == 0, p._popen.job.failure_reason()
+
+
+def test_a_pod_the_autoscaler_will_not_place_says_why(kube_init, fake, kube_settings):
+    namespace = kube_settings["kubernetes_namespace"]
+    fake.set_unschedulable(lambda pod: "0/1 nodes are available: 1 Insufficient nvidia.com/gpu.")
+    kube_init(kubernetes_pending_timeout=1.0)
+    p = _started(sleep_forever)
+    wait_until(lambda: "Unschedulable" in p._popen.job.logs(), "the scheduler's reason", WAIT)
+    fake.record_pod_event(namespace, p._popen.job.name, "NotTriggerScaleUp",
+                          "pod didn't trigger scale-up: 2 node(s) didn't match Pod's node "
+                          "affinity/selector", kind="Normal")
+    p.join(WAIT)
+    reason = p._popen.job.failure_reason()
+    assert p.exitcode == 1, reason
+    assert "Unschedulable" in reason and "the cluster autoscaler adds no node" in reason
+    assert "didn't trigger scale-up" in reason
+
+
+def test_an_image_pull_in_progress_extends_the_start_limit(kube_init, fake, kube_settings):
+    """A pull that the kubelet reports (Pulling, then Pulled) outlasts start_timeout +
+    kubernetes_pending_timeout; each new pull event restarts that limit."""
+    namespace, image = kube_settings["kubernetes_namespace"], kube_settings["image"]
+    fake.pull_images_slowly(image)
+    kube_init(start_timeout=1.0, kubernetes_pending_timeout=1.0)
+    out, go = fibrl.Queue(), fibrl.Queue()
+    p = _started(report_pod_then_wait, out, go)
+    done = threading.Event()
+    _keep_recording(fake, namespace, p._popen.job.name, "Pulling",
+                    f'Pulling image "{image}"', done)
+    try:
+        time.sleep(5.0)   # more than twice the start limit
+        assert p._popen.job.status() is not JobStatus.FAILED, p._popen.job.failure_reason()
+        fake.allow_image_pulls(image)
+        assert out.get(timeout=WAIT)
+    finally:
+        done.set()
+        go.put(1)
+    p.join(WAIT)
+    assert p.exitcode == 0, p._popen.job.failure_reason()
 
 
 def test_evicted_pod_says_evicted(kube_init, fake, kube_settings):
