@@ -20,6 +20,7 @@ import typing
 from pathlib import Path
 from typing import Any, Mapping
 
+from . import __version__
 from .backends.base import BACKENDS
 from .errors import ConfigError
 
@@ -59,8 +60,9 @@ class Config:
     """Pool: how many times a task is resubmitted after its worker was lost."""
     local_fork_server: bool = True
     """Local backend: fork workers from a pre-imported interpreter (faster starts)."""
-    image: str = "fibrl:latest"
-    """Container image of docker and kubernetes workers."""
+    image: str = f"fibrl:{__version__}"
+    """Container image of docker and kubernetes workers (default: fibrl:<fibrl's version>,
+    a fixed tag, so kubernetes uses the image already on a node instead of pulling it)."""
     cpu: float = 0.0
     """Default CPU limit per container worker (0: none)."""
     memory: str = ""

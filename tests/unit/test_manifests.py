@@ -191,3 +191,15 @@ def test_rbac_documents_binding_the_parent_role_to_a_person():
     text = RBAC.read_text()
     assert "--role=fibrl-parent --user=" in text
     assert "--role=fibrl-launcher --user=" in text
+
+
+def test_the_default_image_has_a_versioned_tag_and_is_not_pulled_again():
+    """``:latest`` would make kubernetes' default pull policy Always: an image loaded into
+    the nodes (kind load) would be pulled again from a registry that lacks it."""
+    import fibrl
+    from fibrl.backends.kube.settings import KubeSettings
+    from fibrl.config import Config
+
+    config = Config()
+    assert config.image == f"fibrl:{fibrl.__version__}" and not config.image.endswith(":latest")
+    assert KubeSettings.from_config(config).image_pull_policy == "IfNotPresent"
