@@ -108,6 +108,9 @@ class Config:
     """``ttlSecondsAfterFinished`` of a ``fibrl run`` Job: the cluster removes it and its pod."""
     kubernetes_allow_loopback: bool = False
     """Allow a parent outside the cluster to listen on a loopback ``listen_host``."""
+    kubernetes_listen_ports: str = ""
+    """Ports a parent with kubernetes workers listens on for them, ``"30000-30099"`` (one
+    free port of the range; empty: any free port), so a NetworkPolicy can admit them."""
     registry: str = ""
     """Registry that ``fibrl run --build`` pushes the image to (empty: no push)."""
 

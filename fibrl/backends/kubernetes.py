@@ -51,7 +51,7 @@ from .kube.creator import Creator
 from .kube.job import LOG_TAIL_LINES, KubernetesJob
 from .kube.manifests import owner_reference, secret_manifest, worker_pod
 from .kube.settings import (CONTAINER, LABEL_BACKEND, LABEL_OWNER, LABEL_PARENT, LABEL_ROLE,
-                            LABEL_RUN, KubeSettings, PodIdentity, pod_name)
+                            LABEL_RUN, KubeSettings, PodIdentity, choose_port, pod_name)
 from .kube.watch import PodWatcher
 
 __all__ = ["KubernetesBackend", "KubernetesJob"]
@@ -122,6 +122,14 @@ class KubernetesBackend(Backend):
 
     def python(self) -> str:
         return "python"
+
+    def listen_ports(self) -> Optional[tuple]:
+        return self.settings.listen_ports
+
+    def listen_port(self, host: str) -> int:
+        """A free port of ``kubernetes_listen_ports`` on ``host`` (0: any port)."""
+        ports = self.settings.listen_ports
+        return choose_port(host, ports) if ports else 0
 
     def _choose_namespace(self) -> str:
         # In a pod, "default" (the config default) means "where the parent runs".
@@ -300,7 +308,9 @@ class KubernetesBackend(Backend):
             raise BackendError(self._bad_images[image])
 
     def _check_address(self, spec: JobSpec) -> None:
-        host = urlsplit(str(spec.command[3]) if len(spec.command) > 3 else "").hostname or ""
+        address = urlsplit(str(spec.command[3]) if len(spec.command) > 3 else "")
+        self._check_port(address.port)
+        host = address.hostname or ""
         if not host.startswith(_LOOPBACK):
             return
         if self.identity.service_account:
@@ -319,6 +329,18 @@ class KubernetesBackend(Backend):
             f"route to{_routable_hint(self.api.host)}, and let workers reach it (firewall, "
             f"NetworkPolicy); or launch the script in the cluster with `fibrl run`. A cluster "
             f"whose pods share this machine's network may set kubernetes_allow_loopback=True.")
+
+    def _check_port(self, port: Optional[int]) -> None:
+        ports = self.settings.listen_ports
+        if ports is None or port is None or ports[0] <= port <= ports[1]:
+            return
+        raise BackendError(
+            f"this process listens for its workers on port {port}, outside "
+            f"kubernetes_listen_ports={ports[0]}-{ports[1]}: a NetworkPolicy that admits only "
+            f"that range would drop the workers' connections. It started listening before its "
+            f"first worker (a Queue, Pipe, Lock or Event created first listens at once). Fix: "
+            f"start a worker before creating those, or leave kubernetes_listen_ports empty and "
+            f"admit every port of this process's address in the NetworkPolicy.")
 
     # -- what the watch reports ------------------------------------------------------------
     def _on_event(self, kind: str, pod: dict) -> None:

@@ -458,6 +458,67 @@ def test_an_image_pull_in_progress_extends_the_start_limit(kube_init, fake, kube
     assert p.exitcode == 0, p._popen.job.failure_reason()
 
 
+def test_listen_ports_are_validated():
+    from fibrl.backends.kube.settings import port_range
+
+    assert port_range("30000-30099") == (30000, 30099) and port_range("") is None
+    for bad in ("30099-30000", "80", "30000-70000", "a-b", "30000,30001"):
+        with pytest.raises(ConfigError, match="kubernetes_listen_ports"):
+            port_range(bad)
+
+
+def test_choose_port_takes_a_free_port_of_the_range_or_says_none_is_left():
+    import socket as socket_
+    from fibrl.backends.kube.settings import choose_port
+
+    with socket_.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(BackendError, match=f"every port of kubernetes_listen_ports={port}"):
+            choose_port("127.0.0.1", (port, port))
+    with socket_.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    assert choose_port("127.0.0.1", (port, port)) == port
+
+
+LISTEN_PORTS_SCRIPT = """
+import sys, fibrl
+from fibrl.runtime import installed_hub
+
+def echo(q):
+    q.put("hello")
+
+if __name__ == "__main__":
+    fibrl.init(backend="kubernetes", kubernetes_listen_ports=sys.argv[1], **SETTINGS)
+    q = fibrl.Queue()                 # the hub listens here, before any worker
+    p = fibrl.Process(target=echo, args=(q,))
+    p.start()
+    print(q.get(timeout=60), installed_hub().address.rsplit(":", 1)[1], flush=True)
+    p.join(60)
+    sys.exit(p.exitcode)
+"""
+
+
+def test_the_parent_listens_on_a_port_of_kubernetes_listen_ports(kube_settings, tmp_path):
+    """A NetworkPolicy admitting only this range lets the workers in: the parent's hub
+    listens on a port of it even when a Queue made it listen before the first worker."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "ports.py"
+    script.write_text(LISTEN_PORTS_SCRIPT.replace("**SETTINGS", f"**{kube_settings!r}"))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FIBRL_")}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+    out = subprocess.run([sys.executable, str(script), "31200-31299"], capture_output=True,
+                         text=True, timeout=120, env=env, cwd=str(tmp_path))
+    assert out.returncode == 0, out.stderr[-3000:]
+    word, port = out.stdout.split()
+    assert word == "hello" and 31200 <= int(port) <= 31299
+
+
 def test_evicted_pod_says_evicted(kube_init, fake, kube_settings):
     kube_init()
     out, go = fibrl.Queue(), fibrl.Queue()
