@@ -21,6 +21,11 @@ class Settings:
     history_limit: int = 1000          # watch events kept; older resourceVersions get 410
     watch_default_timeout: float = 1800.0
     bookmark_interval: float = 60.0    # seconds of quiet between BOOKMARKs (0: only at the end)
+    # Events a watcher may fall behind by (its buffer in the API server's watch cache): a
+    # watcher further behind (it does not read, so the server's writes block) is closed
+    # without an ERROR, as a real API server forces an unresponsive watcher closed; the
+    # client watches again from the last resourceVersion it got. 0: never closed.
+    watcher_buffer: int = 100
     strict_namespaces: bool = False     # False: any namespace exists; True: only known/created ones
     namespaces: tuple = ("default", "kube-system", "kube-public", "kube-node-lease")
     record_events: bool = True          # emit core/v1 Events (Scheduled, Started, FailedScheduling ...)
