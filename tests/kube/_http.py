@@ -214,6 +214,7 @@ class Router:
         self._port = port
         self.requests: deque[RequestRecord] = deque(maxlen=10000)
         self.stalls = LogStalls()
+        self.delays = Delays()
 
     def handle(self, method: str, target: str, headers, body: bytes) -> Response:
         url = urlsplit(target)
@@ -232,6 +233,7 @@ class Router:
             if info is None:
                 raise route_not_found()
             self.policy.check(info, self.settings.user)
+            self.delays.hold(info)
             response = self._dispatch(method, info, query, headers, body)
         except ApiError as exc:
             response = json_response(exc.code, exc.status(), exc.headers)
@@ -402,6 +404,39 @@ def _stamped(buffer, offset: int, data: bytes) -> bytes:
         out += _nano_stamp(buffer.line_stamp(offset + position)) + data[position:end]
         position = end
     return bytes(out)
+
+
+class Delays:
+    """Requests held for a while before they are answered (a slow API server, an admission
+    webhook taking its time), counting how many of them were in flight at once."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._rules: list[tuple[str, str, float]] = []
+        self.in_flight = self.max_in_flight = 0
+
+    def add(self, verb: str, resource: str, seconds: float) -> None:
+        with self._lock:
+            self._rules.append((verb, resource, seconds))
+            self.max_in_flight = 0
+
+    def clear(self) -> None:
+        with self._lock:
+            self._rules.clear()
+
+    def hold(self, info: "RequestInfo") -> None:
+        with self._lock:
+            seconds = next((s for verb, resource, s in self._rules
+                            if verb == info.verb and resource == info.resource), None)
+            if seconds is None:
+                return
+            self.in_flight += 1
+            self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            time.sleep(seconds)
+        finally:
+            with self._lock:
+                self.in_flight -= 1
 
 
 class LogStalls:

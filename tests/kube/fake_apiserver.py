@@ -230,6 +230,12 @@ class FakeApiServer:
         self.api.record_event(self.api.get(PODS, namespace, name), kind, reason, message,
                               component)
 
+    def slow_requests(self, verb: str, resource: str, seconds: float):
+        """Hold every ``verb`` ``resource`` request (e.g. "delete", "pods") ``seconds`` before
+        answering it; the returned object's ``max_in_flight`` says how many overlapped."""
+        self._http.router.delays.add(verb, resource, seconds)
+        return self._http.router.delays
+
     def stall_log_streams(self, count: int = 1, after_lines: int = 1) -> None:
         """The next ``count`` followed log streams send ``after_lines`` lines, then nothing more,
         and stay open (a stream dropped silently on the way); :meth:`reset_hooks` ends them."""
@@ -239,6 +245,7 @@ class FakeApiServer:
         """Clear forbidden rules, injected faults, failing images, the scheduling predicate
         and stalled log streams."""
         self._http.router.stalls.clear()
+        self._http.router.delays.clear()
         self.policy.clear()
         self.allow_image_pulls()
         self.set_unschedulable(None)

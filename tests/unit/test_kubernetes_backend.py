@@ -401,14 +401,16 @@ def test_a_pod_waiting_for_a_new_node_is_waited_for(kube_init, fake, kube_settin
     namespace = kube_settings["kubernetes_namespace"]
     fake.set_unschedulable(lambda pod: "0/1 nodes are available: 1 Insufficient cpu."
                            if pod["spec"]["containers"][0]["name"] == "worker" else None)
-    kube_init(kubernetes_pending_timeout=1.0, start_timeout=1.0)
+    # start_timeout (from Running) leaves a loaded machine time to connect; the limit of
+    # a pod that never runs is start_timeout + kubernetes_pending_timeout = 5 s
+    kube_init(kubernetes_pending_timeout=1.0, start_timeout=4.0)
     out, go = fibrl.Queue(), fibrl.Queue()
     p = _started(report_pod_then_wait, out, go)
     name, done = p._popen.job.name, threading.Event()
     _keep_recording(fake, namespace, name, "TriggeredScaleUp",
                     "pod triggered scale-up: [{pool-b 1->2 (max: 5)}]", done)
     try:
-        time.sleep(4.0)   # four pending timeouts
+        time.sleep(11.0)   # eleven pending timeouts, two start limits
         assert p._popen.job.status() is not JobStatus.FAILED, p._popen.job.failure_reason()
         fake.set_unschedulable(None)    # the new node joined
         assert out.get(timeout=WAIT)
@@ -440,14 +442,14 @@ def test_an_image_pull_in_progress_extends_the_start_limit(kube_init, fake, kube
     kubernetes_pending_timeout; each new pull event restarts that limit."""
     namespace, image = kube_settings["kubernetes_namespace"], kube_settings["image"]
     fake.pull_images_slowly(image)
-    kube_init(start_timeout=1.0, kubernetes_pending_timeout=1.0)
+    kube_init(start_timeout=4.0, kubernetes_pending_timeout=1.0)   # a 5 s start limit
     out, go = fibrl.Queue(), fibrl.Queue()
     p = _started(report_pod_then_wait, out, go)
     done = threading.Event()
     _keep_recording(fake, namespace, p._popen.job.name, "Pulling",
                     f'Pulling image "{image}"', done)
     try:
-        time.sleep(5.0)   # more than twice the start limit
+        time.sleep(11.0)   # more than twice the start limit
         assert p._popen.job.status() is not JobStatus.FAILED, p._popen.job.failure_reason()
         fake.allow_image_pulls(image)
         assert out.get(timeout=WAIT)
@@ -481,6 +483,13 @@ def test_choose_port_takes_a_free_port_of_the_range_or_says_none_is_left():
         free.bind(("127.0.0.1", 0))
         port = free.getsockname()[1]
     assert choose_port("127.0.0.1", (port, port)) == port
+
+
+def test_a_parent_listening_outside_the_port_range_is_refused(kube_init):
+    backend = kube_init(kubernetes_listen_ports="31300-31309")
+    with pytest.raises(BackendError, match="outside kubernetes_listen_ports=31300-31309"):
+        backend._check_port(40000)
+    backend._check_port(31305)
 
 
 LISTEN_PORTS_SCRIPT = """
@@ -587,6 +596,21 @@ def test_close_removes_the_runs_pods_and_secret(kube_init, core, kube_settings):
     wait_until(lambda: not core.list_namespaced_pod(namespace, label_selector=selector,
                                                     _request_timeout=10).items,
                "the closed backend's pods to be deleted", WAIT)
+
+
+def test_close_deletes_its_pods_concurrently(kube_init, fake, kube_settings):
+    """At exit every pod is deleted at once (at most kubernetes_create_batch requests in
+    flight), not one after another: each delete here takes 0.5 s."""
+    backend = kube_init(kubernetes_create_batch=4)
+    processes = [_started(sleep_forever, daemon=True) for _ in range(4)]
+    names = {f"{kube_settings['kubernetes_namespace']}/{p._popen.job.name}" for p in processes}
+    wait_until(lambda: names <= set(fake.running_pods()), "the four pods to run", WAIT)
+    delays = fake.slow_requests("delete", "pods", 0.5)
+    backend.close()
+    for p in processes:
+        p.join(WAIT)
+    assert [p.exitcode for p in processes] == [-9] * 4
+    assert delays.max_in_flight >= 2, "close() deleted its pods one after another"
 
 
 def test_watch_recovers_from_410_and_from_failed_lists(kube_cluster):
