@@ -268,7 +268,7 @@ def test_run_follow_resumes_a_log_stream_that_went_silent(launcher, kube_cluster
     from fibrl.launch import kubernetes as kube_launch
 
     launcher, runs = launcher
-    monkeypatch.setattr(kube_launch, "_FOLLOW_READ_TIMEOUT", 1.0)
+    monkeypatch.setattr(kube_launch, "_FOLLOW_READ_TIMEOUT", 1.0, raising=False)
     # the first stream sends two lines, then nothing, and is never closed
     kube_cluster.fake.stall_log_streams(count=1, after_lines=2)
     script = "import time\nfor i in range(8):\n    print('line', i, flush=True)\n    time.sleep(0.3)\n"
