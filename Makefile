@@ -1,5 +1,6 @@
 # Image targets only (see docker/build-image.sh --help).
-# IMAGE empty: tags fibrl:<version> (the config default) and fibrl:latest.
+# IMAGE empty: tags fibrl:latest (the config default) and fibrl:<version> (what
+# kubernetes pods of the default image run).
 IMAGE ?=
 EXTRAS ?= rl,docker,kubernetes,tls
 

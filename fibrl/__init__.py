@@ -15,13 +15,12 @@ Example:
 """
 from __future__ import annotations
 
-# Before the imports below: config.py's default image tag is fibrl:<this version>.
-__version__ = "0.1.0"
+from .context import default_context, init
+from .errors import AuthenticationError
+from .meta import meta
+from .process import Process
 
-from .context import default_context, init  # noqa: E402
-from .errors import AuthenticationError  # noqa: E402
-from .meta import meta  # noqa: E402
-from .process import Process  # noqa: E402
+__version__ = "0.1.0"
 
 from multiprocessing import BufferTooShort, ProcessError, TimeoutError  # noqa: E402
 

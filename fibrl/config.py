@@ -20,7 +20,6 @@ import typing
 from pathlib import Path
 from typing import Any, Mapping
 
-from . import __version__
 from .backends.base import BACKENDS
 from .errors import ConfigError
 
@@ -60,9 +59,9 @@ class Config:
     """Pool: how many times a task is resubmitted after its worker was lost."""
     local_fork_server: bool = True
     """Local backend: fork workers from a pre-imported interpreter (faster starts)."""
-    image: str = f"fibrl:{__version__}"
-    """Container image of docker and kubernetes workers (default: fibrl:<fibrl's version>,
-    a fixed tag, so kubernetes uses the image already on a node instead of pulling it)."""
+    image: str = "fibrl:latest"
+    """Container image of docker and kubernetes workers (kubernetes: left at this default,
+    pods run ``fibrl:<fibrl's version>``, a fixed tag a node keeps)."""
     cpu: float = 0.0
     """Default CPU limit per container worker (0: none)."""
     memory: str = ""

@@ -51,7 +51,8 @@ from .kube.creator import Creator
 from .kube.job import LOG_TAIL_LINES, KubernetesJob
 from .kube.manifests import owner_reference, secret_manifest, worker_pod
 from .kube.settings import (CONTAINER, LABEL_BACKEND, LABEL_OWNER, LABEL_PARENT, LABEL_ROLE,
-                            LABEL_RUN, KubeSettings, PodIdentity, choose_port, pod_name)
+                            LABEL_RUN, KubeSettings, PodIdentity, choose_port, pod_image,
+                            pod_name)
 from .kube.watch import PodWatcher
 
 __all__ = ["KubernetesBackend", "KubernetesJob"]
@@ -264,9 +265,9 @@ class KubernetesBackend(Backend):
     def _image(self, spec: JobSpec) -> str:
         image = spec.image or self.config.image
         parent = self._parent_pod()
-        if image == _DEFAULTS.image and parent:
-            return _pod_image(parent) or image  # default: the image the parent runs in
-        return image
+        if image == _DEFAULTS.image and parent and _pod_image(parent):
+            return _pod_image(parent)  # default: the image the parent runs in
+        return pod_image(image)   # the stock fibrl:latest: fibrl:<version>
 
     def _owner_reference(self) -> Optional[dict]:
         parent = self._parent_pod()

@@ -36,7 +36,7 @@ from ..backends.kube.job import (autoscaler_refusal, ended_code, fatal_waiting, 
                                  progress_marks, stuck_pending)
 from ..backends.kube.manifests import LAUNCHER_CONTAINER, launcher_job
 from ..backends.kube.settings import (LABEL_BACKEND, LABEL_ROLE, LABEL_RUN, KubeSettings,
-                                      PodIdentity)
+                                      PodIdentity, pod_image)
 from ..errors import BackendError
 from . import Ended, Launcher, RunInfo, RunRequest, age
 
@@ -84,7 +84,8 @@ class KubernetesLauncher(Launcher):
     def launch(self, request: RunRequest) -> str:
         name = job_name(request.run_id)
         body = launcher_job(name=name, namespace=self.namespace, run_id=request.run_id,
-                            image=request.image, command=request.command, env=request.env,
+                            image=pod_image(request.image), command=request.command,
+                            env=request.env,
                             settings=self.settings, service_account=request.service_account,
                             cpu=request.cpu, memory=request.memory, gpu=request.gpu)
         self.api.call("create", "jobs", self.api.batch.create_namespaced_job, self.namespace,

@@ -47,6 +47,8 @@ class Settings:
     crash_backoff_seconds: float = 0.5  # first container restart delay (doubles, capped at 5 s)
     job_backoff_seconds: float = 0.0    # delay before replacing a failed Job pod (real: 10 s doubling)
     image_commands: dict = field(default_factory=dict)  # image -> argv when a pod gives no command
+    # image -> local docker image the node has under that name (as `kind load` would tag it)
+    node_images: dict = field(default_factory=dict)
     image_env: dict = field(default_factory=lambda: {"PYTHONUNBUFFERED": "1",
                                                      "PYTHONDONTWRITEBYTECODE": "1"})
     host_env: tuple = DEFAULT_HOST_ENV

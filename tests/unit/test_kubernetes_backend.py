@@ -24,7 +24,7 @@ import fibrl
 from fibrl import backends
 from fibrl.backends.base import JobStatus
 from fibrl.backends.kube.settings import (KubeSettings, PodIdentity, cpu_quantity, label_value,
-                                          memory_quantity, pod_name)
+                                          memory_quantity, pod_image, pod_name)
 from fibrl.config import Config
 from fibrl.errors import BackendError, ConfigError
 
@@ -369,7 +369,7 @@ def test_a_pod_that_never_runs_ends_after_start_plus_pending_timeout(kube_init, 
     """A pull that never ends is no Unschedulable pod and reports no error: the start
     still ends, once start_timeout + kubernetes_pending_timeout pass with no new pull event
     (the pull's one Pulling event bought it one more such period), saying what it saw."""
-    fake.pull_images_slowly(kube_settings["image"])
+    fake.pull_images_slowly(pod_image(kube_settings["image"]))
     kube_init(start_timeout=1.0, kubernetes_pending_timeout=1.0)
     begin = time.monotonic()
     p = _started(sleep_forever)
@@ -440,7 +440,7 @@ def test_a_pod_the_autoscaler_will_not_place_says_why(kube_init, fake, kube_sett
 def test_an_image_pull_in_progress_extends_the_start_limit(kube_init, fake, kube_settings):
     """A pull that the kubelet reports (Pulling, then Pulled) outlasts start_timeout +
     kubernetes_pending_timeout; each new pull event restarts that limit."""
-    namespace, image = kube_settings["kubernetes_namespace"], kube_settings["image"]
+    namespace, image = kube_settings["kubernetes_namespace"], pod_image(kube_settings["image"])
     fake.pull_images_slowly(image)
     kube_init(start_timeout=4.0, kubernetes_pending_timeout=1.0)   # a 5 s start limit
     out, go = fibrl.Queue(), fibrl.Queue()
@@ -671,7 +671,10 @@ def test_oomkilled_pod_is_reported(kube_init):
         skip_or_fail(missing, "CI_REQUIRE_DOCKER")
     from tests.kube.fake_apiserver import FakeApiServer
 
-    with FakeApiServer(runtime="docker") as server:
+    # pods of the stock image run fibrl:<version>: the node has it, as the local build
+    local = os.environ.get("FIBRL_IMAGE", "fibrl:latest")
+    with FakeApiServer(runtime="docker",
+                       node_images={f"fibrl:{fibrl.__version__}": local}) as server:
         backend = kube_init(kubernetes_kubeconfig=server.write_kubeconfig(), memory="12m")
         p = _started(exit_with, 0)
         p.join(90)
@@ -802,7 +805,7 @@ def test_a_slow_delete_does_not_hold_up_the_watch(kube_init, fake, kube_settings
     out, go = fibrl.Queue(), fibrl.Queue()
     ok = _started(report_pod_then_wait, out, go)
     out.get(timeout=WAIT)
-    fake.fail_image_pulls(kube_settings["image"])      # from now on, for new pods
+    fake.fail_image_pulls(pod_image(kube_settings["image"]))   # from now on, for new pods
     fake.inject_errors(503, count=12, verb="delete", resource="pods", retry_after=1)
     bad = _started(sleep_forever)
     wait_until(lambda: fake.count_requests("delete", "pods", 503), "the first refused delete",

@@ -193,13 +193,14 @@ def test_rbac_documents_binding_the_parent_role_to_a_person():
     assert "--role=fibrl-launcher --user=" in text
 
 
-def test_the_default_image_has_a_versioned_tag_and_is_not_pulled_again():
+def test_pods_of_the_stock_image_run_a_versioned_tag_and_are_not_pulled_again():
     """``:latest`` would make kubernetes' default pull policy Always: an image loaded into
     the nodes (kind load) would be pulled again from a registry that lacks it."""
     import fibrl
-    from fibrl.backends.kube.settings import KubeSettings
+    from fibrl.backends.kube.settings import KubeSettings, pod_image
     from fibrl.config import Config
 
     config = Config()
-    assert config.image == f"fibrl:{fibrl.__version__}" and not config.image.endswith(":latest")
+    assert pod_image(config.image) == f"fibrl:{fibrl.__version__}"
+    assert pod_image("registry.example/me/walker:1") == "registry.example/me/walker:1"
     assert KubeSettings.from_config(config).image_pull_policy == "IfNotPresent"

@@ -28,12 +28,13 @@ import string
 from dataclasses import dataclass, field
 from typing import Mapping, Optional
 
+from ... import __version__
 from ...config import Config
 from ...errors import BackendError, ConfigError
 from ..base import LABEL_BACKEND, LABEL_PARENT, LABEL_ROLE, LABEL_RUN
 
 __all__ = ["KubeSettings", "PodIdentity", "parse_pairs", "parse_tolerations", "parse_names",
-           "cpu_quantity", "memory_quantity", "port_range", "choose_port", "pod_name", "label_value", "OLDEST_KUBERNETES",
+           "cpu_quantity", "memory_quantity", "port_range", "choose_port", "pod_image", "pod_name", "label_value", "OLDEST_KUBERNETES",
            "NEWEST_KUBERNETES", "LABEL_RUN", "LABEL_PARENT", "LABEL_ROLE", "LABEL_OWNER",
            "LABEL_BACKEND", "SECRET_KEY", "CONTAINER"]
 
@@ -347,6 +348,19 @@ def choose_port(host: str, ports: tuple) -> int:
         f"every port of kubernetes_listen_ports={first}-{last} is taken on {host}, so this "
         f"process cannot listen for its workers there. Fix: widen the range (and the "
         f"NetworkPolicy that admits it), or end the other fibrl parents on this machine.")
+
+
+def pod_image(image: str) -> str:
+    """The image fibrl's pods run for a configured ``image``: the stock default
+    ``fibrl:latest`` becomes ``fibrl:<this fibrl's version>``. A ``:latest`` tag makes
+    kubernetes' default pull policy Always (an image loaded into the nodes would be pulled
+    again from a registry that lacks it), and the pods' fibrl must be the parent's.
+
+    Example:
+        >>> pod_image("fibrl:latest") == f"fibrl:{__version__}", pod_image("me/app:1")
+        (True, 'me/app:1')
+    """
+    return f"fibrl:{__version__}" if image == Config().image else image
 
 
 def _namespace(name: str) -> str:
