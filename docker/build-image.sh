@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Build the fibrl worker image (default tag fibrl:latest) from the top-level
+# Build the fibrl worker image (default tags fibrl:latest, fibrl:<version>) from the top-level
 # Dockerfile.
 #
 # Usage: docker/build-image.sh [--offline] [--tag TAG] [-- DOCKER_BUILD_ARGS...]
@@ -12,13 +12,15 @@
 #               missing (docker/build-base.sh), prepares wheels on the host
 #               (docker/build-wheels.sh) and installs only from them.
 #
-# Environment: FIBRL_IMAGE (tag, default fibrl:latest), IMAGE_EXTRAS (extras
+# Environment: FIBRL_IMAGE (tag, default fibrl:latest and fibrl:<version>; kubernetes
+# pods of the default image run fibrl:<version>), IMAGE_EXTRAS (extras
 # installed in the image, default rl,docker,kubernetes,tls: `fibrl run` parents run
 # in it too), IMAGE_OFFLINE=1 (same as --offline).
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
-FIBRL_IMAGE="${FIBRL_IMAGE:-fibrl:latest}"
+VERSION="$(sed -n 's/^__version__ = "\(.*\)"$/\1/p' fibrl/__init__.py)"
+FIBRL_IMAGE="${FIBRL_IMAGE:-}"
 IMAGE_EXTRAS="${IMAGE_EXTRAS:-rl,docker,kubernetes,tls}"
 OFFLINE="${IMAGE_OFFLINE:-0}"
 extra=()
@@ -27,7 +29,7 @@ while [[ $# -gt 0 ]]; do
         --offline) OFFLINE=1 ;;
         -t|--tag) FIBRL_IMAGE="$2"; shift ;;
         --tag=*) FIBRL_IMAGE="${1#--tag=}" ;;
-        -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
         --) shift; extra=("$@"); break ;;
         *) echo "unknown argument: $1 (see --help)" >&2; exit 2 ;;
     esac
@@ -35,7 +37,12 @@ while [[ $# -gt 0 ]]; do
 done
 log() { echo "[build-image] $*" >&2; }
 
-args=(--tag "$FIBRL_IMAGE" --build-arg "EXTRAS=$IMAGE_EXTRAS")
+if [[ -n "$FIBRL_IMAGE" ]]; then
+    args=(--tag "$FIBRL_IMAGE")
+else
+    args=(--tag "fibrl:$VERSION" --tag fibrl:latest)
+fi
+args+=(--build-arg "EXTRAS=$IMAGE_EXTRAS")
 if [[ "$OFFLINE" == 1 ]]; then
     docker/build-base.sh
     IMAGE_EXTRAS="$IMAGE_EXTRAS" docker/build-wheels.sh docker/wheels
@@ -52,4 +59,4 @@ fi
 log "docker build --force-rm ${args[*]} ${extra[*]} ."
 # --force-rm: a failed step leaves no stopped container behind (legacy builder)
 docker build --force-rm "${args[@]}" "${extra[@]}" .
-docker image ls "$FIBRL_IMAGE" >&2
+docker image ls "${FIBRL_IMAGE:-fibrl}" >&2

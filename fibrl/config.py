@@ -60,7 +60,8 @@ class Config:
     local_fork_server: bool = True
     """Local backend: fork workers from a pre-imported interpreter (faster starts)."""
     image: str = "fibrl:latest"
-    """Container image of docker and kubernetes workers."""
+    """Container image of docker and kubernetes workers (kubernetes: left at this default,
+    pods run ``fibrl:<fibrl's version>``, a fixed tag a node keeps)."""
     cpu: float = 0.0
     """Default CPU limit per container worker (0: none)."""
     memory: str = ""
@@ -106,6 +107,9 @@ class Config:
     """``ttlSecondsAfterFinished`` of a ``fibrl run`` Job: the cluster removes it and its pod."""
     kubernetes_allow_loopback: bool = False
     """Allow a parent outside the cluster to listen on a loopback ``listen_host``."""
+    kubernetes_listen_ports: str = ""
+    """Ports a parent with kubernetes workers listens on for them, ``"30000-30099"`` (one
+    free port of the range; empty: any free port), so a NetworkPolicy can admit them."""
     registry: str = ""
     """Registry that ``fibrl run --build`` pushes the image to (empty: no push)."""
 

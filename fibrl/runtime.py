@@ -147,6 +147,19 @@ def install_hub(hub: Any) -> None:
     global _hub, _hub_pid
     _register_exit()
     _hub, _hub_pid = hub, os.getpid()
+    _listen_within_range(hub)
+
+
+def _listen_within_range(hub: Any) -> None:
+    """A hub that will listen on any port gets a free one of its backend's range instead
+    (``kubernetes_listen_ports``: a NetworkPolicy admits only those). Its listener starts
+    on first use, after this."""
+    config = current_config()
+    if hub.port or not getattr(config, "kubernetes_listen_ports", ""):
+        return
+    found = backend(config)
+    if found.listen_ports() is not None:
+        hub.port = found.listen_port(hub.host)
 
 
 # -- the exit sequence -----------------------------------------------------------------

@@ -183,3 +183,11 @@ class Backend(abc.ABC):
     def listen_host(self) -> str:
         """Address the parent must listen on so workers can reach it."""
         return self.config.listen_host
+
+    def listen_ports(self) -> Optional[tuple]:
+        """``(first, last)``: the ports the parent must listen on (None: any port)."""
+        return None
+
+    def listen_port(self, host: str) -> int:
+        """A free port of :meth:`listen_ports` on ``host`` to listen on (0: any port)."""
+        return 0

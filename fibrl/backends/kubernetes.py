@@ -51,7 +51,8 @@ from .kube.creator import Creator
 from .kube.job import LOG_TAIL_LINES, KubernetesJob
 from .kube.manifests import owner_reference, secret_manifest, worker_pod
 from .kube.settings import (CONTAINER, LABEL_BACKEND, LABEL_OWNER, LABEL_PARENT, LABEL_ROLE,
-                            LABEL_RUN, KubeSettings, PodIdentity, pod_name)
+                            LABEL_RUN, KubeSettings, PodIdentity, choose_port, pod_image,
+                            pod_name)
 from .kube.watch import PodWatcher
 
 __all__ = ["KubernetesBackend", "KubernetesJob"]
@@ -122,6 +123,14 @@ class KubernetesBackend(Backend):
 
     def python(self) -> str:
         return "python"
+
+    def listen_ports(self) -> Optional[tuple]:
+        return self.settings.listen_ports
+
+    def listen_port(self, host: str) -> int:
+        """A free port of ``kubernetes_listen_ports`` on ``host`` (0: any port)."""
+        ports = self.settings.listen_ports
+        return choose_port(host, ports) if ports else 0
 
     def _choose_namespace(self) -> str:
         # In a pod, "default" (the config default) means "where the parent runs".
@@ -256,9 +265,9 @@ class KubernetesBackend(Backend):
     def _image(self, spec: JobSpec) -> str:
         image = spec.image or self.config.image
         parent = self._parent_pod()
-        if image == _DEFAULTS.image and parent:
-            return _pod_image(parent) or image  # default: the image the parent runs in
-        return image
+        if image == _DEFAULTS.image and parent and _pod_image(parent):
+            return _pod_image(parent)  # default: the image the parent runs in
+        return pod_image(image)   # the stock fibrl:latest: fibrl:<version>
 
     def _owner_reference(self) -> Optional[dict]:
         parent = self._parent_pod()
@@ -300,7 +309,9 @@ class KubernetesBackend(Backend):
             raise BackendError(self._bad_images[image])
 
     def _check_address(self, spec: JobSpec) -> None:
-        host = urlsplit(str(spec.command[3]) if len(spec.command) > 3 else "").hostname or ""
+        address = urlsplit(str(spec.command[3]) if len(spec.command) > 3 else "")
+        self._check_port(address.port)
+        host = address.hostname or ""
         if not host.startswith(_LOOPBACK):
             return
         if self.identity.service_account:
@@ -319,6 +330,18 @@ class KubernetesBackend(Backend):
             f"route to{_routable_hint(self.api.host)}, and let workers reach it (firewall, "
             f"NetworkPolicy); or launch the script in the cluster with `fibrl run`. A cluster "
             f"whose pods share this machine's network may set kubernetes_allow_loopback=True.")
+
+    def _check_port(self, port: Optional[int]) -> None:
+        ports = self.settings.listen_ports
+        if ports is None or port is None or ports[0] <= port <= ports[1]:
+            return
+        raise BackendError(
+            f"this process listens for its workers on port {port}, outside "
+            f"kubernetes_listen_ports={ports[0]}-{ports[1]}: a NetworkPolicy that admits only "
+            f"that range would drop the workers' connections. It started listening before its "
+            f"first worker (a Queue, Pipe, Lock or Event created first listens at once). Fix: "
+            f"start a worker before creating those, or leave kubernetes_listen_ports empty and "
+            f"admit every port of this process's address in the NetworkPolicy.")
 
     # -- what the watch reports ------------------------------------------------------------
     def _on_event(self, kind: str, pod: dict) -> None:
@@ -393,6 +416,19 @@ class KubernetesBackend(Backend):
                                  tail_lines=LOG_TAIL_LINES, raw=True, retry_for=5)
         except KubeApiError as exc:
             return f"<logs of pod {self.namespace}/{name} unavailable: {exc}>"
+
+    def pod_events(self, name: str) -> list:
+        """The events of pod ``name`` ([] when they cannot be read: without ``list events``
+        a pending pod's deadline only ends sooner)."""
+        try:
+            listing = self.api.call(
+                "list", "events", self.api.core.list_namespaced_event, self.namespace,
+                namespace=self.namespace, retry_for=5,
+                field_selector=f"involvedObject.kind=Pod,involvedObject.name={name}")
+        except KubeApiError as exc:
+            log.debug("cannot read the events of pod %s/%s: %s", self.namespace, name, exc)
+            return []
+        return listing.get("items") or []
 
     def close_at_exit(self) -> None:
         self.close()

@@ -14,6 +14,7 @@ import subprocess
 import sys
 from typing import Optional, TextIO
 
+from .. import __version__
 from ..errors import BackendError
 
 __all__ = ["image_tag", "build_image", "push_image", "local_cluster_loader", "load_image"]
@@ -65,7 +66,7 @@ def build_image(project_dir: str, tag: str, out: Optional[TextIO] = None,
         raise BackendError(
             f"--build needs a Dockerfile in {project_dir}, and there is none. Fix: write one "
             f"that copies the project into an image with python and fibrl (e.g. `FROM "
-            f"fibrl:latest` then `COPY . /app` and `WORKDIR /app`), or pass --image.")
+            f"fibrl:{__version__}` then `COPY . /app` and `WORKDIR /app`), or pass --image.")
     argv = [_docker(), "build"] + (["--platform", platform] if platform else [])
     _run(argv + ["-t", tag, project_dir], "building the image", out or sys.stderr)
     return tag

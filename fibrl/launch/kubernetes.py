@@ -15,7 +15,9 @@ ends), never a poll::
                or its pod is stuck: Unschedulable, ErrImagePull, a container config
                error; a pod pulling its image is waited for, ImagePullBackOff is
                reported at once)
-               --follow: GET pods/log?follow=true --> out
+               --follow: GET pods/log?follow=true&timestamps=true --> out; a stream
+               that ends or stays silent for _FOLLOW_READ_TIMEOUT s is opened again
+               from sinceTime of the last line, each line written once
            --> watch until Succeeded/Failed --> the container's exit status (+ why, if it
                was OOMKilled, evicted...)
 """
@@ -23,22 +25,29 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import logging
+import re
 import time
 from collections import Counter
 from typing import Any, BinaryIO, Callable, Optional
 
 from ..backends.kube.api import Api, KubeApiError, admission_denial, api_error, connect
-from ..backends.kube.job import ended_code, fatal_waiting, pod_failure, stuck_pending
+from ..backends.kube.job import (autoscaler_refusal, ended_code, fatal_waiting, pod_failure,
+                                 progress_marks, stuck_pending)
 from ..backends.kube.manifests import LAUNCHER_CONTAINER, launcher_job
 from ..backends.kube.settings import (LABEL_BACKEND, LABEL_ROLE, LABEL_RUN, KubeSettings,
-                                      PodIdentity)
+                                      PodIdentity, pod_image)
 from ..errors import BackendError
 from . import Ended, Launcher, RunInfo, RunRequest, age
 
 __all__ = ["KubernetesLauncher", "job_name"]
 
+log = logging.getLogger(__name__)
+
 MAIN_CONTAINER = LAUNCHER_CONTAINER
 _WATCH_SECONDS = 60
+_FOLLOW_READ_TIMEOUT = 60.0   # seconds of a silent log stream before it is opened again
+_FOLLOW_REOPEN_PAUSE = 1.0    # seconds before reopening a stream the API server ended
 _NO_POD_RECHECK = 5.0    # seconds between reads of the Job's events while it has no pod
 
 
@@ -75,7 +84,8 @@ class KubernetesLauncher(Launcher):
     def launch(self, request: RunRequest) -> str:
         name = job_name(request.run_id)
         body = launcher_job(name=name, namespace=self.namespace, run_id=request.run_id,
-                            image=request.image, command=request.command, env=request.env,
+                            image=pod_image(request.image), command=request.command,
+                            env=request.env,
                             settings=self.settings, service_account=request.service_account,
                             cpu=request.cpu, memory=request.memory, gpu=request.gpu)
         self.api.call("create", "jobs", self.api.batch.create_namespaced_job, self.namespace,
@@ -107,7 +117,9 @@ class KubernetesLauncher(Launcher):
             until.check()
             deadline = until.deadline()
             if deadline is not None and time.monotonic() > deadline:
-                raise until.expired()
+                if not until.progressed():
+                    raise until.expired()
+                deadline = until.deadline()
             found = self._watch(selector, until, listing["metadata"].get("resourceVersion", ""),
                                 deadline)
             if found is not None:
@@ -158,6 +170,17 @@ class KubernetesLauncher(Launcher):
                 f"(fibrl stop, kubectl delete, or the cluster).")
         return decide(obj) if event.get("type") in ("ADDED", "MODIFIED", "DELETED") else None
 
+    def pod_events(self, pod: str) -> list:
+        """The events of ``pod`` ([] when they cannot be read)."""
+        try:
+            return self.api.call(
+                "list", "events", self.api.core.list_namespaced_event, self.namespace,
+                namespace=self.namespace,
+                field_selector=f"involvedObject.kind=Pod,involvedObject.name={pod}"
+            ).get("items") or []
+        except KubeApiError:
+            return []
+
     def refusal(self, run_id: str) -> Optional[BackendError]:
         """Why the Job's controller could not create its pod (its FailedCreate events:
         Pod Security, an admission webhook, a quota, a missing service account), if it said."""
@@ -193,20 +216,76 @@ class KubernetesLauncher(Launcher):
             f"quota or admission policy refused the pod. Fix: see `kubectl describe job -n "
             f"{self.namespace} {job_name(run_id)}`.")
 
-    def _stream(self, pod: str, out: BinaryIO) -> None:
+    def _stream(self, pod: str, out: BinaryIO, container: str = MAIN_CONTAINER) -> None:
+        """Copy the followed log of ``container`` to ``out`` until the container ends.
+
+        A stream that ends, or stays silent for ``_FOLLOW_READ_TIMEOUT`` s (a connection a
+        proxy or NAT dropped without a word looks exactly like a quiet script), is opened
+        again from ``sinceTime`` of the last line written; each line is written once
+        (lines carry the kubelet's timestamps, ``timestamps=true``, and those already
+        written are skipped).
+        """
+        follower = _LogFollower(out)
+        while True:
+            follower.restart()
+            resp = self._open_log(pod, container, follower.since())
+            if resp is None:
+                return   # the pod is gone: waiting for its end says why
+            dropped = False
+            try:
+                for chunk in resp.stream(4096, decode_content=False):
+                    follower.feed(chunk)
+            except (OSError, _urllib3_errors()) as exc:  # a read timeout, a reset stream
+                dropped = True
+                log.debug("log stream of pod %s dropped (%r); resuming from %s", pod, exc,
+                          follower.since())
+            finally:
+                _discard(resp, dropped)
+            if not dropped and self._container_ended(pod, container):
+                follower.flush()
+                return
+            if not dropped:
+                time.sleep(_FOLLOW_REOPEN_PAUSE)   # the API server ended a live stream
+
+    def _open_log(self, pod: str, container: str, since: str) -> Any:
+        """The response of ``GET pods/log?follow=true&timestamps=true[&sinceTime=...]``, or
+        None when the pod is gone. The generated client has no ``sinceTime``, so the request
+        is made with its ApiClient directly."""
+        query = [("container", container), ("follow", "true"), ("timestamps", "true")]
+        if since:
+            query.append(("sinceTime", since))
+        client = self.api.client
+        request = client.param_serialize(
+            "GET", "/api/v1/namespaces/{namespace}/pods/{name}/log",
+            path_params={"namespace": self.namespace, "name": pod}, query_params=query,
+            header_params={"Accept": "text/plain"}, auth_settings=["BearerToken"])
+        deadline = time.monotonic() + self.api.retry_for
+        while True:
+            try:
+                resp = client.call_api(*request, _request_timeout=(10, _FOLLOW_READ_TIMEOUT))
+            except (OSError, _urllib3_errors()) as exc:
+                if time.monotonic() > deadline:
+                    raise BackendError(f"cannot follow the log of pod {pod}: the API server at "
+                                       f"{self.api.host} did not answer ({exc}).") from exc
+                time.sleep(1.0)
+                continue
+            if resp.status < 400:
+                return resp.response
+            resp.read()
+            error = self.api.ApiException(http_resp=resp)
+            if resp.status == 404:
+                return None
+            raise api_error(error, "get", "pods/log", self.namespace, self.api)
+
+    def _container_ended(self, pod: str, container: str) -> bool:
         try:
-            # no read timeout: a quiet script is not a dead stream (TCP keepalive finds those)
-            resp = self.api.core.read_namespaced_pod_log(
-                pod, self.namespace, container=MAIN_CONTAINER, follow=True,
-                _preload_content=False)
-        except self.api.ApiException as exc:
-            raise api_error(exc, "get", "pods/log", self.namespace, self.api) from exc
-        try:
-            for chunk in resp.stream(4096, decode_content=False):
-                out.write(chunk)
-                out.flush()
-        finally:
-            resp.release_conn()
+            found = self.api.call("get", "pods", self.api.core.read_namespaced_pod, pod,
+                                  self.namespace, namespace=self.namespace)
+        except KubeApiError as exc:
+            if exc.status == 404:
+                return True
+            raise
+        return "terminated" in _state(found, container) or _phase_ended(found)
 
     # -- ps / logs / stop ----------------------------------------------------------------
     def _list(self, verb_fn: Callable, resource: str, selector: str) -> list:
@@ -255,17 +334,8 @@ class KubernetesLauncher(Launcher):
 
     def _stream_container(self, name: str, pod: dict, out: BinaryIO) -> None:
         containers = [c["name"] for c in pod["spec"]["containers"]]
-        if MAIN_CONTAINER in containers:
-            self._stream(name, out)
-            return
-        resp = self.api.core.read_namespaced_pod_log(name, self.namespace, follow=True,
-                                                     _preload_content=False)
-        try:
-            for chunk in resp.stream(4096, decode_content=False):
-                out.write(chunk)
-                out.flush()
-        finally:
-            resp.release_conn()
+        self._stream(name, out, MAIN_CONTAINER if MAIN_CONTAINER in containers
+                     else containers[0])
 
     def stop(self, run_id: str) -> list:
         selector = f"{LABEL_RUN}={run_id}"
@@ -320,6 +390,10 @@ class _Until:
     def expired(self) -> BackendError:
         raise NotImplementedError
 
+    def progressed(self) -> bool:
+        """At the deadline: True (and a new deadline) when the wait is making progress."""
+        return False
+
 
 class _Finishing(_Until):
     """Until the script's pod ends: as long as the script runs."""
@@ -333,7 +407,8 @@ class _Starting(_Until):
 
     ``kubernetes_pending_timeout`` bounds only the states nothing else ends: no pod yet
     (a missing service account, a quota), and a pod stuck Unschedulable, in ErrImagePull
-    or on a container config error. A pod pulling its image or creating its container
+    or on a container config error; a stuck pod whose events show progress at the
+    deadline (TriggeredScaleUp, Scheduled, Pulling, Pulled) gets another timeout. A pod pulling its image or creating its container
     is waited for (a large image takes minutes); ImagePullBackOff ends it at once.
     """
 
@@ -344,6 +419,8 @@ class _Starting(_Until):
         self._pod: Optional[dict] = None
         self._stuck = ""
         self._stuck_since: Optional[float] = None
+        self._events: list = []      # the pod's events at the last deadline
+        self._marks: dict = {}       # their progress_marks()
 
     def __call__(self, pod: dict) -> Optional[dict]:
         self._pod = pod
@@ -376,19 +453,132 @@ class _Starting(_Until):
             return self._stuck_since + self._timeout
         return None
 
+    def progressed(self) -> bool:
+        """A stuck pod whose events show progress since the last reading (the cluster
+        autoscaler adding a node, an image pull) is given another pending timeout."""
+        if self._pod is None or self._stuck_since is None:
+            return False
+        self._events = self._launcher.pod_events(self._pod["metadata"]["name"])
+        marks = progress_marks(self._events)
+        new = any(self._marks.get(name) != mark for name, mark in marks.items())
+        self._marks.update(marks)
+        if new:
+            self._stuck_since = time.monotonic()
+        return new
+
     def expired(self) -> BackendError:
         if self._pod is None:
             return self._launcher.no_pod(self._run_id, self._timeout)
+        refusal = autoscaler_refusal(self._events)
         return BackendError(_cannot_start(
             self._pod, f"{self._stuck} (pending longer than kubernetes_pending_timeout="
-                       f"{self._timeout:g} s)", self._run_id))
+                       f"{self._timeout:g} s with no progress{'; ' + refusal if refusal else ''})",
+            self._run_id))
 
 
 def _main_state(pod: dict) -> dict:
+    return _state(pod, MAIN_CONTAINER)
+
+
+def _state(pod: dict, container: str) -> dict:
     for status in (pod.get("status") or {}).get("containerStatuses") or []:
-        if status.get("name") == MAIN_CONTAINER:
+        if status.get("name") == container:
             return status.get("state") or {}
     return {}
+
+
+def _phase_ended(pod: dict) -> bool:
+    return (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed")
+
+
+def _urllib3_errors() -> type:
+    import urllib3
+
+    return urllib3.exceptions.HTTPError
+
+
+def _discard(resp: Any, broken: bool) -> None:
+    """Give back the connection of a log stream; a broken one is closed, not reused."""
+    try:
+        if broken:
+            resp.close()
+        resp.release_conn()
+    except Exception:  # closing a broken stream may fail in many urllib3 ways
+        pass
+
+
+_STAMP = re.compile(rb"^(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(?:\.(\d{1,9}))?(Z|[+-]\d\d:\d\d) ")
+
+
+def _stamp_key(line: bytes) -> Optional[tuple]:
+    """``(seconds, nanoseconds)`` of a log line's RFC 3339 timestamp and its length, else None."""
+    match = _STAMP.match(line)
+    if not match:
+        return None
+    zone = "+00:00" if match.group(3) == b"Z" else match.group(3).decode()
+    seconds = int(dt.datetime.fromisoformat(match.group(1).decode() + zone).timestamp())
+    return (seconds, int((match.group(2) or b"0").ljust(9, b"0"))), match.end()
+
+
+class _LogFollower:
+    """Writes the lines of a followed log, each once, across reopened streams.
+
+    Lines come as ``<RFC3339Nano> <text>`` (``timestamps=true``). A reopened stream starts at
+    ``sinceTime`` (whole seconds, as the API takes it), so it repeats the lines of that second
+    that were written already: lines older than the last one written are skipped, and of the
+    lines stamped like the last one, as many as were written already.
+    """
+
+    def __init__(self, out: BinaryIO) -> None:
+        self._out = out
+        self._last: Optional[tuple] = None   # (seconds, ns) of the last line written
+        self._at_last = 0                    # lines written with that stamp
+        self._skip = 0                       # of those, still to skip in this stream
+        self._partial = b""
+
+    def since(self) -> str:
+        """``sinceTime`` for the next stream ("" before any line)."""
+        if self._last is None:
+            return ""
+        return dt.datetime.fromtimestamp(self._last[0], dt.timezone.utc).strftime(
+            "%Y-%m-%dT%H:%M:%SZ")
+
+    def restart(self) -> None:
+        """A new stream begins: a line cut short by the old one comes again, whole."""
+        self._partial = b""
+        self._skip = self._at_last
+
+    def feed(self, chunk: bytes) -> None:
+        data = self._partial + chunk
+        lines = data.split(b"\n")
+        self._partial = lines.pop()
+        for line in lines:
+            self._line(line + b"\n")
+        self._out.flush()
+
+    def flush(self) -> None:
+        """The stream ended with the container: write a last line without a newline."""
+        if self._partial:
+            self._line(self._partial)
+            self._partial = b""
+        self._out.flush()
+
+    def _line(self, line: bytes) -> None:
+        stamped = _stamp_key(line)
+        if stamped is None:   # not stamped (not expected with timestamps=true): write it
+            self._out.write(line)
+            return
+        key, start = stamped
+        if self._last is not None and key < self._last:
+            return
+        if key == self._last:
+            if self._skip:
+                self._skip -= 1
+                return
+            self._at_last += 1
+        else:
+            self._last, self._at_last, self._skip = key, 1, 0
+        self._out.write(line[start:])
 
 
 def _finished(pod: dict) -> Optional[dict]:

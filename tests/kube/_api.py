@@ -13,6 +13,7 @@ from __future__ import annotations
 import base64
 import copy
 import json
+import logging
 import time
 from dataclasses import dataclass
 from typing import Iterator
@@ -26,6 +27,8 @@ from ._selectors import Selectors
 from ._settings import Settings
 from ._store import Expired, Store, WatchEvent
 from ._validation import dns_label_errors, prepare_create, prepare_update, resolve_name
+
+log = logging.getLogger(__name__)
 
 _META_ORDER = ("name", "generateName", "namespace", "uid", "resourceVersion", "generation",
                "creationTimestamp", "deletionTimestamp", "deletionGracePeriodSeconds", "labels",
@@ -82,6 +85,7 @@ class Api:
     def __init__(self, store: Store, settings: Settings):
         self.store = store
         self.settings = settings
+        self.slow_watchers_closed = 0
         self._created_namespaces: dict[str, dict] = {}
 
     # ------------------------------------------------------------------ helpers
@@ -212,6 +216,7 @@ class Api:
         else:
             cursor = _int_rv(resource_version)
         interval = self.settings.bookmark_interval
+        opened = self.store.resource_version
         while True:
             wake = min(deadline, time.monotonic() + interval) if bookmarks and interval else deadline
             try:
@@ -227,9 +232,18 @@ class Api:
                 if time.monotonic() >= deadline:
                     return
                 continue
-            for event in events:
-                cursor = event.rv
-                translated = _translate(rt, namespace, selectors, event)
+            batch = [(e.rv, _translate(rt, namespace, selectors, e)) for e in events]
+            # what happened since the watch began (the history it asked for is replayed
+            # as fast as the client reads, as from the watch cache)
+            behind = sum(1 for rv, translated in batch if translated and rv > opened)
+            if self.settings.watcher_buffer and behind > self.settings.watcher_buffer:
+                # more than its buffer piled up while the last writes to it blocked
+                log.info("forcing watcher close due to unresponsiveness: %s behind by %d events",
+                         rt.plural, behind)
+                self.slow_watchers_closed += 1
+                return
+            for rv, translated in batch:
+                cursor = rv
                 if translated:
                     yield translated
 

@@ -9,10 +9,13 @@ a :class:`Response` the handler writes.
 """
 from __future__ import annotations
 
+import datetime as dt
 import json
 import logging
+import re
 import socket
 import threading
+import time
 import uuid
 from collections import deque
 from dataclasses import dataclass, field
@@ -210,6 +213,8 @@ class Router:
         self.api, self.kubelet, self.settings, self.policy = api, kubelet, settings, policy
         self._port = port
         self.requests: deque[RequestRecord] = deque(maxlen=10000)
+        self.stalls = LogStalls()
+        self.delays = Delays()
 
     def handle(self, method: str, target: str, headers, body: bytes) -> Response:
         url = urlsplit(target)
@@ -228,6 +233,7 @@ class Router:
             if info is None:
                 raise route_not_found()
             self.policy.check(info, self.settings.user)
+            self.delays.hold(info)
             response = self._dispatch(method, info, query, headers, body)
         except ApiError as exc:
             response = json_response(exc.code, exc.status(), exc.headers)
@@ -331,11 +337,16 @@ class Router:
         data = buffer.snapshot()
         tail = _int(query, "tailLines")
         start = _tail_offset(data, tail) if tail is not None else 0
+        if query.get("sinceTime"):
+            start = max(start, buffer.offset_since(_since_ns(query["sinceTime"])))
         limit = _int(query, "limitBytes")
+        stamps = buffer if _flag(query, "timestamps") else None
         if not _flag(query, "follow"):
-            body = data[start:]
+            body = _stamped(stamps, start, data[start:]) if stamps else data[start:]
             return Response(200, body[:limit] if limit else body, "text/plain")
-        return Response(200, content_type="text/plain", stream=_follow(buffer, start, limit))
+        stall = self.stalls.take()
+        return Response(200, content_type="text/plain",
+                        stream=_follow(buffer, start, limit, stamps, stall))
 
     def _evict(self, info: RequestInfo, body: bytes) -> Response:
         if info.rt is not PODS or info.verb != "create":
@@ -366,13 +377,119 @@ def _tail_offset(data: bytes, lines: int) -> int:
     return end + 1
 
 
-def _follow(buffer, offset: int, limit: int | None) -> Iterator[bytes]:
-    sent = 0
+def _since_ns(text: str) -> int:
+    """A ``sinceTime`` query value (RFC 3339, seconds or finer) in ns since the epoch."""
+    match = re.match(r"^(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(?:\.(\d{1,9}))?(Z|[+-]\d\d:\d\d)$", text)
+    if not match:
+        raise bad_request(f'parsing time "{text}" as RFC 3339: cannot parse')
+    zone = "+00:00" if match.group(3) == "Z" else match.group(3)
+    seconds = int(dt.datetime.fromisoformat(match.group(1) + zone).timestamp())
+    return seconds * 10 ** 9 + int((match.group(2) or "0").ljust(9, "0"))
+
+
+def _nano_stamp(ns: int) -> bytes:
+    """RFC3339Nano, as the kubelet prefixes lines with ``timestamps=true``."""
+    seconds, nanos = divmod(ns, 10 ** 9)
+    text = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds))
+    fraction = f"{nanos:09d}".rstrip("0")
+    return f"{text}{'.' + fraction if fraction else ''}Z ".encode()
+
+
+def _stamped(buffer, offset: int, data: bytes) -> bytes:
+    """``data`` (which starts at line start ``offset``) with each line's timestamp in front."""
+    out, position = bytearray(), 0
+    while position < len(data):
+        end = data.find(b"\n", position)
+        end = len(data) if end < 0 else end + 1
+        out += _nano_stamp(buffer.line_stamp(offset + position)) + data[position:end]
+        position = end
+    return bytes(out)
+
+
+class Delays:
+    """Requests held for a while before they are answered (a slow API server, an admission
+    webhook taking its time), counting how many of them were in flight at once."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._rules: list[tuple[str, str, float]] = []
+        self.in_flight = self.max_in_flight = 0
+
+    def add(self, verb: str, resource: str, seconds: float) -> None:
+        with self._lock:
+            self._rules.append((verb, resource, seconds))
+            self.max_in_flight = 0
+
+    def clear(self) -> None:
+        with self._lock:
+            self._rules.clear()
+
+    def hold(self, info: "RequestInfo") -> None:
+        with self._lock:
+            seconds = next((s for verb, resource, s in self._rules
+                            if verb == info.verb and resource == info.resource), None)
+            if seconds is None:
+                return
+            self.in_flight += 1
+            self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            time.sleep(seconds)
+        finally:
+            with self._lock:
+                self.in_flight -= 1
+
+
+class LogStalls:
+    """Followed log streams that go silent after some lines without closing (a stream a
+    proxy or a NAT dropped without telling either end)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pending: deque[int] = deque()
+        self.released = threading.Event()
+
+    def add(self, count: int, after_lines: int) -> None:
+        with self._lock:
+            self.released.clear()
+            self._pending.extend([after_lines] * count)
+
+    def take(self) -> "tuple[int, threading.Event] | None":
+        with self._lock:
+            return (self._pending.popleft(), self.released) if self._pending else None
+
+    def clear(self) -> None:
+        with self._lock:
+            self._pending.clear()
+        self.released.set()
+
+
+def _follow(buffer, offset: int, limit: int | None, stamps=None,
+            stall: "tuple[int, threading.Event] | None" = None) -> Iterator[bytes]:
+    sent = lines = 0
     while True:
         chunk, ended = buffer.read_from(offset)
         if ended:
             return
-        offset += len(chunk)
+        if stamps is not None or stall is not None:   # whole lines only
+            cut = chunk.rfind(b"\n") + 1
+            if not cut:
+                if not buffer.read_from(offset + len(chunk))[1]:
+                    time.sleep(0.01)
+                    continue
+                cut = len(chunk)
+            chunk = chunk[:cut]
+            if stall is not None:
+                keep = chunk.split(b"\n")[: max(stall[0] - lines, 0)]
+                if len(keep) < chunk.count(b"\n"):
+                    chunk = b"".join(line + b"\n" for line in keep)
+                    if chunk:
+                        yield _stamped(stamps, offset, chunk) if stamps is not None else chunk
+                    stall[1].wait()   # silent, never closed: the client must notice
+                    return
+                lines += chunk.count(b"\n")
+        start, offset = offset, offset + len(chunk)
+        if stamps is not None:
+            chunk = _stamped(stamps, start, chunk)
         if limit:
             chunk = chunk[: limit - sent]
         sent += len(chunk)

@@ -648,6 +648,7 @@ class Kubelet:
         return registry is None or any(image.startswith(prefix) for prefix in registry)
 
     def _image_present(self, image: str) -> bool:
+        image = self.settings.node_images.get(image, image)
         if not self._images.get(image):
             self._images[image] = docker_image_exists(image)
         return self._images[image]
@@ -661,7 +662,7 @@ class Kubelet:
         limits = (container.get("resources") or {}).get("limits") or {}
         config = ContainerConfig(
             pod_key=f"{pod['metadata']['namespace']}/{pod['metadata']['name']}", name=container["name"],
-            image=container["image"], command=[_expand(a, env) for a in command] if command else None,
+            image=self.settings.node_images.get(container["image"], container["image"]), command=[_expand(a, env) for a in command] if command else None,
             args=[_expand(a, env) for a in container.get("args") or []] or None, env=env,
             working_dir=container.get("workingDir"), server=self.settings.instance,
             memory_limit=int(parse_quantity(limits["memory"])) if "memory" in limits else None,

@@ -11,6 +11,7 @@ which log readers (``follow=true`` included) block on.
 """
 from __future__ import annotations
 
+import bisect
 import os
 import re
 import signal
@@ -32,11 +33,34 @@ class LogBuffer:
         self._data = bytearray()
         self._closed = False
         self._cond = threading.Condition()
+        self._starts: list[int] = []     # offset where each line starts
+        self._stamps: list[int] = []     # when that line's first byte came (ns since the epoch)
 
     def append(self, chunk: bytes) -> None:
         with self._cond:
+            now = time.time_ns()
+            begin = len(self._data)
+            if chunk and (begin == 0 or self._data[-1:] == b"\n"):
+                self._starts.append(begin)
+                self._stamps.append(now)
+            for i, byte in enumerate(chunk[:-1]):
+                if byte == 0x0A:
+                    self._starts.append(begin + i + 1)
+                    self._stamps.append(now)
             self._data += chunk
             self._cond.notify_all()
+
+    def line_stamp(self, offset: int) -> int:
+        """When the line holding byte ``offset`` was written (ns since the epoch)."""
+        with self._cond:
+            index = bisect.bisect_right(self._starts, offset) - 1
+            return self._stamps[max(index, 0)] if self._stamps else time.time_ns()
+
+    def offset_since(self, since_ns: int) -> int:
+        """Offset of the first line written at or after ``since_ns`` (as sinceTime selects)."""
+        with self._cond:
+            index = bisect.bisect_left(self._stamps, since_ns)
+            return self._starts[index] if index < len(self._starts) else len(self._data)
 
     def close(self) -> None:
         with self._cond:

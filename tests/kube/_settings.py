@@ -21,6 +21,11 @@ class Settings:
     history_limit: int = 1000          # watch events kept; older resourceVersions get 410
     watch_default_timeout: float = 1800.0
     bookmark_interval: float = 60.0    # seconds of quiet between BOOKMARKs (0: only at the end)
+    # Events a watcher may fall behind by (its buffer in the API server's watch cache): a
+    # watcher further behind (it does not read, so the server's writes block) is closed
+    # without an ERROR, as a real API server forces an unresponsive watcher closed; the
+    # client watches again from the last resourceVersion it got. 0: never closed.
+    watcher_buffer: int = 100
     strict_namespaces: bool = False     # False: any namespace exists; True: only known/created ones
     namespaces: tuple = ("default", "kube-system", "kube-public", "kube-node-lease")
     record_events: bool = True          # emit core/v1 Events (Scheduled, Started, FailedScheduling ...)
@@ -42,6 +47,8 @@ class Settings:
     crash_backoff_seconds: float = 0.5  # first container restart delay (doubles, capped at 5 s)
     job_backoff_seconds: float = 0.0    # delay before replacing a failed Job pod (real: 10 s doubling)
     image_commands: dict = field(default_factory=dict)  # image -> argv when a pod gives no command
+    # image -> local docker image the node has under that name (as `kind load` would tag it)
+    node_images: dict = field(default_factory=dict)
     image_env: dict = field(default_factory=lambda: {"PYTHONUNBUFFERED": "1",
                                                      "PYTHONDONTWRITEBYTECODE": "1"})
     host_env: tuple = DEFAULT_HOST_ENV

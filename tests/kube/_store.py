@@ -43,8 +43,10 @@ class Store:
         self._objects: dict[Key, dict] = {}
         self._history: deque[WatchEvent] = deque()
         self._history_limit = history_limit
-        self._compacted_rv = 0     # newest resourceVersion dropped from the history
-        self._rv = 0
+        # As etcd, which starts at revision 1: a list of an empty cluster says "1", never "0"
+        # (a watch from "0" means "from any state, with the current objects first").
+        self._compacted_rv = 1     # newest resourceVersion dropped from the history
+        self._rv = 1
         self._closed = False
         self._on_event = on_event or (lambda event: None)
 

@@ -64,6 +64,7 @@ from ._api import Api
 from ._controllers import ControllerManager, GarbageCollector, JobController
 from ._http import Fault, HttpServer, Policy, RequestRecord, Router
 from ._kubelet import Kubelet
+from ._meta import PODS
 from ._runtime import DOCKER_LABEL, docker, docker_engine_answers, docker_leaked_containers
 from ._settings import Settings
 from ._store import Store
@@ -113,6 +114,7 @@ class FakeApiServer:
             if self._stopped or not self._started:
                 return
             self._stopped = True
+        self._http.router.stalls.clear()
         self._http.stop()
         self.store.close()
         self._manager.stop()
@@ -221,8 +223,29 @@ class FakeApiServer:
         """Answer the next ``count`` matching requests with ``code`` (429, 500, 503, 504)."""
         self.policy.add_fault(Fault(code, count, verb, resource, retry_after))
 
+    def record_pod_event(self, namespace: str, name: str, reason: str, message: str,
+                         kind: str = "Normal", component: str = "cluster-autoscaler") -> None:
+        """An Event about pod ``name``, as another component (the cluster autoscaler:
+        ``TriggeredScaleUp`` / ``NotTriggerScaleUp``) would record it."""
+        self.api.record_event(self.api.get(PODS, namespace, name), kind, reason, message,
+                              component)
+
+    def slow_requests(self, verb: str, resource: str, seconds: float):
+        """Hold every ``verb`` ``resource`` request (e.g. "delete", "pods") ``seconds`` before
+        answering it; the returned object's ``max_in_flight`` says how many overlapped."""
+        self._http.router.delays.add(verb, resource, seconds)
+        return self._http.router.delays
+
+    def stall_log_streams(self, count: int = 1, after_lines: int = 1) -> None:
+        """The next ``count`` followed log streams send ``after_lines`` lines, then nothing more,
+        and stay open (a stream dropped silently on the way); :meth:`reset_hooks` ends them."""
+        self._http.router.stalls.add(count, after_lines)
+
     def reset_hooks(self) -> None:
-        """Clear forbidden rules, injected faults, failing images and the scheduling predicate."""
+        """Clear forbidden rules, injected faults, failing images, the scheduling predicate
+        and stalled log streams."""
+        self._http.router.stalls.clear()
+        self._http.router.delays.clear()
         self.policy.clear()
         self.allow_image_pulls()
         self.set_unschedulable(None)

@@ -221,6 +221,82 @@ def test_run_reports_an_unschedulable_pod_with_the_schedulers_reason(launcher, k
     assert "kubernetes_pending_timeout=1.5" in text and f"fibrl stop {run}" in text
 
 
+@pytest.mark.kubernetes
+def test_run_waits_for_a_parent_pod_the_autoscaler_makes_room_for(launcher, kube_cluster):
+    launcher, runs = launcher
+    fake = kube_cluster.fake
+    fake.set_unschedulable(lambda pod: "0/1 nodes are available: 1 Insufficient cpu."
+                           if pod["metadata"]["name"].startswith("fibrl-run-") else None)
+    run = _launch(launcher, runs, kube_cluster.image)
+    done = threading.Event()
+
+    def autoscaler():   # a new TriggeredScaleUp event every 0.5 s, then the node is there
+        begin = time.monotonic()
+        while not done.wait(0.5):
+            for pod in _pods(kube_cluster, run):
+                fake.record_pod_event(kube_cluster.namespace, pod.metadata.name,
+                                      "TriggeredScaleUp", "pod triggered scale-up: [{b 1->2}]")
+            if time.monotonic() - begin > 4.5:   # three pending timeouts
+                fake.set_unschedulable(None)
+
+    thread = threading.Thread(target=autoscaler, daemon=True)
+    thread.start()
+    try:
+        ended = launcher.wait(run, follow=False, out=io.BytesIO())
+    finally:
+        done.set()
+    assert (ended.status, ended.reason) == (0, "")
+
+
+@pytest.mark.kubernetes
+def test_run_says_why_the_autoscaler_adds_no_node(launcher, kube_cluster):
+    launcher, runs = launcher
+    fake = kube_cluster.fake
+    fake.set_unschedulable(lambda pod: "0/1 nodes are available: 1 Insufficient nvidia.com/gpu.")
+    run = _launch(launcher, runs, kube_cluster.image)
+    pods = wait_until(lambda: _pods(kube_cluster, run), "the run's pod", 30)
+    fake.record_pod_event(kube_cluster.namespace, pods[0].metadata.name, "NotTriggerScaleUp",
+                          "pod didn't trigger scale-up: 1 max node group size reached")
+    with pytest.raises(BackendError) as error:
+        launcher.wait(run, follow=False, out=io.BytesIO())
+    assert "the cluster autoscaler adds no node for it" in str(error.value)
+    assert "max node group size reached" in str(error.value)
+
+
+@pytest.mark.kubernetes
+def test_run_follow_resumes_a_log_stream_that_went_silent(launcher, kube_cluster, monkeypatch):
+    from fibrl.launch import kubernetes as kube_launch
+
+    launcher, runs = launcher
+    monkeypatch.setattr(kube_launch, "_FOLLOW_READ_TIMEOUT", 1.0, raising=False)
+    # the first stream sends two lines, then nothing, and is never closed
+    kube_cluster.fake.stall_log_streams(count=1, after_lines=2)
+    script = "import time\nfor i in range(8):\n    print('line', i, flush=True)\n    time.sleep(0.3)\n"
+    run = _launch(launcher, runs, kube_cluster.image, ("python", "-c", script))
+    out, ended = io.BytesIO(), []
+    follow = threading.Thread(target=lambda: ended.append(launcher.wait(run, True, out)),
+                              daemon=True)
+    follow.start()
+    follow.join(60)
+    assert not follow.is_alive(), f"--follow hung on a silent stream; it wrote {out.getvalue()!r}"
+    assert ended[0].status == 0
+    # every line once, in order, though the resumed stream repeats the lines of the second
+    # it resumes from (sinceTime has whole seconds)
+    assert out.getvalue().decode().splitlines() == [f"line {i}" for i in range(8)]
+    streams = [r for r in kube_cluster.fake.requests if r.path.endswith(f"/log")]
+    assert len(streams) >= 2
+
+
+@pytest.mark.kubernetes
+def test_logs_follow_writes_a_last_line_without_newline(launcher, kube_cluster):
+    launcher, runs = launcher
+    run = _launch(launcher, runs, kube_cluster.image,
+                  ("python", "-c", "import sys; print('first'); sys.stdout.write('last')"))
+    out = io.BytesIO()
+    assert launcher.wait(run, True, out).status == 0
+    assert out.getvalue() == b"first\nlast"
+
+
 # --------------------------------------------------------------------------- docker
 
 @pytest.mark.docker

@@ -7,6 +7,7 @@ Pods run as local processes. Every wait is a watch bounded by
 """
 from __future__ import annotations
 
+import base64
 import json
 import os
 import re
@@ -759,3 +760,33 @@ def test_a_too_large_resource_version_is_refused_with_retry_after(v1, kube_names
     assert status == 504 and "Too large resource version" in body["message"]
     assert body["details"]["causes"][0]["reason"] == "ResourceVersionTooLarge"
     assert headers.get("Retry-After") == "1"
+
+
+def test_a_watcher_that_does_not_read_is_closed_and_can_watch_again():
+    """As a real API server forces an unresponsive watcher closed: once more events than
+    its buffer piled up behind writes the client did not read, the stream ends (no ERROR);
+    a watch from the last resourceVersion the client got sees the rest."""
+    with FakeApiServer(watcher_buffer=5) as server, server.api_client() as api:
+        v1 = client.CoreV1Api(api)
+        rv = v1.list_namespaced_secret("default", _request_timeout=5).metadata.resource_version
+        resp = v1.list_namespaced_secret("default", watch=True, resource_version=rv,
+                                         timeout_seconds=60, _preload_content=False,
+                                         _request_timeout=(5, 60))
+        blob = base64.b64encode(os.urandom(300_000)).decode()   # ~400 KB an event
+        for i in range(40):   # ~16 MB: far more than the socket buffers hold
+            v1.create_namespaced_secret("default", {"metadata": {"name": f"big-{i}"},
+                                                    "data": {"k": blob}}, _request_timeout=10)
+        begin = time.monotonic()
+        names = []
+        for line in watch.watch.iter_resp_lines(resp):   # now read it all
+            event = json.loads(line)
+            assert event["type"] == "ADDED", event["type"]
+            names.append(event["object"]["metadata"]["name"])
+            last = event["object"]["metadata"]["resourceVersion"]
+        assert time.monotonic() - begin < 30, "the stream was not closed"
+        assert server.api.slow_watchers_closed >= 1 and len(names) < 40
+        assert names == [f"big-{i}" for i in range(len(names))]
+        rest = [e["object"].metadata.name for e in watch.Watch().stream(
+            v1.list_namespaced_secret, "default", resource_version=last, timeout_seconds=1,
+            _request_timeout=10)]
+        assert names + rest == [f"big-{i}" for i in range(40)]

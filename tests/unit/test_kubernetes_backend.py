@@ -22,8 +22,9 @@ from conftest import require_module, wait_until
 
 import fibrl
 from fibrl import backends
+from fibrl.backends.base import JobStatus
 from fibrl.backends.kube.settings import (KubeSettings, PodIdentity, cpu_quantity, label_value,
-                                          memory_quantity, pod_name)
+                                          memory_quantity, pod_image, pod_name)
 from fibrl.config import Config
 from fibrl.errors import BackendError, ConfigError
 
@@ -366,16 +367,165 @@ def test_unschedulable_pod_is_reported_not_killed_with_the_default_timeouts(kube
 def test_a_pod_that_never_runs_ends_after_start_plus_pending_timeout(kube_init, fake,
                                                                      kube_settings):
     """A pull that never ends is no Unschedulable pod and reports no error: the start
-    still ends, after start_timeout + kubernetes_pending_timeout, saying what it saw."""
-    fake.pull_images_slowly(kube_settings["image"])
+    still ends, once start_timeout + kubernetes_pending_timeout pass with no new pull event
+    (the pull's one Pulling event bought it one more such period), saying what it saw."""
+    fake.pull_images_slowly(pod_image(kube_settings["image"]))
     kube_init(start_timeout=1.0, kubernetes_pending_timeout=1.0)
     begin = time.monotonic()
     p = _started(sleep_forever)
     p.join(WAIT)
     reason = p._popen.job.failure_reason()
     assert p.exitcode == 1, reason
-    assert "did not start running within 2 s" in reason, reason
-    assert 1.5 < time.monotonic() - begin < 15
+    assert "did not start running within" in reason, reason
+    assert "kubernetes_pending_timeout = 2 s with no progress since" in reason, reason
+    assert 3.5 < time.monotonic() - begin < 15
+
+
+def _keep_recording(fake, namespace, name, reason, message, until, interval=0.4):
+    """Record ``reason`` about pod ``name`` every ``interval`` s until ``until`` is set."""
+    def loop():
+        while not until.wait(interval):
+            try:
+                fake.record_pod_event(namespace, name, reason, message)
+            except Exception:   # the pod is not there yet, or gone
+                pass
+
+    thread = threading.Thread(target=loop, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_pod_waiting_for_a_new_node_is_waited_for(kube_init, fake, kube_settings):
+    """Unschedulable, but the cluster autoscaler keeps saying it adds a node: the pending
+    timeout starts over on each new TriggeredScaleUp event instead of failing the pod."""
+    namespace = kube_settings["kubernetes_namespace"]
+    fake.set_unschedulable(lambda pod: "0/1 nodes are available: 1 Insufficient cpu."
+                           if pod["spec"]["containers"][0]["name"] == "worker" else None)
+    # start_timeout (from Running) leaves a loaded machine time to connect; the limit of
+    # a pod that never runs is start_timeout + kubernetes_pending_timeout = 5 s
+    kube_init(kubernetes_pending_timeout=1.0, start_timeout=4.0)
+    out, go = fibrl.Queue(), fibrl.Queue()
+    p = _started(report_pod_then_wait, out, go)
+    name, done = p._popen.job.name, threading.Event()
+    _keep_recording(fake, namespace, name, "TriggeredScaleUp",
+                    "pod triggered scale-up: [{pool-b 1->2 (max: 5)}]", done)
+    try:
+        time.sleep(11.0)   # eleven pending timeouts, two start limits
+        assert p._popen.job.status() is not JobStatus.FAILED, p._popen.job.failure_reason()
+        fake.set_unschedulable(None)    # the new node joined
+        assert out.get(timeout=WAIT)
+    finally:
+        done.set()
+        go.put(1)
+    p.join(WAIT)
+    assert p.exitcode == 0, p._popen.job.failure_reason()
+
+
+def test_a_pod_the_autoscaler_will_not_place_says_why(kube_init, fake, kube_settings):
+    namespace = kube_settings["kubernetes_namespace"]
+    fake.set_unschedulable(lambda pod: "0/1 nodes are available: 1 Insufficient nvidia.com/gpu.")
+    kube_init(kubernetes_pending_timeout=1.0)
+    p = _started(sleep_forever)
+    wait_until(lambda: "Unschedulable" in p._popen.job.logs(), "the scheduler's reason", WAIT)
+    fake.record_pod_event(namespace, p._popen.job.name, "NotTriggerScaleUp",
+                          "pod didn't trigger scale-up: 2 node(s) didn't match Pod's node "
+                          "affinity/selector", kind="Normal")
+    p.join(WAIT)
+    reason = p._popen.job.failure_reason()
+    assert p.exitcode == 1, reason
+    assert "Unschedulable" in reason and "the cluster autoscaler adds no node" in reason
+    assert "didn't trigger scale-up" in reason
+
+
+def test_an_image_pull_in_progress_extends_the_start_limit(kube_init, fake, kube_settings):
+    """A pull that the kubelet reports (Pulling, then Pulled) outlasts start_timeout +
+    kubernetes_pending_timeout; each new pull event restarts that limit."""
+    namespace, image = kube_settings["kubernetes_namespace"], pod_image(kube_settings["image"])
+    fake.pull_images_slowly(image)
+    kube_init(start_timeout=4.0, kubernetes_pending_timeout=1.0)   # a 5 s start limit
+    out, go = fibrl.Queue(), fibrl.Queue()
+    p = _started(report_pod_then_wait, out, go)
+    done = threading.Event()
+    _keep_recording(fake, namespace, p._popen.job.name, "Pulling",
+                    f'Pulling image "{image}"', done)
+    try:
+        time.sleep(11.0)   # more than twice the start limit
+        assert p._popen.job.status() is not JobStatus.FAILED, p._popen.job.failure_reason()
+        fake.allow_image_pulls(image)
+        assert out.get(timeout=WAIT)
+    finally:
+        done.set()
+        go.put(1)
+    p.join(WAIT)
+    assert p.exitcode == 0, p._popen.job.failure_reason()
+
+
+def test_listen_ports_are_validated():
+    from fibrl.backends.kube.settings import port_range
+
+    assert port_range("30000-30099") == (30000, 30099) and port_range("") is None
+    for bad in ("30099-30000", "80", "30000-70000", "a-b", "30000,30001"):
+        with pytest.raises(ConfigError, match="kubernetes_listen_ports"):
+            port_range(bad)
+
+
+def test_choose_port_takes_a_free_port_of_the_range_or_says_none_is_left():
+    import socket as socket_
+    from fibrl.backends.kube.settings import choose_port
+
+    with socket_.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(BackendError, match=f"every port of kubernetes_listen_ports={port}"):
+            choose_port("127.0.0.1", (port, port))
+    with socket_.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    assert choose_port("127.0.0.1", (port, port)) == port
+
+
+def test_a_parent_listening_outside_the_port_range_is_refused(kube_init):
+    backend = kube_init(kubernetes_listen_ports="31300-31309")
+    with pytest.raises(BackendError, match="outside kubernetes_listen_ports=31300-31309"):
+        backend._check_port(40000)
+    backend._check_port(31305)
+
+
+LISTEN_PORTS_SCRIPT = """
+import sys, fibrl
+from fibrl.runtime import installed_hub
+
+def echo(q):
+    q.put("hello")
+
+if __name__ == "__main__":
+    fibrl.init(backend="kubernetes", kubernetes_listen_ports=sys.argv[1], **SETTINGS)
+    q = fibrl.Queue()                 # the hub listens here, before any worker
+    p = fibrl.Process(target=echo, args=(q,))
+    p.start()
+    print(q.get(timeout=60), installed_hub().address.rsplit(":", 1)[1], flush=True)
+    p.join(60)
+    sys.exit(p.exitcode)
+"""
+
+
+def test_the_parent_listens_on_a_port_of_kubernetes_listen_ports(kube_settings, tmp_path):
+    """A NetworkPolicy admitting only this range lets the workers in: the parent's hub
+    listens on a port of it even when a Queue made it listen before the first worker."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "ports.py"
+    script.write_text(LISTEN_PORTS_SCRIPT.replace("**SETTINGS", f"**{kube_settings!r}"))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FIBRL_")}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+    out = subprocess.run([sys.executable, str(script), "31200-31299"], capture_output=True,
+                         text=True, timeout=120, env=env, cwd=str(tmp_path))
+    assert out.returncode == 0, out.stderr[-3000:]
+    word, port = out.stdout.split()
+    assert word == "hello" and 31200 <= int(port) <= 31299
 
 
 def test_evicted_pod_says_evicted(kube_init, fake, kube_settings):
@@ -448,6 +598,21 @@ def test_close_removes_the_runs_pods_and_secret(kube_init, core, kube_settings):
                "the closed backend's pods to be deleted", WAIT)
 
 
+def test_close_deletes_its_pods_concurrently(kube_init, fake, kube_settings):
+    """At exit every pod is deleted at once (at most kubernetes_create_batch requests in
+    flight), not one after another: each delete here takes 0.5 s."""
+    backend = kube_init(kubernetes_create_batch=4)
+    processes = [_started(sleep_forever, daemon=True) for _ in range(4)]
+    names = {f"{kube_settings['kubernetes_namespace']}/{p._popen.job.name}" for p in processes}
+    wait_until(lambda: names <= set(fake.running_pods()), "the four pods to run", WAIT)
+    delays = fake.slow_requests("delete", "pods", 0.5)
+    backend.close()
+    for p in processes:
+        p.join(WAIT)
+    assert [p.exitcode for p in processes] == [-9] * 4
+    assert delays.max_in_flight >= 2, "close() deleted its pods one after another"
+
+
 def test_watch_recovers_from_410_and_from_failed_lists(kube_cluster):
     if kube_cluster.fake is None:
         pytest.skip("needs a fake API server with a tiny watch history")
@@ -506,7 +671,10 @@ def test_oomkilled_pod_is_reported(kube_init):
         skip_or_fail(missing, "CI_REQUIRE_DOCKER")
     from tests.kube.fake_apiserver import FakeApiServer
 
-    with FakeApiServer(runtime="docker") as server:
+    # pods of the stock image run fibrl:<version>: the node has it, as the local build
+    local = os.environ.get("FIBRL_IMAGE", "fibrl:latest")
+    with FakeApiServer(runtime="docker",
+                       node_images={f"fibrl:{fibrl.__version__}": local}) as server:
         backend = kube_init(kubernetes_kubeconfig=server.write_kubeconfig(), memory="12m")
         p = _started(exit_with, 0)
         p.join(90)
@@ -637,7 +805,7 @@ def test_a_slow_delete_does_not_hold_up_the_watch(kube_init, fake, kube_settings
     out, go = fibrl.Queue(), fibrl.Queue()
     ok = _started(report_pod_then_wait, out, go)
     out.get(timeout=WAIT)
-    fake.fail_image_pulls(kube_settings["image"])      # from now on, for new pods
+    fake.fail_image_pulls(pod_image(kube_settings["image"]))   # from now on, for new pods
     fake.inject_errors(503, count=12, verb="delete", resource="pods", retry_after=1)
     bad = _started(sleep_forever)
     wait_until(lambda: fake.count_requests("delete", "pods", 503), "the first refused delete",

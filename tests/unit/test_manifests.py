@@ -12,7 +12,7 @@ import pytest
 from conftest import require_module
 
 from fibrl.backends import JobSpec
-from fibrl.backends.kube.api import REQUIRED_PERMISSIONS
+from fibrl.backends.kube.api import OPTIONAL_PERMISSIONS, REQUIRED_PERMISSIONS
 from fibrl.backends.kube.manifests import launcher_job, owner_reference, secret_manifest, worker_pod
 from fibrl.backends.kube.settings import (NEWEST_KUBERNETES, OLDEST_KUBERNETES, KubeSettings,
                                           PodIdentity, pod_name)
@@ -115,7 +115,7 @@ def _granted(role):
 def test_parent_role_grants_exactly_what_the_backend_needs():
     role = next(d for d in _rbac_documents()
                 if d["kind"] == "Role" and d["metadata"]["name"] == "fibrl-parent")
-    assert _granted(role) == set(REQUIRED_PERMISSIONS)
+    assert _granted(role) == set(REQUIRED_PERMISSIONS) | set(OPTIONAL_PERMISSIONS)
     # workers run as this account: it must not read the namespace's Secrets
     assert not {("get", "secrets"), ("list", "secrets"), ("watch", "secrets")} & _granted(role)
     binding = next(d for d in _rbac_documents() if d["kind"] == "RoleBinding")
@@ -191,3 +191,16 @@ def test_rbac_documents_binding_the_parent_role_to_a_person():
     text = RBAC.read_text()
     assert "--role=fibrl-parent --user=" in text
     assert "--role=fibrl-launcher --user=" in text
+
+
+def test_pods_of_the_stock_image_run_a_versioned_tag_and_are_not_pulled_again():
+    """``:latest`` would make kubernetes' default pull policy Always: an image loaded into
+    the nodes (kind load) would be pulled again from a registry that lacks it."""
+    import fibrl
+    from fibrl.backends.kube.settings import KubeSettings, pod_image
+    from fibrl.config import Config
+
+    config = Config()
+    assert pod_image(config.image) == f"fibrl:{fibrl.__version__}"
+    assert pod_image("registry.example/me/walker:1") == "registry.example/me/walker:1"
+    assert KubeSettings.from_config(config).image_pull_policy == "IfNotPresent"

@@ -29,6 +29,7 @@ from ...errors import BackendError
 from .settings import KubeSettings, PodIdentity
 
 __all__ = ["Api", "KubeApiError", "connect", "sdk", "RBAC_HINT", "REQUIRED_PERMISSIONS",
+           "OPTIONAL_PERMISSIONS",
            "admission_denial"]
 
 log = logging.getLogger(__name__)
@@ -42,6 +43,9 @@ RBAC_HINT = ("kubectl apply -f deploy/rbac.yaml (from the fibrl source tree; it 
 REQUIRED_PERMISSIONS = (
     ("create", "pods"), ("get", "pods"), ("list", "pods"), ("watch", "pods"),
     ("delete", "pods"), ("get", "pods/log"), ("create", "secrets"), ("delete", "secrets"))
+# What a parent uses when it may (nothing fails without it): a pending pod's events show a
+# node being added or an image being pulled, and keep its start deadline from ending it.
+OPTIONAL_PERMISSIONS = (("list", "events"),)
 _FORBIDDEN = re.compile(r'User "(?P<user>[^"]*)" cannot (?P<verb>\S+) resource "(?P<res>[^"]*)"'
                         r'(?: in API group "[^"]*")?')
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+import time
 from typing import Any, Callable, Optional
 
 from ...errors import describe_exitcode
@@ -32,7 +33,8 @@ from ..base import Job, JobSpec, JobStatus
 from .settings import CONTAINER
 
 __all__ = ["KubernetesJob", "exit_code", "ended_code", "pod_failure", "fatal_waiting",
-           "stuck_pending", "LOG_TAIL_LINES"]
+           "stuck_pending", "progress_marks", "autoscaler_refusal", "PROGRESS_EVENTS",
+           "LOG_TAIL_LINES"]
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +44,9 @@ _FATAL_WAITING = ("ImagePullBackOff", "ErrImageNeverPull", "InvalidImageName")
 # ErrImagePull comes before ImagePullBackOff (which ends the job at once); a kubelet that
 # keeps retrying a flaky registry may show it for long, so it starts the pending timer.
 _STUCK_WAITING = ("CreateContainerConfigError", "CreateContainerError", "ErrImagePull")
+# Events that say a pending pod is on its way: the cluster autoscaler is adding a node
+# for it, the scheduler placed it, the kubelet pulls (or pulled) its image.
+PROGRESS_EVENTS = ("TriggeredScaleUp", "Scheduled", "Pulling", "Pulled")
 _DELETED_ELSEWHERE = ("the pod was deleted by someone else (kubectl delete, a node drain, "
                       "the cluster)")
 
@@ -123,14 +128,47 @@ def stuck_pending(pod: dict, container: str = CONTAINER) -> str:
     return ""
 
 
+def progress_marks(events: list) -> dict:
+    """``{event name: what changes when it happens again}`` of the progress events
+    (:data:`PROGRESS_EVENTS`) among a pod's events: a new key, or a changed value, between
+    two readings is progress. Compares nothing with this machine's clock.
+
+    Example:
+        >>> progress_marks([{"metadata": {"name": "p.1"}, "reason": "TriggeredScaleUp",
+        ...                  "count": 2, "lastTimestamp": "2026-11-24T03:00:00Z"},
+        ...                 {"metadata": {"name": "p.2"}, "reason": "FailedScheduling"}])
+        {'p.1': (2, '2026-11-24T03:00:00Z', None, None)}
+    """
+    return {(e.get("metadata") or {}).get("name", ""): (
+        e.get("count"), e.get("lastTimestamp"), (e.get("series") or {}).get("count"),
+        (e.get("series") or {}).get("lastObservedTime") or e.get("eventTime"))
+        for e in events if e.get("reason") in PROGRESS_EVENTS}
+
+
+def autoscaler_refusal(events: list) -> str:
+    """The cluster autoscaler's last word on why it adds no node for a pod (its
+    ``NotTriggerScaleUp`` event), else ``""``."""
+    refusals = [e for e in events if e.get("reason") == "NotTriggerScaleUp"]
+    if not refusals:
+        return ""
+    last = max(refusals, key=lambda e: str(e.get("lastTimestamp") or e.get("eventTime") or ""))
+    return f"the cluster autoscaler adds no node for it: {last.get('message', '')}"
+
+
 # -- the job -------------------------------------------------------------------------------
 
 class KubernetesJob(Job):
     """A worker running as a pod. Created by :class:`~fibrl.backends.kubernetes.KubernetesBackend`.
 
     ``owner`` is the backend: it provides ``delete_pod(name, grace)``,
-    ``read_logs(name)``, ``job_failed_to_start(job, message)``, ``pending_timeout``,
-    ``start_limit`` and ``call_later(delay, fn, *args)`` / ``cancel_timer(entry)``.
+    ``read_logs(name)``, ``pod_events(name)``, ``job_failed_to_start(job, message)``,
+    ``pending_timeout``, ``start_limit`` and ``call_later(delay, fn, *args)`` /
+    ``cancel_timer(entry)``.
+
+    A deadline of a pending pod (``pending_timeout`` stuck, ``start_limit`` not running)
+    that passes while the pod's events show progress since the last reading (a node being
+    added by the cluster autoscaler, an image pull started or done) starts over instead of
+    failing the job: a new node and a large image take minutes.
     """
 
     def __init__(self, spec: JobSpec, owner: Any, name: str, namespace: str,
@@ -153,6 +191,10 @@ class KubernetesJob(Job):
         self._running = False
         self._on_running: list = []              # callbacks of when_running()
         self._never_ran: Optional[list] = None
+        self._waiting_since: Optional[float] = None   # when when_running() was first asked
+        # progress_marks() of the last reading, per deadline ("stuck", "start"): each of
+        # the two deadlines asks whether anything happened since it last asked
+        self._progress: dict = {"stuck": {}, "start": {}}
 
     @property
     def id(self) -> str:
@@ -218,6 +260,7 @@ class KubernetesJob(Job):
                 self._on_running.append(callback)
                 if self._never_ran is None:
                     limit = self._owner.start_limit
+                    self._waiting_since = time.monotonic()
                     self._never_ran = self._owner.call_later(limit, self._not_running_in,
                                                              limit)
                 return
@@ -225,11 +268,38 @@ class KubernetesJob(Job):
 
     def _not_running_in(self, limit: float) -> None:
         with self._lock:
-            pod, running = self._pod, self._running
-        if not running and not self._ended.is_set():
+            if self._running or self._ended.is_set():
+                return
+        progress, events = self._progressed("start")
+        with self._lock:
+            pod, waited = self._pod, time.monotonic() - (self._waiting_since or 0.0)
+            if progress and not self._running and not self._ended.is_set():
+                self._never_ran = self._owner.call_later(limit, self._not_running_in, limit)
+                log.info("worker pod %s/%s is not running after %.0f s but is on its way "
+                         "(%s); waiting up to %g s more", self.namespace, self.name, waited,
+                         progress, limit)
+                return
+        if not self._running and not self._ended.is_set():
+            refusal = autoscaler_refusal(events)
             self._owner.job_failed_to_start(
-                self, f"the pod did not start running within {limit:g} s (start_timeout + "
-                      f"kubernetes_pending_timeout): {_describe_pending(self, pod)}")
+                self, f"the pod did not start running within {waited:.0f} s (start_timeout + "
+                      f"kubernetes_pending_timeout = {limit:g} s with no progress since): "
+                      f"{_describe_pending(self, pod)}{'; ' + refusal if refusal else ''}")
+
+    def _progressed(self, deadline: str) -> tuple:
+        """(``"TriggeredScaleUp: ..."`` when the pod's events show progress since
+        ``deadline`` last read them else ``""``, the events)."""
+        events = self._owner.pod_events(self.name)
+        marks = progress_marks(events)
+        with self._lock:
+            seen = self._progress[deadline]
+            new = [name for name, mark in marks.items() if seen.get(name) != mark]
+            seen.update(marks)
+        found = [e for e in events if (e.get("metadata") or {}).get("name") in new]
+        if not found:
+            return "", events
+        last = found[-1]
+        return f"{last.get('reason')}: {last.get('message', '')}", events
 
     def on_deleted(self, pod: Optional[dict]) -> None:
         """The pod is gone (DELETED, or missing from a resync)."""
@@ -260,10 +330,22 @@ class KubernetesJob(Job):
     def _stuck_too_long(self) -> None:
         with self._lock:
             reason = stuck_pending(self._pod or {})
+        if not reason or self._ended.is_set():
+            return
+        progress, events = self._progressed("stuck")
+        timeout = self._owner.pending_timeout
+        with self._lock:
+            if progress and self._stuck is not None and not self._ended.is_set():
+                self._stuck = self._owner.call_later(timeout, self._stuck_too_long)
+                log.info("worker pod %s/%s is still pending (%s) but on its way (%s); waiting "
+                         "up to %g s more", self.namespace, self.name, reason, progress, timeout)
+                return
+            reason = stuck_pending(self._pod or {})
         if reason and not self._ended.is_set():
+            refusal = autoscaler_refusal(events)
             self._owner.job_failed_to_start(
-                self, f"{reason} (pending longer than kubernetes_pending_timeout="
-                      f"{self._owner.pending_timeout:g} s)")
+                self, f"{reason} (pending longer than kubernetes_pending_timeout={timeout:g} s"
+                      f" with no progress{'; ' + refusal if refusal else ''})")
 
     def _end(self, code: int, reason: str) -> bool:
         with self._lock:

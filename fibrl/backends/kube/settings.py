@@ -14,6 +14,7 @@ Value formats (kept simple so they fit an environment variable)::
     kubernetes_image_pull_secrets "regcred,other-cred"
     kubernetes_tolerations        '[{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}]'
     kubernetes_mesh_annotations   "sidecar.istio.io/inject=false,linkerd.io/inject=disabled"
+    kubernetes_listen_ports       "30000-30099" (or one port, "30000")
     kubernetes_image_pull_policy  "IfNotPresent" | "Always" | "Never"
 """
 from __future__ import annotations
@@ -22,16 +23,18 @@ import json
 import os
 import re
 import secrets
+import socket
 import string
 from dataclasses import dataclass, field
 from typing import Mapping, Optional
 
+from ... import __version__
 from ...config import Config
-from ...errors import ConfigError
+from ...errors import BackendError, ConfigError
 from ..base import LABEL_BACKEND, LABEL_PARENT, LABEL_ROLE, LABEL_RUN
 
 __all__ = ["KubeSettings", "PodIdentity", "parse_pairs", "parse_tolerations", "parse_names",
-           "cpu_quantity", "memory_quantity", "pod_name", "label_value", "OLDEST_KUBERNETES",
+           "cpu_quantity", "memory_quantity", "port_range", "choose_port", "pod_image", "pod_name", "label_value", "OLDEST_KUBERNETES",
            "NEWEST_KUBERNETES", "LABEL_RUN", "LABEL_PARENT", "LABEL_ROLE", "LABEL_OWNER",
            "LABEL_BACKEND", "SECRET_KEY", "CONTAINER"]
 
@@ -269,6 +272,7 @@ class KubeSettings:
     annotations: Mapping[str, str] = field(default_factory=dict)
     job_ttl: int = 3600
     allow_loopback: bool = False
+    listen_ports: Optional[tuple] = None    # (first, last), inclusive; None: any port
 
     @classmethod
     def from_config(cls, config: Config) -> "KubeSettings":
@@ -296,7 +300,67 @@ class KubeSettings:
             annotations=parse_pairs(config.kubernetes_mesh_annotations,
                                     "kubernetes_mesh_annotations"),
             job_ttl=int(_positive(config.kubernetes_job_ttl, "kubernetes_job_ttl")),
-            allow_loopback=bool(config.kubernetes_allow_loopback))
+            allow_loopback=bool(config.kubernetes_allow_loopback),
+            listen_ports=port_range(config.kubernetes_listen_ports))
+
+
+def port_range(text: str, key: str = "kubernetes_listen_ports") -> Optional[tuple]:
+    """``"30000-30099"`` -> ``(30000, 30099)``; ``"30000"`` -> ``(30000, 30000)``; ``""`` -> None.
+
+    Example:
+        >>> port_range("30000-30099"), port_range(" 8470 "), port_range("")
+        ((30000, 30099), (8470, 8470), None)
+    """
+    text = str(text).strip()
+    if not text:
+        return None
+    match = re.match(r"^(\d{1,5})\s*(?:-\s*(\d{1,5}))?$", text)
+    first, last = (int(match.group(1)), int(match.group(2) or match.group(1))) if match else (0, 0)
+    if not match or not 1024 <= first <= last <= 65535:
+        raise ConfigError(
+            f"config {key}={text!r} is not a port range. Fix: FIRST-LAST with 1024 <= FIRST <= "
+            f"LAST <= 65535, e.g. {key}='30000-30099' (room for one port per parent process "
+            f"and per Manager on the machine), or one port, or empty for any free port.")
+    return first, last
+
+
+def choose_port(host: str, ports: tuple) -> int:
+    """A port of the inclusive range ``ports`` that nothing listens on at ``host``, tried
+    from a random place in the range (parents sharing a machine spread over it).
+
+    Raises:
+        BackendError: every port of the range is taken.
+    """
+    first, last = ports
+    count = last - first + 1
+    start = secrets.randbelow(count)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    bind_host = host.strip("[]")
+    for step in range(count):
+        port = first + (start + step) % count
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind((bind_host, port))
+            except OSError:
+                continue
+        return port
+    raise BackendError(
+        f"every port of kubernetes_listen_ports={first}-{last} is taken on {host}, so this "
+        f"process cannot listen for its workers there. Fix: widen the range (and the "
+        f"NetworkPolicy that admits it), or end the other fibrl parents on this machine.")
+
+
+def pod_image(image: str) -> str:
+    """The image fibrl's pods run for a configured ``image``: the stock default
+    ``fibrl:latest`` becomes ``fibrl:<this fibrl's version>``. A ``:latest`` tag makes
+    kubernetes' default pull policy Always (an image loaded into the nodes would be pulled
+    again from a registry that lacks it), and the pods' fibrl must be the parent's.
+
+    Example:
+        >>> pod_image("fibrl:latest") == f"fibrl:{__version__}", pod_image("me/app:1")
+        (True, 'me/app:1')
+    """
+    return f"fibrl:{__version__}" if image == Config().image else image
 
 
 def _namespace(name: str) -> str:
