@@ -19,7 +19,7 @@
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
-VERSION="$(sed -n 's/^__version__ = "\(.*\)"$/\1/p' fibrl/__init__.py)"
+VERSION="$(sed -n 's/^__version__ = "\(.*\)"$/\1/p' fibrl/_version.py)"
 FIBRL_IMAGE="${FIBRL_IMAGE:-}"
 IMAGE_EXTRAS="${IMAGE_EXTRAS:-rl,docker,kubernetes,tls}"
 OFFLINE="${IMAGE_OFFLINE:-0}"

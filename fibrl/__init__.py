@@ -20,7 +20,7 @@ from .errors import AuthenticationError
 from .meta import meta
 from .process import Process
 
-__version__ = "0.1.0"
+from ._version import __version__  # noqa: E402
 
 from multiprocessing import BufferTooShort, ProcessError, TimeoutError  # noqa: E402
 

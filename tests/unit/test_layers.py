@@ -19,7 +19,7 @@ ROOT = Path(fibrl.__file__).parent
 
 # Bottom to top. A module may import its own layer and the ones below, never above.
 LAYERS = (
-    ("foundation", ("fibrl.errors", "fibrl.config", "fibrl.meta", "fibrl.timers",
+    ("foundation", ("fibrl.errors", "fibrl.config", "fibrl.meta", "fibrl.timers", "fibrl._version",
                     "fibrl.janitor", "fibrl.backends", "fibrl.backends.base")),
     ("wire and backends", ("fibrl.transport", "fibrl.serialization", "fibrl.backends.*")),
     ("runtime", ("fibrl.runtime", "fibrl.messages")),

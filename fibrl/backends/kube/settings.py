@@ -28,7 +28,7 @@ import string
 from dataclasses import dataclass, field
 from typing import Mapping, Optional
 
-from ... import __version__
+from ..._version import __version__
 from ...config import Config
 from ...errors import BackendError, ConfigError
 from ..base import LABEL_BACKEND, LABEL_PARENT, LABEL_ROLE, LABEL_RUN
