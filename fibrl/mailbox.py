@@ -301,15 +301,17 @@ class Mailbox(SharedService):
                     win.waiting = False
         reply(None)
 
-    def op_returned(self, reply: ReplySink, returned: int) -> None:
+    def op_returned(self, reply: ReplySink, returned: int, size: int = 0,
+                    waiting: int = 0) -> None:
         """The window's consumer returned ``returned`` items so far and dropped the
-        rest it held (recalled, or closing): those go back in front, in order."""
+        rest it held (recalled, or closing): those go back in front, in order. It
+        wants ``size`` held from now on (0: none until it asks), and waits or not."""
         with self._lock:
             win = self._windows.get(reply.peer.id) if reply.peer is not None else None
             if win is not None:
                 self._acked(win, returned)
                 win.recalling, win.heard = False, time.monotonic()
-                win.waiting, win.size = False, 0  # closed until its consumer asks again
+                win.waiting, win.size = bool(waiting), max(0, min(int(size), WINDOW_ITEMS))
                 held, win.held = list(win.held), deque()
                 self._held -= len(held)
                 win.nbytes = 0
@@ -572,6 +574,7 @@ class Window:
         self.items: deque = deque()
         self.stream: Optional[object] = None   # the open stream's token; None: closed
         self.rid = 0
+        self.client: Any = None  # the connection the stream is on (never a new one)
         self.size = 1          # items this process asks the owner to hold for it
         self.returned = 0      # items get() returned from this stream
         self.reported = 0      # the count the owner was last told
@@ -619,34 +622,40 @@ class Window:
         token = object()
         self.stream, self.returned, self.reported, self.error = token, 0, 0, None
         self.items.clear()
-        rid = hub.client(self.address).stream(
+        self.client = hub.client(self.address)
+        rid = self.client.stream(
             self.oid, "window", (self.size,), lambda ok, value: self._on_reply(token, ok, value))
         if self.stream is token:
             self.rid = rid
 
-    def _want(self, hub: Any, waiting: int) -> None:
-        self.reported = self.returned
-        Window.unreported.discard(self)
+    def _send(self, method: str, *args: Any) -> None:
+        """A one-way message to the owner on the stream's connection (cond held)."""
         try:
-            if waiting == 2:
-                handle = hub.call_async(self.address, self.oid, "want", self.returned,
-                                        self.size, 2)
-                self.cond.release()
-                try:
-                    hub.wait(handle, self.address, None)
-                finally:
-                    self.cond.acquire()
-            else:
-                hub.send(self.address, self.oid, "want", self.returned, self.size, waiting)
+            self.client.send(self.oid, method, args)
         except Exception as exc:
             self._lost(exc)
 
+    def _want(self, hub: Any, waiting: int) -> None:
+        self.reported = self.returned
+        Window.unreported.discard(self)
+        if self.stream is None:
+            return
+        if waiting != 2:
+            self._send("want", self.returned, self.size, waiting)
+            return
+        handle = self.client.call(self.oid, "want", (self.returned, self.size, 2))
+        self.cond.release()
+        try:
+            hub.wait(handle, self.address, None)
+        except Exception as exc:
+            self.cond.acquire()
+            self._lost(exc)
+        else:
+            self.cond.acquire()
+
     def _lost(self, exc: BaseException) -> None:
-        if self.rid and self.stream is not None:
-            try:
-                get_hub().client(self.address).end_stream(self.rid)
-            except Exception:
-                pass
+        if self.rid and self.client is not None:
+            self.client.end_stream(self.rid)
         self.stream, self.rid = None, 0
         self.error = exc
         self.cond.notify_all()
@@ -661,10 +670,8 @@ class Window:
                 self.items.clear()
                 self.size = 1
                 self.reported = self.returned
-                try:
-                    get_hub().send(self.address, self.oid, "returned", self.returned)
-                except Exception as exc:
-                    self._lost(exc)
+                waiting = 1 if self.waiters else 0  # a get() that waits stays in line
+                self._send("returned", self.returned, waiting, waiting)
             else:
                 self.items.append(value)
                 self.cond.notify()
@@ -689,10 +696,7 @@ class Window:
             self.items.clear()
             self.size = 1
             self.reported = self.returned
-            try:
-                get_hub().send(self.address, self.oid, "returned", self.returned)
-            except Exception as exc:
-                self._lost(exc)
+            self._send("returned", self.returned, 0, 0)
 
     # -- get -----------------------------------------------------------------------------
     def _pop(self) -> Any:

@@ -88,7 +88,9 @@ def test_many_producers_many_consumers_exactly_once(ctx):
     assert sorted(got) == list(range(1500))
 
 
-def test_fair_share_without_eager_prefetch(ctx):
+def test_fair_share(ctx):
+    """4 consumers waiting when 2,400 quick items arrive each get at least half of an
+    equal share: windows go to waiting consumers first, one item each in turn."""
     q, out, ready = ctx.Queue(), ctx.Queue(), ctx.Queue()
     consumers = [ctx.Process(target=consume_until_none, args=(q, out, ready))
                  for _ in range(4)]
