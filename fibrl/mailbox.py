@@ -51,7 +51,10 @@ import time
 from collections import deque
 from typing import Any, Optional
 
+from . import serialization
+from .errors import ChannelClosed
 from .hub import ReplySink, SharedService, get_hub
+from .messages import Reply, blob
 from .serialization import Encoded
 
 __all__ = ["Mailbox", "PipeBox", "Window", "EMPTY", "take"]
@@ -137,6 +140,8 @@ class Mailbox(SharedService):
         self._held = 0                       # items in windows, not acknowledged
         self._turn = 0                       # where the next push starts looking
         self._recall_timer = None
+        self._outgoing: dict = {}            # window -> what to push to it, in order
+        self._send_lock = threading.Lock()   # one thread sends what is outgoing
 
     # -- helpers ---------------------------------------------------------------
     def _park(self, where, parked: _Parked, timeout: Optional[float], on_timeout) -> None:
@@ -206,24 +211,19 @@ class Mailbox(SharedService):
 
     def _fill(self) -> None:
         """Push stored items into windows with room, in order (lock held)."""
-        pushed = []
+        pushed: dict = {}
         while self._items:
             win = self._pick()
             if win is None:
                 break
             payload = self._items.popleft()
-            if not win.sink(payload):   # its connection dropped: drop_peer follows
-                self._items.appendleft(payload)
-                self._close_window(win)
-                continue
             win.waiting = False   # the next item goes to another waiting consumer
             win.held.append(payload)
             win.nbytes += _size(payload)
             self._held += 1
-            pushed.append(win)
-        for holder in {id(w.sink.holder): w.sink.holder for w in pushed}.values():
-            if holder is not None:
-                holder.flush()  # one frame for what went to one consumer now
+            pushed.setdefault(win, []).append(payload)
+        for win, payloads in pushed.items():
+            self._outgoing.setdefault(win, []).extend(payloads)
         if self._waiters() and any(w.held for w in self._windows.values()):
             self._plan_recall()
 
@@ -253,10 +253,7 @@ class Mailbox(SharedService):
             due = win.heard + RECALL_IDLE
             if due <= now:
                 win.recalling = True
-                if not win.sink("recall"):
-                    self._close_window(win)
-                elif win.sink.holder is not None:
-                    win.sink.holder.flush()
+                self._outgoing.setdefault(win, []).append("recall")
             elif later is None or due < later:
                 later = due
         if later is not None and self._recall_timer is None:
@@ -266,6 +263,27 @@ class Mailbox(SharedService):
         with self._lock:
             self._recall_timer = None
             self._plan_recall()
+        self._send_outgoing()
+
+    def _send_outgoing(self) -> None:
+        """Send what was queued for windows, after the lock is released: a send that
+        waits (a consumer slow to read, a dead one not yet noticed) holds up no other
+        operation. One thread at a time sends, in the order things were queued."""
+        while self._outgoing:
+            if not self._send_lock.acquire(False):
+                return  # the thread sending now sends ours too
+            try:
+                with self._lock:
+                    outgoing, self._outgoing = self._outgoing, {}
+                for win, values in outgoing.items():
+                    _push(win, values)
+            finally:
+                self._send_lock.release()
+
+    def dispatch(self, method: str, args: tuple, reply: ReplySink) -> None:
+        super().dispatch(method, args, reply)
+        if self._outgoing:
+            self._send_outgoing()
 
     def op_window(self, reply: ReplySink, size: int) -> None:
         """A consumer in another process opens its window: items are pushed to it as
@@ -277,7 +295,6 @@ class Mailbox(SharedService):
             if old is not None:
                 self._close_window(old)
             self._windows[reply.peer.id] = _Win(reply, _clamp(size))
-            reply.hold(self.hub.timers)  # what one fill pushes shares a frame
             if self._items:
                 self._fill()
             else:
@@ -373,7 +390,9 @@ class Mailbox(SharedService):
             payload = self._items.popleft()
             if self._putters:
                 self._admit_putters()
-            return payload
+        if self._outgoing:
+            self._send_outgoing()
+        return payload
 
     # -- queue operations ----------------------------------------------------------
     def op_put(self, reply: ReplySink, payload: Any, timeout: Optional[float] = None) -> None:
@@ -517,6 +536,8 @@ class Mailbox(SharedService):
                 self._requeue(list(held.values()))
             if self._writers is not None and self._writers.pop(("peer", peer.id), None):
                 self._check_eof()
+        if self._outgoing:
+            self._send_outgoing()
 
     def closed(self) -> None:
         from .errors import object_gone
@@ -534,8 +555,6 @@ class Mailbox(SharedService):
             p.reply.fail(err)
         for win in wins:
             win.sink.fail(err)
-            if win.sink.holder is not None:
-                win.sink.holder.flush()
 
 
 def take(hub: Any, address: str, oid: str, timeout: Optional[float]) -> Any:
@@ -755,6 +774,20 @@ class Window:
     def _raise_error(self) -> None:
         if self.error is not None and not self.items:
             raise self.error
+
+
+def _push(win: _Win, values: list) -> None:
+    """Send ``values`` down ``win``'s stream as one frame (by the one sending thread, so
+    pushes and recalls to one consumer never overtake each other). A consumer whose
+    connection dropped gets nothing: ``drop_peer`` puts back what it held."""
+    peer, rid = win.peer, win.sink.rid
+    if peer.closed:
+        return
+    replies = [Reply(rid, True, v if type(v) is str else blob(v)) for v in values]
+    try:
+        peer.send(serialization.dumps_parts(replies[0] if len(replies) == 1 else replies))
+    except ChannelClosed:
+        pass
 
 
 def _clamp(size: Any) -> int:
