@@ -62,13 +62,15 @@ __all__ = ["Mailbox", "PipeBox", "Window", "EMPTY", "take"]
 EMPTY = object()
 
 #: Most items a consumer's window holds (pushed, not yet acknowledged).
-WINDOW_ITEMS = 64
+WINDOW_ITEMS = 256
 #: Most bytes a window holds; one item always fits, however large.
 WINDOW_BYTES = 4 << 20
 #: A consumer acknowledges what its get() returned at the latest this late.
 ACK_DELAY = 0.002
 #: A window whose consumer was silent this long is recalled while others wait.
 RECALL_IDLE = 0.05
+#: Pushes closer together than this are a burst: sent by a thread of their own, batched.
+BURST_GAP = 0.0005
 
 
 def _size(payload: Any) -> int:
@@ -142,6 +144,10 @@ class Mailbox(SharedService):
         self._recall_timer = None
         self._outgoing: dict = {}            # window -> what to push to it, in order
         self._send_lock = threading.Lock()   # one thread sends what is outgoing
+        self._last_push = 0.0
+        self._sender: Optional[threading.Thread] = None
+        self._sender_wake: Optional[threading.Event] = None
+        self._retired = False
 
     # -- helpers ---------------------------------------------------------------
     def _park(self, where, parked: _Parked, timeout: Optional[float], on_timeout) -> None:
@@ -280,10 +286,35 @@ class Mailbox(SharedService):
             finally:
                 self._send_lock.release()
 
+    def _kick(self) -> None:
+        """Have what is outgoing sent: by this thread when no push went out just now
+        (latency), else by the mailbox's sender thread, which sends what piled up
+        meanwhile as one frame per consumer (throughput)."""
+        now = time.monotonic()
+        if now - self._last_push > BURST_GAP and not self._send_lock.locked():
+            self._last_push = now
+            self._send_outgoing()
+            return
+        self._last_push = now
+        if self._sender is None:
+            self._sender_wake = threading.Event()
+            self._sender = threading.Thread(target=self._send_loop, daemon=True,
+                                            name=f"fibrl-push-{self.oid}")
+            self._sender.start()
+        self._sender_wake.set()
+
+    def _send_loop(self) -> None:
+        wake = self._sender_wake
+        while not self._retired:
+            wake.wait()
+            wake.clear()
+            time.sleep(0)  # let a producer that is putting add more to this frame
+            self._send_outgoing()
+
     def dispatch(self, method: str, args: tuple, reply: ReplySink) -> None:
         super().dispatch(method, args, reply)
         if self._outgoing:
-            self._send_outgoing()
+            self._kick()
 
     def op_window(self, reply: ReplySink, size: int) -> None:
         """A consumer in another process opens its window: items are pushed to it as
@@ -543,6 +574,9 @@ class Mailbox(SharedService):
         from .errors import object_gone
 
         err = object_gone(self.oid, "its process", "closed")
+        self._retired = True
+        if self._sender_wake is not None:
+            self._sender_wake.set()
         with self._lock:
             parked = list(self._getters) + list(self._putters) + self._pollers
             self._getters.clear(), self._putters.clear(), self._pollers.clear()
@@ -722,8 +756,8 @@ class Window:
         payload = self.items.popleft()
         self.returned += 1
         Window.unreported.add(self)
-        if self.returned - self.reported >= max(1, self.size // 2):
-            self._want(get_hub(), 0)  # half the window was returned: room for more now
+        if self.returned - self.reported >= max(1, self.size // 4):
+            self._want(get_hub(), 0)  # a quarter of the window was returned: room for more
         elif self.timer is None:
             hub = get_hub()
             self.timer = hub.timers.call_at(time.monotonic() + ACK_DELAY, self._flush_acks)
