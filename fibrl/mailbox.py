@@ -363,7 +363,6 @@ class Mailbox(SharedService):
                 held, win.held = list(win.held), deque()
                 self._held -= len(held)
                 win.nbytes = 0
-                win.base += len(held)  # the consumer's count does not include them
                 if held:
                     self._requeue(held)
                     self._fill()
