@@ -68,7 +68,7 @@ WINDOW_BYTES = 4 << 20
 #: A consumer acknowledges what its get() returned at the latest this late.
 ACK_DELAY = 0.002
 #: A window whose consumer was silent this long is recalled while others wait.
-RECALL_IDLE = 0.05
+RECALL_IDLE = 0.01
 #: Pushes closer together than this are a burst: sent by a thread of their own, batched.
 BURST_GAP = 0.0005
 
