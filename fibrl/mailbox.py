@@ -68,7 +68,9 @@ WINDOW_BYTES = 4 << 20
 #: A consumer acknowledges what its get() returned at the latest this late.
 ACK_DELAY = 0.002
 #: A window whose consumer was silent this long is recalled while others wait.
-RECALL_IDLE = 0.01
+RECALL_IDLE = 0.05
+#: With several consumers, no window holds more than twice the smallest, or this.
+FAIR_MIN = 4
 #: Pushes closer together than this are a burst: sent by a thread of their own, batched.
 BURST_GAP = 0.0005
 
@@ -107,8 +109,8 @@ class _Win:
         self.heard = time.monotonic()
         self.recalling = False
 
-    def room(self) -> bool:
-        return not self.recalling and len(self.held) < self.size and (
+    def room(self, cap: int = WINDOW_ITEMS) -> bool:
+        return not self.recalling and len(self.held) < min(self.size, cap) and (
             not self.held or self.nbytes < WINDOW_BYTES)
 
     def ack(self, returned: int) -> int:
@@ -204,9 +206,13 @@ class Mailbox(SharedService):
         wins = list(self._windows.values())
         n = len(wins)
         best = None
+        # fairness: no window grows past twice the smallest open one (a consumer that
+        # drains slowly keeps the others' lead over it small)
+        sizes = [w.size for w in wins if w.size > 0]
+        cap = max(FAIR_MIN, 2 * min(sizes)) if n > 1 and sizes else WINDOW_ITEMS
         for i in range(n):
             win = wins[(self._turn + i) % n]
-            if not win.room():
+            if not win.room(cap):
                 continue
             if win.waiting:
                 self._turn = (self._turn + i + 1) % n

@@ -5,6 +5,9 @@ import time
 
 import numpy as np
 import pytest
+from conftest import wait_until
+
+import fibrl.hub
 
 TIMEOUT = 60
 
@@ -98,6 +101,9 @@ def test_fair_share(ctx):
         p.start()
     for _ in consumers:
         assert ready.get(timeout=TIMEOUT) == "ready"
+    box = fibrl.hub.get_hub().service(q._oid)
+    wait_until(lambda: sum(w.waiting for w in box._windows.values()) == 4,
+               "every consumer to wait in get()")
     for i in range(2400):
         q.put(i)
     for _ in consumers:
