@@ -11,7 +11,8 @@ A consumer in another process reads through a *window* (:class:`Window`, one
 per process and queue): the owner pushes items ahead into it, on one stream
 call, while that process calls ``get()``. The window's size adapts on the
 consumer's side (it starts at one item, doubles each time a ``get()`` finds it
-empty, up to ``WINDOW_ITEMS``; it falls back to one item when recalled), and
+empty, up to ``WINDOW_ITEMS``, and at most twice the smallest window of the
+queue or ``FAIR_MIN``; it halves when recalled), and
 the owner also bounds it in bytes (``WINDOW_BYTES``). Items pushed go to
 consumers waiting in ``get()`` first, one each in turn, then to the windows
 holding fewest. The consumer counts the items its ``get()`` returned and sends
@@ -726,7 +727,7 @@ class Window:
                 self._lost(value)
             elif type(value) is str:   # "recall": others wait for what this one holds
                 self.items.clear()
-                self.size = 1
+                self.size = max(1, self.size // 2)  # it did not drain: shrink
                 self.reported = self.returned
                 waiting = 1 if self.waiters else 0  # a get() that waits stays in line
                 self._send("returned", self.returned, waiting, waiting)
