@@ -5,6 +5,9 @@ import time
 
 import numpy as np
 import pytest
+from conftest import wait_until
+
+import fibrl.hub
 
 TIMEOUT = 60
 
@@ -88,7 +91,9 @@ def test_many_producers_many_consumers_exactly_once(ctx):
     assert sorted(got) == list(range(1500))
 
 
-def test_fair_share_without_eager_prefetch(ctx):
+def test_fair_share(ctx):
+    """4 consumers waiting when 2,400 quick items arrive each get at least half of an
+    equal share: windows go to waiting consumers first, one item each in turn."""
     q, out, ready = ctx.Queue(), ctx.Queue(), ctx.Queue()
     consumers = [ctx.Process(target=consume_until_none, args=(q, out, ready))
                  for _ in range(4)]
@@ -96,6 +101,9 @@ def test_fair_share_without_eager_prefetch(ctx):
         p.start()
     for _ in consumers:
         assert ready.get(timeout=TIMEOUT) == "ready"
+    box = fibrl.hub.get_hub().service(q._oid)
+    wait_until(lambda: sum(w.waiting for w in box._windows.values()) == 4,
+               "every consumer to wait in get()")
     for i in range(2400):
         q.put(i)
     for _ in consumers:
