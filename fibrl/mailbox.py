@@ -688,9 +688,14 @@ class Window:
             self.rid = rid
 
     def _send(self, method: str, *args: Any) -> None:
-        """A one-way message to the owner on the stream's connection (cond held)."""
+        """A one-way message to the owner on the stream's connection (cond held).
+
+        Sent from this thread when nothing waits to go (else by the connection's
+        feeder, behind what waits): an acknowledgement that ``_pop`` sends leaves
+        before ``get()`` returns, so the item is not delivered again when this
+        process dies right after."""
         try:
-            self.client.send(self.oid, method, args)
+            self.client.send(self.oid, method, args, inline=True)
         except Exception as exc:
             self._lost(exc)
 
@@ -784,7 +789,10 @@ class Window:
             if timeout is not None and timeout <= 0:
                 self._want(hub, 2)  # the owner pushes an item stored, then answers
                 if self.items:
-                    return self._pop()
+                    payload = self._pop()
+                    if self.returned != self.reported:
+                        self._want(hub, 0)  # a request went to the owner anyway: ack now
+                    return payload
                 self._raise_error()
                 raise queue.Empty
             self._want(hub, 1)
