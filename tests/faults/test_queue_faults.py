@@ -209,8 +209,10 @@ def test_slow_consumer_does_not_hold_up_fast_ones(ctx):
         else:
             by_slow.append(what)
     slow_when_fast_done = len(by_slow)
-    # the fast ones took what the slow one did not get to: they did not wait on it
-    assert slow_when_fast_done <= 10, by_slow
+    # the fast ones took what the slow one did not get to: they did not wait on it (a
+    # wait on the slow one's window grows this at its pace, 2 items a second; the bound
+    # leaves room for a machine so loaded that the fast ones need seconds for 400 items)
+    assert slow_when_fast_done <= 40, by_slow
     while not by_slow or by_slow[-1] is not None:
         who, what = results.get(timeout=TIMEOUT)
         assert who == "slow"
