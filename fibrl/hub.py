@@ -222,10 +222,14 @@ class HeldReplies:
             self._timers.cancel(timer)
         if replies and not self.peer.closed:
             try:
-                self.peer.send(serialization.dumps_parts(replies[0] if len(replies) == 1
-                                                         else replies))
+                self.peer.send(_frame(replies))
             except ChannelClosed:
                 pass  # the caller is gone: its calls fail on its side
+
+
+def _frame(messages: list) -> list:
+    """One frame for a batch of messages (a lone one travels unwrapped)."""
+    return serialization.dumps_parts(messages[0] if len(messages) == 1 else messages)
 
 
 class _PeerReply(ReplySink):
@@ -512,8 +516,7 @@ class Client:
 
     def _transmit(self, calls: list) -> None:
         try:
-            self._channel.send(serialization.dumps_parts(calls[0] if len(calls) == 1
-                                                         else calls))
+            self._channel.send(_frame(calls))
         except ChannelClosed:
             self._on_lost()
 

@@ -120,7 +120,6 @@ def _apply_debug(config: Config) -> Config:
 # -- the hub slot --------------------------------------------------------------------
 
 _hub: Any = None        # a fibrl.hub.Hub; typed loosely: this layer does not import it
-_hub_pid = 0
 hub_lock = threading.Lock()   # held while a hub is built and installed
 
 
@@ -131,8 +130,8 @@ def installed_hub() -> Any:
 
 def _forget_hub_in_child() -> None:
     # a forked child inherits the parent's hub object, not its threads or sockets
-    global _hub, _hub_pid
-    _hub, _hub_pid = None, 0
+    global _hub
+    _hub = None
 
 
 os.register_at_fork(after_in_child=_forget_hub_in_child)
@@ -144,9 +143,9 @@ def install_hub(hub: Any) -> None:
     Callers that build the hub on first use hold :data:`hub_lock` around the
     check and the install; a worker installs the one it built from its secret.
     """
-    global _hub, _hub_pid
+    global _hub
     _register_exit()
-    _hub, _hub_pid = hub, os.getpid()
+    _hub = hub
     _listen_within_range(hub)
 
 
@@ -155,7 +154,7 @@ def _listen_within_range(hub: Any) -> None:
     (``kubernetes_listen_ports``: a NetworkPolicy admits only those). Its listener starts
     on first use, after this."""
     config = current_config()
-    if hub.port or not getattr(config, "kubernetes_listen_ports", ""):
+    if hub.port or not config.kubernetes_listen_ports:
         return
     found = backend(config)
     if found.listen_ports() is not None:
