@@ -273,8 +273,8 @@ class FiberBench:
     """A :class:`QueueBench` or :class:`PipeBench` of Uber Fiber, living in Fiber's own
     interpreter (``--serve``) and driven over its stdin/stdout, one command a line."""
 
-    TIMEOUT = 120   # a run that never ends: Fiber lost a message (it drops frames over
-                    # nanomsg's 1 MiB receive limit without a word)
+    TIMEOUT = 30    # a timed run lasts seconds; one that never ends lost a message (Fiber
+                    # drops frames over nanomsg's 1 MiB receive limit without a word)
 
     def __init__(self, python: str, kind: str) -> None:
         self.proc = subprocess.Popen([python, os.path.abspath(__file__), "--serve", kind],
