@@ -404,15 +404,22 @@ def test_a_pod_waiting_for_a_new_node_is_waited_for(kube_init, fake, kube_settin
     # start_timeout (from Running) leaves a loaded machine time to connect; the limit of
     # a pod that never runs is start_timeout + kubernetes_pending_timeout = 5 s
     kube_init(kubernetes_pending_timeout=1.0, start_timeout=4.0)
+    _outlasts_the_start_limit(fake, namespace, "TriggeredScaleUp",
+                              "pod triggered scale-up: [{pool-b 1->2 (max: 5)}]",
+                              release=lambda: fake.set_unschedulable(None))  # the node joined
+
+
+def _outlasts_the_start_limit(fake, namespace, reason, message, release) -> None:
+    """A worker whose pod keeps getting event ``reason`` lives through eleven pending
+    timeouts (two 5 s start limits); after ``release()`` it runs and exits cleanly."""
     out, go = fibrl.Queue(), fibrl.Queue()
     p = _started(report_pod_then_wait, out, go)
-    name, done = p._popen.job.name, threading.Event()
-    _keep_recording(fake, namespace, name, "TriggeredScaleUp",
-                    "pod triggered scale-up: [{pool-b 1->2 (max: 5)}]", done)
+    done = threading.Event()
+    _keep_recording(fake, namespace, p._popen.job.name, reason, message, done)
     try:
-        time.sleep(11.0)   # eleven pending timeouts, two start limits
+        time.sleep(11.0)
         assert p._popen.job.status() is not JobStatus.FAILED, p._popen.job.failure_reason()
-        fake.set_unschedulable(None)    # the new node joined
+        release()
         assert out.get(timeout=WAIT)
     finally:
         done.set()
@@ -443,21 +450,8 @@ def test_an_image_pull_in_progress_extends_the_start_limit(kube_init, fake, kube
     namespace, image = kube_settings["kubernetes_namespace"], pod_image(kube_settings["image"])
     fake.pull_images_slowly(image)
     kube_init(start_timeout=4.0, kubernetes_pending_timeout=1.0)   # a 5 s start limit
-    out, go = fibrl.Queue(), fibrl.Queue()
-    p = _started(report_pod_then_wait, out, go)
-    done = threading.Event()
-    _keep_recording(fake, namespace, p._popen.job.name, "Pulling",
-                    f'Pulling image "{image}"', done)
-    try:
-        time.sleep(11.0)   # more than twice the start limit
-        assert p._popen.job.status() is not JobStatus.FAILED, p._popen.job.failure_reason()
-        fake.allow_image_pulls(image)
-        assert out.get(timeout=WAIT)
-    finally:
-        done.set()
-        go.put(1)
-    p.join(WAIT)
-    assert p.exitcode == 0, p._popen.job.failure_reason()
+    _outlasts_the_start_limit(fake, namespace, "Pulling", f'Pulling image "{image}"',
+                              release=lambda: fake.allow_image_pulls(image))
 
 
 def test_listen_ports_are_validated():
