@@ -7,19 +7,39 @@ asked first and no consumer prefetches more than it asked for. Deadlines are
 the mailbox's: when a parked ``get`` times out the mailbox answers ``Empty``
 itself, so an item is never handed to a getter that stopped waiting.
 
-An item handed to another process stays *unacknowledged* until that process
-confirms it received it (:func:`take` sends the acknowledgement right after the
-reply arrives). When the process's connection drops first (it died, or the
-answer could not be delivered), its unacknowledged items go back to the front
-of the queue, in order. So no item is ever lost, and an item is returned by
-more than one ``get()`` only when the process whose ``get()`` returned it died
-between receiving it and its acknowledgement reaching this owner.
+A consumer in another process reads through a *window* (:class:`Window`, one
+per process and queue): the owner pushes items ahead into it, on one stream
+call, while that process calls ``get()``. The window's size adapts on the
+consumer's side (it starts at one item, doubles each time a ``get()`` finds it
+empty, up to ``WINDOW_ITEMS``, and at most twice the smallest window of the
+queue or ``FAIR_MIN``; it halves when recalled), and
+the owner also bounds it in bytes (``WINDOW_BYTES``). Items pushed go to
+consumers waiting in ``get()`` first, one each in turn, then to the windows
+holding fewest. The consumer counts the items its ``get()`` returned and sends
+that count (its *acknowledgement*) on its next request to the owner, or within
+``ACK_DELAY`` seconds. A window that holds items while other consumers wait,
+and whose consumer has been silent for ``RECALL_GAPS`` times its usual gap
+between messages (``RECALL_MIN`` to ``RECALL_IDLE`` seconds), is *recalled*: the consumer drops what it has not returned, answers with its
+count, and the owner puts those items back in the queue at their place (merged by
+the order they were first pushed, whichever window gives back first).
 
-    consumer                       owner (Mailbox)
-    take(): get(timeout) -------->  op_get: item -> reply; unacked[peer][rid] = item
-            <------- item --------
-            ack(rid) ------------>  op_ack: forget it
-                                    drop_peer: unacked items -> front of the queue
+    consumer (Window)                          owner (Mailbox)
+    get(): open(size) ---------------------->  op_window: stream; push items
+           <-------- item, item, ... -------   (up to size items / WINDOW_BYTES held)
+    get(): returned++; want(returned, size) ->  op_want: forget returned ones, push more
+           <----------- "recall" ----------   (others wait, this one is idle)
+    returned(count) ----------------------->  op_returned: the rest -> back in the queue
+           <----------- "resume" ----------   (pushes before it were given back too)
+                                               drop_peer: everything held -> back in the queue
+
+An item handed to another process stays *unacknowledged* until that process
+confirms it was returned by ``get()``. When the process's connection drops
+first (it died, or the answer could not be delivered), its unacknowledged
+items go back to the front of the queue, in order. So no item is ever lost,
+and an item is returned by more than one ``get()`` only when the process
+whose ``get()`` returned it died before its acknowledgement reached the
+owner. A request/reply ``get`` (the owner's own, a pipe's) is acknowledged
+the same way by :func:`take`.
 
 Besides the queue operations it counts the open *writer* handles of a pipe
 end (per peer, so a dead process's handles close with it) to raise
@@ -27,16 +47,44 @@ end (per peer, so a dead process's handles close with it) to raise
 """
 from __future__ import annotations
 
+import os
 import queue
+import threading
 import time
 from collections import deque
 from typing import Any, Optional
 
-from .hub import ReplySink, SharedService
+from . import serialization
+from .errors import ChannelClosed
+from .hub import ReplySink, SharedService, get_hub
+from .messages import Reply, blob
+from .serialization import Encoded
 
-__all__ = ["Mailbox", "PipeBox", "EMPTY", "take"]
+__all__ = ["Mailbox", "PipeBox", "Window", "EMPTY", "take"]
 
 EMPTY = object()
+
+#: Most items a consumer's window holds (pushed, not yet acknowledged).
+WINDOW_ITEMS = 256
+#: Most bytes a window holds; one item always fits, however large.
+WINDOW_BYTES = 4 << 20
+#: A consumer acknowledges what its get() returned at the latest this late.
+ACK_DELAY = 0.002
+#: A window whose consumer was silent this long is recalled while others wait...
+RECALL_IDLE = 0.05
+#: ...or sooner: after RECALL_GAPS of its consumer's usual silences, but not before this.
+RECALL_MIN = 0.002
+RECALL_GAPS = 4
+#: With several consumers, no window holds more than twice the smallest, or this.
+FAIR_MIN = 4
+#: Pushes closer together than this are a burst: sent by a thread of their own, batched.
+BURST_GAP = 0.0005
+
+
+def _size(payload: Any) -> int:
+    if type(payload) is Encoded:
+        return payload.nbytes
+    return memoryview(payload).nbytes
 
 
 class _Parked:
@@ -49,8 +97,57 @@ class _Parked:
         self.token = token
 
 
+class _Win:
+    """The owner's side of one consumer's window: what was pushed and not yet
+    acknowledged (``held``, oldest first), and how much more may be pushed."""
+
+    __slots__ = ("sink", "peer", "size", "held", "nbytes", "base", "waiting", "heard",
+                 "recalling", "gap")
+
+    def __init__(self, sink: ReplySink, size: int) -> None:
+        self.sink = sink
+        self.peer = sink.peer
+        self.size = size
+        self.held: deque = deque()   # (push number, item), oldest first
+        self.nbytes = 0
+        self.base = 0            # how many items of this stream were acknowledged
+        self.waiting = True      # its consumer is inside get() with nothing to return
+        self.heard = time.monotonic()
+        self.recalling = False
+        self.gap = RECALL_IDLE / RECALL_GAPS   # its consumer's usual silence (average)
+
+    def heard_from(self, now: float) -> None:
+        """Its consumer sent a message: learn how long it usually stays silent."""
+        self.gap += 0.25 * (min(now - self.heard, RECALL_IDLE) - self.gap)
+        self.heard = now
+
+    def recall_due(self) -> float:
+        return self.heard + min(RECALL_IDLE, max(RECALL_MIN, RECALL_GAPS * self.gap))
+
+    def take_held(self) -> list:
+        """Forget everything held (it goes back to the queue); (push number, item) pairs."""
+        held, self.held = list(self.held), deque()
+        self.nbytes = 0
+        return held
+
+    def room(self, cap: int = WINDOW_ITEMS) -> bool:
+        return not self.recalling and len(self.held) < min(self.size, cap) and (
+            not self.held or self.nbytes < WINDOW_BYTES)
+
+    def ack(self, returned: int) -> int:
+        """Forget the items its consumer returned; how many were forgotten."""
+        n = min(returned - self.base, len(self.held))
+        for _ in range(n):
+            self.nbytes -= _size(self.held.popleft()[1])
+        if n > 0:
+            self.base += n
+        return max(n, 0)
+
+
 class Mailbox(SharedService):
     """A FIFO of serialized items with parked getters, putters, joiners and pollers."""
+
+    _ordered = True   # give-backs are merged by push number (see _requeue)
 
     def __init__(self, maxsize: int = 0, joinable: bool = False, pipe_end: bool = False) -> None:
         import threading
@@ -66,6 +163,22 @@ class Mailbox(SharedService):
         self._writers: Optional[dict] = {} if pipe_end else None  # peer key -> count
         self._eof = False
         self._unacked: dict[int, dict[int, Any]] = {}  # peer id -> {rid: item}, in order
+        self._windows: dict[int, _Win] = {}  # peer id -> its consumer window
+        self._held = 0                       # items in windows, not acknowledged
+        self._pushed = 0                     # push number of the next item first pushed
+        # push numbers of the items at the front of _items that went back from a
+        # window (the first len(_redo) items): a give-back is merged in by them, so
+        # the queue keeps its order whichever window gives back first
+        self._redo: deque = deque()
+        self._turn = 0                       # where the next push starts looking
+        self._recall_timer = None
+        self._recall_at = 0.0
+        self._outgoing: dict = {}            # window -> what to push to it, in order
+        self._send_lock = threading.Lock()   # one thread sends what is outgoing
+        self._last_push = 0.0
+        self._sender: Optional[threading.Thread] = None
+        self._sender_wake: Optional[threading.Event] = None
+        self._retired = False
 
     # -- helpers ---------------------------------------------------------------
     def _park(self, where, parked: _Parked, timeout: Optional[float], on_timeout) -> None:
@@ -88,7 +201,11 @@ class Mailbox(SharedService):
             self.hub.timers.cancel(parked.timer)
 
     def _full(self) -> bool:
-        return self.maxsize > 0 and len(self._items) >= self.maxsize
+        return self.maxsize > 0 and len(self._items) + self._held >= self.maxsize
+
+    def _count(self) -> int:
+        """Items not yet returned by a get(): stored, or held in a window."""
+        return len(self._items) + self._held
 
     def _hand(self, reply: ReplySink, payload: Any) -> bool:
         """Answer a getter with ``payload``; a remote one holds it unacknowledged (lock held)."""
@@ -106,22 +223,249 @@ class Mailbox(SharedService):
             if self._hand(parked.reply, payload):
                 return
         self._items.append(payload)
-        self._wake_pollers(True)
+        if self._windows:
+            self._fill()
+        if self._items:
+            self._wake_pollers(True)
 
-    def _requeue(self, payloads: list) -> None:
-        """Put items a dead consumer never acknowledged back in front, in order (lock held)."""
+    # -- windows ---------------------------------------------------------------------
+    def _pick(self) -> Optional[_Win]:
+        """The window the next item goes to: a waiting consumer's, in turn, else the one
+        with room that holds fewest (lock held)."""
+        wins = list(self._windows.values())
+        n = len(wins)
+        best = None
+        # fairness: no window grows past twice the smallest open one (a consumer that
+        # drains slowly keeps the others' lead over it small)
+        sizes = [w.size for w in wins if w.size > 0]
+        cap = max(FAIR_MIN, 2 * min(sizes)) if n > 1 and sizes else WINDOW_ITEMS
+        for i in range(n):
+            win = wins[(self._turn + i) % n]
+            if not win.room(cap):
+                continue
+            if win.waiting:
+                self._turn = (self._turn + i + 1) % n
+                return win
+            if best is None or len(win.held) < len(best.held):
+                best = win
+        return best
+
+    def _fill(self) -> None:
+        """Push stored items into windows with room, in order (lock held)."""
+        pushed: dict = {}
+        while self._items:
+            win = self._pick()
+            if win is None:
+                break
+            payload, number = self._popleft()
+            if number is None:
+                number, self._pushed = self._pushed, self._pushed + 1
+            win.waiting = False   # the next item goes to another waiting consumer
+            win.held.append((number, payload))
+            win.nbytes += _size(payload)
+            self._held += 1
+            pushed.setdefault(win, []).append(payload)
+        for win, payloads in pushed.items():
+            self._outgoing.setdefault(win, []).extend(payloads)
+        if self._waiters() and any(w.held for w in self._windows.values()):
+            self._plan_recall()
+
+    def _waiters(self) -> bool:
+        return bool(self._getters) or any(w.waiting for w in self._windows.values())
+
+    def _close_window(self, win: _Win) -> None:
+        """Put what ``win`` held back in front, in order (lock held)."""
+        if self._windows.get(win.peer.id) is win:
+            del self._windows[win.peer.id]
+        held = win.take_held()
+        self._held -= len(held)
+        if held:
+            self._requeue(held)
+
+    def _plan_recall(self) -> None:
+        """Recall windows silent for RECALL_IDLE while others wait; check again when
+        the next one would be (lock held)."""
+        if self._items or not self._waiters():
+            return
+        now = time.monotonic()
+        later = None
+        for win in list(self._windows.values()):
+            if not win.held or win.recalling or win.waiting:
+                continue
+            due = win.recall_due()
+            if due <= now:
+                win.recalling = True
+                self._outgoing.setdefault(win, []).append("recall")
+            elif later is None or due < later:
+                later = due
+        if later is None:
+            return
+        if self._recall_timer is not None and self._recall_at <= later:
+            return
+        if self._recall_timer is not None:
+            self.hub.timers.cancel(self._recall_timer)
+        self._recall_at = later
+        self._recall_timer = self.hub.timers.call_at(later, self._recall_check)
+
+    def _recall_check(self) -> None:
+        with self._lock:
+            self._recall_timer = None
+            self._plan_recall()
+        self._send_outgoing()
+
+    def _send_outgoing(self) -> None:
+        """Send what was queued for windows, after the lock is released: a send that
+        waits (a consumer slow to read, a dead one not yet noticed) holds up no other
+        operation. One thread at a time sends, in the order things were queued."""
+        while self._outgoing:
+            if not self._send_lock.acquire(False):
+                return  # the thread sending now sends ours too
+            try:
+                with self._lock:
+                    outgoing, self._outgoing = self._outgoing, {}
+                for win, values in outgoing.items():
+                    _push(win, values)
+            finally:
+                self._send_lock.release()
+
+    def _kick(self) -> None:
+        """Have what is outgoing sent: by this thread when no push went out just now
+        (latency), else by the mailbox's sender thread, which sends what piled up
+        meanwhile as one frame per consumer (throughput)."""
+        now = time.monotonic()
+        if now - self._last_push > BURST_GAP and not self._send_lock.locked():
+            self._last_push = now
+            self._send_outgoing()
+            return
+        self._last_push = now
+        if self._sender is None:
+            self._sender_wake = threading.Event()
+            self._sender = threading.Thread(target=self._send_loop, daemon=True,
+                                            name=f"fibrl-push-{self.oid}")
+            self._sender.start()
+        self._sender_wake.set()
+
+    def _send_loop(self) -> None:
+        wake = self._sender_wake
+        while not self._retired:
+            wake.wait()
+            wake.clear()
+            time.sleep(0)  # let a producer that is putting add more to this frame
+            self._send_outgoing()
+
+    def dispatch(self, method: str, args: tuple, reply: ReplySink) -> None:
+        super().dispatch(method, args, reply)
+        if self._outgoing:
+            self._kick()
+
+    def op_window(self, reply: ReplySink, size: int) -> None:
+        """A consumer in another process opens its window: items are pushed to it as
+        replies of this call (see :class:`Window`)."""
+        if reply.peer is None or not reply.wanted:
+            raise RuntimeError("a window is opened by a consumer in another process")
+        with self._lock:
+            old = self._windows.get(reply.peer.id)
+            if old is not None:
+                self._close_window(old)
+            self._windows[reply.peer.id] = _Win(reply, _clamp(size))
+            if self._items:
+                self._fill()
+            else:
+                self._plan_recall()
+
+    def op_want(self, reply: ReplySink, returned: int, size: int, waiting: int) -> None:
+        """The window's consumer returned ``returned`` items so far and wants ``size``
+        held. ``waiting``: 0 it does not wait, 1 it waits in get(), 2 it asks now and
+        waits for this reply only (a non-blocking get: an item stored is pushed first)."""
+        with self._lock:
+            win = self._windows.get(reply.peer.id) if reply.peer is not None else None
+            if win is not None:
+                self._acked(win, returned)
+                win.size, win.waiting = _clamp(size), bool(waiting)
+                win.heard_from(time.monotonic())
+                if self._items:
+                    self._fill()
+                else:
+                    self._plan_recall()   # its silence restarts; another may wait
+                if waiting == 2:
+                    win.waiting = False
+        reply(None)
+
+    def op_returned(self, reply: ReplySink, returned: int, size: int = 0,
+                    waiting: int = 0) -> None:
+        """The window's consumer returned ``returned`` items so far and dropped the
+        rest it held (recalled, or closing): those go back to the queue, in order. It
+        wants ``size`` held from now on (0: none until it asks), and waits or not.
+
+        Items pushed before this arrived are dropped by the consumer too, so a
+        ``"resume"`` marker goes ahead of the next push: from there on, what comes
+        is the consumer's again."""
+        with self._lock:
+            win = self._windows.get(reply.peer.id) if reply.peer is not None else None
+            if win is not None:
+                self._acked(win, returned)
+                win.base = returned   # what it held went back: counting restarts here
+                win.recalling = False
+                win.heard_from(time.monotonic())
+                win.waiting, win.size = bool(waiting), max(0, min(int(size), WINDOW_ITEMS))
+                held = win.take_held()
+                self._held -= len(held)
+                self._outgoing.setdefault(win, []).append("resume")
+                if held:
+                    self._requeue(held)
+                elif self._items:
+                    self._fill()
+        reply(None)
+
+    def _acked(self, win: _Win, returned: int) -> None:
+        n = win.ack(returned)
+        if n:
+            self._held -= n
+            if self._putters:
+                self._admit_putters()
+
+    def _requeue(self, held: list) -> None:
+        """Put items handed out and never acknowledged back, in order (lock held).
+
+        ``held``: (push number, item) pairs, oldest first; -1 for an item that
+        no window held (it goes first). They are merged with what earlier
+        give-backs put in front, by push number: an item given back late still
+        comes before items put after it (a consumer's stop sentinel, say)."""
         rest = deque()
-        for payload in payloads:
+        for number, payload in held:
             while self._getters and not rest:
                 parked = self._getters.popleft()
                 self._unpark(parked)
                 if self._hand(parked.reply, payload):
                     break
             else:
-                rest.append(payload)
-        if rest:
-            self._items.extendleft(reversed(rest))
+                rest.append((number, payload))
+        if not rest:
+            return
+        if not self._ordered:
+            self._items.extendleft(payload for _, payload in reversed(rest))
             self._wake_pollers(True)
+            return
+        if self._redo:
+            front = [(self._redo.popleft(), self._items.popleft())
+                     for _ in range(len(self._redo))]
+            rest = sorted(front + list(rest), key=lambda pair: pair[0])
+        self._items.extendleft(payload for _, payload in reversed(rest))
+        self._redo.extendleft(number for number, _ in reversed(rest))
+        if self._windows:
+            self._fill()
+        if self._items:
+            self._wake_pollers(True)
+
+    def _popleft(self) -> tuple:
+        """The first item stored, and its push number (None: never pushed) (lock held)."""
+        return self._items.popleft(), (self._redo.popleft() if self._redo else None)
+
+    def _pushleft(self, payload: Any, number: Optional[int]) -> None:
+        """Undo :meth:`_popleft` (lock held)."""
+        self._items.appendleft(payload)
+        if number is not None:
+            self._redo.appendleft(number)
 
     def _wake_pollers(self, value: bool) -> None:
         pollers, self._pollers = self._pollers, []
@@ -147,10 +491,12 @@ class Mailbox(SharedService):
         with self._lock:
             if not self._items:
                 return EMPTY
-            payload = self._items.popleft()
+            payload, _ = self._popleft()
             if self._putters:
                 self._admit_putters()
-            return payload
+        if self._outgoing:
+            self._send_outgoing()
+        return payload
 
     # -- queue operations ----------------------------------------------------------
     def op_put(self, reply: ReplySink, payload: Any, timeout: Optional[float] = None) -> None:
@@ -167,9 +513,9 @@ class Mailbox(SharedService):
     def op_get(self, reply: ReplySink, timeout: Optional[float] = None) -> None:
         with self._lock:
             if self._items:
-                payload = self._items.popleft()
+                payload, number = self._popleft()
                 if not self._hand(reply, payload):
-                    self._items.appendleft(payload)
+                    self._pushleft(payload, number)
                     return
                 self._admit_putters()
             elif self._eof:
@@ -179,6 +525,8 @@ class Mailbox(SharedService):
             else:
                 self._park(self._getters, _Parked(reply), timeout,
                            lambda r: r.fail(queue.Empty()))
+                if self._windows:
+                    self._plan_recall()
 
     def op_ack(self, reply: ReplySink, rid: int) -> None:
         """The calling process received the item it asked for with call ``rid``."""
@@ -211,10 +559,10 @@ class Mailbox(SharedService):
         reply(None)
 
     def op_qsize(self, reply: ReplySink) -> None:
-        reply(len(self._items))
+        reply(self._count())
 
     def op_empty(self, reply: ReplySink) -> None:
-        reply(not self._items)
+        reply(not self._count())
 
     def op_full(self, reply: ReplySink) -> None:
         reply(self._full())
@@ -280,26 +628,40 @@ class Mailbox(SharedService):
     def drop_peer(self, peer) -> None:
         with self._lock:
             held = self._unacked.pop(peer.id, None)
+            win = self._windows.get(peer.id)
+            if win is not None:
+                self._close_window(win)
             for where in (self._getters, self._putters, self._pollers):
                 for parked in [p for p in where if p.reply.peer is peer]:
                     where.remove(parked)
                     self._unpark(parked)
             self._joiners = [j for j in self._joiners if j.peer is not peer]
             if held:
-                self._requeue(list(held.values()))
+                self._requeue([(-1, payload) for payload in held.values()])
             if self._writers is not None and self._writers.pop(("peer", peer.id), None):
                 self._check_eof()
+        if self._outgoing:
+            self._send_outgoing()
 
     def closed(self) -> None:
         from .errors import object_gone
 
         err = object_gone(self.oid, "its process", "closed")
+        self._retired = True
+        if self._sender_wake is not None:
+            self._sender_wake.set()
         with self._lock:
             parked = list(self._getters) + list(self._putters) + self._pollers
             self._getters.clear(), self._putters.clear(), self._pollers.clear()
+            wins, self._windows = list(self._windows.values()), {}
+            if self._recall_timer is not None:
+                self.hub.timers.cancel(self._recall_timer)
+                self._recall_timer = None
         for p in parked:
             self._unpark(p)
             p.reply.fail(err)
+        for win in wins:
+            win.sink.fail(err)
 
 
 def take(hub: Any, address: str, oid: str, timeout: Optional[float]) -> Any:
@@ -313,6 +675,249 @@ def take(hub: Any, address: str, oid: str, timeout: Optional[float]) -> Any:
     if handle.rid:
         hub.send(address, oid, "ack", handle.rid, inline=True)
     return payload
+
+
+class Window:
+    """This process's window on a queue that another process owns: the items its
+    owner pushed ahead, and what ``get()`` returned of them (see the module doc).
+
+    One per process and queue, shared by the process's handles and threads. The
+    stream that carries the items is opened by the first ``get()``; the owner
+    pushes only while the window has room, and room comes from what ``get()``
+    returned, so a process that stops calling ``get()`` receives at most one
+    window more, which is recalled as soon as another consumer waits for it.
+    """
+
+    _registry: dict = {}
+    _registry_lock = threading.Lock()
+    _pid = 0
+    #: windows whose owner was not yet told all that get() returned
+    unreported: set = set()
+
+    def __init__(self, address: str, oid: str) -> None:
+        self.address, self.oid = address, oid
+        self.cond = threading.Condition()
+        self.items: deque = deque()
+        self.stream: Optional[object] = None   # the open stream's token; None: closed
+        self.rid = 0
+        self.client: Any = None  # the connection the stream is on (never a new one)
+        self.size = 1          # items this process asks the owner to hold for it
+        self.returned = 0      # items get() returned from this stream
+        self.reported = 0      # the count the owner was last told
+        self.waiters = 0       # threads of this process waiting in get()
+        self.error: Optional[BaseException] = None
+        self.timer = None
+        # "resume" markers still due: the owner pushed before it saw this process
+        # give its items back, so what arrives until then went back too and is dropped
+        self.stale = 0
+
+    @classmethod
+    def of(cls, address: str, oid: str) -> "Window":
+        """This process's window on the queue ``oid`` at ``address`` (made on first use)."""
+        key = (address, oid)
+        win = cls._registry.get(key)
+        if win is None or cls._pid != os.getpid():
+            with cls._registry_lock:
+                if cls._pid != os.getpid():  # a forked child starts with no window
+                    cls._registry, cls._pid, cls.unreported = {}, os.getpid(), set()
+                    from . import runtime
+
+                    runtime.at_exit(runtime.CONNECTIONS, cls.close_all)
+                win = cls._registry.get(key)
+                if win is None:
+                    win = cls._registry[key] = cls(address, oid)
+        return win
+
+    @classmethod
+    def find(cls, address: str, oid: str) -> Optional["Window"]:
+        return cls._registry.get((address, oid)) if cls._pid == os.getpid() else None
+
+    @classmethod
+    def sync_to(cls, address: str) -> None:
+        """Acknowledge to the process at ``address`` what get() returned of its queues,
+        ahead of another message to it (so the owner's counts follow what it is told)."""
+        for win in list(cls.unreported):
+            if win.address == address:
+                win.sync()
+
+    @classmethod
+    def close_all(cls) -> None:
+        """At exit: tell each owner what get() returned; the rest goes back."""
+        for win in list(cls._registry.values()):
+            win.close()
+
+    # -- talking to the owner (cond held) ---------------------------------------------
+    def _open(self, hub: Any) -> None:
+        token = object()
+        self.stream, self.returned, self.reported, self.error = token, 0, 0, None
+        self.items.clear()
+        self.stale = 0
+        self.client = hub.client(self.address)
+        rid = self.client.stream(
+            self.oid, "window", (self.size,), lambda ok, value: self._on_reply(token, ok, value))
+        if self.stream is token:
+            self.rid = rid
+
+    def _send(self, method: str, *args: Any) -> None:
+        """A one-way message to the owner on the stream's connection (cond held).
+
+        Sent from this thread when nothing waits to go (else by the connection's
+        feeder, behind what waits): an acknowledgement that ``_pop`` sends leaves
+        before ``get()`` returns, so the item is not delivered again when this
+        process dies right after."""
+        try:
+            self.client.send(self.oid, method, args, inline=True)
+        except Exception as exc:
+            self._lost(exc)
+
+    def _want(self, hub: Any, waiting: int) -> None:
+        self.reported = self.returned
+        Window.unreported.discard(self)
+        if self.stream is None:
+            return
+        if waiting != 2:
+            self._send("want", self.returned, self.size, waiting)
+            return
+        handle = self.client.call(self.oid, "want", (self.returned, self.size, 2))
+        self.cond.release()
+        try:
+            hub.wait(handle, self.address, None)
+        except Exception as exc:
+            self.cond.acquire()
+            self._lost(exc)
+        else:
+            self.cond.acquire()
+
+    def _lost(self, exc: BaseException) -> None:
+        if self.rid and self.client is not None:
+            self.client.end_stream(self.rid)
+        self.stream, self.rid = None, 0
+        self.error = exc
+        self.cond.notify_all()
+
+    def _on_reply(self, token: object, ok: bool, value: Any) -> None:
+        with self.cond:
+            if token is not self.stream:
+                return  # a stream closed meanwhile
+            if not ok:
+                self._lost(value)
+            elif type(value) is not str:
+                if not self.stale:
+                    self.items.append(value)
+                    self.cond.notify()
+            elif value == "resume":   # what comes from here on is this process's again
+                self.stale = max(0, self.stale - 1)
+            else:   # "recall": others wait for what this one holds
+                self.size = max(1, self.size // 2)  # it did not drain: shrink
+                waiting = 1 if self.waiters else 0  # a get() that waits stays in line
+                self._give_back(waiting, waiting)
+
+    def _flush_acks(self) -> None:
+        with self.cond:
+            self.timer = None
+            if self.stream is not None and self.returned != self.reported:
+                self._want(get_hub(), 1 if self.waiters and not self.items else 0)
+
+    def sync(self) -> None:
+        """Acknowledge what get() returned, ahead of another request to the owner."""
+        with self.cond:
+            if self.stream is not None and self.returned != self.reported:
+                self._want(get_hub(), 1 if self.waiters and not self.items else 0)
+
+    def close(self) -> None:
+        """Give back what get() has not returned (this process closes its handle, or exits)."""
+        with self.cond:
+            if self.stream is None:
+                return
+            self.size = 1
+            self._give_back(0, 0)
+
+    def _give_back(self, size: int, waiting: int) -> None:
+        """Drop what get() has not returned; the owner puts it back (cond held)."""
+        self.items.clear()
+        self.stale += 1
+        self.reported = self.returned
+        Window.unreported.discard(self)
+        self._send("returned", self.returned, size, waiting)
+
+    # -- get -----------------------------------------------------------------------------
+    def _pop(self) -> Any:
+        payload = self.items.popleft()
+        self.returned += 1
+        Window.unreported.add(self)
+        if self.returned - self.reported >= max(1, self.size // 4):
+            self._want(get_hub(), 0)  # a quarter of the window was returned: room for more
+        elif self.timer is None:
+            hub = get_hub()
+            self.timer = hub.timers.call_at(time.monotonic() + ACK_DELAY, self._flush_acks)
+        return payload
+
+    def get(self, timeout: Optional[float]) -> Any:
+        """Return the next item pushed here; ``queue.Empty`` after ``timeout`` seconds."""
+        hub = get_hub()
+        with self.cond:
+            if self.items:
+                return self._pop()
+            if self.error is not None and self.stream is None:
+                self.error = None  # a new stream: the owner may be back (a reconnect)
+            if self.stream is None:
+                self._open(hub)
+            elif self.size < WINDOW_ITEMS:
+                self.size *= 2  # it ran dry: ask for more ahead
+            if timeout is not None and timeout <= 0:
+                self._want(hub, 2)  # the owner pushes an item stored, then answers
+                if self.items:
+                    payload = self._pop()
+                    if self.returned != self.reported:
+                        self._want(hub, 0)  # a request went to the owner anyway: ack now
+                    return payload
+                self._raise_error()
+                raise queue.Empty
+            self._want(hub, 1)
+            deadline = None if timeout is None else time.monotonic() + timeout
+            self.waiters += 1
+            try:
+                while not self.items:
+                    self._raise_error()
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        if self.waiters == 1:
+                            self._want(hub, 0)  # stopped waiting: what comes stays here
+                        raise queue.Empty
+                    step = hub.heartbeat_interval if left is None else min(
+                        left, hub.heartbeat_interval)
+                    if not self.cond.wait(step) and not self.items and (
+                            left is None or left > step):
+                        self.cond.release()
+                        try:  # a vanished owner closes no socket: ping it
+                            hub.ensure_alive(self.address, hub.parent_timeout)
+                        finally:
+                            self.cond.acquire()
+            finally:
+                self.waiters -= 1
+            return self._pop()
+
+    def _raise_error(self) -> None:
+        if self.error is not None and not self.items:
+            raise self.error
+
+
+def _push(win: _Win, values: list) -> None:
+    """Send ``values`` down ``win``'s stream as one frame (by the one sending thread, so
+    pushes and recalls to one consumer never overtake each other). A consumer whose
+    connection dropped gets nothing: ``drop_peer`` puts back what it held."""
+    peer, rid = win.peer, win.sink.rid
+    if peer.closed:
+        return
+    replies = [Reply(rid, True, v if type(v) is str else blob(v)) for v in values]
+    try:
+        peer.send(serialization.dumps_parts(replies[0] if len(replies) == 1 else replies))
+    except ChannelClosed:
+        pass
+
+
+def _clamp(size: Any) -> int:
+    return max(1, min(int(size), WINDOW_ITEMS))
 
 
 def _owner(reply: ReplySink, key: Any) -> Any:
@@ -341,6 +946,8 @@ class PipeBox(Mailbox):
         writer  --put-->  PipeBox  --Reply(rid of subscribe)-->  reader's inbox
                           revoke  --------------------------->   giveback(items)
     """
+
+    _ordered = False  # one reader at a time: a giveback goes in front as it is
 
     def __init__(self) -> None:
         super().__init__(pipe_end=True)
@@ -489,6 +1096,7 @@ class PipeBox(Mailbox):
             return
         self._broken = True
         self._items.clear()
+        self._redo.clear()
         watchers, self._watchers = self._watchers, []
         for watcher in watchers:
             watcher(True)

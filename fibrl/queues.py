@@ -28,7 +28,7 @@ from typing import Any, Optional
 from . import serialization
 from .hosted import HostedHandle
 from .hub import get_hub
-from .mailbox import EMPTY, Mailbox, take
+from .mailbox import EMPTY, Mailbox, Window, take
 
 __all__ = ["Queue", "JoinableQueue", "SimpleQueue"]
 
@@ -66,7 +66,13 @@ class Queue(HostedHandle):
         return f"<fibrl.{type(self).__name__} {self._oid} at {self._address}>"
 
     def _call(self, method: str, *args: Any) -> Any:
+        self._sync()
         return get_hub().call(self._address, self._oid, method, *args)
+
+    def _sync(self) -> None:
+        """Acknowledgements ride ahead of this process's next request to the owner."""
+        if Window.unreported:
+            Window.sync_to(self._address)
 
     def _check_closed(self) -> None:
         if self._closed:
@@ -79,6 +85,8 @@ class Queue(HostedHandle):
         hub = get_hub()
         if hub.is_local(self._address):
             payload.own()  # the queue keeps it: the caller may change the original
+        elif Window.unreported:
+            Window.sync_to(self._address)
         if self._maxsize == 0:
             # a large item is sent from this thread (copied once, into the connection)
             # rather than copied here for the connection's feeder thread
@@ -98,7 +106,10 @@ class Queue(HostedHandle):
             if payload is not EMPTY:
                 return serialization.loads(payload)
         try:
-            payload = take(get_hub(), self._address, self._oid, _timeout(block, timeout))
+            if local is not None:
+                payload = take(get_hub(), self._address, self._oid, _timeout(block, timeout))
+            else:
+                payload = Window.of(self._address, self._oid).get(_timeout(block, timeout))
         except queue.Empty:
             raise queue.Empty from None
         return serialization.loads(payload)
@@ -119,8 +130,12 @@ class Queue(HostedHandle):
         return self._call("full")
 
     def close(self) -> None:
-        """This process will put no more; pending puts are still delivered."""
+        """This process will put no more; pending puts are still delivered. Items pushed
+        ahead to this process and not returned by ``get()`` go back to the queue."""
         self._closed = True
+        window = Window.find(self._address, self._oid)
+        if window is not None:
+            window.close()
 
     def join_thread(self) -> None:
         """Wait until every item this process put has reached the queue."""
@@ -147,6 +162,7 @@ class JoinableQueue(Queue):
         Args:
             timeout: keyword extra (seconds); raises ``TimeoutError`` when it passes.
         """
+        self._sync()
         get_hub().call(self._address, self._oid, "join", timeout=timeout)
 
 

@@ -16,7 +16,7 @@ import pytest
 
 import fibrl.pool
 from fibrl.hub import ReplySink
-from fibrl.mailbox import Mailbox
+from fibrl.mailbox import EMPTY, Mailbox
 from fibrl.pool.protocol import Kind, Report, ResultSink, pack
 from fibrl.pool.service import PoolService
 from fibrl.synchronize.services import BarrierService, BarrierTurn, LockService
@@ -33,6 +33,10 @@ class Peer:
     def __init__(self) -> None:
         self.id = next(Peer._ids)
         self.closed = False
+        self.frames: list = []   # what was pushed to it (a window's items)
+
+    def send(self, frame) -> None:
+        self.frames.append(frame)
 
 
 class Reply(ReplySink):
@@ -114,6 +118,24 @@ def test_mailbox_requeues_unacknowledged_items_of_a_lost_peer_in_front(host):
     box.dispatch("ack", (7,), Reply(dead))  # b"1" arrived; b"2" did not
     box.peer_lost(dead)
     assert [box.take_nowait(), box.take_nowait()] == [b"2", b"3"]
+
+
+def test_items_given_back_by_windows_keep_their_place_in_the_queue(host):
+    """Two consumers' windows give back out of order: what comes back is merged by
+    the order items were first pushed, so the first window's items do not go behind
+    the second's (a sentinel put after them, say)."""
+    box = hosted(Mailbox(), host)
+    for item in (b"0", b"1", b"2", b"S"):
+        box.dispatch("put", (item,), Reply())
+    first, second = Peer(), Peer()
+    box.dispatch("window", (2,), Reply(first, rid=5))    # holds 0, 1
+    box.dispatch("window", (2,), Reply(second, rid=6))   # holds 2, S
+    assert box._held == 4 and not box._items
+    box.dispatch("want", (1, 2, 0), Reply(second))       # its get() returned 2
+    box.dispatch("returned", (0, 0, 0), Reply(first))    # recalled: 0, 1 go back
+    box.dispatch("returned", (1, 0, 0), Reply(second))   # stops: S goes back
+    assert [box.take_nowait() for _ in range(3)] == [b"0", b"1", b"S"]
+    assert box.take_nowait() is EMPTY and box._held == 0
 
 
 def test_mailbox_keeps_an_item_a_gone_getter_could_not_take(host):
