@@ -232,6 +232,9 @@ class Mailbox(SharedService):
     def _pick(self) -> Optional[_Win]:
         """The window the next item goes to: a waiting consumer's, in turn, else the one
         with room that holds fewest (lock held)."""
+        if len(self._windows) == 1:   # one consumer: no turn, no fairness cap
+            for win in self._windows.values():
+                return win if win.room() else None
         wins = list(self._windows.values())
         n = len(wins)
         best = None
@@ -267,8 +270,9 @@ class Mailbox(SharedService):
             pushed.setdefault(win, []).append(payload)
         for win, payloads in pushed.items():
             self._outgoing.setdefault(win, []).extend(payloads)
-        if self._waiters() and any(w.held for w in self._windows.values()):
-            self._plan_recall()
+        if (self._getters or len(self._windows) > 1) and self._waiters() and any(
+                w.held for w in self._windows.values()):
+            self._plan_recall()   # (one window and no getter: nobody else waits)
 
     def _waiters(self) -> bool:
         return bool(self._getters) or any(w.waiting for w in self._windows.values())
@@ -343,7 +347,8 @@ class Mailbox(SharedService):
             self._sender = threading.Thread(target=self._send_loop, daemon=True,
                                             name=f"fibrl-push-{self.oid}")
             self._sender.start()
-        self._sender_wake.set()
+        if not self._sender_wake.is_set():
+            self._sender_wake.set()
 
     def _send_loop(self) -> None:
         wake = self._sender_wake
@@ -486,6 +491,13 @@ class Mailbox(SharedService):
         self._deliver(payload)
 
     # -- fast paths for the owner process (no handle, no event) ------------------------
+    def give(self, payload: Any) -> None:
+        """Store ``payload``; an unbounded queue's ``put`` in the owner process."""
+        with self._lock:
+            self._accept(payload)
+        if self._outgoing:
+            self._kick()
+
     def take_nowait(self) -> Any:
         """Pop an item if one is there, else return :data:`EMPTY` (owner process only)."""
         with self._lock:
@@ -801,6 +813,10 @@ class Window:
                 return  # a stream closed meanwhile
             if not ok:
                 self._lost(value)
+            elif type(value) is list:   # items pushed in a row
+                if not self.stale:
+                    self.items.extend(value)
+                    self.cond.notify(len(value))
             elif type(value) is not str:
                 if not self.stale:
                     self.items.append(value)
@@ -909,7 +925,18 @@ def _push(win: _Win, values: list) -> None:
     peer, rid = win.peer, win.sink.rid
     if peer.closed:
         return
-    replies = [Reply(rid, True, v if type(v) is str else blob(v)) for v in values]
+    replies: list = []
+    run: list = []   # items in a row travel as one reply: the consumer takes them at once
+    for value in values:
+        if type(value) is str:   # a marker
+            if run:
+                replies.append(Reply(rid, True, run if len(run) > 1 else run[0]))
+                run = []
+            replies.append(Reply(rid, True, value))
+        else:
+            run.append(blob(value))
+    if run:
+        replies.append(Reply(rid, True, run if len(run) > 1 else run[0]))
     try:
         peer.send(serialization.dumps_parts(replies[0] if len(replies) == 1 else replies))
     except ChannelClosed:

@@ -85,6 +85,10 @@ class Queue(HostedHandle):
         hub = get_hub()
         if hub.is_local(self._address):
             payload.own()  # the queue keeps it: the caller may change the original
+            local = hub.local_service(self._address, self._oid)
+            if self._maxsize == 0 and local is not None:
+                local.give(payload)
+                return
         elif Window.unreported:
             Window.sync_to(self._address)
         if self._maxsize == 0:
