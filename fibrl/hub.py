@@ -497,7 +497,8 @@ class Client:
             self._feeder = threading.Thread(target=self._feed, daemon=True,
                                             name=f"fibrl-feeder-{self.address}")
             self._feeder.start()
-        self._wake.set()
+        if not self._wake.is_set():   # (lock held: the feeder clears it under the lock)
+            self._wake.set()
 
     def _feed(self) -> None:
         while not self.lost:
