@@ -72,6 +72,35 @@ def test_bad_nng_thread_counts_are_refused_with_the_fix():
     assert "FIBRL_NNG_THREADS='2,1' is not four positive counts" in done.stderr
 
 
+def test_nng_thread_counts_from_the_environment_reach_parent_and_workers():
+    """FIBRL_NNG_THREADS is not a config key: a program runs with it set, and a worker
+    started with it runs nng with those counts (2 task threads, nng's least)."""
+    code = textwrap.dedent("""
+        import os, time
+        import fibrl
+
+        def report(q):
+            names = [open(f"/proc/self/task/{t}/comm").read().strip()
+                     for t in os.listdir("/proc/self/task")]
+            q.put(sorted(n for n in names if n.startswith("nng:")))
+
+        if __name__ == "__main__":
+            q = fibrl.Queue()
+            p = fibrl.Process(target=report, args=(q,))
+            p.start()
+            print("NNG", q.get(timeout=60))
+            p.join(60)
+            print("EXIT", p.exitcode)
+    """)
+    env = dict(os.environ, PYTHONPATH=REPO, FIBRL_NNG_THREADS="2,1,1,1")
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "EXIT 0" in done.stdout, done.stdout
+    nng = [line for line in done.stdout.splitlines() if line.startswith("NNG")][0]
+    assert nng.count("nng:task") == 2 and nng.count("nng:aio:expire") == 1, nng
+
+
 def test_nng_thread_counts_are_too_late_once_nng_started():
     code = textwrap.dedent("""
         import fibrl.transport as t
