@@ -394,6 +394,10 @@ class Mailbox(SharedService):
                     self._plan_recall()   # its silence restarts; another may wait
                 if waiting == 2:
                     win.waiting = False
+                    # answered behind what was pushed, in the same frame: the get()
+                    # that waits for this answer finds a stored item already there
+                    self._outgoing.setdefault(win, []).append(reply)
+                    return
         reply(None)
 
     def op_returned(self, reply: ReplySink, returned: int, size: int = 0,
@@ -666,6 +670,10 @@ class Mailbox(SharedService):
             parked = list(self._getters) + list(self._putters) + self._pollers
             self._getters.clear(), self._putters.clear(), self._pollers.clear()
             wins, self._windows = list(self._windows.values()), {}
+            # answers that were to follow pushes (a non-blocking get's)
+            parked += [_Parked(v) for values in self._outgoing.values() for v in values
+                       if isinstance(v, ReplySink)]
+            self._outgoing = {}
             if self._recall_timer is not None:
                 self.hub.timers.cancel(self._recall_timer)
                 self._recall_timer = None
@@ -928,11 +936,12 @@ def _push(win: _Win, values: list) -> None:
     replies: list = []
     run: list = []   # items in a row travel as one reply: the consumer takes them at once
     for value in values:
-        if type(value) is str:   # a marker
+        if type(value) is str or isinstance(value, ReplySink):   # a marker, an answer
             if run:
                 replies.append(Reply(rid, True, run if len(run) > 1 else run[0]))
                 run = []
-            replies.append(Reply(rid, True, value))
+            replies.append(Reply(rid, True, value) if type(value) is str
+                           else Reply(value.rid, True, None))
         else:
             run.append(blob(value))
     if run:

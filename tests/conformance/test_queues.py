@@ -143,6 +143,32 @@ def test_empty_and_timeouts(ctx):
         q.get(timeout=-1)
 
 
+def take_nowait_from_each(queues, per_queue, out):
+    """get_nowait() ``per_queue`` times from each queue; report the items and any Empty."""
+    got = []
+    for q in queues:
+        for _ in range(per_queue):
+            try:
+                got.append(q.get_nowait())
+            except queue.Empty:
+                got.append("empty")
+    out.put(got)
+
+
+def test_get_nowait_in_a_child_finds_the_items_stored(ctx):
+    """Items stored before a consumer elsewhere asks are returned by get_nowait(), from
+    its first call on (not raced by their way into the consumer's window)."""
+    queues, out = [ctx.Queue() for _ in range(20)], ctx.Queue()
+    for k, q in enumerate(queues):
+        for i in range(3):
+            q.put((k, i))
+    p = ctx.Process(target=take_nowait_from_each, args=(queues, 3, out))
+    p.start()
+    got = out.get(timeout=TIMEOUT)
+    p.join(TIMEOUT)
+    assert got == [(k, i) for k in range(20) for i in range(3)]
+
+
 def test_bounded_queue_full_and_blocking_put(ctx):
     q = ctx.Queue(maxsize=2)
     q.put(1)
