@@ -320,14 +320,22 @@ def _chaos_every(ctx):
 
 @contextlib.contextmanager
 def chaos(pool, every=0.5):
-    """Kill a random connected worker every ``every`` seconds (SIGKILL / backend kill)."""
+    """Kill a random connected worker every ``every`` seconds (SIGKILL / backend kill).
+
+    A worker is a victim only from the round after it was first seen connected: a
+    replacement gets one period to load the task it took over (on a loaded machine a
+    container needs more than a second to import the tests' module), so the same
+    task is not killed at every retry until its budget runs out."""
     stop = threading.Event()
     kills = []
+    seen: set = set()
 
     def run():
         rng = random.Random(1234)
         while not stop.wait(every):
-            workers = connected_workers(pool)
+            connected = connected_workers(pool)
+            workers = [p for p in connected if p.name in seen]
+            seen.update(p.name for p in connected)
             if workers:
                 victim = rng.choice(workers)
                 with contextlib.suppress(ValueError):  # reaped meanwhile
