@@ -38,7 +38,7 @@ from .limiters import Limiter, LimiterSpec
 from .persist import WriteAheadLog, read_log, read_snapshot, write_snapshot
 from .selectors import Fifo, Prioritized, SelectorSpec, Uniform, index_key, make_index
 
-__all__ = ["NStep", "TableConfig", "ReplayTable", "TABLE_METHODS"]
+__all__ = ["NStep", "TableConfig", "ReplayTable", "TABLE_METHODS", "check_batch_size"]
 
 log = logging.getLogger(__name__)
 
@@ -208,8 +208,7 @@ class ReplayTable:
 
         ``update=(ids, priorities)`` applies a priority update first, in the same call.
         """
-        if not isinstance(k, (int, np.integer)) or k < 1:
-            raise ValueError(f"batch_size must be a positive int, got {k!r}")
+        check_batch_size(k)
         if update is not None:
             self.update_priorities(*update)
         with self.cond:
@@ -652,6 +651,12 @@ def _nstep_item(window: list, gamma: float) -> dict:
     item["done"] = last["done"]
     item["discount"] = np.float32(0.0 if done else gamma ** len(window))
     return item
+
+
+def check_batch_size(k: Any) -> None:
+    """Raise ``ValueError`` unless ``k`` is a positive int (a sample's batch size)."""
+    if not isinstance(k, (int, np.integer)) or k < 1:
+        raise ValueError(f"batch_size must be a positive int, got {k!r}")
 
 
 def _batch_length(batch: Any) -> int:
