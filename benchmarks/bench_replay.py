@@ -13,8 +13,10 @@ int64, reward float32, done bool: 49 bytes). Measured in one run:
   updates their priorities: inserted transitions/s (all writers), sampled
   transitions/s, p50/p99 latency of one learner step (``sample`` with the
   previous step's priority update carried in the same call);
-- the learner loop with no writers (the update as its own call, and carried
-  by the next sample), and the writers with no learner;
+- the learner loop with no writers: the update as its own call, carried by
+  the next sample, and carried by ``sample_async`` requests with two batches
+  pending (the next batches are drawn while the learner handles this one);
+  and the writers with no learner;
 - the snapshot stall: ``--snapshots`` (3) ``snapshot()`` calls during the
   shared run; the time the server held its lock (``stall_s``), and the
   slowest and p99 learner step and insert call overlapping a snapshot,
@@ -31,6 +33,7 @@ assertions.
 from __future__ import annotations
 
 import argparse
+import collections
 import os
 import platform
 import shutil
@@ -47,6 +50,7 @@ from fibrl.rl import ReplayStore
 from fibrl.rl.replay import Prioritized
 
 INSERT_BATCH, SAMPLE_BATCH = 64, 256
+LEARNER_MODES = ("2 calls", "1 call", "prefetch 2")
 
 
 def transitions(n: int, seed: int = 0) -> dict:
@@ -72,16 +76,29 @@ def writer(store: ReplayStore, index: int, ready, go, stop, timings) -> None:
     timings.put((np.asarray(starts), np.asarray(lasted)))
 
 
-def learner_loop(store: Any, seconds: float, latencies: list, combined: bool) -> int:
-    """Sample + update for ``seconds``; returns the transitions sampled. ``combined``
-    sends each update with the next sample call (one round trip per step)."""
+def learner_loop(store: Any, seconds: float, latencies: list, mode: str) -> int:
+    """Sample + update for ``seconds``; returns the transitions sampled.
+
+    ``mode``: "2 calls" (sample, then update_priorities), "1 call" (each update
+    carried by the next sample call: one round trip per step) or "prefetch N"
+    (``sample_async`` with N requests pending, each carrying the update of the
+    batch taken just before it was sent).
+    """
     rng = np.random.default_rng(1)
     end = time.perf_counter() + seconds
     sampled = 0
     update = None
+    pending: collections.deque = collections.deque()
+    if mode.startswith("prefetch"):
+        for _ in range(int(mode.split()[1])):
+            pending.append(store.sample_async(SAMPLE_BATCH, timeout=60))
     while time.perf_counter() < end:
         t0 = time.perf_counter()
-        if combined:
+        if pending:
+            batch = pending.popleft().get()
+            pending.append(store.sample_async(SAMPLE_BATCH, timeout=60, update=update))
+            update = (batch.ids, rng.random(SAMPLE_BATCH) + 0.1)
+        elif mode == "1 call":
             batch = store.sample(SAMPLE_BATCH, timeout=60, update=update)
             update = (batch.ids, rng.random(SAMPLE_BATCH) + 0.1)
         else:
@@ -90,6 +107,8 @@ def learner_loop(store: Any, seconds: float, latencies: list, combined: bool) ->
         t1 = time.perf_counter()
         latencies.append((t0, t1 - t0))
         sampled += SAMPLE_BATCH
+    for left in pending:  # drawn already; not counted
+        left.get()
     return sampled
 
 
@@ -131,10 +150,10 @@ def bench_fibrl(args, results: dict) -> None:
         fill = transitions(10_000)
         for _ in range(args.prefill // 10_000):
             store.insert(fill, np.random.default_rng(0).random(10_000) + 0.1)
-        for combined, name in ((False, "2 calls"), (True, "1 call")):
+        for mode in LEARNER_MODES:
             lat: list = []
-            label = f"fibrl learner alone, {name}"
-            results[f"{label}: sampled/s"] = learner_loop(store, args.seconds, lat, combined) \
+            label = f"fibrl learner alone, {mode}"
+            results[f"{label}: sampled/s"] = learner_loop(store, args.seconds, lat, mode) \
                 / args.seconds
             results[f"{label}: p50 ms"] = pct([l for _, l in lat], 0.5) * 1e3
             results[f"{label}: p99 ms"] = pct([l for _, l in lat], 0.99) * 1e3
@@ -162,7 +181,7 @@ def bench_fibrl(args, results: dict) -> None:
         thread = threading.Thread(target=take)
         t0 = time.perf_counter()
         thread.start()
-        sampled = learner_loop(store, args.seconds * 1.25, lat, True)
+        sampled = learner_loop(store, args.seconds * 1.25, lat, "1 call")
         thread.join(120)
         elapsed = time.perf_counter() - t0
         inserted = store.stats()["inserts"] - before
@@ -308,8 +327,7 @@ def main() -> None:
     for peer in ("cpprb", "torchrl"):
         if f"{peer} sampled/s" not in results:
             continue
-        for key in ("fibrl learner alone, 2 calls", "fibrl learner alone, 1 call",
-                    "fibrl shared"):
+        for key in [f"fibrl learner alone, {mode}" for mode in LEARNER_MODES] + ["fibrl shared"]:
             print(f"{key} / {peer}, sampled/s: "
                   f"{results[f'{key}: sampled/s'] / results[f'{peer} sampled/s']:.2f}")
         print(f"fibrl shared / {peer}, inserted/s: "
