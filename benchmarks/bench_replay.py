@@ -13,8 +13,10 @@ int64, reward float32, done bool: 49 bytes). Measured in one run:
   updates their priorities: inserted transitions/s (all writers), sampled
   transitions/s, p50/p99 latency of one learner step (``sample`` with the
   previous step's priority update carried in the same call);
-- the learner loop with no writers (the update as its own call, and carried
-  by the next sample), and the writers with no learner;
+- the learner loop with no writers: the update as its own call, carried by
+  the next sample, and carried by ``sample_async`` requests with two batches
+  pending (the next batches are drawn while the learner handles this one);
+  and the writers with no learner;
 - the snapshot stall: ``--snapshots`` (3) ``snapshot()`` calls during the
   shared run; the time the server held its lock (``stall_s``), and the
   slowest and p99 learner step and insert call overlapping a snapshot,
@@ -23,7 +25,9 @@ int64, reward float32, done bool: 49 bytes). Measured in one run:
 - peers, driven by one process (no sharing): cpprb's
   ``PrioritizedReplayBuffer`` and torchrl's ``PrioritizedReplayBuffer``
   (``LazyTensorStorage``) doing the same inserts and the same sample+update
-  loop. A peer that is not importable is skipped, saying so.
+  loop. A peer that is not importable is skipped, saying so. The peers'
+  sample+update loops take turns with the fibrl learner-alone loops (4 rounds
+  of slices), so that the ratios compare runs under the same machine load.
 
 Ratios are fibrl / peer (higher is better for rates). Numbers to read, not
 assertions.
@@ -31,6 +35,8 @@ assertions.
 from __future__ import annotations
 
 import argparse
+import collections
+import dataclasses
 import os
 import platform
 import shutil
@@ -38,7 +44,7 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Any
+from typing import Any, Callable, Optional
 
 import numpy as np
 
@@ -47,6 +53,8 @@ from fibrl.rl import ReplayStore
 from fibrl.rl.replay import Prioritized
 
 INSERT_BATCH, SAMPLE_BATCH = 64, 256
+LEARNER_MODES = ("2 calls", "1 call", "prefetch 2")
+ROUNDS = 4  # turns the learner modes and the peers take in the learner-alone phase
 
 
 def transitions(n: int, seed: int = 0) -> dict:
@@ -72,16 +80,29 @@ def writer(store: ReplayStore, index: int, ready, go, stop, timings) -> None:
     timings.put((np.asarray(starts), np.asarray(lasted)))
 
 
-def learner_loop(store: Any, seconds: float, latencies: list, combined: bool) -> int:
-    """Sample + update for ``seconds``; returns the transitions sampled. ``combined``
-    sends each update with the next sample call (one round trip per step)."""
+def learner_loop(store: Any, seconds: float, latencies: list, mode: str) -> int:
+    """Sample + update for ``seconds``; returns the transitions sampled.
+
+    ``mode``: "2 calls" (sample, then update_priorities), "1 call" (each update
+    carried by the next sample call: one round trip per step) or "prefetch N"
+    (``sample_async`` with N requests pending, each carrying the update of the
+    batch taken just before it was sent).
+    """
     rng = np.random.default_rng(1)
     end = time.perf_counter() + seconds
     sampled = 0
     update = None
+    pending: collections.deque = collections.deque()
+    if mode.startswith("prefetch"):
+        for _ in range(int(mode.split()[1])):
+            pending.append(store.sample_async(SAMPLE_BATCH, timeout=60))
     while time.perf_counter() < end:
         t0 = time.perf_counter()
-        if combined:
+        if pending:
+            batch = pending.popleft().get()
+            pending.append(store.sample_async(SAMPLE_BATCH, timeout=60, update=update))
+            update = (batch.ids, rng.random(SAMPLE_BATCH) + 0.1)
+        elif mode == "1 call":
             batch = store.sample(SAMPLE_BATCH, timeout=60, update=update)
             update = (batch.ids, rng.random(SAMPLE_BATCH) + 0.1)
         else:
@@ -90,6 +111,8 @@ def learner_loop(store: Any, seconds: float, latencies: list, combined: bool) ->
         t1 = time.perf_counter()
         latencies.append((t0, t1 - t0))
         sampled += SAMPLE_BATCH
+    for left in pending:  # drawn already; not counted
+        left.get()
     return sampled
 
 
@@ -125,19 +148,33 @@ class Writers:
                                                                     lasted.tolist())]
 
 
-def bench_fibrl(args, results: dict) -> None:
+def learners_alone(store: ReplayStore, peers: list, args, results: dict) -> None:
+    """Each learner mode and each peer's sample+update loop, taking turns in
+    ``ROUNDS`` slices, so that all see the same load on a shared machine."""
+    span = args.seconds / ROUNDS
+    sampled = collections.Counter()
+    lat: dict = {mode: [] for mode in LEARNER_MODES}
+    for _ in range(ROUNDS):
+        for mode in LEARNER_MODES:
+            sampled[mode] += learner_loop(store, span, lat[mode], mode)
+        for peer in peers:
+            sampled[peer.name] += _calls(peer.step, span) * SAMPLE_BATCH
+    for mode in LEARNER_MODES:
+        label = f"fibrl learner alone, {mode}"
+        results[f"{label}: sampled/s"] = sampled[mode] / (span * ROUNDS)
+        results[f"{label}: p50 ms"] = pct([l for _, l in lat[mode]], 0.5) * 1e3
+        results[f"{label}: p99 ms"] = pct([l for _, l in lat[mode]], 0.99) * 1e3
+    for peer in peers:
+        results[f"{peer.name} sampled/s"] = sampled[peer.name] / (span * ROUNDS)
+
+
+def bench_fibrl(args, results: dict, peers: list) -> None:
     spec = Prioritized(alpha=0.6, beta=0.4)
     with ReplayStore(args.capacity, sampler=spec, num_shards=args.shards, seed=0) as store:
         fill = transitions(10_000)
         for _ in range(args.prefill // 10_000):
             store.insert(fill, np.random.default_rng(0).random(10_000) + 0.1)
-        for combined, name in ((False, "2 calls"), (True, "1 call")):
-            lat: list = []
-            label = f"fibrl learner alone, {name}"
-            results[f"{label}: sampled/s"] = learner_loop(store, args.seconds, lat, combined) \
-                / args.seconds
-            results[f"{label}: p50 ms"] = pct([l for _, l in lat], 0.5) * 1e3
-            results[f"{label}: p99 ms"] = pct([l for _, l in lat], 0.99) * 1e3
+        learners_alone(store, peers, args, results)
 
         writers = Writers(store, args.writers)
         before = store.stats()["inserts"]
@@ -162,7 +199,7 @@ def bench_fibrl(args, results: dict) -> None:
         thread = threading.Thread(target=take)
         t0 = time.perf_counter()
         thread.start()
-        sampled = learner_loop(store, args.seconds * 1.25, lat, True)
+        sampled = learner_loop(store, args.seconds * 1.25, lat, "1 call")
         thread.join(120)
         elapsed = time.perf_counter() - t0
         inserted = store.stats()["inserts"] - before
@@ -199,12 +236,21 @@ def bench_fibrl(args, results: dict) -> None:
         shutil.rmtree(folder)
 
 
-def bench_cpprb(args, results: dict) -> None:
+@dataclasses.dataclass
+class Peer:
+    """An in-process buffer, prefilled: one insert call, one sample+update step."""
+
+    name: str
+    insert: Callable[[], Any]
+    step: Callable[[], Any]
+
+
+def cpprb_peer(args) -> Optional[Peer]:
     try:
         from cpprb import PrioritizedReplayBuffer
     except ImportError as exc:
         print(f"skipping cpprb: not importable ({exc}); pip install cpprb")
-        return
+        return None
     env = {"obs": {"shape": 4, "dtype": np.float32}, "act": {"dtype": np.int64},
            "rew": {"dtype": np.float32}, "next_obs": {"shape": 4, "dtype": np.float32},
            "done": {"dtype": np.bool_}}
@@ -215,18 +261,16 @@ def bench_cpprb(args, results: dict) -> None:
     prios = np.random.default_rng(0).random(INSERT_BATCH) + 0.1
     for _ in range(args.prefill // INSERT_BATCH):
         rb.add(**kw, priorities=prios)
-    results["cpprb inserted/s"] = _rate(lambda: rb.add(**kw, priorities=prios), args.seconds,
-                                        INSERT_BATCH)
     rng = np.random.default_rng(1)
 
     def step():
         batch = rb.sample(SAMPLE_BATCH, beta=0.4)
         rb.update_priorities(batch["indexes"], rng.random(SAMPLE_BATCH) + 0.1)
 
-    results["cpprb sampled/s"] = _rate(step, args.seconds, SAMPLE_BATCH)
+    return Peer("cpprb", lambda: rb.add(**kw, priorities=prios), step)
 
 
-def bench_torchrl(args, results: dict) -> None:
+def torchrl_peer(args) -> Optional[Peer]:
     try:
         import torch
         from tensordict import TensorDict
@@ -234,7 +278,7 @@ def bench_torchrl(args, results: dict) -> None:
     except Exception as exc:  # torchrl fails in many ways when its build mismatches torch
         print(f"skipping torchrl: not importable ({type(exc).__name__}: {exc}); "
               f"pip install --no-deps torchrl tensordict (versions matching your torch)")
-        return
+        return None
     torch.set_num_threads(1)
     try:
         rb = PrioritizedReplayBuffer(alpha=0.6, beta=0.4,
@@ -250,7 +294,7 @@ def bench_torchrl(args, results: dict) -> None:
         print(f"skipping torchrl {torchrl.__version__}: its PrioritizedReplayBuffer cannot be "
               f"built here ({exc}){why}. torchrl's compiled extension must be built for the "
               f"installed torch {torch.__version__}")
-        return
+        return None
     t = {k: torch.from_numpy(v) for k, v in transitions(INSERT_BATCH).items()}
     td = TensorDict(t, batch_size=[INSERT_BATCH])
     prios = torch.rand(INSERT_BATCH) + 0.1
@@ -261,23 +305,21 @@ def bench_torchrl(args, results: dict) -> None:
         idx = rb.extend(td)
         rb.update_priority(idx, prios)
 
-    results["torchrl inserted/s"] = _rate(insert, args.seconds, INSERT_BATCH)
-
     def step():
         batch, info = rb.sample(return_info=True)
         rb.update_priority(info["index"], torch.rand(SAMPLE_BATCH) + 0.1)
 
-    results["torchrl sampled/s"] = _rate(step, args.seconds, SAMPLE_BATCH)
+    return Peer("torchrl", insert, step)
 
 
-def _rate(fn, seconds: float, per_call: int) -> float:
+def _calls(fn, seconds: float) -> int:
+    """How many times ``fn`` ran in ``seconds``."""
     end = time.perf_counter() + seconds
     calls = 0
-    start = time.perf_counter()
     while time.perf_counter() < end:
         fn()
         calls += 1
-    return calls * per_call / (time.perf_counter() - start)
+    return calls
 
 
 def main() -> None:
@@ -297,9 +339,13 @@ def main() -> None:
           f"capacity {args.capacity}, {args.writers} writers x batches of {INSERT_BATCH}, "
           f"learner batches of {SAMPLE_BATCH}, shards {args.shards}", flush=True)
     results: dict = {}
-    for bench in (bench_fibrl, bench_cpprb, bench_torchrl):
-        bench(args, results)
-        print(f"{bench.__name__} done", file=sys.stderr, flush=True)
+    peers = [peer for peer in (cpprb_peer(args), torchrl_peer(args)) if peer is not None]
+    bench_fibrl(args, results, peers)
+    print("fibrl done", file=sys.stderr, flush=True)
+    for peer in peers:
+        results[f"{peer.name} inserted/s"] = _calls(peer.insert, args.seconds) \
+            * INSERT_BATCH / args.seconds
+        print(f"{peer.name} done", file=sys.stderr, flush=True)
     width = max(map(len, results))
     for key, value in results.items():
         shown = value if isinstance(value, str) else f"{value:,.1f}"
@@ -308,8 +354,7 @@ def main() -> None:
     for peer in ("cpprb", "torchrl"):
         if f"{peer} sampled/s" not in results:
             continue
-        for key in ("fibrl learner alone, 2 calls", "fibrl learner alone, 1 call",
-                    "fibrl shared"):
+        for key in [f"fibrl learner alone, {mode}" for mode in LEARNER_MODES] + ["fibrl shared"]:
             print(f"{key} / {peer}, sampled/s: "
                   f"{results[f'{key}: sampled/s'] / results[f'{peer} sampled/s']:.2f}")
         print(f"fibrl shared / {peer}, inserted/s: "

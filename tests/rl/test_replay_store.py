@@ -15,8 +15,8 @@ from conftest import wait_until
 import fibrl
 from fibrl.managers import SyncManager
 from fibrl.rl import ReplayStore
-from fibrl.rl.replay import (Fifo, MinSize, Prioritized, ReplayManager, ReplayStoreLost,
-                             register_replay_store)
+from fibrl.rl.replay import (Fifo, MinSize, Prioritized, RateLimiterTimeout, ReplayManager,
+                             ReplayStoreLost, register_replay_store)
 
 WRITERS, PER_WRITER, BATCH = 4, 10_000, 10
 
@@ -127,6 +127,51 @@ def test_prioritized_sampling_exact_across_shards():
         assert ((counts - expected) ** 2 / expected).sum() < 27.88   # chi2(9), p = 0.001
         assert store.update_priorities(ids, np.ones(10)) == 10
         assert len(store) == 10
+
+
+# -- sample_async -------------------------------------------------------------------------------
+@pytest.mark.parametrize("num_shards", [1, 2])
+def test_prefetched_samples_carry_updates_and_follow_the_sampler(num_shards):
+    with ReplayStore(40, sampler="max_heap", num_shards=num_shards) as store:
+        ids = np.concatenate([store.insert({"x": np.arange(i, i + 4)}, np.arange(i, i + 4.0))
+                              for i in (0, 4)])
+        first = store.sample_async(2)
+        second = store.sample_async(2, update=(ids[:1], [100.0]))  # applied before its draw
+        assert sorted(second.get(timeout=30)["x"].tolist()) == [0, 7]
+        # two shards split an ordered batch by size and take each one's highest
+        assert sorted(first.get(timeout=30)["x"].tolist()) == ([6, 7] if num_shards == 1
+                                                                else [3, 7])
+        assert first.ready() and first.get() is first.get()       # the same batch again
+        assert store.stats()["samples"] == 4
+
+
+def test_pending_samples_are_drawn_in_request_order():
+    with ReplayStore.queue(10) as store:
+        store.insert({"x": np.arange(6)})
+        pending = [store.sample_async(2) for _ in range(3)]
+        got = [p.get(timeout=30)["x"].tolist() for p in reversed(pending)]
+        assert got == [[4, 5], [2, 3], [0, 1]]
+
+
+def test_a_pending_sample_waits_for_the_rate_limiter():
+    with ReplayStore(10, rate_limiter=MinSize(2)) as store:
+        store.insert({"x": np.arange(1)})
+        pending = store.sample_async(3, timeout=60)
+        with pytest.raises(TimeoutError):
+            pending.get(timeout=0.2)                   # still held back: call get again
+        assert not pending.ready() and store.stats()["samples"] == 0
+        store.insert({"x": np.arange(1, 2)})
+        assert set(pending.get(timeout=30)["x"].tolist()) <= {0, 1}
+        late = ReplayStore(10, rate_limiter=MinSize(5))
+        with late:
+            with pytest.raises(RateLimiterTimeout):
+                late.sample_async(1, timeout=0.1).get(timeout=30)
+
+
+def test_sample_async_refuses_a_bad_batch_size_at_once():
+    with ReplayStore(10) as store:
+        with pytest.raises(ValueError, match="batch_size"):
+            store.sample_async(0)
 
 
 def test_torch_tensors_in_and_out():

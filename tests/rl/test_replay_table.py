@@ -14,11 +14,12 @@ import pytest
 
 from fibrl.rl.replay import (Fifo, Lifo, MaxHeap, MinHeap, MinSize, NStep, Prioritized, Queue,
                              RateLimiterTimeout, SampleToInsertRatio, Stack, Uniform)
+from fibrl.rl.replay.selectors import SumTree
 from fibrl.rl.replay.table import ReplayTable, TableConfig
 
 # chi-square critical values at p = 0.001 (df -> value), so a correct sampler fails
 # once in a thousand seeds; the seeds below are fixed.
-CHI2_999 = {7: 24.32, 9: 27.88}
+CHI2_999 = {1: 10.83, 7: 24.32, 9: 27.88}
 
 
 def table(capacity=100, **kw) -> ReplayTable:
@@ -50,6 +51,39 @@ def test_prioritized_sampling_matches_exact_probabilities():
         np.testing.assert_allclose(out["probabilities"],
                                    exact[np.searchsorted(ids, out["ids"])], rtol=1e-12)
     assert chi_square(counts, exact) < CHI2_999[9]
+
+
+@pytest.mark.parametrize("capacity", [16, SumTree.ROOTS, 20 * SumTree.ROOTS + 3])
+def test_sum_tree_draws_in_proportion_to_weight_at_every_size(capacity):
+    # from no walked level (all leaves in the top level) to several below it
+    rng = np.random.default_rng(capacity)
+    tree = SumTree(capacity)
+    weights = rng.random(capacity) ** 3
+    weights[rng.random(capacity) < 0.3] = 0.0
+    tree.set(np.arange(capacity), weights)
+    tree.set(np.array([capacity - 1, 0, 0]), np.array([0.0, 0.7, 0.7]))  # duplicates set once
+    weights[[capacity - 1, 0]] = [0.0, 0.7]
+    np.testing.assert_allclose(tree.total(), weights.sum(), rtol=1e-12)
+    leaves, total = tree.find(rng.random(200_000), rng)
+    np.testing.assert_allclose(total, weights.sum(), rtol=1e-12)
+    assert weights[leaves].min() > 0                      # an empty slot is never drawn
+    # 10 bins of consecutive slots, then for each bit of the slot number (each tree
+    # level) the slots with it clear against those with it set
+    groupings = [(np.arange(capacity) * 10 // capacity, 9)]
+    groupings += [((np.arange(capacity) >> bit) & 1, 1) for bit in range(tree.depth)]
+    for bins, df in groupings:
+        mass = np.bincount(bins, weights) / weights.sum()
+        counts = np.bincount(bins[leaves], minlength=len(mass))
+        live = mass > 0
+        assert counts[~live].sum() == 0
+        assert chi_square(counts[live], mass[live]) < CHI2_999[df]
+
+
+def test_sum_tree_with_every_weight_zero_says_why_it_cannot_draw():
+    t = table(16, sampler=Prioritized(alpha=1.0, eps=0.0))
+    t.insert(items(4), np.zeros(4))
+    with pytest.raises(ValueError, match="weight 0"):
+        t.sample(2)
 
 
 def test_importance_weights_follow_the_formula_on_one_shard():

@@ -12,7 +12,7 @@ Layout::
     table.py      ReplayTable: the hosted object of one shard (storage, locking, n-step,
                   snapshots, write-ahead log)
     persist.py    snapshot and write-ahead log file formats
-    client.py     ReplayStore, ReplayTableProxy, ReplayManager, SampleBatch
+    client.py     ReplayStore, ReplayTableProxy, ReplayManager, SampleBatch, PendingSample
     errors.py     RateLimiterTimeout, ReplayStoreLost
 
 Example:
@@ -24,7 +24,7 @@ Example:
 """
 from __future__ import annotations
 
-from .client import (ReplayManager, ReplayStore, ReplayTableProxy, SampleBatch,
+from .client import (PendingSample, ReplayManager, ReplayStore, ReplayTableProxy, SampleBatch,
                      register_replay_store)
 from .errors import RateLimiterTimeout, ReplayStoreLost
 from .limiters import MinSize, Queue, SampleToInsertRatio, Stack
@@ -32,7 +32,8 @@ from .selectors import Fifo, Lifo, MaxHeap, MinHeap, Prioritized, Uniform
 from .table import NStep
 
 __all__ = [
-    "Fifo", "Lifo", "MaxHeap", "MinHeap", "MinSize", "NStep", "Prioritized", "Queue",
+    "Fifo", "Lifo", "MaxHeap", "MinHeap", "MinSize", "NStep", "PendingSample", "Prioritized",
+    "Queue",
     "RateLimiterTimeout", "ReplayManager", "ReplayStore", "ReplayStoreLost",
     "ReplayTableProxy", "SampleBatch", "SampleToInsertRatio", "Stack", "Uniform",
     "register_replay_store",

@@ -14,6 +14,9 @@ gone. It does not own the stored items (``table``).
                           n shards: mass() on each ─> multinomial split of k
                                     ─> sample(c_s) on each (async, in parallel)
                                     ─> probabilities rescaled to the global total
+    learner ──sample_async(k)──> the same calls, sent through the process's hub
+                                 ─> PendingSample ──get()──> SampleBatch
+                                 (the learner trains on the previous batch meanwhile)
 
 A batch is a dict of numpy arrays, so it crosses the wire as a handful of raw
 buffers (pickle protocol 5, large ones out of band), never one object per item.
@@ -21,10 +24,12 @@ buffers (pickle protocol 5, large ones out of band), never one object per item.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import os
 import sys
-from typing import Any, Optional
+import time
+from typing import Any, Callable, Optional
 
 import numpy as np
 
@@ -34,9 +39,9 @@ from fibrl.managers import BaseManager, BaseProxy
 from .errors import ReplayStoreLost
 from .limiters import LimiterSpec
 from .selectors import as_selector
-from .table import TABLE_METHODS, NStep, ReplayTable, TableConfig
+from .table import TABLE_METHODS, NStep, ReplayTable, TableConfig, check_batch_size
 
-__all__ = ["ReplayStore", "ReplayManager", "ReplayTableProxy", "SampleBatch",
+__all__ = ["ReplayStore", "ReplayManager", "ReplayTableProxy", "SampleBatch", "PendingSample",
            "register_replay_store"]
 
 
@@ -59,6 +64,54 @@ class SampleBatch:
 
     def __len__(self) -> int:
         return len(self.ids)
+
+
+class PendingSample:
+    """A batch on its way from the store: what ``sample_async`` returns.
+
+    The server draws the batch as soon as the request arrives (its rate limiter
+    counts it then); :meth:`get` waits for it, and returns the same batch when
+    called again.
+
+    Example:
+        >>> pending = store.sample_async(256)
+        >>> loss = train(batch)              # the previous batch, meanwhile
+        >>> batch = pending.get(timeout=60)  # a SampleBatch
+    """
+
+    __slots__ = ("_parts", "_merge", "_as_torch", "_batch")
+
+    def __init__(self, parts: list, merge: Callable[[list], dict], as_torch: bool) -> None:
+        self._parts = parts          # (shard proxy, handle of its sample call)
+        self._merge = merge
+        self._as_torch = as_torch
+        self._batch: Optional[SampleBatch] = None
+
+    def ready(self) -> bool:
+        """Whether :meth:`get` would return without waiting."""
+        return self._batch is not None or all(h.ready() for _shard, h in self._parts)
+
+    def get(self, timeout: Optional[float] = None) -> SampleBatch:
+        """The batch; waits up to ``timeout`` seconds (None: no limit).
+
+        Raises:
+            HandleTimeout: (a ``TimeoutError``) not in within ``timeout``; call again
+                to keep waiting.
+            RateLimiterTimeout: the server's rate limiter held the sample back for
+                the ``timeout`` given to ``sample_async``.
+            ReplayStoreLost: the store server is gone.
+        """
+        if self._batch is None:
+            deadline = None if timeout is None else time.monotonic() + timeout
+            raws = [shard._wait(handle, None if deadline is None
+                                else max(0.0, deadline - time.monotonic()))
+                    for shard, handle in self._parts]
+            self._batch = _finish(self._merge(raws), self._as_torch)
+        return self._batch
+
+
+def _only(raws: list) -> dict:
+    return raws[0]
 
 
 # -- conversions ---------------------------------------------------------------------------------
@@ -137,9 +190,9 @@ class ReplayTableProxy(BaseProxy):
         except RemoteObjectError as exc:
             raise _lost(exc) from exc
 
-    def _wait(self, handle: Any) -> Any:
+    def _wait(self, handle: Any, timeout: Optional[float] = None) -> Any:
         try:
-            return handle.get()
+            return handle.get(timeout)
         except ReplayStoreLost:
             raise
         except RemoteObjectError as exc:
@@ -160,6 +213,13 @@ class ReplayTableProxy(BaseProxy):
         ``update=(ids, priorities)`` sends a priority update in the same call."""
         return _finish(self._call("sample", int(batch_size), timeout, _as_update(update)),
                        as_torch)
+
+    def sample_async(self, batch_size: int, *, timeout: Optional[float] = None,
+                     as_torch: bool = False, update: Any = None) -> PendingSample:
+        """Like :meth:`sample`, returning at once; see :meth:`ReplayStore.sample_async`."""
+        check_batch_size(batch_size)
+        handle = self._call_later("sample", int(batch_size), timeout, _as_update(update))
+        return PendingSample([(self, handle)], _only, as_torch)
 
     def update_priorities(self, ids: Any, priorities: Any) -> int:
         """Set new priorities; ids no longer held are ignored. Returns how many applied."""
@@ -391,6 +451,37 @@ class ReplayStore:
         if self.num_shards == 1:
             return self._shards[0].sample(batch_size, timeout=timeout, as_torch=as_torch,
                                           update=update)
+        return self.sample_async(batch_size, timeout=timeout, as_torch=as_torch,
+                                 update=update).get()
+
+    def sample_async(self, batch_size: int, *, timeout: Optional[float] = None,
+                     as_torch: bool = False, update: Any = None) -> PendingSample:
+        """Request a batch and return at once: a :class:`PendingSample` whose ``get()``
+        gives what :meth:`sample` would have.
+
+        Request the next batch before training on the current one, and the store
+        draws it meanwhile: the round trip is hidden behind the training step.
+        Several may be pending. The server draws a batch when its request arrives,
+        in the order requests arrive, and its rate limiter counts the batch then
+        (``timeout`` is how long the limiter may hold it back, as in :meth:`sample`).
+        ``update=(ids, priorities)`` is applied just before this batch is drawn, so
+        with one batch prefetched, a batch's new priorities ride on the request
+        after next. With several shards, the call waits for the shards' priority
+        masses (one round trip) before it returns; the samples come meanwhile.
+
+        Example:
+            >>> pending = store.sample_async(256)
+            >>> update = None
+            >>> for step in range(steps):
+            ...     batch = pending.get()
+            ...     pending = store.sample_async(256, update=update)  # drawn while we train
+            ...     td_error = train(batch)
+            ...     update = (batch.ids, abs(td_error))
+        """
+        check_batch_size(batch_size)
+        if self.num_shards == 1:
+            return self._shards[0].sample_async(batch_size, timeout=timeout,
+                                                as_torch=as_torch, update=update)
         if update is not None:
             self.update_priorities(*update)
         shards = self._shards
@@ -400,10 +491,10 @@ class ReplayStore:
         if mass.sum() <= 0:  # empty: let the shards' rate limiters decide how to wait
             mass = np.ones(len(shards))
         counts = _split(int(batch_size), mass / mass.sum(), self._rng, masses[0][2])
-        pending = [(s, shards[s]._call_later("sample", int(c), timeout))
-                   for s, c in enumerate(counts.tolist()) if c]
-        raws = [shards[s]._wait(h) for s, h in pending]
-        return _finish(_merge(raws, mass.sum(), size), as_torch)
+        parts = [(shards[s], shards[s]._call_later("sample", int(c), timeout))
+                 for s, c in enumerate(counts.tolist()) if c]
+        merge = functools.partial(_merge, total_mass=float(mass.sum()), size=size)
+        return PendingSample(parts, merge, as_torch)
 
     def update_priorities(self, ids: Any, priorities: Any) -> int:
         """Set new priorities; ids already evicted are ignored. Returns how many applied."""

@@ -83,43 +83,76 @@ def as_selector(spec: Any, what: str) -> SelectorSpec:
 
 
 class SumTree:
-    """A binary sum tree over ``capacity`` leaves, updated and searched a batch at a time."""
+    """Per-slot weights, drawn from in proportion to weight, a batch at a time.
+
+    A binary sum tree (heap layout: node ``i`` has children ``2i`` and ``2i + 1``,
+    the leaves are ``size .. 2 * size - 1``) that keeps only its lower levels: the
+    widest level of at most :attr:`ROOTS` nodes is the top, and a draw finds its
+    top node with one ``cumsum`` + ``searchsorted`` over that level, then walks
+    the few levels below (8 for a million slots, none up to ``ROOTS`` slots).
+
+    Every step is one numpy call over the whole batch, so a batch of 256 costs
+    about as many calls as a batch of one; the walk reads one node per item and
+    level, which on a large table means a cache miss each, hence few levels.
+    """
+
+    #: the most nodes of the top level (its cumulative sum is recomputed per draw)
+    ROOTS = 4096
 
     def __init__(self, capacity: int) -> None:
         self.depth = max(1, int(capacity - 1).bit_length())
         self.size = 1 << self.depth
+        self.walk = max(0, self.depth - (self.ROOTS.bit_length() - 1))
+        self.width = self.size >> self.walk  # nodes in the top level
         self.tree = np.zeros(2 * self.size, dtype=np.float64)
+        self.top = self.tree[self.width:2 * self.width]  # a view: sums kept by set()
 
     def set(self, leaves: np.ndarray, values: np.ndarray) -> None:
         idx = np.asarray(leaves, dtype=np.int64) + self.size
         tree = self.tree
         tree[idx] = values
-        for _level in range(self.depth):
+        for _level in range(self.walk):
             # duplicates just recompute the same parent: cheaper than np.unique per level
             idx >>= 1
-            tree[idx] = tree[2 * idx] + tree[2 * idx + 1]
+            left = idx << 1
+            tree[idx] = tree.take(left) + tree.take(left + 1)
 
     def total(self) -> float:
-        return float(self.tree[1])
+        return float(self.top.sum())
 
     def leaf(self, leaves: np.ndarray) -> np.ndarray:
-        return self.tree[np.asarray(leaves, dtype=np.int64) + self.size]
+        return self.tree.take(np.asarray(leaves, dtype=np.int64) + self.size)
 
-    def find(self, u: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-        """The leaves where the prefix sums cross ``u`` (values in ``[0, total)``)."""
-        idx = np.ones(len(u), dtype=np.int64)
-        u = u.copy()
+    def find(self, fractions: np.ndarray, rng: np.random.Generator) -> tuple:
+        """``(leaves, total)``: for each of ``fractions`` (in ``[0, 1)``) the leaf where
+        the prefix sums cross ``fraction * total``, so leaf ``i`` is drawn with
+        probability ``weight_i / total``.
+
+        Raises:
+            ValueError: every weight is zero (nothing can be drawn).
+        """
+        sums = np.cumsum(self.top)
+        total = float(sums[-1])
+        if not total > 0:
+            raise ValueError("cannot sample: every held item has weight 0 (priorities 0 "
+                             "with eps=0); give Prioritized an eps > 0 or nonzero priorities")
+        u = fractions * total
+        node = np.searchsorted(sums, u, side="right")
+        np.minimum(node, self.width - 1, out=node)  # u rounded up to the total
+        u -= np.concatenate(([0.0], sums)).take(node)  # the mass left of the top node
+        node += self.width
         tree = self.tree
-        for _level in range(self.depth):
-            left = tree[2 * idx]
+        for _level in range(self.walk):
+            node <<= 1
+            left = tree.take(node)
             right = u >= left
-            u -= left * right
-            idx = 2 * idx + right
-        leaves = idx - self.size
-        empty = tree[idx] <= 0
-        if empty.any():  # rounding walked past the last non-empty leaf: redraw those
-            leaves[empty] = self.find(rng.random(int(empty.sum())) * self.total(), rng)
-        return leaves
+            np.subtract(u, left, out=u, where=right)
+            node += right
+        leaves = node - self.size
+        empty = tree.take(node) <= 0
+        if empty.any():  # rounding walked onto an empty leaf: draw those again
+            leaves[empty] = self.find(rng.random(int(empty.sum())), rng)[0]
+        return leaves, total
 
 
 class TreeIndex:
@@ -149,14 +182,13 @@ class TreeIndex:
 
     def select(self, k: int, rng: np.random.Generator, distinct: bool = False):
         """``k`` slots and their probabilities (distinct ones without replacement)."""
-        total = self.tree.total()
         if not distinct:
-            slots = self.tree.find(rng.random(k) * total, rng)
+            slots, total = self.tree.find(rng.random(k), rng)
             return slots, self.tree.leaf(slots) / total
         chosen: list = []
         saved = []
         while len(chosen) < k and self.tree.total() > 0:
-            slots = np.unique(self.tree.find(rng.random(k - len(chosen)) * self.tree.total(), rng))
+            slots = np.unique(self.tree.find(rng.random(k - len(chosen)), rng)[0])
             saved.append((slots, self.tree.leaf(slots)))
             self.tree.set(slots, np.zeros(len(slots)))
             chosen.extend(slots.tolist())

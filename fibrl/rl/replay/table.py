@@ -38,7 +38,7 @@ from .limiters import Limiter, LimiterSpec
 from .persist import WriteAheadLog, read_log, read_snapshot, write_snapshot
 from .selectors import Fifo, Prioritized, SelectorSpec, Uniform, index_key, make_index
 
-__all__ = ["NStep", "TableConfig", "ReplayTable", "TABLE_METHODS"]
+__all__ = ["NStep", "TableConfig", "ReplayTable", "TABLE_METHODS", "check_batch_size"]
 
 log = logging.getLogger(__name__)
 
@@ -208,8 +208,7 @@ class ReplayTable:
 
         ``update=(ids, priorities)`` applies a priority update first, in the same call.
         """
-        if not isinstance(k, (int, np.integer)) or k < 1:
-            raise ValueError(f"batch_size must be a positive int, got {k!r}")
+        check_batch_size(k)
         if update is not None:
             self.update_priorities(*update)
         with self.cond:
@@ -217,8 +216,9 @@ class ReplayTable:
             self._admit("sample", int(k), timeout)
             size = self.size()
             slots, probs = self.sampler_index.select(int(k), self.rng)
-            out = dict(data={name: col[slots] for name, col in self.columns.items()},
-                       ids=self.slot_ids[slots].copy(), priorities=self.priorities[slots],
+            # take() gathers rows two to three times faster than fancy indexing
+            out = dict(data={name: col.take(slots, axis=0) for name, col in self.columns.items()},
+                       ids=self.slot_ids.take(slots), priorities=self.priorities.take(slots),
                        probabilities=probs, size=size, mass=self.sampler_index.mass(),
                        beta=getattr(self.config.sampler, "beta", None))
             self.counters["samples"] += len(slots)
@@ -651,6 +651,12 @@ def _nstep_item(window: list, gamma: float) -> dict:
     item["done"] = last["done"]
     item["discount"] = np.float32(0.0 if done else gamma ** len(window))
     return item
+
+
+def check_batch_size(k: Any) -> None:
+    """Raise ``ValueError`` unless ``k`` is a positive int (a sample's batch size)."""
+    if not isinstance(k, (int, np.integer)) or k < 1:
+        raise ValueError(f"batch_size must be a positive int, got {k!r}")
 
 
 def _batch_length(batch: Any) -> int:
