@@ -21,7 +21,10 @@ that count (its *acknowledgement*) on its next request to the owner, or within
 and whose consumer has been silent for ``RECALL_GAPS`` times its usual gap
 between messages (``RECALL_MIN`` to ``RECALL_IDLE`` seconds), is *recalled*: the consumer drops what it has not returned, answers with its
 count, and the owner puts those items back in the queue at their place (merged by
-the order they were first pushed, whichever window gives back first).
+the order they were first pushed, whichever window gives back first). Every
+window stays in queue order too: an item given back is pushed only to a window
+that holds nothing newer, so no consumer reaches a stop sentinel while an item
+put before it is still on its way.
 
     consumer (Window)                          owner (Mailbox)
     get(): open(size) ---------------------->  op_window: stream; push items
@@ -130,6 +133,12 @@ class _Win:
         self.nbytes = 0
         return held
 
+    def accepts(self, number: Optional[int]) -> bool:
+        """Whether an item of push number ``number`` (None: a new one) may go behind what
+        it holds: every window stays in queue order, so an item given back is not
+        pushed behind a newer one (its consumer could stop at a sentinel first)."""
+        return number is None or not self.held or self.held[-1][0] < number
+
     def room(self, cap: int = WINDOW_ITEMS) -> bool:
         return not self.recalling and len(self.held) < min(self.size, cap) and (
             not self.held or self.nbytes < WINDOW_BYTES)
@@ -229,12 +238,13 @@ class Mailbox(SharedService):
             self._wake_pollers(True)
 
     # -- windows ---------------------------------------------------------------------
-    def _pick(self) -> Optional[_Win]:
-        """The window the next item goes to: a waiting consumer's, in turn, else the one
-        with room that holds fewest (lock held)."""
+    def _pick(self, number: Optional[int] = None) -> Optional[_Win]:
+        """The window the next item (push number ``number``; None: never pushed) goes to:
+        a waiting consumer's, in turn, else the one with room that holds fewest, among
+        those it may go behind (lock held)."""
         if len(self._windows) == 1:   # one consumer: no turn, no fairness cap
             for win in self._windows.values():
-                return win if win.room() else None
+                return win if win.room() and win.accepts(number) else None
         wins = list(self._windows.values())
         n = len(wins)
         best = None
@@ -244,7 +254,7 @@ class Mailbox(SharedService):
         cap = max(FAIR_MIN, 2 * min(sizes)) if n > 1 and sizes else WINDOW_ITEMS
         for i in range(n):
             win = wins[(self._turn + i) % n]
-            if not win.room(cap):
+            if not win.room(cap) or not win.accepts(number):
                 continue
             if win.waiting:
                 self._turn = (self._turn + i + 1) % n
@@ -257,7 +267,9 @@ class Mailbox(SharedService):
         """Push stored items into windows with room, in order (lock held)."""
         pushed: dict = {}
         while self._items:
-            win = self._pick()
+            # an item given back waits, and the items behind it with it, until a window
+            # holds nothing newer (it drains: no new item is pushed meanwhile)
+            win = self._pick(self._redo[0] if self._redo else None)
             if win is None:
                 break
             payload, number = self._popleft()
@@ -440,6 +452,8 @@ class Mailbox(SharedService):
         no window held (it goes first). They are merged with what earlier
         give-backs put in front, by push number: an item given back late still
         comes before items put after it (a consumer's stop sentinel, say)."""
+        if self._ordered:
+            held = sorted(held, key=lambda pair: pair[0])
         rest = deque()
         for number, payload in held:
             while self._getters and not rest:
@@ -455,10 +469,10 @@ class Mailbox(SharedService):
             self._items.extendleft(payload for _, payload in reversed(rest))
             self._wake_pollers(True)
             return
-        if self._redo:
-            front = [(self._redo.popleft(), self._items.popleft())
-                     for _ in range(len(self._redo))]
-            rest = sorted(front + list(rest), key=lambda pair: pair[0])
+        # a window's items came in push order, but one may hold an item given back
+        # earlier; and earlier give-backs wait in front: merge all by push number
+        front = [(self._redo.popleft(), self._items.popleft()) for _ in range(len(self._redo))]
+        rest = sorted(front + list(rest), key=lambda pair: pair[0])
         self._items.extendleft(payload for _, payload in reversed(rest))
         self._redo.extendleft(number for number, _ in reversed(rest))
         if self._windows:

@@ -138,6 +138,23 @@ def test_items_given_back_by_windows_keep_their_place_in_the_queue(host):
     assert box.take_nowait() is EMPTY and box._held == 0
 
 
+def test_an_item_given_back_is_not_pushed_behind_newer_ones(host):
+    """Windows stay in queue order: an item given back waits until a window holds
+    nothing newer (else its consumer could take the sentinel behind it first)."""
+    box = hosted(Mailbox(), host)
+    for item in (b"0", b"1", b"2", b"S"):
+        box.dispatch("put", (item,), Reply())
+    slow, fast = Peer(), Peer()
+    box.dispatch("window", (1,), Reply(slow, rid=5))    # holds 0
+    box.dispatch("window", (4,), Reply(fast, rid=6))    # holds 1, 2, S
+    held = lambda peer: [p for _, p in box._windows[peer.id].held]  # noqa: E731
+    assert held(slow) == [b"0"] and held(fast) == [b"1", b"2", b"S"]
+    box.dispatch("returned", (0, 0, 0), Reply(slow))    # recalled: 0 goes back
+    assert held(fast) == [b"1", b"2", b"S"] and list(box._items) == [b"0"]
+    box.dispatch("want", (3, 4, 1), Reply(fast))        # fast returned all 3, waits
+    assert held(fast) == [b"0"] and not box._items
+
+
 def test_mailbox_keeps_an_item_a_gone_getter_could_not_take(host):
     box = hosted(Mailbox(), host)
     box.dispatch("get", (None,), Reply(Peer(), gone=True))
