@@ -10,7 +10,8 @@ Every peer is measured in the same run and each row prints its ratio:
   ``SyncVectorEnv(8)``;
 - Fiber's AsyncManager demo (4 CartPole envs in 4 managers, 5,000 steps, sync
   then async) on fibrl, and on Fiber when benchmarks/install_fiber.sh has made
-  its venv (skipped, saying so, otherwise), alternating runs.
+  its venv or ``FIBER_PYTHON`` names a Python that has Fiber (skipped, saying
+  so, otherwise), alternating runs.
 
 Every vector env is started once; each round then measures each of them for
 ``--seconds`` in turn, and a ratio is the median of the rounds' ratios, so a
@@ -42,7 +43,8 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
 
 from fibrl.rl import RemoteVectorEnv  # noqa: E402
 
-FIBER_PYTHON = HERE / ".fiber-venv" / "bin" / "python"
+# Uber Fiber's interpreter: $FIBER_PYTHON, else the venv benchmarks/install_fiber.sh makes
+FIBER_PYTHON = Path(os.environ.get("FIBER_PYTHON") or HERE / ".fiber-venv" / "bin" / "python")
 
 
 class BurnCPU(gymnasium.Wrapper):
@@ -235,7 +237,8 @@ def main() -> None:
                          "lower", target))
     else:
         ours1 = demo("fibrl", sys.executable, args.demo_steps)
-        note = (f"Fiber not measured: no venv at {FIBER_PYTHON} (benchmarks/install_fiber.sh); "
+        note = (f"Fiber not measured: no {FIBER_PYTHON} (set FIBER_PYTHON, or run "
+                f"benchmarks/install_fiber.sh); "
                 f"fibrl's demo: sync {ours1['sync_s']:.2f} s, async {ours1['async_s']:.2f} s")
     print(f"medians of {args.rounds} rounds of {args.seconds:g} s each (ratio: median of the "
           f"rounds' ratios); demos: medians of {args.demo_runs} alternating runs")
