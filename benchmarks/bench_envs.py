@@ -19,6 +19,7 @@ burst of load from elsewhere on a shared machine hits both sides of a ratio.
 
     python benchmarks/bench_envs.py [--seconds 1] [--rounds 7] [--demo-steps 5000]
         [--demo-runs 3]
+    python benchmarks/bench_envs.py --quick   # 3 rounds of 0.5 s, 2 demo runs (~1.5 min)
 """
 from __future__ import annotations
 
@@ -203,11 +204,17 @@ def measure(rounds: int, seconds: float) -> list:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seconds", type=float, default=1.0, help="per measurement")
-    parser.add_argument("--rounds", type=int, default=7, help="medians over this many")
+    parser.add_argument("--quick", action="store_true",
+                        help="3 rounds of 0.5 s and 2 runs of each demo (unless given)")
+    parser.add_argument("--seconds", type=float, help="per measurement (default 1)")
+    parser.add_argument("--rounds", type=int, help="medians over this many (default 7)")
     parser.add_argument("--demo-steps", type=int, default=5000)
-    parser.add_argument("--demo-runs", type=int, default=3, help="runs of each demo")
+    parser.add_argument("--demo-runs", type=int, help="runs of each demo (default 3)")
     args = parser.parse_args()
+    quick = args.quick
+    args.seconds = args.seconds or (0.5 if quick else 1.0)
+    args.rounds = args.rounds or (3 if quick else 7)
+    args.demo_runs = args.demo_runs or (2 if quick else 3)
     rounds = measure(args.rounds, args.seconds)
     m = {key: float(np.median([r[key] for r in rounds])) for key in rounds[0]}
     pairs = [
