@@ -168,14 +168,16 @@ class Worker:
     def _step_part(self, msg: Step, lo: int, hi: int) -> bool:
         m = hi - lo
         obs, infos, restarts = [], [], []
-        rewards = np.zeros(m, dtype=np.float64)
-        terms, truncs = np.zeros(m, dtype=np.bool_), np.zeros(m, dtype=np.bool_)
+        rewards = np.empty(m, dtype=np.float64)
+        terms, truncs = np.empty(m, dtype=np.bool_), np.empty(m, dtype=np.bool_)
+        actions = msg.actions
+        plain = type(actions) is np.ndarray
         for k in range(m):
             j = msg.slots[lo + k]
             slot = self.slots[j]
             try:
-                info, rewards[k], terms[k], truncs[k] = self._step_one(slot,
-                                                                       row(msg.actions, lo + k))
+                action = actions[lo + k] if plain else row(actions, lo + k)
+                info, rewards[k], terms[k], truncs[k] = self._step_one(slot, action)
             except Exception:
                 restarts.append((j, traceback.format_exc()))
                 if not self._recreate(slot):
@@ -252,7 +254,10 @@ def serve(index: int, gen: int, fns: list, env_ids: list, restarts: list, mode: 
         if stop:
             return
         try:
-            if not worker.handle(decode(data), _Outbox(peer)):
+            reply_to = peer.context.get("outbox")
+            if reply_to is None:
+                reply_to = peer.context["outbox"] = _Outbox(peer)
+            if not worker.handle(decode(data), reply_to):
                 stop.append(True)
                 channel.close()  # wakes the main thread, which then exits
         except BaseException as exc:  # the process must end, as in the main thread
