@@ -33,7 +33,7 @@ import numpy as np
 from ... import serialization
 
 __all__ = ["Hello", "Step", "Reset", "Call", "Close", "Result", "Called", "Broken", "Died",
-           "rows", "row", "write_rows", "stack", "encode", "decode"]
+           "rows", "row", "write_rows", "stack", "encode", "encode_result", "decode"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -255,22 +255,29 @@ def encode(msg: Any) -> Any:
         n = len(msg.slots)
         return b"".join((_STEP.pack(_STEP_TAG, msg.seq, n), _slots(n).pack(*msg.slots),
                          _array_head(acts), acts.tobytes()))
-    if type(msg) is Result and msg.rewards is not None and _plain(msg.obs):
-        return _encode_result(msg)
+    if type(msg) is Result and msg.rewards is not None:
+        return encode_result(msg.worker, msg.gen, msg.seq, msg.slots, msg.obs, msg.rewards,
+                             msg.terminated, msg.truncated, msg.infos, msg.restarts)
     return serialization.dumps(msg)
 
 
-def _encode_result(msg: Result) -> Any:
-    n = len(msg.slots)
-    obs = np.ascontiguousarray(msg.obs)
+def encode_result(worker: int, gen: int, seq: int, slots: tuple, obs: Any, rewards: Any,
+                  terminated: Any, truncated: Any, infos: list, restarts: tuple = ()) -> Any:
+    """The frame of the step ``Result`` with these fields, built without the message (the
+    worker's hot path). The frame holds copies: ``obs`` may be reused once it is sent."""
+    if not _plain(obs):
+        return serialization.dumps(Result(worker, gen, seq, slots, obs, rewards, terminated,
+                                          truncated, infos, restarts))
+    n = len(slots)
+    obs = np.ascontiguousarray(obs)
     tail = b""
-    if msg.restarts or any(msg.infos):
-        tail = serialization.dumps((msg.infos, msg.restarts))
-    head = (_RESULT.pack(_RESULT_TAG, msg.worker, msg.gen, msg.seq, n)
-            + _slots(n).pack(*msg.slots) + _array_head(obs))
-    stats = (np.asarray(msg.rewards, np.float64).tobytes()
-             + np.asarray(msg.terminated, np.bool_).tobytes()
-             + np.asarray(msg.truncated, np.bool_).tobytes() + _U32.pack(len(tail)) + tail)
+    if restarts or any(infos):
+        tail = serialization.dumps((infos, restarts))
+    head = (_RESULT.pack(_RESULT_TAG, worker, gen, seq, n) + _slots(n).pack(*slots)
+            + _array_head(obs))
+    stats = (np.asarray(rewards, np.float64).tobytes()
+             + np.asarray(terminated, np.bool_).tobytes()
+             + np.asarray(truncated, np.bool_).tobytes() + _U32.pack(len(tail)) + tail)
     if obs.nbytes <= _JOIN_MAX:
         return head + obs.tobytes() + stats
     return [head, memoryview(obs).cast("B"), stats]

@@ -35,14 +35,14 @@ every env that way before serving requests.
 from __future__ import annotations
 
 import traceback
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import numpy as np
 
 from ... import get_context
 from ...transport import Channel, Listener, Peer
-from .protocol import (Broken, Call, Called, Hello, Reset, Result, Step, decode, encode, row,
-                       stack)
+from .protocol import (Broken, Call, Called, Hello, Reset, Result, Step, decode, encode,
+                       encode_result, row, stack)
 
 __all__ = ["serve", "restart_seed"]
 
@@ -76,6 +76,7 @@ class Worker:
         self.index, self.gen, self.mode, self.root = index, gen, mode, root_seed
         self.split, self.outbox = split, outbox
         self.slots = [_Slot(fn, i, r) for fn, i, r in zip(fns, env_ids, restarts)]
+        self.obs_rows: Any = None   # reused batch of observations, when the space allows
 
     # -- lifecycle ----------------------------------------------------------------------
     def start(self) -> bool:
@@ -91,6 +92,7 @@ class Worker:
                 if not self._recreate(slot, fresh=False):
                     return False
         env = self.slots[0].env
+        self.obs_rows = _obs_rows(env.observation_space, len(self.slots))
         self.outbox.send(Called(self.index, self.gen, 0, [{
             "observation_space": env.observation_space, "action_space": env.action_space,
             "metadata": getattr(env, "metadata", {}), "render_mode": env.render_mode,
@@ -185,9 +187,23 @@ class Worker:
                 info, rewards[k], terms[k], truncs[k] = self._step_one(slot, None)
             obs.append(slot.obs)
             infos.append(info or None)
-        self.outbox.send(Result(self.index, self.gen, msg.seq, msg.slots[lo:hi], stack(obs),
-                                rewards, terms, truncs, infos, tuple(restarts)))
+        self.outbox.send_frame(encode_result(self.index, self.gen, msg.seq, msg.slots[lo:hi],
+                                             self._batch(obs), rewards, terms, truncs, infos,
+                                             tuple(restarts)))
         return True
+
+    def _batch(self, obs: list) -> Any:
+        """The observations as one batch: rows of the reused array when they fit it (sent,
+        that is copied, before the next step), else stacked."""
+        out = self.obs_rows
+        if out is not None:
+            try:
+                for k, o in enumerate(obs):
+                    out[k] = o
+                return out[:len(obs)]
+            except (ValueError, TypeError):
+                self.obs_rows = None  # an observation that does not fit its space
+        return stack(obs)
 
     def _step_one(self, slot: _Slot, action: Any) -> tuple:
         if slot.restarted:  # report the restart in place of this step
@@ -236,6 +252,22 @@ class _Outbox:
 
     def send(self, msg: Any) -> None:
         self.channel.send(encode(msg))
+
+    def send_frame(self, frame: Any) -> None:
+        self.channel.send(frame)
+
+
+def _obs_rows(space: Any, n: int) -> Optional[np.ndarray]:
+    """A reusable array for ``n`` observations of ``space``, when its batch is one numpy
+    array (Box, Discrete, MultiDiscrete, MultiBinary), else None. Written into, an
+    observation takes the space's dtype, as the vector env's own batch does."""
+    from gymnasium.vector.utils import create_empty_array
+
+    try:
+        rows = create_empty_array(space, n, fn=np.zeros)
+    except Exception:
+        return None  # a space gymnasium cannot batch: observations are stacked
+    return rows if type(rows) is np.ndarray and rows.dtype.kind in "biuf" else None
 
 
 def serve(index: int, gen: int, fns: list, env_ids: list, restarts: list, mode: str,
