@@ -4,7 +4,8 @@ One request per worker per step carries the actions of all the envs it steps;
 one reply per half carries their results as numpy arrays. Infos travel as one
 list of per-env dicts, ``None`` for an empty one.
 
-:func:`encode` and :func:`decode` turn messages into frames. The per-step
+:func:`encode` and :func:`decode` turn messages into frames (a worker builds
+its step replies with :func:`encode_result`, from its arrays). The per-step
 messages (a ``Step`` whose actions are one numpy array, a ``Result`` of a step
 whose observations are one numpy array) use a compact binary layout: a fixed
 header, the slots, then the arrays' raw bytes (a large observation batch is

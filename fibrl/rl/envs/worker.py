@@ -25,6 +25,12 @@ With ``split`` on, a request for many envs is answered in two halves: the
 first half travels (and the vector env can hand it to ``recv``) while the
 second half is stepped.
 
+A step's observations are written into one array the worker keeps, of the
+observation space's dtype (the dtype the vector env's batch has too), and
+copied from it into the reply frame; observations that do not fit it (Dict and
+Tuple spaces, or an env whose observations disagree with its space) are
+stacked instead.
+
 Autoreset follows gymnasium's ``SyncVectorEnv`` exactly, env by env. An env
 that raises is recreated here and reset with its restart seed; that env's
 current result is the fresh reset observation with ``truncated=True`` and
