@@ -290,8 +290,10 @@ class RemoteVectorEnv(VectorEnv):
             self._dispatch(self._inbox.get_nowait())
             return
         hang = self._hang_deadline()
-        limits = [d for d in (deadline, hang) if d is not None]
-        left = _SLICE if not limits else min(_SLICE, min(limits) - time.monotonic())
+        left = _SLICE
+        if deadline is not None or hang is not None:
+            until = min(d for d in (deadline, hang) if d is not None)
+            left = min(_SLICE, until - time.monotonic())
         try:
             if left <= 0:
                 raise TimeoutError
@@ -482,8 +484,9 @@ class RemoteVectorEnv(VectorEnv):
         """One Step per worker concerned; ``env_ids`` None: every env (the common case)."""
         posts = []
         if env_ids is None:
+            plain = type(actions) is np.ndarray
             for w in self._workers:
-                acts = rows(actions, w.span)
+                acts = actions[w.span] if plain else rows(actions, w.span)
                 posts.append((w, Step(self._next_seq(), w.slots, acts)))
             self._pending.update(range(self.num_envs))
         else:
