@@ -156,7 +156,8 @@ def rows(batch: Any, idx: Any) -> Any:
         return {k: rows(v, idx) for k, v in batch.items()}
     if isinstance(batch, tuple):
         return tuple(rows(v, idx) for v in batch)
-    return np.asarray(batch)[idx]
+    part = np.asarray(batch)[idx]
+    return part.copy() if isinstance(idx, slice) else part   # a slice is a view
 
 
 def write_rows(dst: Any, idx: Any, src: Any) -> None:

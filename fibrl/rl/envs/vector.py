@@ -485,6 +485,8 @@ class RemoteVectorEnv(VectorEnv):
         posts = []
         if env_ids is None:
             plain = type(actions) is np.ndarray
+            if plain:   # a request may be sent again later: not a view of the caller's array
+                actions = actions.copy()
             for w in self._workers:
                 acts = actions[w.span] if plain else rows(actions, w.span)
                 posts.append((w, Step(self._next_seq(), w.slots, acts)))
