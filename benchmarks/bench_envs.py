@@ -10,7 +10,8 @@ Every peer is measured in the same run and each row prints its ratio:
   ``SyncVectorEnv(8)``;
 - Fiber's AsyncManager demo (4 CartPole envs in 4 managers, 5,000 steps, sync
   then async) on fibrl, and on Fiber when benchmarks/install_fiber.sh has made
-  its venv (skipped, saying so, otherwise), alternating runs.
+  its venv or ``FIBER_PYTHON`` names a Python that has Fiber (skipped, saying
+  so, otherwise), alternating runs.
 
 Every vector env is started once; each round then measures each of them for
 ``--seconds`` in turn, and a ratio is the median of the rounds' ratios, so a
@@ -18,6 +19,7 @@ burst of load from elsewhere on a shared machine hits both sides of a ratio.
 
     python benchmarks/bench_envs.py [--seconds 1] [--rounds 7] [--demo-steps 5000]
         [--demo-runs 3]
+    python benchmarks/bench_envs.py --quick   # 3 rounds of 0.5 s, 2 demo runs (~1.5 min)
 """
 from __future__ import annotations
 
@@ -42,7 +44,8 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
 
 from fibrl.rl import RemoteVectorEnv  # noqa: E402
 
-FIBER_PYTHON = HERE / ".fiber-venv" / "bin" / "python"
+# Uber Fiber's interpreter: $FIBER_PYTHON, else the venv benchmarks/install_fiber.sh makes
+FIBER_PYTHON = Path(os.environ.get("FIBER_PYTHON") or HERE / ".fiber-venv" / "bin" / "python")
 
 
 class BurnCPU(gymnasium.Wrapper):
@@ -201,11 +204,17 @@ def measure(rounds: int, seconds: float) -> list:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seconds", type=float, default=1.0, help="per measurement")
-    parser.add_argument("--rounds", type=int, default=7, help="medians over this many")
+    parser.add_argument("--quick", action="store_true",
+                        help="3 rounds of 0.5 s and 2 runs of each demo (unless given)")
+    parser.add_argument("--seconds", type=float, help="per measurement (default 1)")
+    parser.add_argument("--rounds", type=int, help="medians over this many (default 7)")
     parser.add_argument("--demo-steps", type=int, default=5000)
-    parser.add_argument("--demo-runs", type=int, default=3, help="runs of each demo")
+    parser.add_argument("--demo-runs", type=int, help="runs of each demo (default 3)")
     args = parser.parse_args()
+    quick = args.quick
+    args.seconds = args.seconds or (0.5 if quick else 1.0)
+    args.rounds = args.rounds or (3 if quick else 7)
+    args.demo_runs = args.demo_runs or (2 if quick else 3)
     rounds = measure(args.rounds, args.seconds)
     m = {key: float(np.median([r[key] for r in rounds])) for key in rounds[0]}
     pairs = [
@@ -235,7 +244,8 @@ def main() -> None:
                          "lower", target))
     else:
         ours1 = demo("fibrl", sys.executable, args.demo_steps)
-        note = (f"Fiber not measured: no venv at {FIBER_PYTHON} (benchmarks/install_fiber.sh); "
+        note = (f"Fiber not measured: no {FIBER_PYTHON} (set FIBER_PYTHON, or run "
+                f"benchmarks/install_fiber.sh); "
                 f"fibrl's demo: sync {ours1['sync_s']:.2f} s, async {ours1['async_s']:.2f} s")
     print(f"medians of {args.rounds} rounds of {args.seconds:g} s each (ratio: median of the "
           f"rounds' ratios); demos: medians of {args.demo_runs} alternating runs")

@@ -89,3 +89,29 @@ class Pid(gymnasium.Wrapper):
     def __init__(self) -> None:
         super().__init__(gymnasium.make("CartPole-v1"))
         self.pid = os.getpid()
+
+
+class Float64Obs(gymnasium.ObservationWrapper):
+    """CartPole whose observations are float64 while its space says float32."""
+
+    def __init__(self) -> None:
+        super().__init__(gymnasium.make("CartPole-v1"))
+
+    def observation(self, observation):
+        return observation.astype(np.float64) + 1e-9  # not exactly representable in float32
+
+
+class Counter(gymnasium.Env):
+    """Discrete observations (a count modulo 10, as a Python int); ends after 9 steps."""
+
+    observation_space = spaces.Discrete(10)
+    action_space = spaces.Discrete(3)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.t = int(self.np_random.integers(10))
+        return self.t, {}
+
+    def step(self, action):
+        self.t = (self.t + int(action)) % 10
+        return self.t, float(self.t), self.t == 9, False, {}

@@ -94,6 +94,30 @@ def test_dict_and_tuple_observations():
         sync.close()
 
 
+@pytest.mark.parametrize("make", [envs_helpers.Float64Obs, envs_helpers.Counter],
+                         ids=["float64-obs-in-float32-space", "discrete"])
+def test_observations_take_the_space_dtype_as_in_sync_vector_env(make):
+    sync = SyncVectorEnv([make] * 5)
+    remote = RemoteVectorEnv([make] * 5, envs_per_worker=3, split=2)
+    try:
+        run_both(remote, sync, 30)
+    finally:
+        remote.close()
+        sync.close()
+
+
+def test_worker_stacks_observations_that_do_not_fit_its_space():
+    from fibrl.rl.envs.worker import Worker, _obs_rows
+
+    worker = Worker(0, 0, [], [], [], "next_step", 0, 0, None)
+    worker.obs_rows = _obs_rows(gymnasium.spaces.Box(0, 1, (4,), np.float32), 2)
+    fits = worker._batch([np.ones(4), np.zeros(4)])
+    assert fits.dtype == np.float32 and fits.shape == (2, 4)
+    odd = worker._batch([np.ones(3), np.zeros(3)])  # as the env gave them
+    assert odd.dtype == np.float64 and odd.shape == (2, 3) and worker.obs_rows is None
+    assert _obs_rows(gymnasium.spaces.Dict({"a": gymnasium.spaces.Discrete(2)}), 2) is None
+
+
 def test_send_recv_one_slow_env_does_not_hold_up_the_others():
     # env 0 sleeps 3 s per step; the fast envs are driven for 1 s (2 s of margin under load)
     fns = [functools.partial(envs_helpers.Slow, 3.0)] + [envs_helpers.Pid] * 3

@@ -105,3 +105,25 @@ def broken_factory():
 def test_env_that_cannot_be_made_fails_the_constructor_with_a_clear_error():
     with pytest.raises(EnvCrashError, match="no module named 'simulator'"):
         RemoteVectorEnv([envs_helpers.Pid, broken_factory], envs_per_worker=1, max_restarts=1)
+
+
+def test_requests_kept_for_resending_hold_their_own_actions():
+    """A step is kept until answered, to be sent again to a replacement worker: it
+    must not view the caller's actions array, which the caller may reuse meanwhile."""
+    envs = RemoteVectorEnv([envs_helpers.Pid] * 4, envs_per_worker=2)
+    try:
+        envs.reset(seed=0)
+        actions = np.zeros(4, dtype=np.int64)
+        envs.step_async(actions)
+        kept = [msg for worker in envs._workers for msg, _ in worker.open]
+        assert len(kept) == 2
+        actions[:] = 1   # the caller fills its array for the next step
+        assert all((msg.actions == 0).all() for msg in kept)
+        envs.step_wait(timeout=60)
+        mixed = {"a": np.zeros(4, dtype=np.int64)}   # the rows() path: a dict of arrays
+        from fibrl.rl.envs.protocol import rows
+        part = rows(mixed, slice(0, 2))
+        mixed["a"][:] = 1
+        assert (part["a"] == 0).all()
+    finally:
+        envs.close()

@@ -4,7 +4,8 @@ One request per worker per step carries the actions of all the envs it steps;
 one reply per half carries their results as numpy arrays. Infos travel as one
 list of per-env dicts, ``None`` for an empty one.
 
-:func:`encode` and :func:`decode` turn messages into frames. The per-step
+:func:`encode` and :func:`decode` turn messages into frames (a worker builds
+its step replies with :func:`encode_result`, from its arrays). The per-step
 messages (a ``Step`` whose actions are one numpy array, a ``Result`` of a step
 whose observations are one numpy array) use a compact binary layout: a fixed
 header, the slots, then the arrays' raw bytes (a large observation batch is
@@ -33,7 +34,7 @@ import numpy as np
 from ... import serialization
 
 __all__ = ["Hello", "Step", "Reset", "Call", "Close", "Result", "Called", "Broken", "Died",
-           "rows", "row", "write_rows", "stack", "encode", "decode"]
+           "rows", "row", "write_rows", "stack", "encode", "encode_result", "decode"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -155,7 +156,8 @@ def rows(batch: Any, idx: Any) -> Any:
         return {k: rows(v, idx) for k, v in batch.items()}
     if isinstance(batch, tuple):
         return tuple(rows(v, idx) for v in batch)
-    return np.asarray(batch)[idx]
+    part = np.asarray(batch)[idx]
+    return part.copy() if isinstance(idx, slice) else part   # a slice is a view
 
 
 def write_rows(dst: Any, idx: Any, src: Any) -> None:
@@ -194,7 +196,9 @@ def _plain(a: Any) -> bool:
 
 
 _heads: dict = {}    # (dtype, shape) -> array header; a few entries per vector env
-_dtypes: dict = {}   # dtype.str -> dtype
+_layouts: dict = {}  # array header -> (dtype, shape, count, nbytes): the reverse
+_slot_structs: dict = {}  # n -> Struct of n slots
+_CACHE_MAX = 1024
 
 
 def _array_head(a: np.ndarray) -> bytes:
@@ -204,74 +208,103 @@ def _array_head(a: np.ndarray) -> bytes:
         code = a.dtype.str.encode()
         head = (bytes((len(code),)) + code + bytes((a.ndim,))
                 + struct.pack(f"<{a.ndim}I", *a.shape))
-        if len(_heads) < 1024:
+        if len(_heads) < _CACHE_MAX:
             _heads[key] = head
     return head
 
 
-def _read_array(view: memoryview, offset: int) -> tuple:
-    n = view[offset]
-    code = bytes(view[offset + 1:offset + 1 + n])
-    dtype = _dtypes.get(code)
-    if dtype is None:
-        dtype = _dtypes[code] = np.dtype(code.decode())
-    offset += 1 + n
-    ndim = view[offset]
-    shape = struct.unpack_from(f"<{ndim}I", view, offset + 1)
-    offset += 1 + 4 * ndim
-    count = 1
-    for d in shape:
-        count *= d
-    a = np.frombuffer(view, dtype, count, offset).reshape(shape)
-    return a, offset + count * dtype.itemsize
+def _slots(n: int) -> struct.Struct:
+    """The Struct of ``n`` u32 slots (cached: a vector env uses a few sizes)."""
+    packer = _slot_structs.get(n)
+    if packer is None:
+        packer = struct.Struct(f"<{n}I")
+        if len(_slot_structs) < _CACHE_MAX:
+            _slot_structs[n] = packer
+    return packer
+
+
+def _layout(head: bytes) -> tuple:
+    """(dtype, shape, count, nbytes) of an array header."""
+    layout = _layouts.get(head)
+    if layout is None:
+        n = head[0]
+        dtype = np.dtype(head[1:1 + n].decode())
+        ndim = head[1 + n]
+        shape = struct.unpack_from(f"<{ndim}I", head, 2 + n)
+        count = 1
+        for d in shape:
+            count *= d
+        layout = (dtype, shape, count, count * dtype.itemsize)
+        if len(_layouts) < _CACHE_MAX:
+            _layouts[head] = layout
+    return layout
+
+
+def _read_array(buf: Any, offset: int) -> tuple:
+    """The array whose header starts at ``offset`` (a view of ``buf``) and where it ends."""
+    end = offset + 2 + buf[offset] + 4 * buf[offset + 1 + buf[offset]]
+    dtype, shape, count, nbytes = _layout(bytes(buf[offset:end]))
+    a = np.frombuffer(buf, dtype, count, end)
+    if len(shape) != 1:
+        a = a.reshape(shape)
+    return a, end + nbytes
 
 
 def encode(msg: Any) -> Any:
     """The frame of ``msg``: ``bytes``, or a list of parts (see the module docstring)."""
     if type(msg) is Step and _plain(msg.actions):
         acts = np.ascontiguousarray(msg.actions)
-        return b"".join((_STEP.pack(_STEP_TAG, msg.seq, len(msg.slots)),
-                         struct.pack(f"<{len(msg.slots)}I", *msg.slots),
-                         _array_head(acts), acts.tobytes()))
-    if type(msg) is Result and msg.rewards is not None and _plain(msg.obs):
         n = len(msg.slots)
-        obs = np.ascontiguousarray(msg.obs)
-        tail = b""
-        if msg.restarts or any(msg.infos):
-            tail = serialization.dumps((msg.infos, msg.restarts))
-        head = b"".join((_RESULT.pack(_RESULT_TAG, msg.worker, msg.gen, msg.seq, n),
-                         struct.pack(f"<{n}I", *msg.slots), _array_head(obs)))
-        stats = b"".join((np.asarray(msg.rewards, np.float64).tobytes(),
-                          np.asarray(msg.terminated, np.bool_).tobytes(),
-                          np.asarray(msg.truncated, np.bool_).tobytes(),
-                          _U32.pack(len(tail)), tail))
-        if obs.nbytes <= _JOIN_MAX:
-            return b"".join((head, obs.tobytes(), stats))
-        return [head, memoryview(obs).cast("B"), stats]
+        return b"".join((_STEP.pack(_STEP_TAG, msg.seq, n), _slots(n).pack(*msg.slots),
+                         _array_head(acts), acts.tobytes()))
+    if type(msg) is Result and msg.rewards is not None:
+        return encode_result(msg.worker, msg.gen, msg.seq, msg.slots, msg.obs, msg.rewards,
+                             msg.terminated, msg.truncated, msg.infos, msg.restarts)
     return serialization.dumps(msg)
 
 
+def encode_result(worker: int, gen: int, seq: int, slots: tuple, obs: Any, rewards: Any,
+                  terminated: Any, truncated: Any, infos: list, restarts: tuple = ()) -> Any:
+    """The frame of the step ``Result`` with these fields, built without the message (the
+    worker's hot path). The frame holds copies: ``obs`` may be reused once it is sent."""
+    if not _plain(obs):
+        return serialization.dumps(Result(worker, gen, seq, slots, obs, rewards, terminated,
+                                          truncated, infos, restarts))
+    n = len(slots)
+    obs = np.ascontiguousarray(obs)
+    tail = b""
+    if restarts or any(infos):
+        tail = serialization.dumps((infos, restarts))
+    head = (_RESULT.pack(_RESULT_TAG, worker, gen, seq, n) + _slots(n).pack(*slots)
+            + _array_head(obs))
+    stats = (np.asarray(rewards, np.float64).tobytes()
+             + np.asarray(terminated, np.bool_).tobytes()
+             + np.asarray(truncated, np.bool_).tobytes() + _U32.pack(len(tail)) + tail)
+    if obs.nbytes <= _JOIN_MAX:
+        return head + obs.tobytes() + stats
+    return [head, memoryview(obs).cast("B"), stats]
+
+
 def decode(frame: Any) -> Any:
-    """The message of a frame made by :func:`encode` (arrays are views of the frame)."""
-    view = memoryview(frame)
-    tag = bytes(view[:2])
-    if tag == _STEP_TAG:
-        _, seq, n = _STEP.unpack_from(view)
-        slots = struct.unpack_from(f"<{n}I", view, _STEP.size)
-        actions, _ = _read_array(view, _STEP.size + 4 * n)
-        return Step(seq, slots, actions.copy())  # writable, as a pickled array would be
+    """The message of a frame made by :func:`encode` (arrays are read-only views of the
+    frame, except a Step's actions: a writable copy, as a pickled array would be)."""
+    tag = bytes(frame[:2])
     if tag == _RESULT_TAG:
-        _, worker, gen, seq, n = _RESULT.unpack_from(view)
-        slots = struct.unpack_from(f"<{n}I", view, _RESULT.size)
-        obs, at = _read_array(view, _RESULT.size + 4 * n)
-        rewards = np.frombuffer(view, np.float64, n, at)
-        terminated = np.frombuffer(view, np.bool_, n, at + 8 * n)
-        truncated = np.frombuffer(view, np.bool_, n, at + 9 * n)
+        _, worker, gen, seq, n = _RESULT.unpack_from(frame)
+        slots = _slots(n).unpack_from(frame, _RESULT.size)
+        obs, at = _read_array(frame, _RESULT.size + 4 * n)
+        rewards = np.frombuffer(frame, np.float64, n, at)
+        flags = np.frombuffer(frame, np.bool_, 2 * n, at + 8 * n)
         at += 10 * n
-        size = _U32.unpack_from(view, at)[0]
+        size = _U32.unpack_from(frame, at)[0]
         infos, restarts = [None] * n, ()
         if size:
-            infos, restarts = serialization.loads(view[at + 4:at + 4 + size])
-        return Result(worker, gen, seq, slots, obs, rewards, terminated, truncated, infos,
+            infos, restarts = serialization.loads(memoryview(frame)[at + 4:at + 4 + size])
+        return Result(worker, gen, seq, slots, obs, rewards, flags[:n], flags[n:], infos,
                       restarts)
+    if tag == _STEP_TAG:
+        _, seq, n = _STEP.unpack_from(frame)
+        slots = _slots(n).unpack_from(frame, _STEP.size)
+        actions, _ = _read_array(frame, _STEP.size + 4 * n)
+        return Step(seq, slots, actions.copy())
     return serialization.loads(frame)

@@ -99,6 +99,7 @@ class _WorkerSlot:
         self.index = index
         self.env_ids = env_ids
         self.ids = np.array(env_ids, dtype=np.int64)
+        self.span = slice(env_ids[0], env_ids[-1] + 1)   # its envs are consecutive
         self.slots = tuple(range(len(env_ids)))
         self.gen = -1
         self.proc: Any = None
@@ -166,7 +167,7 @@ class RemoteVectorEnv(VectorEnv):
         self._state = AsyncState.DEFAULT
         self._error: Optional[BaseException] = None
         self.closed = False
-        self._chunks: collections.deque = collections.deque()   # finished (env_ids, Result)
+        self._chunks: collections.deque = collections.deque()   # (env_ids, Result, rows)
         self._pending: set = set()
         self._called: dict = {}
         ids = list(range(self.num_envs))
@@ -285,16 +286,14 @@ class RemoteVectorEnv(VectorEnv):
         """Receive ``worker``'s next reply on its direct connection, on this thread; between
         slices of waiting, handle what the listener and the watcher posted (deaths,
         replacements' Hellos)."""
-        try:
-            item = self._inbox.get_nowait()
-        except queue.Empty:
-            pass
-        else:
-            self._dispatch(item)
+        if not self._inbox.empty():   # only this thread takes from the inbox
+            self._dispatch(self._inbox.get_nowait())
             return
         hang = self._hang_deadline()
-        limits = [d for d in (deadline, hang) if d is not None]
-        left = _SLICE if not limits else min(_SLICE, min(limits) - time.monotonic())
+        left = _SLICE
+        if deadline is not None or hang is not None:
+            until = min(d for d in (deadline, hang) if d is not None)
+            left = min(_SLICE, until - time.monotonic())
         try:
             if left <= 0:
                 raise TimeoutError
@@ -373,11 +372,14 @@ class RemoteVectorEnv(VectorEnv):
     def _on_result(self, worker: _WorkerSlot, msg: Result) -> None:
         for slot, tb in msg.restarts:
             self._charge(worker.env_ids[slot], tb)
-        env_ids = worker.ids[list(msg.slots)]
-        self._chunks.append((env_ids, msg))
-        for req, sent in worker.open:
+        if msg.slots == worker.slots:  # all its envs (the common case): rows by slice
+            self._chunks.append((worker.ids, msg, worker.span))
+        else:
+            env_ids = worker.ids[list(msg.slots)]
+            self._chunks.append((env_ids, msg, env_ids))
+        for i, (req, sent) in enumerate(worker.open):
             if req.seq == msg.seq:
-                worker.open.remove((req, sent))
+                del worker.open[i]
                 if len(msg.slots) == len(req.slots):
                     worker.direct = worker.direct and bool(worker.open)
                     break  # the whole request answered (the common case)
@@ -482,8 +484,11 @@ class RemoteVectorEnv(VectorEnv):
         """One Step per worker concerned; ``env_ids`` None: every env (the common case)."""
         posts = []
         if env_ids is None:
+            plain = type(actions) is np.ndarray
+            if plain:   # a request may be sent again later: not a view of the caller's array
+                actions = actions.copy()
             for w in self._workers:
-                acts = rows(actions, slice(w.env_ids[0], w.env_ids[-1] + 1))
+                acts = actions[w.span] if plain else rows(actions, w.span)
                 posts.append((w, Step(self._next_seq(), w.slots, acts)))
             self._pending.update(range(self.num_envs))
         else:
@@ -499,20 +504,23 @@ class RemoteVectorEnv(VectorEnv):
         self._post_all(posts, direct=env_ids is None)
 
     def _collect(self, num: int, deadline: Optional[float], what: str) -> list:
-        """The first ``num`` finished envs, as a list of (env_ids, Result) pieces."""
+        """The first ``num`` finished envs, as a list of (env_ids, Result, rows) pieces;
+        ``rows`` indexes the envs' rows of a full batch: a slice, or ``env_ids``."""
         got, count = [], 0
         while count < num:
             if not self._chunks:
                 self._pump(deadline, what)
                 continue
-            env_ids, msg = self._chunks.popleft()
+            env_ids, msg, where = self._chunks.popleft()
             take = min(num - count, len(env_ids))
             if take < len(env_ids):
-                self._chunks.appendleft((env_ids[take:], _result_tail(msg, take)))
+                tail = env_ids[take:]
+                self._chunks.appendleft((tail, _result_tail(msg, take), tail))
                 env_ids, msg = env_ids[:take], _result_head(msg, take)
-            got.append((env_ids, msg))
+                where = env_ids
+            got.append((env_ids, msg, where))
             count += take
-        for env_ids, _ in got:
+        for env_ids, _, _ in got:
             self._pending.difference_update(env_ids.tolist())
         return got
 
@@ -526,17 +534,19 @@ class RemoteVectorEnv(VectorEnv):
         rewards = np.zeros(n, dtype=np.float64)
         terms, truncs = np.zeros(n, dtype=np.bool_), np.zeros(n, dtype=np.bool_)
         infos, start, order = {}, 0, []
-        for env_ids, msg in got:
-            write_rows(self._obs, env_ids, msg.obs)
+        for env_ids, msg, where in got:
+            write_rows(self._obs, where, msg.obs)
             if by_id:
-                idx = env_ids
+                idx = where
             else:
-                idx = np.arange(start, start + len(env_ids))
+                idx = slice(start, start + len(env_ids))
                 start += len(env_ids)
                 write_rows(obs, idx, msg.obs)
             if msg.rewards is not None:
                 rewards[idx], terms[idx], truncs[idx] = msg.rewards, msg.terminated, msg.truncated
-            order.extend((i, info) for i, info in zip(idx.tolist(), msg.infos) if info)
+            if any(msg.infos):
+                at = range(idx.start, idx.stop) if type(idx) is slice else idx.tolist()
+                order.extend((i, info) for i, info in zip(at, msg.infos) if info)
         if order:
             batch = _InfoBatch(n)
             for i, info in sorted(order, key=lambda p: p[0]):
@@ -632,7 +642,7 @@ class RemoteVectorEnv(VectorEnv):
         if not self._pending:
             self._state = AsyncState.DEFAULT
         obs, rewards, terms, truncs, infos = self._assemble(got, num, False)
-        infos["env_id"] = np.concatenate([ids for ids, _ in got])
+        infos["env_id"] = np.concatenate([ids for ids, _, _ in got])
         return obs, rewards, terms, truncs, infos
 
     # -- call, get_attr, set_attr ------------------------------------------------------

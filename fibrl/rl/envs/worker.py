@@ -25,6 +25,12 @@ With ``split`` on, a request for many envs is answered in two halves: the
 first half travels (and the vector env can hand it to ``recv``) while the
 second half is stepped.
 
+A step's observations are written into one array the worker keeps, of the
+observation space's dtype (the dtype the vector env's batch has too), and
+copied from it into the reply frame; observations that do not fit it (Dict and
+Tuple spaces, or an env whose observations disagree with its space) are
+stacked instead.
+
 Autoreset follows gymnasium's ``SyncVectorEnv`` exactly, env by env. An env
 that raises is recreated here and reset with its restart seed; that env's
 current result is the fresh reset observation with ``truncated=True`` and
@@ -35,14 +41,14 @@ every env that way before serving requests.
 from __future__ import annotations
 
 import traceback
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import numpy as np
 
 from ... import get_context
 from ...transport import Channel, Listener, Peer
-from .protocol import (Broken, Call, Called, Hello, Reset, Result, Step, decode, encode, row,
-                       stack)
+from .protocol import (Broken, Call, Called, Hello, Reset, Result, Step, decode, encode,
+                       encode_result, row, stack)
 
 __all__ = ["serve", "restart_seed"]
 
@@ -76,6 +82,7 @@ class Worker:
         self.index, self.gen, self.mode, self.root = index, gen, mode, root_seed
         self.split, self.outbox = split, outbox
         self.slots = [_Slot(fn, i, r) for fn, i, r in zip(fns, env_ids, restarts)]
+        self.obs_rows: Any = None   # reused batch of observations, when the space allows
 
     # -- lifecycle ----------------------------------------------------------------------
     def start(self) -> bool:
@@ -91,6 +98,7 @@ class Worker:
                 if not self._recreate(slot, fresh=False):
                     return False
         env = self.slots[0].env
+        self.obs_rows = _obs_rows(env.observation_space, len(self.slots))
         self.outbox.send(Called(self.index, self.gen, 0, [{
             "observation_space": env.observation_space, "action_space": env.action_space,
             "metadata": getattr(env, "metadata", {}), "render_mode": env.render_mode,
@@ -168,14 +176,16 @@ class Worker:
     def _step_part(self, msg: Step, lo: int, hi: int) -> bool:
         m = hi - lo
         obs, infos, restarts = [], [], []
-        rewards = np.zeros(m, dtype=np.float64)
-        terms, truncs = np.zeros(m, dtype=np.bool_), np.zeros(m, dtype=np.bool_)
+        rewards = np.empty(m, dtype=np.float64)
+        terms, truncs = np.empty(m, dtype=np.bool_), np.empty(m, dtype=np.bool_)
+        actions = msg.actions
+        plain = type(actions) is np.ndarray
         for k in range(m):
             j = msg.slots[lo + k]
             slot = self.slots[j]
             try:
-                info, rewards[k], terms[k], truncs[k] = self._step_one(slot,
-                                                                       row(msg.actions, lo + k))
+                action = actions[lo + k] if plain else row(actions, lo + k)
+                info, rewards[k], terms[k], truncs[k] = self._step_one(slot, action)
             except Exception:
                 restarts.append((j, traceback.format_exc()))
                 if not self._recreate(slot):
@@ -183,9 +193,23 @@ class Worker:
                 info, rewards[k], terms[k], truncs[k] = self._step_one(slot, None)
             obs.append(slot.obs)
             infos.append(info or None)
-        self.outbox.send(Result(self.index, self.gen, msg.seq, msg.slots[lo:hi], stack(obs),
-                                rewards, terms, truncs, infos, tuple(restarts)))
+        self.outbox.send_frame(encode_result(self.index, self.gen, msg.seq, msg.slots[lo:hi],
+                                             self._batch(obs), rewards, terms, truncs, infos,
+                                             tuple(restarts)))
         return True
+
+    def _batch(self, obs: list) -> Any:
+        """The observations as one batch: rows of the reused array when they fit it (sent,
+        that is copied, before the next step), else stacked."""
+        out = self.obs_rows
+        if out is not None:
+            try:
+                for k, o in enumerate(obs):
+                    out[k] = o
+                return out[:len(obs)]
+            except (ValueError, TypeError):
+                self.obs_rows = None  # an observation that does not fit its space
+        return stack(obs)
 
     def _step_one(self, slot: _Slot, action: Any) -> tuple:
         if slot.restarted:  # report the restart in place of this step
@@ -235,6 +259,22 @@ class _Outbox:
     def send(self, msg: Any) -> None:
         self.channel.send(encode(msg))
 
+    def send_frame(self, frame: Any) -> None:
+        self.channel.send(frame)
+
+
+def _obs_rows(space: Any, n: int) -> Optional[np.ndarray]:
+    """A reusable array for ``n`` observations of ``space``, when its batch is one numpy
+    array (Box, Discrete, MultiDiscrete, MultiBinary), else None. Written into, an
+    observation takes the space's dtype, as the vector env's own batch does."""
+    from gymnasium.vector.utils import create_empty_array
+
+    try:
+        rows = create_empty_array(space, n, fn=np.zeros)
+    except Exception:
+        return None  # a space gymnasium cannot batch: observations are stacked
+    return rows if type(rows) is np.ndarray and rows.dtype.kind in "biuf" else None
+
 
 def serve(index: int, gen: int, fns: list, env_ids: list, restarts: list, mode: str,
           root_seed: int, split: int, address: str, direct: bool = False) -> None:
@@ -252,7 +292,10 @@ def serve(index: int, gen: int, fns: list, env_ids: list, restarts: list, mode: 
         if stop:
             return
         try:
-            if not worker.handle(decode(data), _Outbox(peer)):
+            reply_to = peer.context.get("outbox")
+            if reply_to is None:
+                reply_to = peer.context["outbox"] = _Outbox(peer)
+            if not worker.handle(decode(data), reply_to):
                 stop.append(True)
                 channel.close()  # wakes the main thread, which then exits
         except BaseException as exc:  # the process must end, as in the main thread
