@@ -133,15 +133,14 @@ class _Win:
         self.nbytes = 0
         return held
 
-    def accepts(self, number: Optional[int]) -> bool:
-        """Whether an item of push number ``number`` (None: a new one) may go behind what
-        it holds: every window stays in queue order, so an item given back is not
-        pushed behind a newer one (its consumer could stop at a sentinel first)."""
-        return number is None or not self.held or self.held[-1][0] < number
-
-    def room(self, cap: int = WINDOW_ITEMS) -> bool:
-        return not self.recalling and len(self.held) < min(self.size, cap) and (
-            not self.held or self.nbytes < WINDOW_BYTES)
+    def room(self, cap: int = WINDOW_ITEMS, number: Optional[int] = None) -> bool:
+        """Whether the item of push number ``number`` (None: a new one) may be pushed
+        here. Every window stays in queue order: an item given back does not go
+        behind a newer one (its consumer could stop at a sentinel first)."""
+        held = self.held
+        return not self.recalling and len(held) < min(self.size, cap) and (
+            not held or (self.nbytes < WINDOW_BYTES
+                         and (number is None or held[-1][0] < number)))
 
     def ack(self, returned: int) -> int:
         """Forget the items its consumer returned; how many were forgotten."""
@@ -244,7 +243,7 @@ class Mailbox(SharedService):
         those it may go behind (lock held)."""
         if len(self._windows) == 1:   # one consumer: no turn, no fairness cap
             for win in self._windows.values():
-                return win if win.room() and win.accepts(number) else None
+                return win if win.room(WINDOW_ITEMS, number) else None
         wins = list(self._windows.values())
         n = len(wins)
         best = None
@@ -254,7 +253,7 @@ class Mailbox(SharedService):
         cap = max(FAIR_MIN, 2 * min(sizes)) if n > 1 and sizes else WINDOW_ITEMS
         for i in range(n):
             win = wins[(self._turn + i) % n]
-            if not win.room(cap) or not win.accepts(number):
+            if not win.room(cap, number):
                 continue
             if win.waiting:
                 self._turn = (self._turn + i + 1) % n
@@ -282,9 +281,8 @@ class Mailbox(SharedService):
             pushed.setdefault(win, []).append(payload)
         for win, payloads in pushed.items():
             self._outgoing.setdefault(win, []).extend(payloads)
-        if (self._getters or len(self._windows) > 1) and self._waiters() and any(
-                w.held for w in self._windows.values()):
-            self._plan_recall()   # (one window and no getter: nobody else waits)
+        if self._getters or len(self._windows) > 1:   # (else nobody else waits)
+            self._plan_recall()
 
     def _waiters(self) -> bool:
         return bool(self._getters) or any(w.waiting for w in self._windows.values())
@@ -293,10 +291,15 @@ class Mailbox(SharedService):
         """Put what ``win`` held back in front, in order (lock held)."""
         if self._windows.get(win.peer.id) is win:
             del self._windows[win.peer.id]
+        self._take_back(win)
+
+    def _take_back(self, win: _Win) -> bool:
+        """Put everything ``win`` holds back in the queue; False: it held nothing (lock held)."""
         held = win.take_held()
         self._held -= len(held)
         if held:
             self._requeue(held)
+        return bool(held)
 
     def _plan_recall(self) -> None:
         """Recall windows silent for RECALL_IDLE while others wait; check again when
@@ -429,12 +432,8 @@ class Mailbox(SharedService):
                 win.recalling = False
                 win.heard_from(time.monotonic())
                 win.waiting, win.size = bool(waiting), max(0, min(int(size), WINDOW_ITEMS))
-                held = win.take_held()
-                self._held -= len(held)
                 self._outgoing.setdefault(win, []).append("resume")
-                if held:
-                    self._requeue(held)
-                elif self._items:
+                if not self._take_back(win) and self._items:
                     self._fill()
         reply(None)
 
@@ -453,7 +452,11 @@ class Mailbox(SharedService):
         give-backs put in front, by push number: an item given back late still
         comes before items put after it (a consumer's stop sentinel, say)."""
         if self._ordered:
-            held = sorted(held, key=lambda pair: pair[0])
+            # a window's items came in push order, but one may hold an item given back
+            # earlier, and earlier give-backs wait in front: merge all by push number
+            front = [(self._redo.popleft(), self._items.popleft())
+                     for _ in range(len(self._redo))]
+            held = sorted(front + list(held), key=lambda pair: pair[0])
         rest = deque()
         for number, payload in held:
             while self._getters and not rest:
@@ -465,16 +468,9 @@ class Mailbox(SharedService):
                 rest.append((number, payload))
         if not rest:
             return
-        if not self._ordered:
-            self._items.extendleft(payload for _, payload in reversed(rest))
-            self._wake_pollers(True)
-            return
-        # a window's items came in push order, but one may hold an item given back
-        # earlier; and earlier give-backs wait in front: merge all by push number
-        front = [(self._redo.popleft(), self._items.popleft()) for _ in range(len(self._redo))]
-        rest = sorted(front + list(rest), key=lambda pair: pair[0])
         self._items.extendleft(payload for _, payload in reversed(rest))
-        self._redo.extendleft(number for number, _ in reversed(rest))
+        if self._ordered:
+            self._redo.extendleft(number for number, _ in reversed(rest))
         if self._windows:
             self._fill()
         if self._items:
@@ -685,7 +681,7 @@ class Mailbox(SharedService):
             self._getters.clear(), self._putters.clear(), self._pollers.clear()
             wins, self._windows = list(self._windows.values()), {}
             # answers that were to follow pushes (a non-blocking get's)
-            parked += [_Parked(v) for values in self._outgoing.values() for v in values
+            answers = [v for values in self._outgoing.values() for v in values
                        if isinstance(v, ReplySink)]
             self._outgoing = {}
             if self._recall_timer is not None:
@@ -694,8 +690,8 @@ class Mailbox(SharedService):
         for p in parked:
             self._unpark(p)
             p.reply.fail(err)
-        for win in wins:
-            win.sink.fail(err)
+        for sink in answers + [win.sink for win in wins]:
+            sink.fail(err)
 
 
 def take(hub: Any, address: str, oid: str, timeout: Optional[float]) -> Any:
@@ -835,14 +831,11 @@ class Window:
                 return  # a stream closed meanwhile
             if not ok:
                 self._lost(value)
-            elif type(value) is list:   # items pushed in a row
+            elif type(value) is not str:   # an item, or items pushed in a row
                 if not self.stale:
-                    self.items.extend(value)
-                    self.cond.notify(len(value))
-            elif type(value) is not str:
-                if not self.stale:
-                    self.items.append(value)
-                    self.cond.notify()
+                    batch = value if type(value) is list else (value,)
+                    self.items.extend(batch)
+                    self.cond.notify(len(batch))
             elif value == "resume":   # what comes from here on is this process's again
                 self.stale = max(0, self.stale - 1)
             else:   # "recall": others wait for what this one holds
@@ -853,12 +846,11 @@ class Window:
     def _flush_acks(self) -> None:
         with self.cond:
             self.timer = None
-            if self.stream is not None and self.returned != self.reported:
-                self._want(get_hub(), 1 if self.waiters and not self.items else 0)
+            self.sync()
 
     def sync(self) -> None:
         """Acknowledge what get() returned, ahead of another request to the owner."""
-        with self.cond:
+        with self.cond:   # (reentrant: _flush_acks holds it)
             if self.stream is not None and self.returned != self.reported:
                 self._want(get_hub(), 1 if self.waiters and not self.items else 0)
 

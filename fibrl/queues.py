@@ -83,10 +83,10 @@ class Queue(HostedHandle):
         self._check_closed()
         payload = serialization.encode(obj)
         hub = get_hub()
-        if hub.is_local(self._address):
+        local = hub.local_service(self._address, self._oid)
+        if local is not None:
             payload.own()  # the queue keeps it: the caller may change the original
-            local = hub.local_service(self._address, self._oid)
-            if self._maxsize == 0 and local is not None:
+            if self._maxsize == 0:
                 local.give(payload)
                 return
         elif Window.unreported:

@@ -103,6 +103,19 @@ def take_through_closing_handles(q, results, rounds, per_round):
     results.put("done")
 
 
+def _victim_reports(ctx, q, results, target, total, taken):
+    """Put ``total`` items, start ``target`` (it takes ``taken`` of them, reporting each,
+    then idles with a window); return it and what it reported."""
+    for i in range(total):
+        q.put(i)
+    victim = ctx.Process(target=target, args=(q, results, taken), daemon=True)
+    victim.start()
+    reported = []
+    while (item := results.get(timeout=TIMEOUT)) != "idle":
+        reported.append(item)
+    return victim, reported
+
+
 def _mailbox(q):
     return fibrl.hub.get_hub().service(q._oid)
 
@@ -185,13 +198,7 @@ def test_consumers_killed_at_random_lose_nothing(ctx):
 def test_killed_consumer_holding_a_full_window_loses_nothing(ctx):
     total, taken = 600, 200
     q, results = ctx.Queue(), ctx.Queue()
-    for i in range(total):
-        q.put(i)
-    victim = ctx.Process(target=take_then_idle, args=(q, results, taken), daemon=True)
-    victim.start()
-    reported = []
-    while (item := results.get(timeout=TIMEOUT)) != "idle":
-        reported.append(item)
+    victim, reported = _victim_reports(ctx, q, results, take_then_idle, total, taken)
     assert reported == list(range(taken))
     # what the victim returned is acknowledged (ahead of its puts); what it holds is not
     wait_until(lambda: _held_in_windows(q) >= 2, "items pushed ahead into the window")
@@ -249,13 +256,7 @@ def test_slow_consumer_does_not_hold_up_fast_ones(ctx):
 def test_join_completes_after_a_consumer_died_holding_a_window(ctx):
     total, taken = 300, 100
     q, results = ctx.JoinableQueue(), ctx.Queue()
-    for i in range(total):
-        q.put(i)
-    victim = ctx.Process(target=take_mark_then_idle, args=(q, results, taken), daemon=True)
-    victim.start()
-    got = []
-    while (item := results.get(timeout=TIMEOUT)) != "idle":
-        got.append(item)
+    victim, got = _victim_reports(ctx, q, results, take_mark_then_idle, total, taken)
     wait_until(lambda: _held_in_windows(q) >= 1, "an item pushed ahead into the window")
     victim.kill()
     victim.join(TIMEOUT)
