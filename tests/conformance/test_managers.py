@@ -57,6 +57,20 @@ def _defs():
         def names(self):
             return sorted(self.calcs)
 
+    class Gate:
+        """Objects of one name share an event (each object has its own lane)."""
+        events = {}
+
+        def __init__(self, name):
+            self.event = type(self).events.setdefault(name, threading.Event())
+
+        def wait(self, timeout):
+            return self.event.wait(timeout)
+
+        def open(self):
+            self.event.set()
+            return True
+
     def append_to(lst, item):
         lst.append(item)
 
@@ -124,6 +138,7 @@ class AsyncCalcManager(AsyncManager):
 AsyncCalcManager.register("Calc", D.Calc)
 AsyncCalcManager.register("Store", D.Store, method_to_typeid={"calc": "CalcRef"})
 AsyncCalcManager.register("CalcRef", create_method=False)
+AsyncCalcManager.register("Gate", D.Gate)
 
 
 @pytest.fixture
@@ -425,6 +440,18 @@ def test_a_pipelined_reply_is_not_held_back_by_a_slow_call_behind_it(ctx):
         assert [h.get(1.5) for h in quick] == [i + 1 for i in range(30)]
         assert not slow.ready()
         assert slow.get(TIMEOUT) == 3.0
+
+
+def test_a_blocking_async_call_does_not_hold_up_the_calls_behind_it(ctx):
+    """A lone call runs in the server thread that read it; once it has run for a moment,
+    another thread reads that connection, so the call that unblocks it gets through."""
+    with AsyncCalcManager(ctx=ctx) as m:
+        waiting, opener = m.Gate("g"), m.Gate("g")
+        blocked = waiting.wait(TIMEOUT)
+        time.sleep(0.2)   # the wait has started: it holds the thread that read it
+        assert opener.open().get(10) is True
+        assert blocked.get(10) is True
+        assert [waiting.wait(0).get(10) for _ in range(3)] == [True] * 3
 
 
 def test_four_managers_overlap(ctx):
