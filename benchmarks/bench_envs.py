@@ -8,10 +8,12 @@ Every peer is measured in the same run and each row prints its ratio:
 - 2 workers x 32 envs against ``SyncVectorEnv(64)`` and the bare loop;
 - an env whose step burns 1 ms of CPU, 2 workers x 4 envs, against
   ``SyncVectorEnv(8)``;
+- the 2x32 and 1 ms layouts as bare pynng loops too (the transport's floor for
+  them);
 - Fiber's AsyncManager demo (4 CartPole envs in 4 managers, 5,000 steps, sync
-  then async) on fibrl, and on Fiber when benchmarks/install_fiber.sh has made
-  its venv or ``FIBER_PYTHON`` names a Python that has Fiber (skipped, saying
-  so, otherwise), alternating runs.
+  then async) on fibrl, on bare pynng request/reply servers (the floor), and on
+  Fiber when benchmarks/install_fiber.sh has made its venv or ``FIBER_PYTHON``
+  names a Python that has Fiber (skipped, saying so, otherwise), alternating runs.
 
 Every vector env is started once; each round then measures each of them for
 ``--seconds`` in turn, and a ratio is the median of the rounds' ratios, so a
@@ -182,6 +184,7 @@ def contenders() -> dict:
         "bare64": Bare(2, 32),
         "rburn": Vector(RemoteVectorEnv(burn, envs_per_worker=4)),
         "sburn": Vector(gymnasium.vector.SyncVectorEnv(burn)),
+        "bareburn": Bare(2, 4, make=BurnCPU),
     }
 
 
@@ -224,29 +227,41 @@ def main() -> None:
         ("8 workers x 1 env vs SyncVectorEnv(8), steps/s", "r8", "sync8", ""),
         ("2 workers x 32 envs vs SyncVectorEnv(64), steps/s", "r64", "sync64", ">= 1.0x"),
         ("2 workers x 32 envs vs bare pynng loop 2x32, steps/s", "r64", "bare64", ""),
+        ("bare pynng loop 2x32 vs SyncVectorEnv(64), steps/s", "bare64", "sync64", ""),
         ("1 ms env, 2 workers x 4 envs vs SyncVectorEnv(8), steps/s", "rburn", "sburn",
          ">= 1.8x"),
+        ("1 ms env, 2 workers x 4 envs vs bare pynng loop 2x4, steps/s", "rburn", "bareburn",
+         ""),
+        ("1 ms env, bare pynng loop 2x4 vs SyncVectorEnv(8), steps/s", "bareburn", "sburn", ""),
     ]
     rows = [(name, m[a], m[b], float(np.median([r[a] / r[b] for r in rounds])), "higher",
              target) for name, a, b, target in pairs]
     note = ""
+    # the demo on fibrl, as bare pynng request/reply servers (the transport's floor for
+    # this program) and on Fiber, alternating runs so load bursts hit all alike
+    libs = {"fibrl": sys.executable, "nng": sys.executable}
     if FIBER_PYTHON.exists():
-        ours, theirs = [], []
-        for _ in range(args.demo_runs):  # alternating, so load bursts hit both alike
-            ours.append(demo("fibrl", sys.executable, args.demo_steps))
-            theirs.append(demo("fiber", str(FIBER_PYTHON), args.demo_steps))
-        for mode, target in (("async", "<= 0.5x"), ("sync", "")):
-            key = f"{mode}_s"
-            rows.append((f"Fiber's AsyncManager demo, {mode}, {args.demo_steps} steps (s)",
-                         float(np.median([o[key] for o in ours])),
-                         float(np.median([t[key] for t in theirs])),
-                         float(np.median([o[key] / t[key] for o, t in zip(ours, theirs)])),
-                         "lower", target))
+        libs["fiber"] = str(FIBER_PYTHON)
     else:
-        ours1 = demo("fibrl", sys.executable, args.demo_steps)
         note = (f"Fiber not measured: no {FIBER_PYTHON} (set FIBER_PYTHON, or run "
-                f"benchmarks/install_fiber.sh); "
-                f"fibrl's demo: sync {ours1['sync_s']:.2f} s, async {ours1['async_s']:.2f} s")
+                f"benchmarks/install_fiber.sh)")
+    runs: dict = {lib: [] for lib in libs}
+    for _ in range(args.demo_runs):
+        for lib, python in libs.items():
+            runs[lib].append(demo(lib, python, args.demo_steps))
+    demo_pairs = [("fibrl", "fiber", "Fiber's AsyncManager demo", "<= 0.5x"),
+                  ("fibrl", "nng", "Fiber's demo on fibrl vs on bare pynng servers", ""),
+                  ("nng", "fiber", "Fiber's demo on bare pynng servers vs on Fiber", "")]
+    for a, b, name, target in demo_pairs:
+        if a in runs and b in runs:
+            for mode in ("async", "sync"):
+                key = f"{mode}_s"
+                rows.append((f"{name}, {mode}, {args.demo_steps} steps (s)",
+                             float(np.median([o[key] for o in runs[a]])),
+                             float(np.median([t[key] for t in runs[b]])),
+                             float(np.median([o[key] / t[key]
+                                              for o, t in zip(runs[a], runs[b])])),
+                             "lower", target if mode == "async" else ""))
     print(f"medians of {args.rounds} rounds of {args.seconds:g} s each (ratio: median of the "
           f"rounds' ratios); demos: medians of {args.demo_runs} alternating runs")
     print(table(rows))

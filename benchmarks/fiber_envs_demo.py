@@ -2,8 +2,11 @@
 
 Runs on Uber Fiber (``python fiber_envs_demo.py fiber``, in the venv made by
 install_fiber.sh) or on fibrl (``... fibrl``): the same program with a different
-import, as the demo in Fiber's documentation. Prints one JSON line:
-``{"sync_s": ..., "async_s": ...}`` for ``--steps`` steps of each env.
+import, as the demo in Fiber's documentation. ``... nng`` runs the same loop
+against 4 bare pynng request/reply servers (a pickled call out, a pickled result
+back, each on a ``Pair0`` of its own): the transport's floor for this program.
+Prints one JSON line: ``{"sync_s": ..., "async_s": ...}`` for ``--steps`` steps
+of each env.
 """
 from __future__ import annotations
 
@@ -16,7 +19,8 @@ import gymnasium
 
 LIB = sys.argv[1] if len(sys.argv) > 1 else "fibrl"
 STEPS = int(sys.argv[2]) if len(sys.argv) > 2 else 5000
-managers_mod = importlib.import_module(f"{LIB}.managers")
+# (the bare pynng servers need no manager: the stdlib's stand in for the classes below)
+managers_mod = importlib.import_module(f"{LIB}.managers" if LIB != "nng" else "fibrl.managers")
 
 
 class SyncEnvs(managers_mod.BaseManager):
@@ -59,7 +63,79 @@ def run(manager_class, wait) -> float:
     return seconds
 
 
-if __name__ == "__main__":
+# -- the same loop on bare pynng servers ---------------------------------------------------------
+def bare_server(address: str) -> None:
+    import pickle
+
+    import pynng
+
+    env = make_env()
+    with pynng.Pair0(dial=address) as sock:
+        while True:
+            method, args = pickle.loads(sock.recv())
+            if method is None:
+                return
+            sock.send(pickle.dumps(getattr(env, method)(*args), protocol=5))
+
+
+class BareEnv:
+    """``sync``: a call returns its result. Else it returns a handle whose ``get()``
+    receives the reply (one server's replies come in the order of its calls)."""
+
+    def __init__(self, sync: bool) -> None:
+        import multiprocessing
+        import pickle
+
+        import pynng
+
+        self._pickle = pickle
+        self.sync = sync
+        self.sock = pynng.Pair0(listen="tcp://127.0.0.1:0", recv_timeout=60_000)
+        address = "tcp://" + str(self.sock.listeners[0].local_address)
+        self.proc = multiprocessing.get_context("spawn").Process(target=bare_server,
+                                                                 args=(address,))
+        self.proc.start()
+
+    def _call(self, method: str, *args):
+        self.sock.send(self._pickle.dumps((method, args), protocol=5))
+        return self.get() if self.sync else self
+
+    def get(self):
+        return self._pickle.loads(self.sock.recv())
+
+    def reset(self):
+        return self._call("reset")
+
+    def step(self, action):
+        return self._call("step", action)
+
+    def close(self) -> None:
+        self.sock.send(self._pickle.dumps((None, ())))
+        self.proc.join(30)
+        self.sock.close()
+
+
+def run_bare(sync: bool) -> float:
+    """:func:`run`'s loop, on four :class:`BareEnv`."""
+    wait = (lambda r: r) if sync else (lambda h: h.get())
+    envs = [BareEnv(sync) for _ in range(4)]
+    for result in [env.reset() for env in envs]:
+        wait(result)
+    start = time.perf_counter()
+    for i in range(STEPS):
+        results = [wait(r) for r in [env.step(i % 2) for env in envs]]
+        for env, (_o, _r, term, trunc, _i) in zip(envs, results):
+            if term or trunc:
+                wait(env.reset())
+    seconds = time.perf_counter() - start
+    for env in envs:
+        env.close()
+    return seconds
+
+
+if __name__ == "__main__" and LIB == "nng":
+    print(json.dumps({"sync_s": run_bare(True), "async_s": run_bare(False)}))
+elif __name__ == "__main__":
     if LIB == "fiber":
         import fiber
 
