@@ -233,7 +233,7 @@ class Mailbox(SharedService):
         self._items.append(payload)
         if self._windows:
             self._fill()
-        if self._items:
+        if self._pollers and self._items:
             self._wake_pollers(True)
 
     # -- windows ---------------------------------------------------------------------

@@ -257,6 +257,8 @@ class Encoded:
 
     @property
     def nbytes(self) -> int:
+        if not self.buffers:
+            return len(self.data)
         return len(self.data) + sum(memoryview(b).nbytes for b in self.buffers)
 
     def own(self) -> "Encoded":
@@ -301,11 +303,20 @@ def encode(obj: Any, *, by_value: bool = False, spawning: bool = False) -> Encod
     Large contiguous buffers (numpy arrays, tensors, ``bytearray``, a ``bytes``
     of at least ``OOB_THRESHOLD``) are borrowed, not copied.
     """
+    kind = type(obj)
+    if kind in _PLAIN_SMALL and (kind is not bytes or len(obj) < OOB_THRESHOLD):
+        # the commonest queue item: nothing to look up by name, no buffer to borrow
+        return Encoded(pickle.dumps(obj, protocol=5))
     buffers: list[pickle.PickleBuffer] = []
-    if type(obj) is bytes and len(obj) >= OOB_THRESHOLD:
+    if kind is bytes and len(obj) >= OOB_THRESHOLD:
         obj = _LargeBytes(obj)
     data = _pickle(obj, buffers, by_value or main_is_interactive(), spawning)
     return Encoded(data, [b.raw() for b in buffers], bool(buffers))
+
+
+# builtin types whose pickle needs no pickler of ours (no torch, no cloudpickle, no
+# out-of-band buffer when small): encode() pickles them directly
+_PLAIN_SMALL = frozenset((bytes, str, int, float, bool, type(None)))
 
 
 class _LargeBytes:
