@@ -70,7 +70,7 @@ BENCHES = (
     Bench("scale", "bench_scale.py", "Pool at scale",
           ("--sizes", "2", "8", "--rounds", "5"), (), plot="pool_scale_latest.png"),
     Bench("envs", "bench_envs.py", "Remote environments (fibrl.rl)",
-          ("--rounds", "1", "--seconds", "0.5", "--demo-steps", "500"), (),
+          ("--quick", "--rounds", "1", "--demo-steps", "500"), (),
           needs=("gymnasium",)),
     Bench("replay", "bench_replay.py", "Replay store", ("--quick",), (), needs=("numpy",)),
 )

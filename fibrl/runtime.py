@@ -151,14 +151,14 @@ def install_hub(hub: Any) -> None:
 
 def _listen_within_range(hub: Any) -> None:
     """A hub that will listen on any port gets a free one of its backend's range instead
-    (``kubernetes_listen_ports``: a NetworkPolicy admits only those). Its listener starts
-    on first use, after this."""
+    (the kubernetes backend may have one: a NetworkPolicy admits only those). Its
+    listener starts on first use, after this."""
+    from .backends import backend_class
+
     config = current_config()
-    if hub.port or not config.kubernetes_listen_ports:
+    if hub.port or backend_class(config.backend).listen_ports_of(config) is None:
         return
-    found = backend(config)
-    if found.listen_ports() is not None:
-        hub.port = found.listen_port(hub.host)
+    hub.port = backend(config).listen_port(hub.host)
 
 
 # -- the exit sequence -----------------------------------------------------------------

@@ -16,7 +16,8 @@ from .base import Backend, Job, JobSpec, JobStatus
 if TYPE_CHECKING:
     from ..config import Config
 
-__all__ = ["Backend", "Job", "JobSpec", "JobStatus", "get_backend", "REGISTRY"]
+__all__ = ["Backend", "Job", "JobSpec", "JobStatus", "backend_class", "get_backend",
+           "REGISTRY"]
 
 REGISTRY = {  # one entry per name of base.BACKENDS
     "local": "fibrl.backends.local:LocalBackend",
@@ -28,18 +29,22 @@ _instances: dict = {}
 _lock = threading.Lock()
 
 
+def backend_class(name: str) -> type:
+    """The class of backend ``name`` (its module imported, nothing started)."""
+    try:
+        path = REGISTRY[name]
+    except KeyError:
+        raise ConfigError(f"unknown backend {name!r}; "
+                          f"choose one of {', '.join(REGISTRY)}") from None
+    module, _, attr = path.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
 def get_backend(config: Config) -> Backend:
     """The backend instance for ``config`` (one per backend name and config)."""
     key = (config.backend, config)
     with _lock:
         backend = _instances.get(key)
         if backend is None:
-            try:
-                path = REGISTRY[config.backend]
-            except KeyError:
-                raise ConfigError(f"unknown backend {config.backend!r}; "
-                                  f"choose one of {', '.join(REGISTRY)}") from None
-            module, _, name = path.partition(":")
-            cls = getattr(importlib.import_module(module), name)
-            backend = _instances[key] = cls(config)
+            backend = _instances[key] = backend_class(config.backend)(config)
     return backend

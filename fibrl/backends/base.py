@@ -186,6 +186,12 @@ class Backend(abc.ABC):
 
     def listen_ports(self) -> Optional[tuple]:
         """``(first, last)``: the ports the parent must listen on (None: any port)."""
+        return self.listen_ports_of(self.config)
+
+    @classmethod
+    def listen_ports_of(cls, config: Config) -> Optional[tuple]:
+        """:meth:`listen_ports` for ``config``, without making a backend (a process
+        that only hosts objects asks, and must not connect to a cluster for that)."""
         return None
 
     def listen_port(self, host: str) -> int:

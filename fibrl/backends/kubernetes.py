@@ -52,7 +52,7 @@ from .kube.job import LOG_TAIL_LINES, KubernetesJob
 from .kube.manifests import owner_reference, secret_manifest, worker_pod
 from .kube.settings import (CONTAINER, LABEL_BACKEND, LABEL_OWNER, LABEL_PARENT, LABEL_ROLE,
                             LABEL_RUN, KubeSettings, PodIdentity, choose_port, pod_image,
-                            pod_name)
+                            pod_name, port_range)
 from .kube.watch import PodWatcher
 
 __all__ = ["KubernetesBackend", "KubernetesJob"]
@@ -126,6 +126,10 @@ class KubernetesBackend(Backend):
 
     def listen_ports(self) -> Optional[tuple]:
         return self.settings.listen_ports
+
+    @classmethod
+    def listen_ports_of(cls, config: Config) -> Optional[tuple]:
+        return port_range(config.kubernetes_listen_ports)
 
     def listen_port(self, host: str) -> int:
         """A free port of ``kubernetes_listen_ports`` on ``host`` (0: any port)."""
