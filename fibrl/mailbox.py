@@ -54,6 +54,7 @@ import os
 import queue
 import threading
 import time
+from array import array
 from collections import deque
 from typing import Any, Optional
 
@@ -833,7 +834,9 @@ class Window:
                 self._lost(value)
             elif type(value) is not str:   # an item, or items pushed in a row
                 if not self.stale:
-                    batch = value if type(value) is list else (value,)
+                    kind = type(value)
+                    batch = (value.items() if kind is _Run else value if kind is list
+                             else (value,))
                     self.items.extend(batch)
                     self.cond.notify(len(batch))
             elif value == "resume":   # what comes from here on is this process's again
@@ -944,18 +947,51 @@ def _push(win: _Win, values: list) -> None:
     for value in values:
         if type(value) is str or isinstance(value, ReplySink):   # a marker, an answer
             if run:
-                replies.append(Reply(rid, True, run if len(run) > 1 else run[0]))
+                replies.append(Reply(rid, True, _Run.of(run)))
                 run = []
             replies.append(Reply(rid, True, value) if type(value) is str
                            else Reply(value.rid, True, None))
         else:
-            run.append(blob(value))
+            run.append(value)
     if run:
-        replies.append(Reply(rid, True, run if len(run) > 1 else run[0]))
+        replies.append(Reply(rid, True, _Run.of(run)))
     try:
         peer.send(serialization.dumps_parts(replies[0] if len(replies) == 1 else replies))
     except ChannelClosed:
         pass
+
+
+class _Run:
+    """Small items pushed in a row, as one ``bytes`` and their lengths: pickled one by
+    one, their wrappers cost more than the items (a 100 B item: 1 us of ~8 per item)."""
+
+    __slots__ = ("data", "sizes")
+
+    def __init__(self, data: bytes, sizes: bytes) -> None:
+        self.data = data
+        self.sizes = sizes
+
+    @staticmethod
+    def of(items: list) -> Any:
+        """The value to push for ``items``: a run when every one is a small pickle
+        (no out-of-band buffer), else the items (a lone one by itself)."""
+        if len(items) > 1 and all(type(i) is Encoded and not i.buffers for i in items):
+            data = [i.data for i in items]
+            sizes = [len(d) if type(d) is bytes else memoryview(d).nbytes for d in data]
+            return _Run(b"".join(data), array("Q", sizes).tobytes())
+        items = [blob(i) for i in items]
+        return items if len(items) > 1 else items[0]
+
+    def items(self) -> list:
+        """The items again, each an :class:`Encoded` viewing this run's ``data``."""
+        data, out, at = memoryview(self.data), [], 0
+        for size in memoryview(self.sizes).cast("Q"):
+            out.append(Encoded(data[at:at + size]))
+            at += size
+        return out
+
+    def __reduce__(self):
+        return (_Run, (self.data, self.sizes))
 
 
 def _clamp(size: Any) -> int:

@@ -155,6 +155,26 @@ def test_an_item_given_back_is_not_pushed_behind_newer_ones(host):
     assert held(fast) == [b"0"] and not box._items
 
 
+def test_small_items_pushed_in_a_row_travel_as_one_run_and_come_back_in_order():
+    """A run of small pickles is one buffer plus lengths; anything with an out-of-band
+    buffer makes the items travel one by one, as before."""
+    import numpy as np
+
+    from fibrl import serialization
+    from fibrl.mailbox import _Run
+
+    small = [serialization.encode(v) for v in (b"x" * 100, "abc", 7, (1, "two"), None)]
+    small[3] = serialization.Encoded(memoryview(bytes(small[3].data)))  # a received view
+    run = _Run.of(small)
+    assert type(run) is _Run
+    back = pickle.loads(pickle.dumps(run, protocol=5)).items()
+    assert [serialization.loads(e) for e in back] == [b"x" * 100, "abc", 7, (1, "two"), None]
+    big = serialization.encode(np.arange(1 << 16))   # its buffer goes out of band
+    mixed = _Run.of([small[0], big])
+    assert type(mixed) is list and len(mixed) == 2
+    assert _Run.of([small[1]]) is small[1]
+
+
 def test_mailbox_keeps_an_item_a_gone_getter_could_not_take(host):
     box = hosted(Mailbox(), host)
     box.dispatch("get", (None,), Reply(Peer(), gone=True))
