@@ -511,7 +511,7 @@ class Client:
                 self._outbox.clear()
                 self._sending = True
             try:
-                self._transmit(batch)
+                self._transmit(_merged(batch) if len(batch) > 1 else batch)
             finally:
                 self._done_sending()
 
@@ -595,6 +595,33 @@ class Client:
 
 
 _PLAIN = frozenset({bool, int, float, str})
+
+
+# One-way calls that a service takes in one go: consecutive one-way calls to one object,
+# with a method named here, travel as the one call the merger returns (None: as they
+# are). The modules that own the services fill it in (``mailbox``: "put").
+MERGERS: dict[str, Callable[[str, list], Optional[Call]]] = {}
+
+
+def _merged(calls: list) -> list:
+    """``calls`` with each run that a merger takes replaced by its one call."""
+    out: list = []
+    i, n = 0, len(calls)
+    while i < n:
+        call = calls[i]
+        j = i + 1
+        merge = MERGERS.get(call.method) if call.rid == 0 else None
+        if merge is not None:
+            while (j < n and calls[j].rid == 0 and calls[j].method == call.method
+                   and calls[j].oid == call.oid):
+                j += 1
+        one = merge(call.oid, calls[i:j]) if j - i > 1 else None
+        if one is not None:
+            out.append(one)
+        else:
+            out.extend(calls[i:j])
+        i = j
+    return out
 
 
 def _decode(reply: Reply) -> tuple:

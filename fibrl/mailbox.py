@@ -60,8 +60,8 @@ from typing import Any, Optional
 
 from . import serialization
 from .errors import ChannelClosed
-from .hub import ReplySink, SharedService, get_hub
-from .messages import Reply, blob
+from .hub import MERGERS, ReplySink, SharedService, get_hub
+from .messages import Call, Reply, blob
 from .serialization import Encoded
 
 __all__ = ["Mailbox", "PipeBox", "Window", "EMPTY", "take"]
@@ -537,6 +537,13 @@ class Mailbox(SharedService):
                 self._park(self._putters, _Parked(reply, payload), timeout,
                            lambda r: r.fail(queue.Full()))
 
+    def op_put_run(self, reply: ReplySink, run: "_Run") -> None:
+        """Items one process put one after another (one-way ``put`` calls that its
+        connection sent together, see :func:`_merge_puts`), in order."""
+        with self._lock:
+            for payload in run.items():
+                self.op_put(reply, payload, None)
+
     def op_get(self, reply: ReplySink, timeout: Optional[float] = None) -> None:
         with self._lock:
             if self._items:
@@ -992,6 +999,18 @@ class _Run:
 
     def __reduce__(self):
         return (_Run, (self.data, self.sizes))
+
+
+def _merge_puts(oid: str, calls: list) -> Optional[Call]:
+    """One ``put_run`` call for one-way puts of small items that follow each other on a
+    connection (their Call and wrapper cost more than a 100 B item); None: as they are."""
+    if any(len(c.args) != 2 or c.args[1] is not None for c in calls):
+        return None
+    run = _Run.of([c.args[0] for c in calls])
+    return Call(0, oid, "put_run", (run,)) if type(run) is _Run else None
+
+
+MERGERS["put"] = _merge_puts
 
 
 def _clamp(size: Any) -> int:

@@ -175,6 +175,35 @@ def test_small_items_pushed_in_a_row_travel_as_one_run_and_come_back_in_order():
     assert _Run.of([small[1]]) is small[1]
 
 
+def test_one_way_puts_in_a_row_merge_into_one_call_and_the_queue_takes_them_in_order(host):
+    """A connection's feeder sends consecutive one-way puts to one queue as one
+    ``put_run`` call; a call between them, another queue, a reply wanted or an item
+    with an out-of-band buffer keeps calls apart. The owner stores the run in order."""
+    import numpy as np
+
+    from fibrl import serialization
+    from fibrl.hub import _merged
+    from fibrl.messages import Call
+
+    def put(oid, value, rid=0):
+        return Call(rid, oid, "put", (serialization.encode(value), None))
+
+    big = put("q", np.arange(1 << 16))
+    calls = [put("q", 1), put("q", 2), Call(5, "q", "qsize", ()), put("q", 3), put("q", 4),
+             put("r", 5), put("q", 6, rid=7), big, put("q", 8)]
+    out = _merged(calls)
+    assert [c.method for c in out] == ["put_run", "qsize", "put_run", "put", "put", "put",
+                                       "put"]
+    assert out[3:] == calls[5:]
+    box, producer = hosted(Mailbox(), host), Peer()
+    for call in _merged([put("q", i) for i in range(50)]):
+        answer = Reply(producer, rid=0)
+        box.dispatch(call.method, pickle.loads(pickle.dumps(call.args, protocol=5)), answer)
+        assert not answer.errors
+    assert [serialization.loads(box.take_nowait()) for _ in range(50)] == list(range(50))
+    assert box.take_nowait() is EMPTY
+
+
 def test_mailbox_keeps_an_item_a_gone_getter_could_not_take(host):
     box = hosted(Mailbox(), host)
     box.dispatch("get", (None,), Reply(Peer(), gone=True))
