@@ -145,6 +145,7 @@ class ReplySink:
 
     __slots__ = ("peer",)
     wanted = True
+    lone = False   # a peer's call that came alone in its frame (see _PeerReply)
 
     def __call__(self, value: Any = None) -> bool:
         """Answer with ``value``; False when the caller is gone (re-queue what you gave)."""
@@ -233,12 +234,13 @@ def _frame(messages: list) -> list:
 
 
 class _PeerReply(ReplySink):
-    __slots__ = ("rid", "holder")
+    __slots__ = ("rid", "holder", "lone")
 
-    def __init__(self, peer, rid: int) -> None:
+    def __init__(self, peer, rid: int, lone: bool = True) -> None:
         self.peer = peer
         self.rid = rid
         self.holder: Optional[HeldReplies] = None  # set: the reply waits there (see above)
+        self.lone = lone   # its call came alone in its frame, not in a burst
 
     @property
     def wanted(self) -> bool:  # type: ignore[override]
@@ -718,8 +720,9 @@ class Hub:
             log.error("dropping peer %s of process %s: %s", peer.id, self.pid, exc)
             peer.close()
             return
-        for call in (msg if isinstance(msg, list) else (msg,)):
-            reply = _PeerReply(peer, call.rid)
+        lone = not isinstance(msg, list)
+        for call in (msg,) if lone else msg:
+            reply = _PeerReply(peer, call.rid, lone)
             service = self._services.get(call.oid)
             if service is None:
                 reply.fail(object_gone(call.oid, f"process {self.pid}"))

@@ -385,7 +385,15 @@ class _OnePipe:
 
 
 class Peer:
-    """The server side of one authenticated connection."""
+    """The server side of one authenticated connection.
+
+    One thread at a time reads its frames and runs the frame handler on each. A
+    handler about to run something that may last takes :meth:`offload`: calling what
+    it returns (from any thread: a timer) while that frame is still being handled
+    starts a new reader thread, and the busy one stops reading once its handler
+    returns. Frames keep their order: a new reader starts only while the old one is
+    inside the handler, never while it receives.
+    """
 
     def __init__(self, sock: pynng.Pair1, peer_id: int) -> None:
         self._sock = sock
@@ -393,7 +401,36 @@ class Peer:
         self.id = peer_id
         self.closed = False
         self.context: dict = {}  # per-connection state kept by the frame handler
-        self.thread: Optional[threading.Thread] = None
+        self.thread: Optional[threading.Thread] = None   # the reader now
+        self._reader = 0                   # generation of the reader thread now
+        self._busy: Optional[int] = None   # the generation handling a frame now, if any
+        self._state = threading.Lock()
+        self._new_reader: Optional[Callable[[int], threading.Thread]] = None
+
+    def offload(self) -> Callable[[], bool]:
+        """Called by the frame handler: a function that lets another thread read the
+        next frames if this one is still handling its frame (True when it did)."""
+        return functools.partial(self._hand_off, self._reader)
+
+    def _hand_off(self, generation: int) -> bool:
+        with self._state:
+            if self._busy != generation or self._reader != generation or self.closed:
+                return False
+            self._reader = generation + 1
+            self._busy = None
+            self.thread = self._new_reader(self._reader)
+        return True
+
+    def _handling(self, generation: int, busy: bool) -> bool:
+        """Mark reader ``generation`` busy with a frame, or done with it; False once it
+        is done and another thread reads instead."""
+        with self._state:
+            if busy:
+                self._busy = generation
+                return True
+            if self._busy == generation:
+                self._busy = None
+            return self._reader == generation
 
     def send(self, frame) -> None:
         """Send one frame (bytes, or a list of parts: see :func:`_send_frame`); raises
@@ -585,6 +622,7 @@ class Listener:
         peer = Peer(sock, peer_id)
         with self._lock:
             self._opening[peer_id] = peer
+        peer._new_reader = functools.partial(self._start_reader, peer)
         peer.thread = threading.Thread(target=self._serve, args=(peer, token),
                                        daemon=True, name=f"fibrl-peer-{peer_id}")
         peer.thread.start()
@@ -614,6 +652,18 @@ class Listener:
                 return
             self._peers[peer.id] = peer
         log.debug("peer %s authenticated on %s", peer.id, self.address)
+        self._read(peer, 0)
+
+    def _start_reader(self, peer: Peer, generation: int) -> threading.Thread:
+        thread = threading.Thread(target=self._read, args=(peer, generation), daemon=True,
+                                  name=f"fibrl-peer-{peer.id}")
+        thread.start()
+        return thread
+
+    def _read(self, peer: Peer, generation: int) -> None:
+        """Read and handle ``peer``'s frames until it goes, or until another thread reads
+        them (see :meth:`Peer.offload`)."""
+        sock = peer._sock
         try:
             while True:
                 try:
@@ -624,15 +674,25 @@ class Listener:
                     log.error("peer %s sent a message larger than this process can "
                               "allocate; dropping it", peer.id)
                     break
-                self._on_frame(peer, data)
+                peer._handling(generation, True)
+                try:
+                    self._on_frame(peer, data)
+                finally:
+                    reading = peer._handling(generation, False)
+                if not reading:
+                    return   # handed off: the new reader has the peer now
         finally:
-            with self._lock:
-                self._peers.pop(peer.id, None)
-            peer.closed = True
-            sock.close()
-            log.debug("peer %s of %s disconnected", peer.id, self.address)
-            if self._on_lost is not None and not self._closed:
-                self._on_lost(peer)
+            if peer._reader == generation:
+                self._lost(peer)
+
+    def _lost(self, peer: Peer) -> None:
+        with self._lock:
+            self._peers.pop(peer.id, None)
+        peer.closed = True
+        peer._sock.close()
+        log.debug("peer %s of %s disconnected", peer.id, self.address)
+        if self._on_lost is not None and not self._closed:
+            self._on_lost(peer)
 
     def _check_token(self, sock: pynng.Pair1, token: bytes) -> bool:
         sock.recv_timeout = int(self._auth_timeout * 1000)

@@ -42,6 +42,48 @@ def test_round_trip_and_loss_notification(echo):
     assert lost.wait(5)
 
 
+def test_a_busy_reader_hands_its_peer_to_a_new_thread_and_frames_keep_their_order():
+    """A frame handler that blocks can let another thread read the next frames
+    (Peer.offload): they are handled in order, one thread at a time, the busy one
+    stops reading once it returns, and the peer's loss is reported once."""
+    handled, threads, lost, offered = [], [], [], []
+    release = threading.Event()
+
+    def on_frame(peer, data):
+        threads.append(threading.get_ident())
+        if data == b"block":
+            hand_off = peer.offload()
+            threading.Timer(0.05, lambda: offered.append(hand_off())).start()
+            assert release.wait(10)
+            assert hand_off() is False   # this frame's reader was replaced already
+        elif data == b"release":
+            release.set()
+        handled.append(data)
+        peer.send(data)
+
+    listener = Listener("127.0.0.1", SECRET, on_frame=on_frame, on_lost=lost.append,
+                        auth_timeout=1.0)
+    try:
+        channel = Channel.connect(listener.address, SECRET, timeout=5)
+        frames = [b"a", b"block", b"release"] + [b"%d" % i for i in range(50)]
+        for frame in frames:
+            channel.send(frame)
+        assert sorted(channel.recv(10) for _ in frames) == sorted(frames)
+        assert offered == [True]
+        assert [f for f in handled if f != b"block"] == [f for f in frames if f != b"block"]
+        assert threads[0] == threads[1] != threads[2] == threads[-1]
+        assert len(set(threads)) == 2
+        channel.close()
+        deadline = time.monotonic() + 5
+        while not lost and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.1)
+        assert len(lost) == 1
+    finally:
+        release.set()
+        listener.close(join=1.0)
+
+
 @pytest.mark.parametrize("size", [10, 100_000, 9 * (1 << 20) + 7])
 def test_frames_of_parts_arrive_whole_small_large_and_in_pieces(echo, size):
     """Parts go out as one frame (a large one in pieces); a large frame comes back as a
