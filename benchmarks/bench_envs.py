@@ -101,6 +101,7 @@ def _bare_worker(address: str, k: int, make) -> None:
     for i, env in enumerate(envs):
         env.reset(seed=i)
     with pynng.Pair0(dial=address) as sock:
+        sock.send(b"ready")   # its envs are made: nothing of its start-up overlaps a measure
         while True:
             frame = sock.recv()
             if len(frame) < 8:  # the stop byte
@@ -130,6 +131,8 @@ class Bare:
             proc.start()
             self.socks.append(sock)
             self.procs.append(proc)
+        for sock in self.socks:
+            assert sock.recv() == b"ready"
         self.actions = np.zeros(k, dtype=np.int64).tobytes()
         self.obs = np.empty((workers * k, 4), dtype=np.float32)
 
