@@ -265,6 +265,9 @@ class Mailbox(SharedService):
 
     def _fill(self) -> None:
         """Push stored items into windows with room, in order (lock held)."""
+        if len(self._windows) == 1 and not self._redo:
+            self._fill_one()
+            return
         pushed: dict = {}
         while self._items:
             # an item given back waits, and the items behind it with it, until a window
@@ -283,6 +286,24 @@ class Mailbox(SharedService):
         for win, payloads in pushed.items():
             self._outgoing.setdefault(win, []).extend(payloads)
         if self._getters or len(self._windows) > 1:   # (else nobody else waits)
+            self._plan_recall()
+
+    def _fill_one(self) -> None:
+        """:meth:`_fill` for one consumer and no item given back (the usual case): no
+        window to choose, every item gets the next push number (lock held)."""
+        (win,) = self._windows.values()
+        items, out = self._items, None
+        while items and win.room():
+            payload = items.popleft()
+            win.held.append((self._pushed, payload))
+            self._pushed += 1
+            win.nbytes += _size(payload)
+            self._held += 1
+            if out is None:
+                out = self._outgoing.setdefault(win, [])
+                win.waiting = False
+            out.append(payload)
+        if self._getters:
             self._plan_recall()
 
     def _waiters(self) -> bool:
