@@ -41,11 +41,10 @@ SyncEnvs.register("CartPole", make_env, exposed=("reset", "step"))
 AsyncEnvs.register("CartPole", make_env, exposed=("reset", "step"))
 
 
-def run(manager_class, wait) -> float:
-    managers = [manager_class() for _ in range(4)]
-    for m in managers:
-        m.start()
-    envs = [m.CartPole() for m in managers]
+def step_loop(envs: list, wait) -> float:
+    """The demo: reset every env, then step each ``STEPS`` times, all four calls sent
+    before their results are taken (``wait``), resetting an env whose episode ended;
+    returns the seconds the steps took."""
     for result in [env.reset() for env in envs]:
         wait(result)
     start = time.perf_counter()
@@ -54,7 +53,14 @@ def run(manager_class, wait) -> float:
         for env, (_o, _r, term, trunc, _i) in zip(envs, results):
             if term or trunc:
                 wait(env.reset())
-    seconds = time.perf_counter() - start
+    return time.perf_counter() - start
+
+
+def run(manager_class, wait) -> float:
+    managers = [manager_class() for _ in range(4)]
+    for m in managers:
+        m.start()
+    seconds = step_loop([m.CartPole() for m in managers], wait)
     for m in managers:
         try:
             m.shutdown()
@@ -116,18 +122,9 @@ class BareEnv:
 
 
 def run_bare(sync: bool) -> float:
-    """:func:`run`'s loop, on four :class:`BareEnv`."""
-    wait = (lambda r: r) if sync else (lambda h: h.get())
+    """:func:`step_loop` on four :class:`BareEnv`."""
     envs = [BareEnv(sync) for _ in range(4)]
-    for result in [env.reset() for env in envs]:
-        wait(result)
-    start = time.perf_counter()
-    for i in range(STEPS):
-        results = [wait(r) for r in [env.step(i % 2) for env in envs]]
-        for env, (_o, _r, term, trunc, _i) in zip(envs, results):
-            if term or trunc:
-                wait(env.reset())
-    seconds = time.perf_counter() - start
+    seconds = step_loop(envs, (lambda r: r) if sync else (lambda h: h.get()))
     for env in envs:
         env.close()
     return seconds
