@@ -294,11 +294,16 @@ def headline(outcomes: dict) -> list:
         if said:
             lines.append((first, f"{', '.join(said)} ({meaning}; {better} is better)"))
     replay = outcomes.get("replay")
-    found = replay and re.search(r"fibrl learner alone, 1 call / cpprb, sampled/s: ([\d.]+)",
-                                 replay.stdout)
-    if found:
+    ratios = {mode: re.search(rf"fibrl learner alone, {mode} / cpprb, sampled/s: ([\d.]+)",
+                              replay.stdout) if replay else None
+              for mode in ("1 call", "prefetch 2")}
+    if ratios["1 call"]:
+        said = f"{ratios['1 call'].group(1)}x cpprb's sampled transitions/s"
+        if ratios["prefetch 2"]:
+            said += (f" ({ratios['prefetch 2'].group(1)}x with the next batch drawn while "
+                     f"it trains, sample_async)")
         lines.append(("ReplayStore learner, prioritized sample+update",
-                      f"{found.group(1)}x cpprb's sampled transitions/s (higher is better)"))
+                      f"{said} (higher is better)"))
     return lines
 
 
