@@ -51,6 +51,7 @@ end (per peer, so a dead process's handles close with it) to raise
 from __future__ import annotations
 
 import os
+import pickle
 import queue
 import threading
 import time
@@ -62,7 +63,7 @@ from . import serialization
 from .errors import ChannelClosed
 from .hub import MERGERS, ReplySink, SharedService, get_hub
 from .messages import Call, Reply, blob
-from .serialization import Encoded
+from .serialization import OOB_THRESHOLD, Encoded
 
 __all__ = ["Mailbox", "PipeBox", "Window", "EMPTY", "take"]
 
@@ -1002,11 +1003,13 @@ class _Run:
     @staticmethod
     def of(items: list) -> Any:
         """The value to push for ``items``: a run when every one is a small pickle
-        (no out-of-band buffer), else the items (a lone one by itself)."""
+        (no out-of-band buffer, under ``OOB_THRESHOLD``), else the items (a lone one
+        by itself: a large one travels out of band, uncopied)."""
         if len(items) > 1 and all(type(i) is Encoded and not i.buffers for i in items):
             data = [i.data for i in items]
             sizes = [len(d) if type(d) is bytes else memoryview(d).nbytes for d in data]
-            return _Run(b"".join(data), array("Q", sizes).tobytes())
+            if max(sizes) < OOB_THRESHOLD:
+                return _Run(b"".join(data), array("Q", sizes).tobytes())
         items = [blob(i) for i in items]
         return items if len(items) > 1 else items[0]
 
@@ -1019,7 +1022,9 @@ class _Run:
         return out
 
     def __reduce__(self):
-        return (_Run, (self.data, self.sizes))
+        data = self.data   # a long run goes out of band, as a large item would
+        return (_Run, (pickle.PickleBuffer(data) if len(data) >= OOB_THRESHOLD else data,
+                       self.sizes))
 
 
 def _merge_puts(oid: str, calls: list) -> Optional[Call]:

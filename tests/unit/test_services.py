@@ -173,6 +173,15 @@ def test_small_items_pushed_in_a_row_travel_as_one_run_and_come_back_in_order():
     mixed = _Run.of([small[0], big])
     assert type(mixed) is list and len(mixed) == 2
     assert _Run.of([small[1]]) is small[1]
+    long_pickle = serialization.encode(list(range(40_000)))   # no buffer, over 64 KiB
+    assert type(_Run.of([small[0], long_pickle])) is list
+    # a long run of small items travels out of band, and comes back whole
+    many = [serialization.encode(b"%05d" % i * 200) for i in range(100)]
+    frame = serialization.dumps_parts(_Run.of(many))
+    assert len(frame) > 1   # the run's bytes are a part of their own
+    joined = b"".join(bytes(p) for p in frame)
+    assert [serialization.loads(e) for e in serialization.loads(joined).items()] == \
+        [b"%05d" % i * 200 for i in range(100)]
 
 
 def test_one_way_puts_in_a_row_merge_into_one_call_and_the_queue_takes_them_in_order(host):
