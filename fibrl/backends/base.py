@@ -184,16 +184,13 @@ class Backend(abc.ABC):
         """Address the parent must listen on so workers can reach it."""
         return self.config.listen_host
 
-    def listen_ports(self) -> Optional[tuple]:
-        """``(first, last)``: the ports the parent must listen on (None: any port)."""
-        return self.listen_ports_of(self.config)
-
     @classmethod
     def listen_ports_of(cls, config: Config) -> Optional[tuple]:
-        """:meth:`listen_ports` for ``config``, without making a backend (a process
-        that only hosts objects asks, and must not connect to a cluster for that)."""
+        """``(first, last)``: the ports a parent under ``config`` must listen on (None: any
+        port). A class method, so that a process that only hosts objects can ask without
+        making a backend (which may connect to a cluster)."""
         return None
 
     def listen_port(self, host: str) -> int:
-        """A free port of :meth:`listen_ports` on ``host`` to listen on (0: any port)."""
+        """A free port of :meth:`listen_ports_of` on ``host`` to listen on (0: any port)."""
         return 0

@@ -124,9 +124,6 @@ class KubernetesBackend(Backend):
     def python(self) -> str:
         return "python"
 
-    def listen_ports(self) -> Optional[tuple]:
-        return self.settings.listen_ports
-
     @classmethod
     def listen_ports_of(cls, config: Config) -> Optional[tuple]:
         return port_range(config.kubernetes_listen_ports)
