@@ -8,7 +8,10 @@ connection's own thread, so a method that blocks (``queue.get``,
 ``lock.acquire``) blocks only the thread that called it, and thread-owned
 objects (``threading.RLock``) see one server thread per client thread.
 Asynchronous calls go through the process's hub instead (request ids, replies
-in any order), to a hub keyed by the manager's authkey.
+in any order), to a hub keyed by the manager's authkey. A :class:`PipelinedLine`
+is a line that its owner (not a thread) keeps, with several calls in flight and
+the replies read back in order by whichever thread waits for one: a client that
+asks for its next result early (a replay learner) without a hub's threads.
 
 Data flow::
 
@@ -16,6 +19,7 @@ Data flow::
     thread T2 -- line(T2, addr) ==== ...                     ==== server peer thread (T2's)
     any thread -- hub_for(authkey).call_async ==== Client (one per process) ==== peer thread
                                                      -> ManagerService lanes (worker threads)
+    any thread -- pipelined line (its owner's) ==== Call(rid1) Call(rid2) / replies in order ==== peer thread
     proxy finalizer -> pending decrefs (a deque) -> sent with the next call to that address
 
 While a reply takes long, a line pings the server between slices of
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 import weakref
 from collections import deque
 from typing import Any, Optional
@@ -36,7 +41,7 @@ from ..hub import Hub, get_hub
 from ..janitor import Finalizer
 from ..messages import Call, wrap_raw
 
-__all__ = ["Line", "line_for", "hub_for", "close_lines", "note_decref", "take_decrefs",
+__all__ = ["Line", "PipelinedLine", "ReplyTimeout", "line_for", "hub_for", "close_lines", "note_decref", "take_decrefs",
            "lost_error", "MANAGER_OID"]
 
 MANAGER_OID = "manager"
@@ -116,6 +121,112 @@ class Line:
     def close(self) -> None:
         self.broken = True
         self._channel.close()
+
+
+class ReplyTimeout(TimeoutError):
+    """:meth:`PipelinedLine.result` waited ``timeout`` seconds; the call is still awaited."""
+
+
+class PipelinedLine(Line):
+    """A line whose calls may be in flight together, for a caller that asks for the
+    next result before it needs it (a replay learner's next batch).
+
+    :meth:`submit` sends a call and returns its request id at once; :meth:`result`
+    waits for that call's reply on the calling thread. The server runs a line's calls
+    one at a time in the order they arrive, so replies come back in that order; a
+    reply read while waiting for another is kept for its own caller. Like a
+    :class:`Line`, it costs no reader thread and no hand-over between threads. Any
+    thread may use it. It is not in the per-thread map: its owner keeps it, so a
+    call that blocks on it (a sample held back by a rate limiter) holds up no other
+    calls of that thread.
+    """
+
+    def __init__(self, address: str, authkey: bytes) -> None:
+        self._sending = threading.Lock()
+        self._reading = threading.Lock()
+        self._kept: dict = {}         # request id -> reply read for it
+        self._awaited: set = set()    # request ids sent and not yet taken or forgotten
+        super().__init__(address, authkey)
+
+    def submit(self, method: str, *args: Any) -> int:
+        """Send ``method(*args)`` to the server's manager service; its request id."""
+        args = tuple(wrap_raw(a) for a in args)
+        with self._sending:
+            if self.broken:
+                raise lost_error(self.address)
+            rid = next(self._rids)
+            frame = serialization.dumps_parts(Call(rid, MANAGER_OID, method, args))
+            self._awaited.add(rid)
+            try:
+                self._channel.send(frame)
+            except ChannelClosed as exc:
+                self.close()
+                raise lost_error(self.address) from exc
+        return rid
+
+    def ready(self, rid: int) -> bool:
+        """Whether the reply to ``rid`` is in (reads what has arrived, without waiting)."""
+        if rid in self._kept:
+            return True
+        if not self._reading.acquire(blocking=False):
+            return False
+        try:
+            while rid not in self._kept and self._read_one(0.001):
+                pass
+        except RemoteObjectError:
+            return True   # result() raises at once
+        finally:
+            self._reading.release()
+        return rid in self._kept
+
+    def result(self, rid: int, timeout: Optional[float] = None) -> Any:
+        """The value call ``rid`` returned (re-raising what it raised).
+
+        Raises:
+            ReplyTimeout: no reply within ``timeout`` seconds (None: no limit); the
+                call stays awaited, so asking again keeps waiting.
+            RemoteObjectError: the server is gone.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if not self._reading.acquire(timeout=-1 if timeout is None else timeout):
+            raise ReplyTimeout(f"no reply from {self.address} within {timeout} s")
+        try:
+            while rid not in self._kept:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise ReplyTimeout(f"no reply from {self.address} within {timeout} s")
+                self._read_one(self._slice if left is None else min(self._slice, left))
+            reply = self._kept.pop(rid)
+            self._awaited.discard(rid)
+        finally:
+            self._reading.release()
+        value = serialization.loads(reply.value) if reply.encoded else reply.value
+        if not reply.ok:
+            raise value  # unpickled with the server's traceback as __cause__
+        return value
+
+    def forget(self, rid: int) -> None:
+        """Nobody will ask for ``rid``'s reply: drop it when it comes."""
+        self._awaited.discard(rid)
+        self._kept.pop(rid, None)
+
+    def _read_one(self, timeout: float) -> bool:
+        """Read one reply (``self._reading`` held); False when none came in ``timeout``,
+        after checking that the server is alive."""
+        if self.broken:
+            raise lost_error(self.address, in_flight=True)
+        try:
+            reply = serialization.loads(self._channel.recv(timeout))
+        except TimeoutError:
+            if timeout >= self._slice:
+                hub_for(self.authkey).ensure_alive(self.address, self._limit)
+            return False
+        except ChannelClosed as exc:
+            self.close()
+            raise lost_error(self.address, in_flight=True) from exc
+        if reply.rid in self._awaited:
+            self._kept[reply.rid] = reply
+        return True
 
 
 def line_for(address: str, authkey: bytes) -> Line:

@@ -168,6 +168,56 @@ def test_a_pending_sample_waits_for_the_rate_limiter():
                 late.sample_async(1, timeout=0.1).get(timeout=30)
 
 
+def test_a_pending_sample_dropped_unread_leaves_the_next_ones_theirs():
+    with ReplayStore.queue(20) as store:
+        store.insert({"x": np.arange(8)})
+        dropped = store.sample_async(2)
+        kept = store.sample_async(2)
+        del dropped                                   # its reply is discarded when it comes
+        assert kept.get(timeout=30)["x"].tolist() == [2, 3]
+        assert store.sample_async(2).get(timeout=30)["x"].tolist() == [4, 5]
+        assert store.sample(2, timeout=30)["x"].tolist() == [6, 7]
+
+
+def test_pending_samples_from_several_threads_each_get_their_own():
+    with ReplayStore.queue(4000) as store:
+        store.insert({"x": np.arange(3000)})
+        got: list = []
+
+        def learner():
+            pending = [store.sample_async(10, timeout=60) for _ in range(2)]
+            for _ in range(48):
+                pending.append(store.sample_async(10, timeout=60))
+                got.extend(pending.pop(0).get(timeout=60)["x"].tolist())
+            for left in pending:
+                got.extend(left.get(timeout=60)["x"].tolist())
+
+        threads = [threading.Thread(target=learner) for _ in range(6)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+        assert sorted(got) == list(range(3000))       # each item once: no reply went astray
+
+
+def test_a_pending_sample_of_a_killed_store_fails_clearly():
+    store = ReplayStore(100, rate_limiter=MinSize(5))
+    try:
+        store.insert({"x": np.arange(2)})
+        pending = store.sample_async(1, timeout=120)   # held back by the rate limiter
+        wait_until(lambda: store.stats()["samples_waiting"] == 1,
+                   "the sample to wait in the rate limiter")
+        os.kill(store.server_pids()[0], signal.SIGKILL)
+        start = time.monotonic()
+        with pytest.raises(ReplayStoreLost, match="replay store server is gone"):
+            pending.get(timeout=60)
+        with pytest.raises(ReplayStoreLost, match="replay store server is gone"):
+            store.sample_async(1).get(timeout=60)
+        assert time.monotonic() - start < 30
+    finally:
+        store.close()
+
+
 def test_sample_async_refuses_a_bad_batch_size_at_once():
     with ReplayStore(10) as store:
         with pytest.raises(ValueError, match="batch_size"):
@@ -307,6 +357,8 @@ def test_store_server_and_writer_on_each_backend(ctx):
         batch = store.sample(16)
         assert set(batch.ids.tolist()) <= set(ids.tolist())
         assert batch["obs"].shape == (16, 8)
+        pending = [store.sample_async(8, update=(batch.ids, np.ones(16))) for _ in range(3)]
+        assert all(set(p.get(timeout=60).ids.tolist()) <= set(ids.tolist()) for p in pending)
         # the server forks a snapshot writer wherever it runs (a container too)
         info = store.snapshot("/tmp/fibrl-replay-backend-test.snap")
         assert info["items"] == len(store) and info["stall_s"] < 5

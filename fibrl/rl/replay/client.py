@@ -28,13 +28,17 @@ import functools
 import itertools
 import os
 import sys
+import threading
 import time
 from typing import Any, Callable, Optional
 
 import numpy as np
 
+from fibrl import serialization
 from fibrl.errors import RemoteObjectError
 from fibrl.managers import BaseManager, BaseProxy
+from fibrl.managers.lines import PipelinedLine, ReplyTimeout, take_decrefs
+from fibrl.managers.proxies import HandleTimeout
 
 from .errors import ReplayStoreLost
 from .limiters import LimiterSpec
@@ -167,6 +171,41 @@ def _lost(exc: BaseException) -> ReplayStoreLost:
 
 
 # -- one shard -----------------------------------------------------------------------------------
+class _Requested:
+    """A call in flight on a proxy's pipelined line (what ``_wait`` takes)."""
+
+    __slots__ = ("_line", "_rid", "_proxy", "_method", "_value", "_done")
+
+    def __init__(self, line: PipelinedLine, rid: int, proxy: "ReplayTableProxy",
+                 method: str) -> None:
+        self._line = line
+        self._rid = rid
+        self._proxy = proxy
+        self._method = method
+        self._value: Any = None
+        self._done = False
+
+    def ready(self) -> bool:
+        return self._done or self._line.ready(self._rid)
+
+    def get(self, timeout: Optional[float] = None) -> Any:
+        if not self._done:
+            try:
+                data = self._line.result(self._rid, timeout)
+            except ReplyTimeout:
+                raise HandleTimeout(f"{self._method}() of replay store {self._proxy._id} "
+                                    f"gave no result within {timeout} s") from None
+            self._value, self._done = self._proxy._decode(data), True
+        return self._value
+
+    def __del__(self) -> None:
+        if not self._done:   # dropped unread: its reply is not kept when it comes
+            self._line.forget(self._rid)
+
+
+_line_lock = threading.Lock()
+
+
 class ReplayTableProxy(BaseProxy):
     """A proxy for one store server: the whole :class:`ReplayStore` API for one shard.
 
@@ -189,6 +228,33 @@ class ReplayTableProxy(BaseProxy):
             return self._call_async(method, args)
         except RemoteObjectError as exc:
             raise _lost(exc) from exc
+
+    _line: Optional[PipelinedLine] = None
+
+    def _on_line(self, method: str, *args: Any) -> Any:
+        """Send a call on this proxy's own pipelined line; a handle for :meth:`_wait`.
+
+        No reader or feeder thread is on the way, so a learner's prefetched batches
+        cost a round trip's CPU and no more; and the calls sent this way run in the
+        order they were sent (a shard's priority update before the batches drawn
+        after it).
+        """
+        if self._server is not None:   # inside the store's own server process
+            return self._call_later(method, *args)
+        payload = serialization.encode((args, {}))
+        try:
+            line = self._line
+            if line is None or line.broken or line.closed:
+                with _line_lock:
+                    line = self._line
+                    if line is None or line.broken or line.closed:
+                        line = self._line = PipelinedLine(self._token.address,
+                                                          bytes(self._authkey))
+            rid = line.submit("call", self._id, method, payload,
+                              take_decrefs(self._token.address))
+        except RemoteObjectError as exc:
+            raise _lost(exc) from exc
+        return _Requested(line, rid, self, method)
 
     def _wait(self, handle: Any, timeout: Optional[float] = None) -> Any:
         try:
@@ -218,7 +284,7 @@ class ReplayTableProxy(BaseProxy):
                      as_torch: bool = False, update: Any = None) -> PendingSample:
         """Like :meth:`sample`, returning at once; see :meth:`ReplayStore.sample_async`."""
         check_batch_size(batch_size)
-        handle = self._call_later("sample", int(batch_size), timeout, _as_update(update))
+        handle = self._on_line("sample", int(batch_size), timeout, _as_update(update))
         return PendingSample([(self, handle)], _only, as_torch)
 
     def update_priorities(self, ids: Any, priorities: Any) -> int:
@@ -482,31 +548,44 @@ class ReplayStore:
         if self.num_shards == 1:
             return self._shards[0].sample_async(batch_size, timeout=timeout,
                                                 as_torch=as_torch, update=update)
-        if update is not None:
-            self.update_priorities(*update)
+        # each shard's part of the update rides on the call that asks for its mass, on
+        # the line that carries its samples: it lands after the batches asked before
         shards = self._shards
-        masses = [s._wait(h) for s, h in zip(shards, [s._call_later("mass") for s in shards])]
+        updates = self._split_update(update)
+        masses = [s._wait(h) for s, h in
+                  zip(shards, [s._on_line("mass", u) for s, u in zip(shards, updates)])]
         mass = np.asarray([m for m, _n, _r in masses], dtype=np.float64)
         size = sum(n for _m, n, _r in masses)
         if mass.sum() <= 0:  # empty: let the shards' rate limiters decide how to wait
             mass = np.ones(len(shards))
         counts = _split(int(batch_size), mass / mass.sum(), self._rng, masses[0][2])
-        parts = [(shards[s], shards[s]._call_later("sample", int(c), timeout))
+        parts = [(shards[s], shards[s]._on_line("sample", int(c), timeout, None))
                  for s, c in enumerate(counts.tolist()) if c]
         merge = functools.partial(_merge, total_mass=float(mass.sum()), size=size)
         return PendingSample(parts, merge, as_torch)
 
     def update_priorities(self, ids: Any, priorities: Any) -> int:
         """Set new priorities; ids already evicted are ignored. Returns how many applied."""
-        ids = _as_array(ids).astype(np.int64).reshape(-1)
-        priorities = _as_array(priorities).astype(np.float64).reshape(-1)
         if self.num_shards == 1:
+            ids, priorities = _as_update((ids, priorities))
             return self._shards[0].update_priorities(ids, priorities)
+        pending = [(shard, shard._call_later("update_priorities", *part))
+                   for shard, part in zip(self._shards, self._split_update((ids, priorities)))
+                   if part is not None]
+        return sum(shard._wait(h) for shard, h in pending)
+
+    def _split_update(self, update: Any) -> list:
+        """``update=(ids, priorities)`` split by the shard that holds each id: one
+        ``(ids, priorities)`` or None per shard."""
+        if update is None:
+            return [None] * self.num_shards
+        ids, priorities = _as_update(update)
         owner = ids % self.num_shards
-        pending = [(s, self._shards[s]._call_later("update_priorities", ids[owner == s],
-                                                   priorities[owner == s]))
-                   for s in np.unique(owner).tolist()]
-        return sum(self._shards[s]._wait(h) for s, h in pending)
+        parts: list = [None] * self.num_shards
+        for s in np.unique(owner).tolist():
+            mine = owner == s
+            parts[s] = (ids[mine], priorities[mine])
+        return parts
 
     def __len__(self) -> int:
         return sum(len(shard) for shard in self._shards)

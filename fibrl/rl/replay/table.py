@@ -229,9 +229,14 @@ class ReplayTable:
     def size(self) -> int:
         return self.config.capacity - len(self.free)
 
-    def mass(self) -> tuple:
+    def mass(self, update: Any = None) -> tuple:
         """``(sampler mass, size, random)``: what a sharded client splits a batch by
-        (at random for uniform/prioritized samplers, in proportion for ordered ones)."""
+        (at random for uniform/prioritized samplers, in proportion for ordered ones).
+
+        ``update=(ids, priorities)`` applies a priority update first, in the same call.
+        """
+        if update is not None:
+            self.update_priorities(*update)
         with self.cond:
             return (self.sampler_index.mass(), self.size(),
                     isinstance(self.config.sampler, (Uniform, Prioritized)))
