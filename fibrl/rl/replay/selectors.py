@@ -110,12 +110,13 @@ class SumTree:
     def set(self, leaves: np.ndarray, values: np.ndarray) -> None:
         idx = np.asarray(leaves, dtype=np.int64) + self.size
         tree = self.tree
+        children = tree.reshape(-1, 2)   # row i: the two children of node i
         tree[idx] = values
         for _level in range(self.walk):
             # duplicates just recompute the same parent: cheaper than np.unique per level
             idx >>= 1
-            left = idx << 1
-            tree[idx] = tree.take(left) + tree.take(left + 1)
+            both = children.take(idx, axis=0)
+            tree[idx] = both[:, 0] + both[:, 1]
 
     def total(self) -> float:
         return float(self.top.sum())

@@ -417,7 +417,7 @@ class ReplayTable:
         prios = np.asarray(priorities, dtype=np.float64).reshape(-1)
         if len(prios) != n:
             raise ValueError(f"got {len(prios)} priorities for {n} items")
-        if not np.all(np.isfinite(prios)) or np.any(prios < 0):
+        if n and not (prios.min() >= 0 and prios.max() < np.inf):   # (NaN fails both)
             bad = prios[~np.isfinite(prios) | (prios < 0)][:5]
             raise ValueError(f"priorities must be finite and >= 0, got {bad.tolist()} "
                              f"(a NaN loss upstream is the usual cause)")
@@ -481,10 +481,16 @@ class ReplayTable:
 
     def _update_locked(self, ids: np.ndarray, prios: np.ndarray) -> int:
         cfg = self.config
-        slots = (ids // cfg.num_shards) % cfg.capacity
-        held = (ids >= 0) & (ids % cfg.num_shards == cfg.shard) & (self.slot_ids[slots] == ids)
-        self.counters["stale_updates"] += int(len(ids) - held.sum())
-        if not held.all():
+        if cfg.num_shards == 1:
+            slots = ids % cfg.capacity
+            held = (ids >= 0) & (self.slot_ids.take(slots) == ids)
+        else:
+            slots = (ids // cfg.num_shards) % cfg.capacity
+            held = ((ids >= 0) & (ids % cfg.num_shards == cfg.shard)
+                    & (self.slot_ids.take(slots) == ids))
+        stale = len(ids) - int(np.count_nonzero(held))
+        if stale:
+            self.counters["stale_updates"] += stale
             slots, prios = slots[held], prios[held]
         if not len(slots):
             return 0
