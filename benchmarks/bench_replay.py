@@ -219,6 +219,9 @@ def bench_fibrl(args, results: dict, peers: list) -> None:
         during = overlaps([(s["start"], s["end"]) for s in snaps])
         control = overlaps([(2 * s["start"] - s["end"] - 0.05, s["start"] - 0.05)
                             for s in snaps])
+        shutil.rmtree(folder)
+        if not snaps:  # --snapshots 0
+            return
         results["snapshot: items held at the first"] = snaps[0]["items"]
         results["snapshot: server lock held, best / worst ms"] = \
             f"{min(s['stall_s'] for s in snaps) * 1e3:.1f} / " \
@@ -233,7 +236,6 @@ def bench_fibrl(args, results: dict, peers: list) -> None:
                 f"{max(before_, default=float('nan')) * 1e3:.1f}"
             results[f"snapshot: {side} p99 during / just before snapshots ms"] = \
                 f"{pct(inside, 0.99) * 1e3:.1f} / {pct(before_, 0.99) * 1e3:.1f}"
-        shutil.rmtree(folder)
 
 
 @dataclasses.dataclass
