@@ -499,6 +499,32 @@ def test_failing_initializer_is_reported(ctx):
     assert isinstance(info.value.__cause__, RemoteTraceback)
 
 
+def test_a_pipelined_line_keeps_each_reply_for_its_caller(calcs):
+    """Calls in flight together on one line: a reply read while waiting for another is
+    kept for its caller, a forgotten one is dropped, a timeout leaves the call awaited."""
+    from fibrl import serialization
+    from fibrl.managers.lines import PipelinedLine, ReplyTimeout
+
+    calc = calcs.Calc()
+    line = PipelinedLine(calc._token.address, bytes(calc._authkey))
+
+    def submit(method, *args):
+        return line.submit("call", calc._id, method, serialization.encode((args, {})), ())
+
+    slow, dropped, last = submit("sleep", 0.5), submit("add", 1, 2), submit("add", 3, 4)
+    with pytest.raises(ReplyTimeout):
+        line.result(slow, 0.05)
+    assert not line.ready(slow)
+    line.forget(dropped)
+    assert calc._decode(line.result(last, TIMEOUT)) == 7    # read past the other two
+    assert line.ready(slow) and calc._decode(line.result(slow, TIMEOUT)) == 0.5
+    failing = submit("fail")
+    with pytest.raises(KeyError, match="remote failure"):
+        line.result(failing, TIMEOUT)
+    assert not line._kept and not line._awaited
+    line.close()
+
+
 def test_a_sync_proxy_call_is_one_request_and_one_reply(monkeypatch):
     """Nothing else rides on a sync call's path: one frame out and one back, on the
     caller's own line (no acknowledgement, no ping, no separate decref message)."""
