@@ -41,8 +41,8 @@ from ..hub import Hub, get_hub
 from ..janitor import Finalizer
 from ..messages import Call, wrap_raw
 
-__all__ = ["Line", "PipelinedLine", "ReplyTimeout", "line_for", "hub_for", "close_lines", "note_decref", "take_decrefs",
-           "lost_error", "MANAGER_OID"]
+__all__ = ["Line", "PipelinedLine", "ReplyTimeout", "line_for", "hub_for", "close_lines",
+           "note_decref", "take_decrefs", "lost_error", "MANAGER_OID"]
 
 MANAGER_OID = "manager"
 

@@ -218,6 +218,17 @@ def test_a_pending_sample_of_a_killed_store_fails_clearly():
         store.close()
 
 
+@pytest.mark.parametrize("num_shards", [1, 2])
+def test_a_priority_update_with_a_priority_missing_is_refused(num_shards):
+    with ReplayStore(40, sampler=Prioritized(), num_shards=num_shards) as store:
+        ids = store.insert({"x": np.arange(4)})
+        with pytest.raises(ValueError, match="priorit"):
+            store.update_priorities(ids, [1.0, 2.0, 3.0])
+        with pytest.raises(ValueError, match="priorit"):
+            store.sample_async(2, update=(ids, [1.0])).get(timeout=30)
+        assert store.update_priorities(ids, np.ones(4)) == 4
+
+
 def test_sample_async_refuses_a_bad_batch_size_at_once():
     with ReplayStore(10) as store:
         with pytest.raises(ValueError, match="batch_size"):

@@ -580,6 +580,9 @@ class ReplayStore:
         if update is None:
             return [None] * self.num_shards
         ids, priorities = _as_update(update)
+        if len(ids) != len(priorities):
+            raise ValueError(f"a priority update of {len(ids)} ids with {len(priorities)} "
+                             f"priorities; give one priority per id")
         owner = ids % self.num_shards
         parts: list = [None] * self.num_shards
         for s in np.unique(owner).tolist():
