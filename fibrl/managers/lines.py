@@ -9,7 +9,7 @@ connection's own thread, so a method that blocks (``queue.get``,
 objects (``threading.RLock``) see one server thread per client thread.
 Asynchronous calls go through the process's hub instead (request ids, replies
 in any order), to a hub keyed by the manager's authkey. A :class:`PipelinedLine`
-is a line that its owner (not a thread) keeps, with several calls in flight and
+is a line that its owner (a proxy, not a thread) keeps, with several calls in flight and
 the replies read back in order by whichever thread waits for one: a client that
 asks for its next result early (a replay learner) without a hub's threads.
 

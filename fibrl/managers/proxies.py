@@ -31,14 +31,14 @@ from typing import Any, Callable, Optional
 from .. import serialization
 from ..errors import TransportError
 from ..hub import Handle
-from .lines import MANAGER_OID, decref_queue, hub_for, line_for, lost_error, note_decref, \
-    take_decrefs
+from .lines import (MANAGER_OID, PipelinedLine, ReplyTimeout, decref_queue, hub_for, line_for,
+                    lost_error, note_decref, take_decrefs)
 from .server import ProxyRef, Token
 
 __all__ = [
     "BaseProxy", "AsyncProxy", "AutoProxy", "AsyncAutoProxy", "MakeProxyType", "RebuildProxy",
-    "ProxyHandle", "HandleTimeout", "IteratorProxy", "AcquirerProxy", "ConditionProxy",
-    "EventProxy", "BarrierProxy", "NamespaceProxy", "ValueProxy", "BaseListProxy",
+    "ProxyHandle", "PipelinedHandle", "HandleTimeout", "IteratorProxy", "AcquirerProxy",
+    "ConditionProxy", "EventProxy", "BarrierProxy", "NamespaceProxy", "ValueProxy", "BaseListProxy",
     "ListProxy", "DictProxy", "ArrayProxy", "BasePoolProxy", "PoolProxy",
 ]
 
@@ -149,6 +149,32 @@ class BaseProxy:
             raise lost_error(address, exc) from exc
         handle.add_done_callback(lambda _h: _in_flight.done(address))
         return ProxyHandle(handle, self, methodname)
+
+    _line: Optional[PipelinedLine] = None   # made by the first _call_pipelined
+
+    def _call_pipelined(self, methodname: str, args: tuple = (),
+                        kwds: Optional[dict] = None) -> Any:
+        """Send ``methodname`` on this proxy's own pipelined line; a handle at once.
+
+        For a client that asks for its next result before it needs it. Unlike
+        :meth:`_call_async` no thread of the hub is on the way: the reply is read
+        by the thread that waits for it, which saves about a thread hand-over's
+        CPU per call. The calls sent this way run one at a time in the order
+        sent, in the server thread of this proxy's line: one that blocks holds up
+        the ones sent after it this way, and nothing else.
+        """
+        if self._server is not None:   # inside the object's own server: no line to it
+            return self._call_async(methodname, args, kwds)
+        payload = _payload(args, kwds)
+        line = self._line
+        if line is None or line.broken or line.closed:
+            with _line_lock:
+                line = self._line
+                if line is None or line.broken or line.closed:
+                    line = self._line = PipelinedLine(self._address(), bytes(self._authkey))
+        rid = line.submit("call", self._id, methodname, payload,
+                          take_decrefs(self._address()))
+        return PipelinedHandle(line, rid, self, methodname)
 
     def _address(self) -> str:
         """Where calls go: the token's address, or our own server's inside it."""
@@ -287,6 +313,49 @@ class ProxyHandle:
     def __repr__(self) -> str:
         state = "ready" if self.ready() else "pending"
         return f"<ProxyHandle {self._method}() of {self._proxy._token.typeid} {state}>"
+
+
+class PipelinedHandle:
+    """The pending result of :meth:`BaseProxy._call_pipelined`: ``get(timeout)``,
+    ``ready()``, as a :class:`ProxyHandle`. A handle dropped unread lets its reply
+    be discarded when it comes."""
+
+    __slots__ = ("_line", "_rid", "_proxy", "_method", "_value", "_done")
+
+    def __init__(self, line: PipelinedLine, rid: int, proxy: BaseProxy, method: str) -> None:
+        self._line = line
+        self._rid = rid
+        self._proxy = proxy
+        self._method = method
+        self._value: Any = None
+        self._done = False
+
+    def ready(self) -> bool:
+        return self._done or self._line.ready(self._rid)
+
+    def get(self, timeout: Optional[float] = None) -> Any:
+        """The result; re-raises the remote exception (traceback as ``__cause__``).
+
+        Raises:
+            HandleTimeout: no result within ``timeout`` seconds; call again to keep waiting.
+            RemoteObjectError: the manager server is gone.
+        """
+        if not self._done:
+            try:
+                data = self._line.result(self._rid, timeout)
+            except ReplyTimeout:
+                raise HandleTimeout(f"{self._method}() of {self._proxy._token.typeid} "
+                                    f"{self._proxy._id} gave no result within {timeout} s"
+                                    ) from None
+            self._value, self._done = self._proxy._decode(data), True
+        return self._value
+
+    def __del__(self) -> None:
+        if not self._done:
+            self._line.forget(self._rid)
+
+
+_line_lock = threading.Lock()
 
 
 class AsyncProxy(BaseProxy):

@@ -499,30 +499,23 @@ def test_failing_initializer_is_reported(ctx):
     assert isinstance(info.value.__cause__, RemoteTraceback)
 
 
-def test_a_pipelined_line_keeps_each_reply_for_its_caller(calcs):
-    """Calls in flight together on one line: a reply read while waiting for another is
-    kept for its caller, a forgotten one is dropped, a timeout leaves the call awaited."""
-    from fibrl import serialization
-    from fibrl.managers.lines import PipelinedLine, ReplyTimeout
-
+def test_pipelined_calls_keep_each_reply_for_its_caller(calcs):
+    """Calls in flight together on a proxy's own line: a reply read while waiting for
+    another is kept for its caller, a dropped handle's is discarded, a timeout leaves
+    the call pending, a remote error keeps its type."""
     calc = calcs.Calc()
-    line = PipelinedLine(calc._token.address, bytes(calc._authkey))
-
-    def submit(method, *args):
-        return line.submit("call", calc._id, method, serialization.encode((args, {})), ())
-
-    slow, dropped, last = submit("sleep", 0.5), submit("add", 1, 2), submit("add", 3, 4)
-    with pytest.raises(ReplyTimeout):
-        line.result(slow, 0.05)
-    assert not line.ready(slow)
-    line.forget(dropped)
-    assert calc._decode(line.result(last, TIMEOUT)) == 7    # read past the other two
-    assert line.ready(slow) and calc._decode(line.result(slow, TIMEOUT)) == 0.5
-    failing = submit("fail")
+    slow, dropped = calc._call_pipelined("sleep", (0.5,)), calc._call_pipelined("add", (1, 2))
+    last = calc._call_pipelined("add", (3, 4))
+    with pytest.raises(HandleTimeout):
+        slow.get(timeout=0.05)
+    assert not slow.ready()
+    del dropped
+    assert last.get(timeout=TIMEOUT) == 7               # read past the other two
+    assert slow.ready() and slow.get(timeout=TIMEOUT) == 0.5
     with pytest.raises(KeyError, match="remote failure"):
-        line.result(failing, TIMEOUT)
-    assert not line._kept and not line._awaited
-    line.close()
+        calc._call_pipelined("fail").get(timeout=TIMEOUT)
+    assert calc.add(5, 6) == 11                         # the thread's own line is apart
+    assert not calc._line._kept and not calc._line._awaited
 
 
 def test_a_sync_proxy_call_is_one_request_and_one_reply(monkeypatch):

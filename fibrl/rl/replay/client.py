@@ -28,17 +28,13 @@ import functools
 import itertools
 import os
 import sys
-import threading
 import time
 from typing import Any, Callable, Optional
 
 import numpy as np
 
-from fibrl import serialization
 from fibrl.errors import RemoteObjectError
 from fibrl.managers import BaseManager, BaseProxy
-from fibrl.managers.lines import PipelinedLine, ReplyTimeout, take_decrefs
-from fibrl.managers.proxies import HandleTimeout
 
 from .errors import ReplayStoreLost
 from .limiters import LimiterSpec
@@ -171,41 +167,6 @@ def _lost(exc: BaseException) -> ReplayStoreLost:
 
 
 # -- one shard -----------------------------------------------------------------------------------
-class _Requested:
-    """A call in flight on a proxy's pipelined line (what ``_wait`` takes)."""
-
-    __slots__ = ("_line", "_rid", "_proxy", "_method", "_value", "_done")
-
-    def __init__(self, line: PipelinedLine, rid: int, proxy: "ReplayTableProxy",
-                 method: str) -> None:
-        self._line = line
-        self._rid = rid
-        self._proxy = proxy
-        self._method = method
-        self._value: Any = None
-        self._done = False
-
-    def ready(self) -> bool:
-        return self._done or self._line.ready(self._rid)
-
-    def get(self, timeout: Optional[float] = None) -> Any:
-        if not self._done:
-            try:
-                data = self._line.result(self._rid, timeout)
-            except ReplyTimeout:
-                raise HandleTimeout(f"{self._method}() of replay store {self._proxy._id} "
-                                    f"gave no result within {timeout} s") from None
-            self._value, self._done = self._proxy._decode(data), True
-        return self._value
-
-    def __del__(self) -> None:
-        if not self._done:   # dropped unread: its reply is not kept when it comes
-            self._line.forget(self._rid)
-
-
-_line_lock = threading.Lock()
-
-
 class ReplayTableProxy(BaseProxy):
     """A proxy for one store server: the whole :class:`ReplayStore` API for one shard.
 
@@ -229,32 +190,15 @@ class ReplayTableProxy(BaseProxy):
         except RemoteObjectError as exc:
             raise _lost(exc) from exc
 
-    _line: Optional[PipelinedLine] = None
-
     def _on_line(self, method: str, *args: Any) -> Any:
-        """Send a call on this proxy's own pipelined line; a handle for :meth:`_wait`.
-
-        No reader or feeder thread is on the way, so a learner's prefetched batches
-        cost a round trip's CPU and no more; and the calls sent this way run in the
-        order they were sent (a shard's priority update before the batches drawn
-        after it).
-        """
-        if self._server is not None:   # inside the store's own server process
-            return self._call_later(method, *args)
-        payload = serialization.encode((args, {}))
+        """Send a call on this proxy's own pipelined line (``_call_pipelined``); a
+        handle for :meth:`_wait`. A learner's prefetched batches cost a round trip's
+        CPU and no more, and the calls sent this way run in the order sent (a shard's
+        priority update before the batches drawn after it)."""
         try:
-            line = self._line
-            if line is None or line.broken or line.closed:
-                with _line_lock:
-                    line = self._line
-                    if line is None or line.broken or line.closed:
-                        line = self._line = PipelinedLine(self._token.address,
-                                                          bytes(self._authkey))
-            rid = line.submit("call", self._id, method, payload,
-                              take_decrefs(self._token.address))
+            return self._call_pipelined(method, args)
         except RemoteObjectError as exc:
             raise _lost(exc) from exc
-        return _Requested(line, rid, self, method)
 
     def _wait(self, handle: Any, timeout: Optional[float] = None) -> Any:
         try:
