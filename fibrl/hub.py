@@ -236,7 +236,7 @@ def _frame(messages: list) -> list:
 class _PeerReply(ReplySink):
     __slots__ = ("rid", "holder", "lone")
 
-    def __init__(self, peer, rid: int, lone: bool = True) -> None:
+    def __init__(self, peer, rid: int, lone: bool) -> None:
         self.peer = peer
         self.rid = rid
         self.holder: Optional[HeldReplies] = None  # set: the reply waits there (see above)

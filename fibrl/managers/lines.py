@@ -19,7 +19,7 @@ Data flow::
     thread T2 -- line(T2, addr) ==== ...                     ==== server peer thread (T2's)
     any thread -- hub_for(authkey).call_async ==== Client (one per process) ==== peer thread
                                                      -> ManagerService lanes (worker threads)
-    any thread -- pipelined line (its owner's) ==== Call(rid1) Call(rid2) / replies in order ==== peer thread
+    a proxy's pipelined line ==== Call(rid1), Call(rid2) / replies in order ==== peer thread
     proxy finalizer -> pending decrefs (a deque) -> sent with the next call to that address
 
 While a reply takes long, a line pings the server between slices of
@@ -86,10 +86,9 @@ class Line:
         if self.broken:
             raise lost_error(self.address)
         rid = next(self._rids)
-        args = tuple(wrap_raw(a) for a in args)
         sent = False
         try:
-            self._channel.send(serialization.dumps_parts(Call(rid, MANAGER_OID, method, args)))
+            self._channel.send(_frame(rid, method, args))
             sent = True
             reply = self._receive(rid)
         except ChannelClosed as exc:
@@ -98,20 +97,23 @@ class Line:
         except BaseException:
             self.close()  # a reply may still come: this line can no longer be trusted
             raise
-        value = serialization.loads(reply.value) if reply.encoded else reply.value
-        if not reply.ok:
-            raise value  # unpickled with the server's traceback as __cause__
-        return value
+        return _value(reply)
 
     def _receive(self, rid: int):
         while True:
-            try:
-                reply = serialization.loads(self._channel.recv(self._slice))
-            except TimeoutError:
-                hub_for(self.authkey).ensure_alive(self.address, self._limit)
-                continue
-            if reply.rid == rid:
+            reply = self._next_reply(self._slice)
+            if reply is not None and reply.rid == rid:
                 return reply
+
+    def _next_reply(self, timeout: float) -> Any:
+        """The next reply, or None when none came within ``timeout`` (after a whole
+        slice without one, the server is pinged: a vanished one raises)."""
+        try:
+            return serialization.loads(self._channel.recv(timeout))
+        except TimeoutError:
+            if timeout >= self._slice:
+                hub_for(self.authkey).ensure_alive(self.address, self._limit)
+            return None
 
     @property
     def closed(self) -> bool:
@@ -150,12 +152,11 @@ class PipelinedLine(Line):
 
     def submit(self, method: str, *args: Any) -> int:
         """Send ``method(*args)`` to the server's manager service; its request id."""
-        args = tuple(wrap_raw(a) for a in args)
         with self._sending:
             if self.broken:
                 raise lost_error(self.address)
             rid = next(self._rids)
-            frame = serialization.dumps_parts(Call(rid, MANAGER_OID, method, args))
+            frame = _frame(rid, method, args)
             self._awaited.add(rid)
             try:
                 self._channel.send(frame)
@@ -200,10 +201,7 @@ class PipelinedLine(Line):
             self._awaited.discard(rid)
         finally:
             self._reading.release()
-        value = serialization.loads(reply.value) if reply.encoded else reply.value
-        if not reply.ok:
-            raise value  # unpickled with the server's traceback as __cause__
-        return value
+        return _value(reply)
 
     def forget(self, rid: int) -> None:
         """Nobody will ask for ``rid``'s reply: drop it when it comes."""
@@ -216,17 +214,30 @@ class PipelinedLine(Line):
         if self.broken:
             raise lost_error(self.address, in_flight=True)
         try:
-            reply = serialization.loads(self._channel.recv(timeout))
-        except TimeoutError:
-            if timeout >= self._slice:
-                hub_for(self.authkey).ensure_alive(self.address, self._limit)
-            return False
+            reply = self._next_reply(timeout)
         except ChannelClosed as exc:
             self.close()
             raise lost_error(self.address, in_flight=True) from exc
+        if reply is None:
+            return False
         if reply.rid in self._awaited:
             self._kept[reply.rid] = reply
         return True
+
+
+def _frame(rid: int, method: str, args: tuple) -> list:
+    """The frame of call ``rid`` to the server's manager service."""
+    return serialization.dumps_parts(Call(rid, MANAGER_OID, method,
+                                          tuple(wrap_raw(a) for a in args)))
+
+
+def _value(reply: Any) -> Any:
+    """What a reply carries; raises what the call raised (with the server's traceback
+    as ``__cause__``, as unpickling gives it)."""
+    value = serialization.loads(reply.value) if reply.encoded else reply.value
+    if not reply.ok:
+        raise value
+    return value
 
 
 def line_for(address: str, authkey: bytes) -> Line:

@@ -166,14 +166,14 @@ class BaseProxy:
         if self._server is not None:   # inside the object's own server: no line to it
             return self._call_async(methodname, args, kwds)
         payload = _payload(args, kwds)
+        address = self._token.address
         line = self._line
         if line is None or line.broken or line.closed:
             with _line_lock:
                 line = self._line
                 if line is None or line.broken or line.closed:
-                    line = self._line = PipelinedLine(self._address(), bytes(self._authkey))
-        rid = line.submit("call", self._id, methodname, payload,
-                          take_decrefs(self._address()))
+                    line = self._line = PipelinedLine(address, bytes(self._authkey))
+        rid = line.submit("call", self._id, methodname, payload, take_decrefs(address))
         return PipelinedHandle(line, rid, self, methodname)
 
     def _address(self) -> str:

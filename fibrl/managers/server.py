@@ -162,8 +162,8 @@ class _Workers:
 
 
 # A lone asynchronous call to an idle object runs in the thread that read it: handing it
-# to a worker thread costs a thread wake-up, a large part of a quick call (a replay
-# learner's sample: ~60 of ~550 us of server CPU). A call found still running by the
+# to a worker thread costs a thread wake-up, a large part of a quick call (~60 us of
+# server CPU per call on a 2-core VM). A call found still running by the
 # check every INLINE_S hands the reading of its connection to a new thread, so one that
 # blocks holds up the calls behind it on that connection for 1 to 2 INLINE_S at most.
 INLINE_S = 0.005
