@@ -241,20 +241,20 @@ class Mailbox(SharedService):
             self._wake_pollers(True)
 
     # -- windows ---------------------------------------------------------------------
-    def _pick(self, number: Optional[int] = None) -> Optional[_Win]:
-        """The window the next item (push number ``number``; None: never pushed) goes to:
-        a waiting consumer's, in turn, else the one with room that holds fewest, among
-        those it may go behind (lock held)."""
-        if len(self._windows) == 1:   # one consumer: no turn, no fairness cap
-            for win in self._windows.values():
-                return win if win.room(WINDOW_ITEMS, number) else None
-        wins = list(self._windows.values())
+    def _fair_cap(self, wins: list) -> int:
+        """Most items any of ``wins`` may hold: no window grows past twice the smallest
+        open one (a consumer that drains slowly keeps the others' lead over it small)."""
+        sizes = [w.size for w in wins if w.size > 0]
+        return max(FAIR_MIN, 2 * min(sizes)) if len(wins) > 1 and sizes else WINDOW_ITEMS
+
+    def _pick(self, wins: list, cap: int, number: Optional[int] = None) -> Optional[_Win]:
+        """The window of ``wins`` the next item (push number ``number``; None: never
+        pushed) goes to: a waiting consumer's, in turn, else the one with room that
+        holds fewest, among those it may go behind (lock held)."""
+        if len(wins) == 1:   # one consumer: no turn, no fairness cap
+            return wins[0] if wins[0].room(WINDOW_ITEMS, number) else None
         n = len(wins)
         best = None
-        # fairness: no window grows past twice the smallest open one (a consumer that
-        # drains slowly keeps the others' lead over it small)
-        sizes = [w.size for w in wins if w.size > 0]
-        cap = max(FAIR_MIN, 2 * min(sizes)) if n > 1 and sizes else WINDOW_ITEMS
         for i in range(n):
             win = wins[(self._turn + i) % n]
             if not win.room(cap, number):
@@ -272,10 +272,12 @@ class Mailbox(SharedService):
             self._fill_one()
             return
         pushed: dict = {}
+        wins = list(self._windows.values())   # (neither they nor their sizes change here)
+        cap = self._fair_cap(wins)
         while self._items:
             # an item given back waits, and the items behind it with it, until a window
             # holds nothing newer (it drains: no new item is pushed meanwhile)
-            win = self._pick(self._redo[0] if self._redo else None)
+            win = self._pick(wins, cap, self._redo[0] if self._redo else None)
             if win is None:
                 break
             payload, number = self._popleft()
