@@ -82,8 +82,11 @@ RECALL_IDLE = 0.05
 #: ...or sooner: after RECALL_GAPS of its consumer's usual silences, but not before this.
 RECALL_MIN = 0.002
 RECALL_GAPS = 4
-#: With several consumers, no window holds more than twice the smallest, or this.
+#: With several consumers, no window holds more than twice the smallest, or this...
 FAIR_MIN = 4
+#: ...nor more than this: what a consumer that stops early holds, the others wait for
+#: until it is recalled.
+SHARED_ITEMS = 256
 #: Pushes closer together than this are a burst: sent by a thread of their own, batched.
 BURST_GAP = 0.0005
 
@@ -243,9 +246,12 @@ class Mailbox(SharedService):
     # -- windows ---------------------------------------------------------------------
     def _fair_cap(self, wins: list) -> int:
         """Most items any of ``wins`` may hold: no window grows past twice the smallest
-        open one (a consumer that drains slowly keeps the others' lead over it small)."""
+        open one (a consumer that drains slowly keeps the others' lead over it small),
+        nor past ``SHARED_ITEMS`` when several consumers share the queue."""
         sizes = [w.size for w in wins if w.size > 0]
-        return max(FAIR_MIN, 2 * min(sizes)) if len(wins) > 1 and sizes else WINDOW_ITEMS
+        if len(wins) < 2 or not sizes:
+            return WINDOW_ITEMS
+        return min(SHARED_ITEMS, max(FAIR_MIN, 2 * min(sizes)))
 
     def _pick(self, wins: list, cap: int, number: Optional[int] = None) -> Optional[_Win]:
         """The window of ``wins`` the next item (push number ``number``; None: never
