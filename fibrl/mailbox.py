@@ -760,13 +760,14 @@ class Window:
 
     _registry: dict = {}
     _registry_lock = threading.Lock()
-    _pid = 0
+    _hooked = False   # close_all runs at this process's exit
     #: windows whose owner was not yet told all that get() returned
     unreported: set = set()
 
     def __init__(self, address: str, oid: str) -> None:
         self.address, self.oid = address, oid
-        self.cond = threading.Condition()
+        self.lock = threading.RLock()
+        self.cond = threading.Condition(self.lock)   # (get() takes the lock itself: faster)
         self.items: deque = deque()
         self.stream: Optional[object] = None   # the open stream's token; None: closed
         self.rid = 0
@@ -786,13 +787,13 @@ class Window:
         """This process's window on the queue ``oid`` at ``address`` (made on first use)."""
         key = (address, oid)
         win = cls._registry.get(key)
-        if win is None or cls._pid != os.getpid():
+        if win is None:
             with cls._registry_lock:
-                if cls._pid != os.getpid():  # a forked child starts with no window
-                    cls._registry, cls._pid, cls.unreported = {}, os.getpid(), set()
+                if not cls._hooked:
                     from . import runtime
 
                     runtime.at_exit(runtime.CONNECTIONS, cls.close_all)
+                    cls._hooked = True
                 win = cls._registry.get(key)
                 if win is None:
                     win = cls._registry[key] = cls(address, oid)
@@ -800,7 +801,13 @@ class Window:
 
     @classmethod
     def find(cls, address: str, oid: str) -> Optional["Window"]:
-        return cls._registry.get((address, oid)) if cls._pid == os.getpid() else None
+        return cls._registry.get((address, oid))
+
+    @classmethod
+    def _forget_in_child(cls) -> None:
+        """A forked child starts with no window (its parent's streams are not its own)."""
+        cls._registry, cls.unreported, cls._hooked = {}, set(), False
+        cls._registry_lock = threading.Lock()
 
     @classmethod
     def sync_to(cls, address: str) -> None:
@@ -926,10 +933,10 @@ class Window:
 
     def get(self, timeout: Optional[float]) -> Any:
         """Return the next item pushed here; ``queue.Empty`` after ``timeout`` seconds."""
-        hub = get_hub()
-        with self.cond:
+        with self.lock:
             if self.items:
                 return self._pop()
+            hub = get_hub()
             if self.error is not None and self.stream is None:
                 self.error = None  # a new stream: the owner may be back (a reconnect)
             if self.stream is None:
@@ -972,6 +979,9 @@ class Window:
     def _raise_error(self) -> None:
         if self.error is not None and not self.items:
             raise self.error
+
+
+os.register_at_fork(after_in_child=Window._forget_in_child)
 
 
 def _push(win: _Win, values: list) -> None:
