@@ -15,7 +15,7 @@ empty, up to ``WINDOW_ITEMS``, and at most twice the smallest window of the
 queue or ``FAIR_MIN``; it halves when recalled), and
 the owner also bounds it in bytes (``WINDOW_BYTES``). Items pushed go to
 consumers waiting in ``get()`` first, one each in turn, then to the windows
-holding fewest. The consumer counts the items its ``get()`` returned and sends
+holding fewest (each an even share of what is stored, as far as it has room). The consumer counts the items its ``get()`` returned and sends
 that count (its *acknowledgement*) on its next request to the owner, or within
 ``ACK_DELAY`` seconds. A window that holds items while other consumers wait,
 and whose consumer has been silent for ``RECALL_GAPS`` times its usual gap
@@ -286,14 +286,24 @@ class Mailbox(SharedService):
             win = self._pick(wins, cap, self._redo[0] if self._redo else None)
             if win is None:
                 break
-            payload, number = self._popleft()
-            if number is None:
-                number, self._pushed = self._pushed, self._pushed + 1
+            # a waiting consumer gets one item, in turn; else the window holding fewest
+            # takes an even share of what is stored at once (as much as it has room for)
+            share = 1 if win.waiting or self._redo else len(self._items) // len(wins)
             win.waiting = False   # the next item goes to another waiting consumer
-            win.held.append((number, payload))
-            win.nbytes += _size(payload)
-            self._held += 1
-            pushed.setdefault(win, []).append(payload)
+            out = pushed.get(win)
+            if out is None:
+                out = pushed[win] = []
+            while True:
+                payload, number = self._popleft()
+                if number is None:
+                    number, self._pushed = self._pushed, self._pushed + 1
+                win.held.append((number, payload))
+                win.nbytes += _size(payload)
+                self._held += 1
+                out.append(payload)
+                share -= 1
+                if share <= 0 or not self._items or not win.room(cap):
+                    break
         for win, payloads in pushed.items():
             self._outgoing.setdefault(win, []).extend(payloads)
         if self._getters or len(self._windows) > 1:   # (else nobody else waits)
