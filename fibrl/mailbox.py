@@ -238,7 +238,9 @@ class Mailbox(SharedService):
             if self._hand(parked.reply, payload):
                 return
         self._items.append(payload)
-        if self._windows:
+        # with items stored before it and none given back, the last fill found no
+        # window with room for the first of them, and this one does not go ahead of it
+        if self._windows and (len(self._items) == 1 or self._redo):
             self._fill()
         if self._pollers and self._items:
             self._wake_pollers(True)
