@@ -773,6 +773,7 @@ class Window:
     _registry: dict = {}
     _registry_lock = threading.Lock()
     _hooked = False   # close_all runs at this process's exit
+    epoch = 0         # one more in each forked child: windows found before are not its own
     #: windows whose owner was not yet told all that get() returned
     unreported: set = set()
 
@@ -819,6 +820,7 @@ class Window:
     def _forget_in_child(cls) -> None:
         """A forked child starts with no window (its parent's streams are not its own)."""
         cls._registry, cls.unreported, cls._hooked = {}, set(), False
+        cls.epoch += 1
         cls._registry_lock = threading.Lock()
 
     @classmethod

@@ -7,11 +7,11 @@ process of the run, including processes on other machines.
 
 Data flow::
 
-    producer process                    owner process (hub)            consumer process
-    put(obj) -> dumps(obj) -> feeder ==> Mailbox.op_put -> deque  <== get(): parked request,
-             (unbounded: one-way,               |                     answered when an item
-              batched; bounded: waits           +-> oldest parked get arrives or the deadline
-              for room)                                               passes (queue.Empty)
+    producer process                    owner process (hub)             consumer process
+    put(obj) -> dumps(obj) -> feeder ==> Mailbox.op_put -> deque          get(): the next item
+             (unbounded: one-way,               |                         of this process's
+              batched; bounded: waits           +-> pushed ahead  =====>  Window (the owner's
+              for room)                             into windows          own get(): the deque)
 
 Semantics follow ``multiprocessing.Queue``: ``put``/``get`` with ``block`` and
 ``timeout``, ``*_nowait``, ``qsize``, ``empty``, ``full``, ``close``,
@@ -51,6 +51,8 @@ class Queue(HostedHandle):
     """
 
     _joinable = False
+    _window: Optional[Window] = None   # this process's window, once a get() found it
+    _window_epoch = -1                 # Window.epoch then (a forked child has none)
 
     def __init__(self, maxsize: int = 0, *, ctx: Any = None) -> None:
         if maxsize <= 0:
@@ -104,6 +106,13 @@ class Queue(HostedHandle):
     def get(self, block: bool = True, timeout: Optional[float] = None) -> Any:
         """Remove and return an item; raises ``queue.Empty`` after ``timeout`` seconds."""
         self._check_closed()
+        window = self._window
+        if window is not None and self._window_epoch == Window.epoch:
+            try:
+                payload = window.get(_timeout(block, timeout))
+            except queue.Empty:
+                raise queue.Empty from None
+            return serialization.loads(payload)
         local = get_hub().local_service(self._address, self._oid)
         if local is not None:  # the owner process: skip the handle when an item is there
             payload = local.take_nowait()
@@ -113,7 +122,9 @@ class Queue(HostedHandle):
             if local is not None:
                 payload = take(get_hub(), self._address, self._oid, _timeout(block, timeout))
             else:
-                payload = Window.of(self._address, self._oid).get(_timeout(block, timeout))
+                self._window, self._window_epoch = \
+                    Window.of(self._address, self._oid), Window.epoch
+                payload = self._window.get(_timeout(block, timeout))
         except queue.Empty:
             raise queue.Empty from None
         return serialization.loads(payload)
