@@ -53,6 +53,8 @@ class Queue(HostedHandle):
     _joinable = False
     _window: Optional[Window] = None   # this process's window, once a get() found it
     _window_epoch = -1                 # Window.epoch then (a forked child has none)
+    _box: Any = None                   # the Mailbox itself, in its owner process...
+    _box_epoch = -1                    # ...unbounded: put() stores into it directly
 
     def __init__(self, maxsize: int = 0, *, ctx: Any = None) -> None:
         if maxsize <= 0:
@@ -84,11 +86,16 @@ class Queue(HostedHandle):
         """Put ``obj`` on the queue; waits for room when the queue has a ``maxsize``."""
         self._check_closed()
         payload = serialization.encode(obj)
+        if self._box_epoch == Window.epoch:   # the owner process, an unbounded queue
+            payload.own()  # the queue keeps it: the caller may change the original
+            self._box.give(payload)
+            return
         hub = get_hub()
         local = hub.local_service(self._address, self._oid)
         if local is not None:
             payload.own()  # the queue keeps it: the caller may change the original
             if self._maxsize == 0:
+                self._box, self._box_epoch = local, Window.epoch
                 local.give(payload)
                 return
         elif Window.unreported:
