@@ -636,7 +636,10 @@ def _decode(reply: Reply) -> tuple:
 
 
 def _wrap(args: tuple) -> tuple:
-    return tuple(wrap_raw(a) for a in args)
+    for arg in args:
+        if type(arg) in RAW_TYPES:
+            return tuple(wrap_raw(a) for a in args)
+    return args if type(args) is tuple else tuple(args)   # (commonest: nothing to wrap)
 
 
 class Hub:
@@ -743,8 +746,7 @@ class Hub:
 
     def client(self, address: str) -> Client:
         """The shared connection to the hub at ``address`` (connects on first use)."""
-        with self._lock:
-            client = self._clients.get(address)
+        client = self._clients.get(address)   # (a dict read needs no lock)
         if client is None or client.lost:
             new = Client(self, address, self.connect_timeout)
             with self._lock:
