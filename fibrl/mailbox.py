@@ -82,7 +82,7 @@ ACK_DELAY = 0.002
 RECALL_IDLE = 0.05
 #: ...or sooner: after RECALL_GAPS of its consumer's usual silences, but not before this.
 RECALL_MIN = 0.002
-RECALL_GAPS = 4
+RECALL_GAPS = 2
 #: With several consumers, no window holds more than twice the smallest, or this...
 FAIR_MIN = 4
 #: ...nor more than this: what a consumer that stops early holds, the others wait for
