@@ -10,21 +10,23 @@ itself, so an item is never handed to a getter that stopped waiting.
 A consumer in another process reads through a *window* (:class:`Window`, one
 per process and queue): the owner pushes items ahead into it, on one stream
 call, while that process calls ``get()``. The window's size adapts on the
-consumer's side (it starts at one item, doubles each time a ``get()`` finds it
-empty, up to ``WINDOW_ITEMS``, and at most twice the smallest window of the
-queue or ``FAIR_MIN``; it halves when recalled), and
-the owner also bounds it in bytes (``WINDOW_BYTES``). Items pushed go to
-consumers waiting in ``get()`` first, one each in turn, then to the windows
-holding fewest (each an even share of what is stored, as far as it has room). The consumer counts the items its ``get()`` returned and sends
-that count (its *acknowledgement*) on its next request to the owner, or within
+consumer's side: it starts at one item, doubles each time a ``get()`` finds it
+empty, up to ``WINDOW_ITEMS``, and halves when recalled. The owner bounds it in
+bytes (``WINDOW_BYTES``) and, while several consumers share the queue, to twice
+the smallest window (at least ``FAIR_MIN``, at most ``SHARED_ITEMS``). Items
+pushed go to consumers waiting in ``get()`` first, one each in turn, then to
+the windows holding fewest (each an even share of what is stored, as far as it
+has room). The consumer counts the items its ``get()`` returned and sends that
+count (its *acknowledgement*) on its next request to the owner, or within
 ``ACK_DELAY`` seconds. A window that holds items while other consumers wait,
 and whose consumer has been silent for ``RECALL_GAPS`` times its usual gap
-between messages (``RECALL_MIN`` to ``RECALL_IDLE`` seconds), is *recalled*: the consumer drops what it has not returned, answers with its
-count, and the owner puts those items back in the queue at their place (merged by
-the order they were first pushed, whichever window gives back first). Every
-window stays in queue order too: an item given back is pushed only to a window
-that holds nothing newer, so no consumer reaches a stop sentinel while an item
-put before it is still on its way.
+between messages (``RECALL_MIN`` to ``RECALL_IDLE`` seconds), is *recalled*:
+the consumer drops what it has not returned, answers with its count, and the
+owner puts those items back in the queue at their place (merged by the order
+they were first pushed, whichever window gives back first). Every window stays
+in queue order too: an item given back is pushed only to a window that holds
+nothing newer, so no consumer reaches a stop sentinel while an item put before
+it is still on its way.
 
     consumer (Window)                          owner (Mailbox)
     get(): open(size) ---------------------->  op_window: stream; push items
