@@ -48,7 +48,7 @@ from .config import Config
 from .errors import (ChannelClosed, RemoteObjectError, TransportError, object_gone,
                      owner_gone)
 from .janitor import Finalizer
-from .messages import RAW_TYPES, Call, RemoteError, Reply, blob, wrap_raw
+from .messages import RAW_TYPES, Call, RemoteError, Reply, blob, wrap_args
 from .serialization import Encoded
 from .timers import Timers
 
@@ -426,7 +426,7 @@ class Client:
                 return handle
             rid = next(self._rids)
             self._pending[rid] = handle = Handle(rid)
-        self._submit(Call(rid, oid, method, _wrap(args)), inline=inline)
+        self._submit(Call(rid, oid, method, wrap_args(args)), inline=inline)
         return handle
 
     def stream(self, oid: str, method: str, args: tuple,
@@ -446,7 +446,7 @@ class Client:
         if lost:
             on_reply(False, self._lost_error())
             return 0
-        self._submit(Call(rid, oid, method, _wrap(args)), inline=True)
+        self._submit(Call(rid, oid, method, wrap_args(args)), inline=True)
         return rid
 
     def end_stream(self, rid: int) -> None:
@@ -463,7 +463,7 @@ class Client:
         """
         if self.lost:
             raise self._lost_error()
-        self._submit(Call(0, oid, method, _wrap(args)), inline=inline)
+        self._submit(Call(0, oid, method, wrap_args(args)), inline=inline)
 
     def _submit(self, call: Call, inline: bool) -> None:
         borrowed = inline and any(type(a) is Encoded and a.borrowed for a in call.args)
@@ -633,13 +633,6 @@ def _decode(reply: Reply) -> tuple:
         return reply.ok, serialization.loads(reply.value)
     except Exception as exc:
         return False, exc
-
-
-def _wrap(args: tuple) -> tuple:
-    for arg in args:
-        if type(arg) in RAW_TYPES:
-            return tuple(wrap_raw(a) for a in args)
-    return args if type(args) is tuple else tuple(args)   # (commonest: nothing to wrap)
 
 
 class Hub:

@@ -15,7 +15,7 @@ from .errors import RemoteObjectError, chain_remote
 from .serialization import OOB_THRESHOLD, Encoded, dumps
 
 __all__ = ["Call", "Reply", "RemoteError", "WorkerStart", "MAIN_SOURCE", "blob", "wrap_raw",
-           "RAW_TYPES"]
+           "wrap_args", "RAW_TYPES"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +132,15 @@ def wrap_raw(value: Any) -> Any:
     picklable.
     """
     return blob(value) if type(value) in RAW_TYPES else value
+
+
+def wrap_args(args: tuple) -> tuple:
+    """A call's arguments with raw payloads wrapped (:func:`wrap_raw`); ``args`` itself
+    when none is raw, the commonest case (no new tuple)."""
+    for arg in args:
+        if type(arg) in RAW_TYPES:
+            return tuple(wrap_raw(a) for a in args)
+    return args if type(args) is tuple else tuple(args)
 
 
 # The ``kind`` a worker gives when it reports that it could not load its process

@@ -39,7 +39,7 @@ from .. import runtime, serialization
 from ..errors import ChannelClosed, RemoteObjectError, TransportError, owner_gone
 from ..hub import Hub, get_hub
 from ..janitor import Finalizer
-from ..messages import Call, wrap_raw
+from ..messages import Call, wrap_args
 
 __all__ = ["Line", "PipelinedLine", "ReplyTimeout", "line_for", "hub_for", "close_lines",
            "note_decref", "take_decrefs", "lost_error", "MANAGER_OID"]
@@ -227,8 +227,7 @@ class PipelinedLine(Line):
 
 def _frame(rid: int, method: str, args: tuple) -> list:
     """The frame of call ``rid`` to the server's manager service."""
-    return serialization.dumps_parts(Call(rid, MANAGER_OID, method,
-                                          tuple(wrap_raw(a) for a in args)))
+    return serialization.dumps_parts(Call(rid, MANAGER_OID, method, wrap_args(args)))
 
 
 def _value(reply: Any) -> Any:
