@@ -51,10 +51,12 @@ class Queue(HostedHandle):
     """
 
     _joinable = False
-    _window: Optional[Window] = None   # this process's window, once a get() found it
-    _window_epoch = -1                 # Window.epoch then (a forked child has none)
-    _box: Any = None                   # the Mailbox itself, in its owner process...
-    _box_epoch = -1                    # ...unbounded: put() stores into it directly
+    # Where this process reaches the queue, found once (again in a forked child, whose
+    # Window.epoch differs): the Mailbox itself in the owner process, else the window
+    # its first get() opens.
+    _box: Any = None
+    _window: Optional[Window] = None
+    _epoch = -1
 
     def __init__(self, maxsize: int = 0, *, ctx: Any = None) -> None:
         if maxsize <= 0:
@@ -86,16 +88,12 @@ class Queue(HostedHandle):
         """Put ``obj`` on the queue; waits for room when the queue has a ``maxsize``."""
         self._check_closed()
         payload = serialization.encode(obj)
-        if self._box_epoch == Window.epoch:   # the owner process, an unbounded queue
-            payload.own()  # the queue keeps it: the caller may change the original
-            self._box.give(payload)
-            return
-        hub = get_hub()
-        local = hub.local_service(self._address, self._oid)
+        if self._epoch != Window.epoch:
+            self._locate()
+        local = self._box
         if local is not None:
             payload.own()  # the queue keeps it: the caller may change the original
             if self._maxsize == 0:
-                self._box, self._box_epoch = local, Window.epoch
                 local.give(payload)
                 return
         elif Window.unreported:
@@ -103,7 +101,8 @@ class Queue(HostedHandle):
         if self._maxsize == 0:
             # a large item is sent from this thread (copied once, into the connection)
             # rather than copied here for the connection's feeder thread
-            hub.send(self._address, self._oid, "put", payload, None, inline=payload.borrowed)
+            get_hub().send(self._address, self._oid, "put", payload, None,
+                           inline=payload.borrowed)
             return
         try:
             self._call("put", payload, _timeout(block, timeout))
@@ -113,28 +112,26 @@ class Queue(HostedHandle):
     def get(self, block: bool = True, timeout: Optional[float] = None) -> Any:
         """Remove and return an item; raises ``queue.Empty`` after ``timeout`` seconds."""
         self._check_closed()
-        window = self._window
-        if window is not None and self._window_epoch == Window.epoch:
-            try:
-                payload = window.get(_timeout(block, timeout))
-            except queue.Empty:
-                raise queue.Empty from None
-            return serialization.loads(payload)
-        local = get_hub().local_service(self._address, self._oid)
-        if local is not None:  # the owner process: skip the handle when an item is there
-            payload = local.take_nowait()
-            if payload is not EMPTY:
-                return serialization.loads(payload)
+        if self._epoch != Window.epoch:
+            self._locate()
+        local = self._box
         try:
-            if local is not None:
-                payload = take(get_hub(), self._address, self._oid, _timeout(block, timeout))
+            if local is not None:  # the owner process: no handle when an item is there
+                payload = local.take_nowait()
+                if payload is EMPTY:
+                    payload = take(get_hub(), self._address, self._oid,
+                                   _timeout(block, timeout))
             else:
-                self._window, self._window_epoch = \
-                    Window.of(self._address, self._oid), Window.epoch
+                if self._window is None:
+                    self._window = Window.of(self._address, self._oid)
                 payload = self._window.get(_timeout(block, timeout))
         except queue.Empty:
             raise queue.Empty from None
         return serialization.loads(payload)
+
+    def _locate(self) -> None:
+        self._box = get_hub().local_service(self._address, self._oid)
+        self._window, self._epoch = None, Window.epoch
 
     def put_nowait(self, obj: Any) -> None:
         self.put(obj, False)
