@@ -14,16 +14,19 @@ An end read in another process than the owner's gets its messages *pushed*:
 its first ``recv``/``poll`` subscribes that process's :class:`_Inbox`, and
 from then on each ``send`` is one frame to the owner, which forwards it at
 once (one frame; none when the sender is the owner). ``recv`` and ``poll``
-then wait on local state. Messages pushed to a process that dies unread are
-lost with it, like the data in a dead reader's OS pipe; a process that closes
-its end, or whose subscription another reader takes over, gives them back.
+then wait on local state, and a waiting ``recv`` reads the owner's connection
+itself while no other thread of its process does: no hand-over between
+threads. Messages pushed to a process that dies unread are lost with it, like
+the data in a dead reader's OS pipe; a process that closes its end, or whose
+subscription another reader takes over, gives them back.
 
 ::
 
     process A               owner of the pipe (hub)                 process B
     a.send(obj) ==put==>    PipeBox a->b  ==push (subscribed)==>    _Inbox -> b.recv()
     a.recv()    <=========  PipeBox b->a  <==========put=========   b.send(obj)
-    (A is the owner here: its recv() reads the PipeBox in-process)
+    (A is the owner here: its recv() reads the PipeBox in-process, and while it
+    waits, reads B's connection itself and runs what B sent)
 
 ``wait()`` mixes connections, process sentinels and any object with
 ``fileno()``: connections are watched with parked ``poll`` requests that
@@ -357,13 +360,30 @@ class _Inbox:
                     if self.revokes != revokes:
                         break  # another reader took it meanwhile: queue up with a get
                     self._subscribe()
-                if not self.cond.wait(hub.heartbeat_interval):
+                elif not self._wait(hub):
                     self.cond.release()
                     try:  # a vanished owner closes no socket: ping it
                         hub.ensure_alive(self.address, hub.parent_timeout)
                     finally:
                         self.cond.acquire()
         return take(hub, self.address, self.oid, None)
+
+    def _wait(self, hub: Any) -> bool:
+        """Wait up to ``heartbeat_interval`` for news (cond held); False when none came.
+        This thread reads the owner's connection itself while no other thread does, so
+        a pushed message reaches it with no hand-over between threads."""
+        interval, start, rid = hub.heartbeat_interval, time.monotonic(), self.rid
+        client = hub.client(self.address) if rid > 0 else None
+        if client is not None:
+            self.cond.release()
+            try:
+                client.read_until(lambda: self._state() is not False or self.rid != rid,
+                                  interval)
+            finally:
+                self.cond.acquire()
+            if self._state() is not False or self.rid != rid:
+                return True
+        return self.cond.wait(max(0.0, interval - (time.monotonic() - start)))
 
     def _pop(self) -> Any:
         if self.items:

@@ -18,10 +18,18 @@ Data flow::
     Client ---- feeder thread batches one-way Calls ----> Listener peer thread
       ^         (a synchronous call is sent inline)         | loads(frame)
       |                                                     v
-    reader thread <------- Reply(rid) -------------- service.dispatch(m, args, _PeerReply)
+    reader <------------ Reply(rid) ---------------- service.dispatch(m, args, _PeerReply)
       | resolves the Handle with that rid                   | parks or answers now
       v                                                     v
     Handle.get(timeout)                             Timers: deadlines of parked replies
+
+The *reader* of a connection is whichever thread waits on it: a caller in
+``hub.wait`` (or a pipe end's ``recv``) reads and handles the frames itself while
+no other thread does, so its reply reaches it with no hand-over between threads;
+the connection's reader thread reads only while nobody waits (it sleeps until
+the socket is readable, which nng does not signal for a frame a waiting thread
+takes). The owner of a pipe reads the frames of the process that writes it the
+same way while it waits in ``recv`` (:meth:`Hub.wait_reading`).
 
 This module owns the dispatching and waiting. It does not own the meaning of
 any service (``queues``, ``connection``, ``synchronize``, ``pool``,
@@ -31,6 +39,7 @@ the first time one is asked for).
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 from _thread import allocate_lock as _allocate_lock
@@ -396,6 +405,11 @@ class Client:
         self.address = address
         self._hub = hub
         self._channel = Channel.connect(address, hub.secret, timeout)
+        try:
+            self._channel.watch()
+        except TransportError:
+            self._channel.close()
+            raise
         self._pending: dict[int, Handle] = {}
         self._streams: dict[int, Callable[[bool, Any], None]] = {}
         self._rids = itertools.count(1)
@@ -407,6 +421,7 @@ class Client:
         self._wake = threading.Event()
         self.lost = False
         self._lost_callbacks: list[Callable[[], None]] = []
+        self._lead = threading.Lock()   # held by the thread reading the connection now
         self._reader = threading.Thread(target=self._read, daemon=True,
                                         name=f"fibrl-client-{address}")
         self._reader.start()
@@ -535,33 +550,71 @@ class Client:
         return True
 
     # -- receiving -----------------------------------------------------------
+    # A thread that waits for a reply reads the connection itself while no other thread
+    # does (:meth:`read_until`), and handles what it reads as the reader thread would:
+    # its own reply reaches it with no hand-over between threads. The reader thread
+    # reads only while nobody waits: it sleeps until the connection is readable, which
+    # nng does not signal for a frame that a waiting thread takes.
     def _read(self) -> None:
-        while True:
-            try:
-                data = self._channel.recv()
-            except (ChannelClosed, TransportError):
-                self._on_lost()
-                return
-            except MemoryError:  # a frame larger than this process can hold
-                log.error("a message from %s is larger than this process can allocate; "
-                          "closing that connection (calls waiting on it fail)", self.address)
-                self._channel.close()
-                self._on_lost()
-                return
-            try:
-                msg = serialization.loads(data)
-            except Exception:
-                log.exception("undecodable frame from %s; closing the connection", self.address)
-                self._channel.close()
-                continue
-            for reply in (msg if isinstance(msg, list) else (msg,)):
-                with self._lock:
-                    handle = self._pending.pop(reply.rid, None)
-                    stream = self._streams.get(reply.rid) if handle is None else None
-                if handle is not None:
-                    handle._resolve(*_decode(reply))
-                elif stream is not None:
-                    stream(*_decode(reply))
+        channel = self._channel
+        try:
+            while not self.lost and channel.wait_readable():
+                with self._lead:
+                    while not self.lost:
+                        data = channel.recv_nowait()
+                        if data is None:
+                            break
+                        self._received(data)
+        except (ChannelClosed, TransportError):
+            pass
+        except MemoryError:
+            self._too_large()
+        finally:
+            self._on_lost()
+
+    def read_until(self, ready: Callable[[], bool], timeout: float) -> None:
+        """Read the connection in this thread until ``ready()`` or ``timeout`` seconds,
+        if no other thread reads it now; returns at once when one does (the caller
+        then waits as usual: that thread handles what arrives). Whatever is read is
+        handled here, callbacks included (the caller must hold no lock they take)."""
+        if ready() or self.lost or not self._lead.acquire(False):
+            return
+        try:
+            deadline = time.monotonic() + timeout
+            while not ready():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return
+                data = self._channel.recv_here(left)
+                if data is not None:
+                    self._received(data)
+        except (ChannelClosed, TransportError):
+            self._channel.close()   # the reader thread reports the loss
+        except MemoryError:
+            self._too_large()
+        finally:
+            self._lead.release()
+
+    def _received(self, data: Any) -> None:
+        try:
+            msg = serialization.loads(data)
+        except Exception:
+            log.exception("undecodable frame from %s; closing the connection", self.address)
+            self._channel.close()
+            return
+        for reply in (msg if isinstance(msg, list) else (msg,)):
+            with self._lock:
+                handle = self._pending.pop(reply.rid, None)
+                stream = self._streams.get(reply.rid) if handle is None else None
+            if handle is not None:
+                handle._resolve(*_decode(reply))
+            elif stream is not None:
+                stream(*_decode(reply))
+
+    def _too_large(self) -> None:
+        log.error("a message from %s is larger than this process can allocate; closing "
+                  "that connection (calls waiting on it fail)", self.address)
+        self._channel.close()
 
     def _lost_error(self, in_flight: bool = False) -> RemoteObjectError:
         return owner_gone(self.address, "its connection dropped", in_flight=in_flight)
@@ -725,6 +778,21 @@ class Hub:
             else:
                 service.dispatch(call.method, call.args, reply)
 
+    def wait_reading(self, handle: Handle, peer) -> None:
+        """Wait for a local call's ``handle`` while reading ``peer``'s frames in this
+        thread, when no other thread reads them (see :meth:`Peer.read_here`): the
+        message that answers it then reaches this thread with no hand-over. Returns
+        when it is answered, or as soon as this thread cannot read them (the caller
+        then waits as usual)."""
+        from .transport import wake_reader
+
+        me = threading.get_ident()
+        handle.add_done_callback(lambda _h: wake_reader(me))   # answered elsewhere
+        on_frame = functools.partial(self._on_frame, peer)
+        while not handle.ready():
+            if not peer.read_here(handle.ready, self.heartbeat_interval, on_frame):
+                return
+
     def _on_peer_lost(self, peer) -> None:
         for service in list(self._services.values()):
             try:
@@ -790,10 +858,14 @@ class Hub:
             return handle.get(timeout)
         interval = self.heartbeat_interval
         deadline = None if timeout is None else time.monotonic() + timeout
+        client = self._clients.get(address)
         while True:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            start = time.monotonic()
+            left = None if deadline is None else max(0.0, deadline - start)
             step = interval if left is None else min(left, interval)
-            if handle.wait(step):
+            if client is not None:   # read the reply here when no other thread reads
+                client.read_until(handle.ready, step)
+            if handle.wait(max(0.0, step - (time.monotonic() - start))):
                 return handle.get(0)
             if left is not None and left <= interval:
                 raise TimeoutError(f"no result within {timeout} s")

@@ -756,6 +756,10 @@ def take(hub: Any, address: str, oid: str, timeout: Optional[float]) -> Any:
     owner re-queues the item only if this process dies in between.
     """
     handle = hub.call_async(address, oid, "get", timeout)
+    if timeout is None and hub.is_local(address) and not handle.ready():
+        feeder = getattr(hub.service(oid), "feeder", None)
+        if feeder is not None:   # a pipe another process writes: read its frames here
+            hub.wait_reading(handle, feeder)
     payload = hub.wait(handle, address, None)
     if handle.rid:
         hub.send(address, oid, "ack", handle.rid, inline=True)
@@ -1116,6 +1120,9 @@ class PipeBox(Mailbox):
         self._readers: dict = {}
         self._broken = False
         self._watchers: list[ReplySink] = []
+        # the process whose message came last: a reader in this process reads its
+        # connection while it waits (see Hub.wait_reading)
+        self.feeder: Any = None
 
     # -- pushing ----------------------------------------------------------------------
     def _deliver(self, payload: Any) -> None:
@@ -1201,6 +1208,8 @@ class PipeBox(Mailbox):
                 super().op_poll(reply, 0.0 if self._revoking else timeout, token)
 
     def op_put(self, reply: ReplySink, payload: Any, timeout: Optional[float] = None) -> None:
+        if reply.peer is not None:
+            self.feeder = reply.peer
         if self._broken:
             # no reader is left: the sender raises BrokenPipeError once its watch is
             # answered; what it sent meanwhile goes nowhere, as into a widowed OS pipe

@@ -47,7 +47,9 @@ import hmac
 import logging
 import os
 import resource
+import select
 import struct
+import sys
 import threading
 import time
 from typing import Callable, Optional
@@ -156,6 +158,11 @@ def _recv_frame(sock: pynng.Socket):
     """Receive one frame: ``bytes`` when small, else a writable memoryview (of nng's
     message itself, or of the one buffer a frame sent in pieces was gathered in)."""
     msg, size = _recv_msg(sock)
+    return _frame_of(sock, msg, size)
+
+
+def _frame_of(sock: pynng.Socket, msg, size: int):
+    """The frame that starts with the received message ``msg`` (``_recv_frame``)."""
     body = _ffi.cast("char *", _lib.nng_msg_body(msg))
     if size < ZERO_COPY_MIN:
         data = _ffi.unpack(body, size)
@@ -165,6 +172,73 @@ def _recv_frame(sock: pynng.Socket):
         return data
     body = _ffi.gc(body, lambda _body, msg=msg: _lib.nng_msg_free(msg), size)
     return memoryview(_ffi.buffer(body, size))
+
+
+_NONBLOCK = _lib.NNG_FLAG_NONBLOCK
+_GONE = select.POLLHUP | select.POLLERR | select.POLLNVAL   # a polled descriptor closed
+# Closing a socket wakes a thread that polls its descriptor; this bounds the wait anyway.
+_POLL_MS = 5000
+_AIO_TIMEOUT = {_lib.NNG_ETIMEDOUT, _lib.NNG_ECANCELED}
+
+
+def _recv_frame_nowait(sock: pynng.Socket):
+    """The next frame if one is already here, else None."""
+    holder = _ffi.new("nng_msg **")
+    err = _lib.nng_recvmsg(sock.socket, holder, _NONBLOCK)
+    if err == _lib.NNG_EAGAIN:
+        return None
+    check_err(err)
+    msg = holder[0]
+    return _frame_of(sock, msg, _lib.nng_msg_len(msg))
+
+
+class _Aio:
+    """One thread's nng aio for receiving in that thread: a receive posted this way
+    takes the message before nng marks the socket readable, so a reader thread that
+    waits for readability (:class:`Channel`) is not woken for it."""
+
+    __slots__ = ("aio",)
+
+    def __init__(self) -> None:
+        holder = _ffi.new("nng_aio **")
+        check_err(_lib.nng_aio_alloc(holder, _ffi.NULL, _ffi.NULL))
+        self.aio = holder[0]
+
+    def recv(self, sock: pynng.Socket, timeout: Optional[float],
+             ready: Optional[Callable[[], bool]] = None):
+        """The next frame, or None when none came within ``timeout`` seconds, or when
+        :meth:`cancel` was called (or ``ready()`` was true once the receive was posted:
+        a ``cancel`` just before it would have been missed)."""
+        aio = self.aio
+        _lib.nng_aio_set_timeout(aio, -1 if timeout is None else max(1, int(timeout * 1000)))
+        _lib.nng_recv_aio(sock.socket, aio)
+        if ready is not None and ready():
+            _lib.nng_aio_cancel(aio)
+        _lib.nng_aio_wait(aio)
+        err = _lib.nng_aio_result(aio)
+        if err in _AIO_TIMEOUT:
+            return None
+        check_err(err)
+        msg = _lib.nng_aio_get_msg(aio)
+        return _frame_of(sock, msg, _lib.nng_msg_len(msg))
+
+    def cancel(self, _handle: object = None) -> None:
+        """End the receive this aio waits for now, if any (from any thread)."""
+        _lib.nng_aio_cancel(self.aio)
+
+    def __del__(self, _free=_lib.nng_aio_free, _finalizing=sys.is_finalizing) -> None:
+        if not _finalizing():   # at exit a daemon thread may still be waiting on it
+            _free(self.aio)
+
+
+_aios = threading.local()
+
+
+def _thread_aio() -> _Aio:
+    aio = getattr(_aios, "aio", None)
+    if aio is None:
+        aio = _aios.aio = _Aio()
+    return aio
 
 
 def _gather(sock: pynng.Socket, total: int) -> memoryview:
@@ -363,9 +437,11 @@ class _OnePipe:
     only the removal of that first connection closes the socket (so a stranger who
     connects too cannot end it)."""
 
-    def __init__(self, sock: pynng.Socket, refused: Callable[[str, str], None]) -> None:
+    def __init__(self, sock: pynng.Socket, refused: Callable[[str, str], None],
+                 close: Optional[Callable[[], None]] = None) -> None:
         self._sock = sock
         self._refused = refused
+        self._close = close or sock.close
         self._lock = threading.Lock()
         self.pipe_id: Optional[int] = None
         sock.add_pre_pipe_connect_cb(self._pre_connect)
@@ -381,18 +457,23 @@ class _OnePipe:
 
     def _removed(self, pipe: pynng.Pipe) -> None:
         if pipe.id == self.pipe_id:
-            _call_soon(self._sock.close)
+            _call_soon(self._close)
 
 
 class Peer:
     """The server side of one authenticated connection.
 
-    One thread at a time reads its frames and runs the frame handler on each. A
-    handler about to run something that may last takes :meth:`offload`: calling what
-    it returns (from any thread: a timer) while that frame is still being handled
-    starts a new reader thread, and the busy one stops reading once its handler
-    returns. Frames keep their order: a new reader starts only while the old one is
-    inside the handler, never while it receives.
+    One thread at a time reads its frames (it holds the *lead*) and runs the frame
+    handler on each. A handler about to run something that may last takes
+    :meth:`offload`: calling what it returns (from any thread: a timer) while that
+    frame is still being handled starts a new reader thread, hands it the lead, and
+    the busy one stops reading once its handler returns. Frames keep their order: a
+    new reader starts only while the old one is inside the handler, never while it
+    receives.
+
+    The reader thread reads only while no other thread does: it sleeps until the
+    socket is readable. A thread of this process that waits for something this peer
+    sends may read and handle the frames itself meanwhile (:meth:`read_here`).
     """
 
     def __init__(self, sock: pynng.Pair1, peer_id: int) -> None:
@@ -406,6 +487,7 @@ class Peer:
         self._busy: Optional[int] = None   # the generation handling a frame now, if any
         self._state = threading.Lock()
         self._new_reader: Optional[Callable[[int], threading.Thread]] = None
+        self.lead = threading.Lock()    # held by the thread that reads the frames now
 
     def offload(self) -> Callable[[], bool]:
         """Called by the frame handler: a function that lets another thread read the
@@ -418,6 +500,7 @@ class Peer:
                 return False
             self._reader = generation + 1
             self._busy = None
+            self.lead.release()   # the busy reader's: it reads no more
             self.thread = self._new_reader(self._reader)
         return True
 
@@ -443,10 +526,52 @@ class Peer:
 
     def close(self) -> None:
         self.closed = True
-        self._sock.close()
+        self._sock.close()   # (closes the descriptor the reader thread polls: it wakes)
+
+    def read_here(self, ready: Callable[[], bool], timeout: Optional[float],
+                  on_frame: Callable[[bytes], None]) -> bool:
+        """Read this peer's frames in the calling thread, handing each to ``on_frame``
+        as the reader thread would, until ``ready()`` (whichever thread makes it true
+        elsewhere calls :func:`wake_reader`) or ``timeout`` seconds. Returns False at
+        once when another thread reads them now."""
+        if ready() or self.closed or not self.lead.acquire(False):
+            return False
+        me = threading.get_ident()
+        aio = _waiting[me] = _thread_aio()
+        try:
+            deadline = None if timeout is None else time.monotonic() + timeout
+            while not ready():
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    break
+                data = aio.recv(self._sock, left, ready)
+                if data is not None:
+                    on_frame(data)
+        except (pynng.NNGException, TransportError):
+            pass   # the peer is gone: its reader thread reports it
+        except MemoryError:
+            log.error("peer %s sent a message larger than this process can allocate; "
+                      "dropping it", self.id)
+            self.close()
+        finally:
+            del _waiting[me]
+            self.lead.release()
+        return True
 
     def __repr__(self) -> str:
         return f"<Peer {self.id}>"
+
+
+# The aio of each thread that reads a peer's frames itself (Peer.read_here), by thread id.
+_waiting: dict = {}
+
+
+def wake_reader(ident: int) -> None:
+    """End the wait of thread ``ident`` in :meth:`Peer.read_here`, if it waits there:
+    what it waited for happened elsewhere (another thread, another peer)."""
+    aio = _waiting.get(ident)
+    if aio is not None:
+        aio.cancel()
 
 
 FrameHandler = Callable[[Peer, bytes], None]
@@ -613,13 +738,14 @@ class Listener:
             sock = _make(pynng.Pair1, self._secret, self._tls, True, recv_max_size=0)
         except pynng.NNGException as exc:
             return self._refuse_for_lack(pipe, exc)
-        _OnePipe(sock, self._dropped)   # kept alive by the callbacks it registers
+        peer = Peer(sock, peer_id)
+        _OnePipe(sock, self._dropped, peer.close)   # kept alive by the callbacks it registers
         try:
             sock.listen(tcp_address(self._host, 0, _scheme(self._tls)))
+            sock.recv_fd   # made now (two descriptors): a lack of them is reported here
         except pynng.NNGException as exc:
-            sock.close()
+            peer.close()
             return self._refuse_for_lack(pipe, exc)
-        peer = Peer(sock, peer_id)
         with self._lock:
             self._opening[peer_id] = peer
         peer._new_reader = functools.partial(self._start_reader, peer)
@@ -662,34 +788,52 @@ class Listener:
 
     def _read(self, peer: Peer, generation: int) -> None:
         """Read and handle ``peer``'s frames until it goes, or until another thread reads
-        them (see :meth:`Peer.offload`)."""
+        them (see :meth:`Peer.offload`); sleep while a caller reads them."""
+        sock = peer._sock
+        try:
+            ready = select.poll()
+            ready.register(sock.recv_fd, select.POLLIN)
+            while not peer.closed:
+                if any(event & _GONE for _, event in ready.poll(_POLL_MS)):
+                    break   # the socket closed, and its descriptor with it
+                peer.lead.acquire()
+                if not self._run(peer, generation):
+                    return   # handed off: the new reader has the peer (and the lead) now
+                peer.lead.release()
+        except (pynng.NNGException, TransportError):
+            pass   # the peer is gone
+        except MemoryError:
+            log.error("peer %s sent a message larger than this process can allocate; "
+                      "dropping it", peer.id)
+        finally:
+            if peer._reader == generation:
+                self._lost(peer)
+
+    def _run(self, peer: Peer, generation: int) -> bool:
+        """Handle every frame already received (lead held); False once handed off to
+        another reader (which has the lead then)."""
         sock = peer._sock
         try:
             while True:
-                try:
-                    data = _recv_frame(sock)
-                except (pynng.NNGException, TransportError):
-                    break
-                except MemoryError:
-                    log.error("peer %s sent a message larger than this process can "
-                              "allocate; dropping it", peer.id)
-                    break
+                data = _recv_frame_nowait(sock)
+                if data is None:
+                    return True
                 peer._handling(generation, True)
                 try:
                     self._on_frame(peer, data)
                 finally:
                     reading = peer._handling(generation, False)
                 if not reading:
-                    return   # handed off: the new reader has the peer now
-        finally:
+                    return False
+        except BaseException:
             if peer._reader == generation:
-                self._lost(peer)
+                peer.lead.release()
+            raise
 
     def _lost(self, peer: Peer) -> None:
         with self._lock:
             self._peers.pop(peer.id, None)
-        peer.closed = True
-        peer._sock.close()
+        peer.close()
         log.debug("peer %s of %s disconnected", peer.id, self.address)
         if self._on_lost is not None and not self._closed:
             self._on_lost(peer)
@@ -745,6 +889,7 @@ class Channel:
         self.address = address
         self.closed = False
         self._timeout: Optional[float] = None   # the socket's receive timeout now
+        self._poll = None   # (wait_readable)
         self._send_lock = threading.Lock()
         self._lost_cb: Optional[Callable[[], None]] = None
         self._lost_once = threading.Lock()
@@ -820,6 +965,41 @@ class Channel:
             raise ChannelClosed(
                 f"connection to {self.address} is closed ({exc}); the process at the "
                 f"other end exited or was killed.") from exc
+
+    # -- read by whichever thread waits (see hub.Client) ----------------------------------
+    def watch(self) -> None:
+        """Get ready for :meth:`wait_readable` (nng makes two descriptors for it):
+        :class:`TransportError` when this process has none left."""
+        try:
+            poll = select.poll()
+            poll.register(self._sock.recv_fd, select.POLLIN)
+        except pynng.NNGException as exc:
+            raise TransportError(f"cannot watch the connection to {self.address}: {exc}; "
+                                 f"if this process ran out of file descriptors, raise "
+                                 f"ulimit -n") from exc
+        self._poll = poll
+
+    def wait_readable(self) -> bool:
+        """Sleep until a frame waits to be received (True, or after a while) or the
+        connection is closed (False). nng does not signal a frame that a waiting
+        :meth:`recv_here` takes. Call :meth:`watch` first."""
+        events = self._poll.poll(_POLL_MS)
+        return not self.closed and not any(event & _GONE for _, event in events)
+
+    def recv_nowait(self):
+        """The next frame if one is here already, else None; :class:`ChannelClosed` once
+        the connection is gone."""
+        try:
+            return _recv_frame_nowait(self._sock)
+        except pynng.NNGException as exc:
+            raise ChannelClosed(f"connection to {self.address} is closed ({exc})") from exc
+
+    def recv_here(self, timeout: Optional[float]):
+        """The next frame, received in this thread, or None after ``timeout`` seconds."""
+        try:
+            return _thread_aio().recv(self._sock, timeout)
+        except pynng.NNGException as exc:
+            raise ChannelClosed(f"connection to {self.address} is closed ({exc})") from exc
 
     def close(self) -> None:
         self.closed = True
