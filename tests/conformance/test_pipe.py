@@ -1,5 +1,6 @@
 """Pipe and Connection conformance across processes. Runs on every backend."""
 import array
+import threading
 import time
 
 import numpy as np
@@ -251,6 +252,49 @@ def test_poll_and_wait_in_the_reading_process(ctx):
     assert out.get(timeout=TIMEOUT) == "go"
     assert a.recv() == "polled"
     p.join(TIMEOUT)
+
+
+def hello_queue_then_done(conn, q):
+    conn.send("hello")
+    for i in range(50):
+        q.put(i)
+    conn.send("done")
+    conn.recv()   # stay until the parent has read everything
+
+
+def test_the_owner_waiting_in_recv_runs_what_the_writer_sends_to_other_objects(ctx):
+    """While the pipe's owner waits in recv() it reads its writer's messages itself:
+    what the writer puts on a queue of the owner meanwhile arrives whole and in order."""
+    a, b = ctx.Pipe()
+    q = ctx.Queue()
+    p = ctx.Process(target=hello_queue_then_done, args=(b, q))
+    p.start()
+    assert a.recv() == "hello"
+    assert a.recv() == "done"
+    assert [q.get(timeout=TIMEOUT) for _ in range(50)] == list(range(50))
+    a.send("bye")
+    p.join(TIMEOUT)
+    assert p.exitcode == 0
+
+
+def test_the_owner_waiting_in_recv_gets_a_message_written_in_its_own_process(ctx):
+    """The owner's recv() reads the writing child's messages while it waits; a message
+    written by another thread of the owner ends that wait at once (not after the
+    heartbeat interval that bounds each read)."""
+    a, b = ctx.Pipe()
+    p = ctx.Process(target=echo, args=(b,))
+    p.start()
+    a.send("ping")
+    assert a.recv() == "ping"   # the child is now the process that writes to `a`
+    writer = threading.Timer(0.2, b.send, ("from this process",))
+    writer.start()
+    start = time.monotonic()
+    assert a.recv() == "from this process"
+    assert time.monotonic() - start < 3, "the owner's recv() waited past a local message"
+    writer.join()
+    a.send("stop")
+    p.join(TIMEOUT)
+    assert p.exitcode == 0
 
 
 def test_send_to_a_closed_reader_raises_broken_pipe():

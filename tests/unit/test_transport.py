@@ -84,6 +84,96 @@ def test_a_busy_reader_hands_its_peer_to_a_new_thread_and_frames_keep_their_orde
         listener.close(join=1.0)
 
 
+def test_a_waiting_thread_takes_its_frames_without_waking_the_reader_thread():
+    """A frame that a waiting thread receives (recv_here) is not signalled to the thread
+    that sleeps until the connection is readable (as hub.Client's reader thread does):
+    a reply reaches its caller with no hand-over. A frame nobody waits for wakes that
+    thread, and so does closing the connection."""
+    def slow_echo(peer, data):
+        time.sleep(0.002)   # the reply comes after its caller waits for it
+        peer.send(data)
+
+    listener = Listener("127.0.0.1", SECRET, on_frame=slow_echo, auth_timeout=1.0)
+    channel = Channel.connect(listener.address, SECRET, timeout=5)
+    channel.watch()
+    lead, wakes, taken, woke = threading.Lock(), [], [], threading.Event()
+
+    def sleeper():
+        while channel.wait_readable():
+            wakes.append(1)
+            with lead:   # as the reader thread: wait while a caller reads
+                frame = channel.recv_nowait()
+            if frame is not None:
+                taken.append(frame)
+                woke.set()
+
+    thread = threading.Thread(target=sleeper, daemon=True)
+    thread.start()
+    try:
+        for i in range(100):
+            with lead:
+                channel.send(b"%d" % i)
+                assert channel.recv_here(5) == b"%d" % i
+        # (a wake-up may come when a reply outruns its caller on a busy machine)
+        assert len(wakes) < 30, f"the sleeping reader woke {len(wakes)} times for 100 replies"
+        assert not taken
+        channel.send(b"nobody waits")
+        assert woke.wait(5), "a frame nobody waited for did not wake the sleeping reader"
+        assert taken[-1] == b"nobody waits"
+    finally:
+        channel.close()
+        thread.join(5)
+        listener.close(join=1.0)
+    assert not thread.is_alive(), "closing the channel did not wake its sleeping reader"
+
+
+def test_a_waiting_thread_reads_a_peers_frames_in_order_with_the_reader_thread():
+    """Peer.read_here: a thread of the listener's process reads and handles the peer's
+    frames itself until it has what it waits for, then the reader thread goes on; every
+    frame is handled once, in order. It gives way at once while another thread reads,
+    and stops when what it waits for happens elsewhere (wake_reader)."""
+    from fibrl.transport import wake_reader
+
+    handled, threads, peers = [], [], []
+    first = threading.Event()
+
+    def on_frame(peer, data):
+        handled.append(data)
+        threads.append(threading.get_ident())
+        peers.append(peer)
+        first.set()
+
+    listener = Listener("127.0.0.1", SECRET, on_frame=on_frame, auth_timeout=1.0)
+    try:
+        channel = Channel.connect(listener.address, SECRET, timeout=5)
+        channel.send(b"0")
+        assert first.wait(5)
+        peer, reader = peers[0], threads[0]
+        me = threading.get_ident()
+        sender = threading.Timer(0.1, lambda: [channel.send(b"%d" % i) for i in range(1, 200)])
+        sender.start()
+        assert peer.read_here(lambda: len(handled) >= 100, 30,
+                              lambda data: on_frame(peer, data))
+        assert len(handled) >= 100 and me in threads
+        deadline = time.monotonic() + 10
+        while len(handled) < 200 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert handled == [b"%d" % i for i in range(200)]
+        assert threads[0] == reader and set(threads) == {reader, me}
+
+        with peer.lead:   # another thread reads now
+            assert peer.read_here(lambda: False, 30, handled.append) is False
+
+        done = threading.Event()
+        threading.Timer(0.2, lambda: (done.set(), wake_reader(me))).start()
+        start = time.monotonic()
+        assert peer.read_here(done.is_set, 30, handled.append)
+        assert time.monotonic() - start < 10, "wake_reader did not end the wait"
+        channel.close()
+    finally:
+        listener.close(join=1.0)
+
+
 @pytest.mark.parametrize("size", [10, 100_000, 9 * (1 << 20) + 7])
 def test_frames_of_parts_arrive_whole_small_large_and_in_pieces(echo, size):
     """Parts go out as one frame (a large one in pieces); a large frame comes back as a
