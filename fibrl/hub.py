@@ -595,6 +595,13 @@ class Client:
         finally:
             self._lead.release()
 
+    def wait(self, handle: Handle, timeout: float) -> bool:
+        """``handle.wait(timeout)`` for a call on this connection, reading its reply in
+        this thread when no other thread reads (:meth:`read_until`)."""
+        start = time.monotonic()
+        self.read_until(handle.ready, timeout)
+        return handle.wait(max(0.0, timeout - (time.monotonic() - start)))
+
     def _received(self, data: Any) -> None:
         try:
             msg = serialization.loads(data)
@@ -860,12 +867,9 @@ class Hub:
         deadline = None if timeout is None else time.monotonic() + timeout
         client = self._clients.get(address)
         while True:
-            start = time.monotonic()
-            left = None if deadline is None else max(0.0, deadline - start)
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
             step = interval if left is None else min(left, interval)
-            if client is not None:   # read the reply here when no other thread reads
-                client.read_until(handle.ready, step)
-            if handle.wait(max(0.0, step - (time.monotonic() - start))):
+            if client.wait(handle, step) if client is not None else handle.wait(step):
                 return handle.get(0)
             if left is not None and left <= interval:
                 raise TimeoutError(f"no result within {timeout} s")

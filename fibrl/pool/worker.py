@@ -124,7 +124,7 @@ class _Loop:
             self._ask(inline=True)
         elif self._results:
             self._flush()
-        while not self._request.wait(_WAIT_S):
+        while not self._client.wait(self._request, _WAIT_S):   # (read here: no hand-over)
             if self._client.lost:
                 self._stopped = True
                 return
