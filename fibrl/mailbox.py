@@ -178,6 +178,9 @@ class Mailbox(SharedService):
         self._joiners: list[ReplySink] = []
         self._unfinished = 0 if joinable else None
         self._lock = threading.RLock()
+        # the process that put last (None: this one): a getter in this process reads
+        # that process's frames itself while it waits (see take)
+        self.feeder: Any = None
         self._writers: Optional[dict] = {} if pipe_end else None  # peer key -> count
         self._eof = False
         self._unacked: dict[int, dict[int, Any]] = {}  # peer id -> {rid: item}, in order
@@ -574,6 +577,7 @@ class Mailbox(SharedService):
 
     # -- queue operations ----------------------------------------------------------
     def op_put(self, reply: ReplySink, payload: Any, timeout: Optional[float] = None) -> None:
+        self.feeder = reply.peer
         with self._lock:
             if not self._full():
                 self._accept(payload)
@@ -587,6 +591,7 @@ class Mailbox(SharedService):
     def op_put_run(self, reply: ReplySink, run: "_Run") -> None:
         """Items one process put one after another (one-way ``put`` calls that its
         connection sent together, see :func:`_merge_puts`), in order."""
+        self.feeder = reply.peer
         with self._lock:
             for payload in run.items():
                 self.op_put(reply, payload, None)
@@ -756,9 +761,9 @@ def take(hub: Any, address: str, oid: str, timeout: Optional[float]) -> Any:
     owner re-queues the item only if this process dies in between.
     """
     handle = hub.call_async(address, oid, "get", timeout)
-    if timeout is None and hub.is_local(address) and not handle.ready():
+    if not handle.ready() and hub.is_local(address):
         feeder = getattr(hub.service(oid), "feeder", None)
-        if feeder is not None:   # a pipe another process writes: read its frames here
+        if feeder is not None:   # another process put last: read its frames here
             hub.wait_reading(handle, feeder)
     payload = hub.wait(handle, address, None)
     if handle.rid:
@@ -1120,9 +1125,6 @@ class PipeBox(Mailbox):
         self._readers: dict = {}
         self._broken = False
         self._watchers: list[ReplySink] = []
-        # the process whose message came last: a reader in this process reads its
-        # connection while it waits (see Hub.wait_reading)
-        self.feeder: Any = None
 
     # -- pushing ----------------------------------------------------------------------
     def _deliver(self, payload: Any) -> None:
@@ -1208,8 +1210,6 @@ class PipeBox(Mailbox):
                 super().op_poll(reply, 0.0 if self._revoking else timeout, token)
 
     def op_put(self, reply: ReplySink, payload: Any, timeout: Optional[float] = None) -> None:
-        if reply.peer is not None:
-            self.feeder = reply.peer
         if self._broken:
             # no reader is left: the sender raises BrokenPipeError once its watch is
             # answered; what it sent meanwhile goes nowhere, as into a widowed OS pipe

@@ -224,6 +224,33 @@ def test_joinable_queue(ctx):
         q.task_done()
 
 
+def put_then_stay(q, stay):
+    q.put("from the child")
+    stay.wait(TIMEOUT)
+
+
+def test_the_owner_waiting_in_get_ends_at_once_on_an_item_put_in_its_own_process(ctx):
+    """The queue's owner waiting in get() reads the frames of the process that put last;
+    an item put by another thread of the owner ends that wait at once."""
+    q, stay = ctx.Queue(), ctx.Event()
+    p = ctx.Process(target=put_then_stay, args=(q, stay))
+    p.start()
+    try:
+        assert q.get(timeout=TIMEOUT) == "from the child"
+        putter = threading.Timer(0.2, q.put, ("from this process",))
+        putter.start()
+        start = time.monotonic()
+        assert q.get(timeout=TIMEOUT) == "from this process"
+        assert time.monotonic() - start < 3, "the owner's get() waited past a local item"
+        putter.join()
+        with pytest.raises(queue.Empty):
+            q.get(timeout=0.3)   # a deadline ends the wait too
+    finally:
+        stay.set()
+        p.join(TIMEOUT)
+    assert p.exitcode == 0
+
+
 def test_simple_queue(ctx):
     q = ctx.SimpleQueue()
     assert q.empty()
