@@ -41,6 +41,7 @@ open a connection, and frames are encrypted.
 """
 from __future__ import annotations
 
+import atexit
 import functools
 import hashlib
 import hmac
@@ -1006,10 +1007,35 @@ class Channel:
         self._sock.close()
 
 
+_soon: set = set()   # the threads _call_soon started that still run
+_soon_lock = threading.Lock()
+
+
 def _call_soon(fn: Callable[[], None]) -> None:
     # nng runs pipe callbacks on its own threads, where closing the socket
     # deadlocks; hand the work to a short-lived thread.
-    threading.Thread(target=fn, daemon=True, name="fibrl-pipe-event").start()
+    def run() -> None:
+        try:
+            fn()
+        finally:
+            with _soon_lock:
+                _soon.discard(thread)
+
+    thread = threading.Thread(target=run, daemon=True, name="fibrl-pipe-event")
+    with _soon_lock:
+        _soon.add(thread)
+    thread.start()
+
+
+@atexit.register   # (after pynng's own: it runs before it)
+def _finish_pipe_events() -> None:
+    """Let sockets that pipe events are closing finish closing before pynng shuts nng
+    down at exit: nng aborts the process when a socket closes during its shutdown."""
+    deadline = time.monotonic() + 2.0
+    with _soon_lock:
+        threads = list(_soon)
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
 
 
 def _close_on_disconnect(sock: pynng.Socket) -> None:
