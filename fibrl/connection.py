@@ -266,6 +266,7 @@ class _Inbox:
         self.cond = threading.Condition()
         self.users = 0
         self.rid = 0            # the subscription's call id; 0: not subscribed
+        self.client: Any = None  # the connection the subscription is on
         self.ready = False      # the owner pushed what it stored (answered "ready")
         self.revokes = 0        # how many times the owner took the subscription back
         self.eof = False
@@ -298,7 +299,8 @@ class _Inbox:
         """Ask the owner to push (cond held); replies arrive on the client's reader."""
         self.ready, self.eof, self.error = False, False, None
         self.rid = -1  # subscribing: the owner's replies may arrive before stream() returns
-        rid = get_hub().client(self.address).stream(self.oid, "subscribe", (), self._on_reply)
+        self.client = get_hub().client(self.address)
+        rid = self.client.stream(self.oid, "subscribe", (), self._on_reply)
         if self.rid == -1:
             self.rid = rid
 
@@ -372,9 +374,9 @@ class _Inbox:
         """Wait up to ``heartbeat_interval`` for news (cond held); False when none came.
         This thread reads the owner's connection itself while no other thread does, so
         a pushed message reaches it with no hand-over between threads."""
-        interval, start, rid = hub.heartbeat_interval, time.monotonic(), self.rid
-        client = hub.client(self.address) if rid > 0 else None
-        if client is not None:
+        interval, start = hub.heartbeat_interval, time.monotonic()
+        rid, client = self.rid, self.client
+        if rid > 0 and client is not None:
             self.cond.release()
             try:
                 client.read_until(lambda: self._state() is not False or self.rid != rid,

@@ -28,8 +28,8 @@ The *reader* of a connection is whichever thread waits on it: a caller in
 no other thread does, so its reply reaches it with no hand-over between threads;
 the connection's reader thread reads only while nobody waits (it sleeps until
 the socket is readable, which nng does not signal for a frame a waiting thread
-takes). The owner of a pipe reads the frames of the process that writes it the
-same way while it waits in ``recv`` (:meth:`Hub.wait_reading`).
+takes). The owner of a pipe or queue reads the frames of the process that put
+last the same way while it waits in ``recv`` or ``get`` (:meth:`Hub.wait_reading`).
 
 This module owns the dispatching and waiting. It does not own the meaning of
 any service (``queues``, ``connection``, ``synchronize``, ``pool``,
