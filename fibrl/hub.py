@@ -421,7 +421,6 @@ class Client:
         self._wake = threading.Event()
         self.lost = False
         self._lost_callbacks: list[Callable[[], None]] = []
-        self._lead = threading.Lock()   # held by the thread reading the connection now
         self._reader = threading.Thread(target=self._read, daemon=True,
                                         name=f"fibrl-client-{address}")
         self._reader.start()
@@ -559,7 +558,7 @@ class Client:
         channel = self._channel
         try:
             while not self.lost and channel.wait_readable():
-                with self._lead:
+                with channel.lead:
                     while not self.lost:
                         data = channel.recv_nowait()
                         if data is None:
@@ -567,8 +566,10 @@ class Client:
                         self._received(data)
         except (ChannelClosed, TransportError):
             pass
-        except MemoryError:
-            self._too_large()
+        except MemoryError:  # a frame larger than this process can hold
+            log.error("a message from %s is larger than this process can allocate; "
+                      "closing that connection (calls waiting on it fail)", self.address)
+            channel.close()
         finally:
             self._on_lost()
 
@@ -577,23 +578,8 @@ class Client:
         if no other thread reads it now; returns at once when one does (the caller
         then waits as usual: that thread handles what arrives). Whatever is read is
         handled here, callbacks included (the caller must hold no lock they take)."""
-        if ready() or self.lost or not self._lead.acquire(False):
-            return
-        try:
-            deadline = time.monotonic() + timeout
-            while not ready():
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return
-                data = self._channel.recv_here(left)
-                if data is not None:
-                    self._received(data)
-        except (ChannelClosed, TransportError):
-            self._channel.close()   # the reader thread reports the loss
-        except MemoryError:
-            self._too_large()
-        finally:
-            self._lead.release()
+        if not self.lost:
+            self._channel.read_here(ready, timeout, self._received)
 
     def wait(self, handle: Handle, timeout: float) -> bool:
         """``handle.wait(timeout)`` for a call on this connection, reading its reply in
@@ -617,11 +603,6 @@ class Client:
                 handle._resolve(*_decode(reply))
             elif stream is not None:
                 stream(*_decode(reply))
-
-    def _too_large(self) -> None:
-        log.error("a message from %s is larger than this process can allocate; closing "
-                  "that connection (calls waiting on it fail)", self.address)
-        self._channel.close()
 
     def _lost_error(self, in_flight: bool = False) -> RemoteObjectError:
         return owner_gone(self.address, "its connection dropped", in_flight=in_flight)
@@ -787,14 +768,12 @@ class Hub:
 
     def wait_reading(self, handle: Handle, peer) -> None:
         """Wait for a local call's ``handle`` while reading ``peer``'s frames in this
-        thread, when no other thread reads them (see :meth:`Peer.read_here`): the
+        thread, when no other thread reads them (``transport._Reading``): the
         message that answers it then reaches this thread with no hand-over. Returns
         when it is answered, or as soon as this thread cannot read them (the caller
         then waits as usual)."""
-        from .transport import wake_reader
-
         me = threading.get_ident()
-        handle.add_done_callback(lambda _h: wake_reader(me))   # answered elsewhere
+        handle.add_done_callback(lambda _h: peer.wake(me))   # answered elsewhere
         on_frame = functools.partial(self._on_frame, peer)
         while not handle.ready():
             if not peer.read_here(handle.ready, self.heartbeat_interval, on_frame):

@@ -591,7 +591,6 @@ class Mailbox(SharedService):
     def op_put_run(self, reply: ReplySink, run: "_Run") -> None:
         """Items one process put one after another (one-way ``put`` calls that its
         connection sent together, see :func:`_merge_puts`), in order."""
-        self.feeder = reply.peer
         with self._lock:
             for payload in run.items():
                 self.op_put(reply, payload, None)

@@ -223,7 +223,7 @@ class _Aio:
         msg = _lib.nng_aio_get_msg(aio)
         return _frame_of(sock, msg, _lib.nng_msg_len(msg))
 
-    def cancel(self, _handle: object = None) -> None:
+    def cancel(self) -> None:
         """End the receive this aio waits for now, if any (from any thread)."""
         _lib.nng_aio_cancel(self.aio)
 
@@ -439,10 +439,10 @@ class _OnePipe:
     connects too cannot end it)."""
 
     def __init__(self, sock: pynng.Socket, refused: Callable[[str, str], None],
-                 close: Optional[Callable[[], None]] = None) -> None:
+                 close: Callable[[], None]) -> None:
         self._sock = sock
         self._refused = refused
-        self._close = close or sock.close
+        self._close = close
         self._lock = threading.Lock()
         self.pipe_id: Optional[int] = None
         sock.add_pre_pipe_connect_cb(self._pre_connect)
@@ -461,7 +461,83 @@ class _OnePipe:
             _call_soon(self._close)
 
 
-class Peer:
+# The aio of each thread that reads a socket's frames itself (read_here), by thread id.
+_waiting: dict = {}
+
+
+def wake_reader(ident: int) -> None:
+    """End the wait of thread ``ident`` in :meth:`_Reading.read_here`, if it waits there:
+    what it waited for happened elsewhere (another thread, another peer)."""
+    aio = _waiting.get(ident)
+    if aio is not None:
+        aio.cancel()
+
+
+class _Reading:
+    """How the threads of a process read one data socket (a :class:`Peer`'s or a
+    :class:`Channel`'s): one thread at a time, the one holding :attr:`lead`. A thread
+    that waits for what the socket carries reads it itself (:meth:`read_here`); the
+    connection's reader thread reads only while nobody does, sleeping until the socket
+    is readable (:meth:`wait_readable`), which nng does not signal for a frame that a
+    waiting thread's receive takes."""
+
+    _sock: pynng.Socket
+    closed: bool
+    wake = staticmethod(wake_reader)   # (for a caller that imports no transport)
+
+    def _readable_init(self) -> None:
+        self.lead = threading.Lock()   # held by the thread that reads the frames now
+        self._poll: Optional[select.poll] = None
+
+    def _watch(self) -> None:
+        """Make nng's readable descriptor (two descriptors): raises NNGException (out
+        of descriptors) here, rather than in the reader thread."""
+        poll = select.poll()
+        poll.register(self._sock.recv_fd, select.POLLIN)
+        self._poll = poll
+
+    def wait_readable(self) -> bool:
+        """Sleep until a frame waits to be received (True, or after a while) or the
+        socket is closed (False)."""
+        events = self._poll.poll(_POLL_MS)
+        return not self.closed and not any(event & _GONE for _, event in events)
+
+    def read_here(self, ready: Callable[[], bool], timeout: Optional[float],
+                  on_frame: Callable[[bytes], None]) -> bool:
+        """Read frames in the calling thread, handing each to ``on_frame`` as the reader
+        thread would, until ``ready()`` (whichever thread makes it true elsewhere calls
+        :func:`wake_reader`) or ``timeout`` seconds. Returns False at once when another
+        thread reads now. A broken socket is closed (the reader thread reports it)."""
+        if ready() or self.closed or not self.lead.acquire(False):
+            return False
+        me = threading.get_ident()
+        aio = _waiting[me] = _thread_aio()
+        try:
+            deadline = None if timeout is None else time.monotonic() + timeout
+            while not ready():
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    break
+                data = aio.recv(self._sock, left, ready)
+                if data is not None:
+                    on_frame(data)
+        except (pynng.NNGException, TransportError):
+            self.close()
+        except MemoryError:
+            log.error("%r received a message larger than this process can allocate; "
+                      "closing it", self)
+            self.close()
+        finally:
+            del _waiting[me]
+            self.lead.release()
+        return True
+
+    def close(self) -> None:
+        self.closed = True
+        self._sock.close()   # (closes the descriptor the reader thread polls: it wakes)
+
+
+class Peer(_Reading):
     """The server side of one authenticated connection.
 
     One thread at a time reads its frames (it holds the *lead*) and runs the frame
@@ -472,9 +548,8 @@ class Peer:
     new reader starts only while the old one is inside the handler, never while it
     receives.
 
-    The reader thread reads only while no other thread does: it sleeps until the
-    socket is readable. A thread of this process that waits for something this peer
-    sends may read and handle the frames itself meanwhile (:meth:`read_here`).
+    A thread of this process that waits for something this peer sends may read and
+    handle the frames itself meanwhile (:class:`_Reading`).
     """
 
     def __init__(self, sock: pynng.Pair1, peer_id: int) -> None:
@@ -488,7 +563,7 @@ class Peer:
         self._busy: Optional[int] = None   # the generation handling a frame now, if any
         self._state = threading.Lock()
         self._new_reader: Optional[Callable[[int], threading.Thread]] = None
-        self.lead = threading.Lock()    # held by the thread that reads the frames now
+        self._readable_init()
 
     def offload(self) -> Callable[[], bool]:
         """Called by the frame handler: a function that lets another thread read the
@@ -525,54 +600,8 @@ class Peer:
         except pynng.NNGException as exc:
             raise ChannelClosed(f"peer {self.id} is gone ({exc})") from exc
 
-    def close(self) -> None:
-        self.closed = True
-        self._sock.close()   # (closes the descriptor the reader thread polls: it wakes)
-
-    def read_here(self, ready: Callable[[], bool], timeout: Optional[float],
-                  on_frame: Callable[[bytes], None]) -> bool:
-        """Read this peer's frames in the calling thread, handing each to ``on_frame``
-        as the reader thread would, until ``ready()`` (whichever thread makes it true
-        elsewhere calls :func:`wake_reader`) or ``timeout`` seconds. Returns False at
-        once when another thread reads them now."""
-        if ready() or self.closed or not self.lead.acquire(False):
-            return False
-        me = threading.get_ident()
-        aio = _waiting[me] = _thread_aio()
-        try:
-            deadline = None if timeout is None else time.monotonic() + timeout
-            while not ready():
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    break
-                data = aio.recv(self._sock, left, ready)
-                if data is not None:
-                    on_frame(data)
-        except (pynng.NNGException, TransportError):
-            pass   # the peer is gone: its reader thread reports it
-        except MemoryError:
-            log.error("peer %s sent a message larger than this process can allocate; "
-                      "dropping it", self.id)
-            self.close()
-        finally:
-            del _waiting[me]
-            self.lead.release()
-        return True
-
     def __repr__(self) -> str:
         return f"<Peer {self.id}>"
-
-
-# The aio of each thread that reads a peer's frames itself (Peer.read_here), by thread id.
-_waiting: dict = {}
-
-
-def wake_reader(ident: int) -> None:
-    """End the wait of thread ``ident`` in :meth:`Peer.read_here`, if it waits there:
-    what it waited for happened elsewhere (another thread, another peer)."""
-    aio = _waiting.get(ident)
-    if aio is not None:
-        aio.cancel()
 
 
 FrameHandler = Callable[[Peer, bytes], None]
@@ -743,7 +772,7 @@ class Listener:
         _OnePipe(sock, self._dropped, peer.close)   # kept alive by the callbacks it registers
         try:
             sock.listen(tcp_address(self._host, 0, _scheme(self._tls)))
-            sock.recv_fd   # made now (two descriptors): a lack of them is reported here
+            peer._watch()   # (two descriptors): a lack of them is reported here
         except pynng.NNGException as exc:
             peer.close()
             return self._refuse_for_lack(pipe, exc)
@@ -790,13 +819,8 @@ class Listener:
     def _read(self, peer: Peer, generation: int) -> None:
         """Read and handle ``peer``'s frames until it goes, or until another thread reads
         them (see :meth:`Peer.offload`); sleep while a caller reads them."""
-        sock = peer._sock
         try:
-            ready = select.poll()
-            ready.register(sock.recv_fd, select.POLLIN)
-            while not peer.closed:
-                if any(event & _GONE for _, event in ready.poll(_POLL_MS)):
-                    break   # the socket closed, and its descriptor with it
+            while not peer.closed and peer.wait_readable():
                 peer.lead.acquire()
                 if not self._run(peer, generation):
                     return   # handed off: the new reader has the peer (and the lead) now
@@ -877,7 +901,7 @@ def _close_pipe(pipe: pynng.Pipe) -> None:
         pass   # it went away by itself meanwhile
 
 
-class Channel:
+class Channel(_Reading):
     """The client side of an authenticated connection to a :class:`Listener`.
 
     Frames are sent with :meth:`send` and received with :meth:`recv`; the
@@ -890,7 +914,7 @@ class Channel:
         self.address = address
         self.closed = False
         self._timeout: Optional[float] = None   # the socket's receive timeout now
-        self._poll = None   # (wait_readable)
+        self._readable_init()
         self._send_lock = threading.Lock()
         self._lost_cb: Optional[Callable[[], None]] = None
         self._lost_once = threading.Lock()
@@ -967,25 +991,16 @@ class Channel:
                 f"connection to {self.address} is closed ({exc}); the process at the "
                 f"other end exited or was killed.") from exc
 
-    # -- read by whichever thread waits (see hub.Client) ----------------------------------
+    # -- read by whichever thread waits (see hub.Client and _Reading) ---------------------
     def watch(self) -> None:
-        """Get ready for :meth:`wait_readable` (nng makes two descriptors for it):
-        :class:`TransportError` when this process has none left."""
+        """Get ready for :meth:`wait_readable`: :class:`TransportError` when this process
+        has no file descriptor left for it."""
         try:
-            poll = select.poll()
-            poll.register(self._sock.recv_fd, select.POLLIN)
+            self._watch()
         except pynng.NNGException as exc:
             raise TransportError(f"cannot watch the connection to {self.address}: {exc}; "
                                  f"if this process ran out of file descriptors, raise "
                                  f"ulimit -n") from exc
-        self._poll = poll
-
-    def wait_readable(self) -> bool:
-        """Sleep until a frame waits to be received (True, or after a while) or the
-        connection is closed (False). nng does not signal a frame that a waiting
-        :meth:`recv_here` takes. Call :meth:`watch` first."""
-        events = self._poll.poll(_POLL_MS)
-        return not self.closed and not any(event & _GONE for _, event in events)
 
     def recv_nowait(self):
         """The next frame if one is here already, else None; :class:`ChannelClosed` once
@@ -1002,9 +1017,8 @@ class Channel:
         except pynng.NNGException as exc:
             raise ChannelClosed(f"connection to {self.address} is closed ({exc})") from exc
 
-    def close(self) -> None:
-        self.closed = True
-        self._sock.close()
+    def __repr__(self) -> str:
+        return f"<Channel to {self.address}>"
 
 
 _soon: set = set()   # the threads _call_soon started that still run
