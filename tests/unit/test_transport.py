@@ -135,13 +135,15 @@ def test_a_waiting_thread_reads_a_peers_frames_in_order_with_the_reader_thread()
     from fibrl.transport import wake_reader
 
     handled, threads, peers = [], [], []
-    first = threading.Event()
+    first, all_in = threading.Event(), threading.Event()
 
     def on_frame(peer, data):
         handled.append(data)
         threads.append(threading.get_ident())
         peers.append(peer)
         first.set()
+        if len(handled) >= 200:
+            all_in.set()
 
     listener = Listener("127.0.0.1", SECRET, on_frame=on_frame, auth_timeout=1.0)
     try:
@@ -155,9 +157,7 @@ def test_a_waiting_thread_reads_a_peers_frames_in_order_with_the_reader_thread()
         assert peer.read_here(lambda: len(handled) >= 100, 30,
                               lambda data: on_frame(peer, data))
         assert len(handled) >= 100 and me in threads
-        deadline = time.monotonic() + 10
-        while len(handled) < 200 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        all_in.wait(10)
         assert handled == [b"%d" % i for i in range(200)]
         assert threads[0] == reader and set(threads) == {reader, me}
 
