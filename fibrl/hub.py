@@ -57,7 +57,7 @@ from .config import Config
 from .errors import (ChannelClosed, RemoteObjectError, TransportError, object_gone,
                      owner_gone)
 from .janitor import Finalizer
-from .messages import RAW_TYPES, Call, RemoteError, Reply, blob, wrap_args
+from .messages import RAW_TYPES, Call, RemoteError, Reply, blob, pack, unpack, wrap_args
 from .serialization import Encoded
 from .timers import Timers
 
@@ -239,7 +239,7 @@ class HeldReplies:
 
 def _frame(messages: list) -> list:
     """One frame for a batch of messages (a lone one travels unwrapped)."""
-    return serialization.dumps_parts(messages[0] if len(messages) == 1 else messages)
+    return pack(messages[0] if len(messages) == 1 else messages)
 
 
 class _PeerReply(ReplySink):
@@ -270,7 +270,7 @@ class _PeerReply(ReplySink):
             self.holder.add(reply)
             return True
         try:
-            self.peer.send(serialization.dumps_parts(reply))
+            self.peer.send(pack(reply))
             return True
         except ChannelClosed:
             return False
@@ -590,7 +590,7 @@ class Client:
 
     def _received(self, data: Any) -> None:
         try:
-            msg = serialization.loads(data)
+            msg = unpack(data)
         except Exception:
             log.exception("undecodable frame from %s; closing the connection", self.address)
             self._channel.close()
@@ -752,7 +752,7 @@ class Hub:
 
     def _on_frame(self, peer, data: bytes) -> None:
         try:
-            msg = serialization.loads(data)
+            msg = unpack(data)
         except Exception as exc:  # an authenticated peer that sends garbage is broken
             log.error("dropping peer %s of process %s: %s", peer.id, self.pid, exc)
             peer.close()

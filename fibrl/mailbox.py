@@ -64,7 +64,7 @@ from typing import Any, Optional
 from . import serialization
 from .errors import ChannelClosed
 from .hub import MERGERS, ReplySink, SharedService, get_hub
-from .messages import Call, Reply, blob
+from .messages import Call, Reply, blob, pack
 from .serialization import OOB_THRESHOLD, Encoded
 
 __all__ = ["Mailbox", "PipeBox", "Window", "EMPTY", "take"]
@@ -1030,7 +1030,7 @@ def _push(win: _Win, values: list) -> None:
     if run:
         replies.append(Reply(rid, True, _Run.of(run)))
     try:
-        peer.send(serialization.dumps_parts(replies[0] if len(replies) == 1 else replies))
+        peer.send(pack(replies[0] if len(replies) == 1 else replies))
     except ChannelClosed:
         pass
 

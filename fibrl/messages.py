@@ -1,7 +1,18 @@
 """The messages processes exchange: small frozen dataclasses, never tuples.
 
-Owns the vocabulary of the runtime protocol. Encoding is ``serialization``;
-moving bytes is ``transport``; acting on messages is ``hub``.
+Owns the vocabulary of the runtime protocol and its envelope on the wire
+(:func:`pack`, :func:`unpack`). Encoding a payload is ``serialization``; moving
+bytes is ``transport``; acting on messages is ``hub``.
+
+The envelope: a :class:`Call` or :class:`Reply` (or a list of them) whose fields
+are plain values (``None``, ``bool``, ``int``, ``float``, ``str``, small ``bytes``,
+tuples of those) and small payloads already pickled (an
+:class:`~fibrl.serialization.Encoded` without out-of-band buffers) travels as a
+*compact* frame: ``b"FB\x02"`` and one plain pickle of tuples, with each payload's
+bytes in it as they are. Any other message travels as a ``serialization`` frame
+of the message object itself. The hot paths (a Pipe message, a queue item, a
+manager call and its reply) are all compact: no message class is looked up by
+name, and no payload is pickled a second time.
 """
 from __future__ import annotations
 
@@ -11,10 +22,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from .config import Config
-from .errors import RemoteObjectError, chain_remote
+from .errors import FrameError, RemoteObjectError, chain_remote
+from . import serialization
 from .serialization import OOB_THRESHOLD, Encoded, dumps
 
-__all__ = ["Call", "Reply", "RemoteError", "WorkerStart", "MAIN_SOURCE", "blob", "wrap_raw",
+__all__ = ["Call", "Reply", "pack", "unpack", "RemoteError", "WorkerStart", "MAIN_SOURCE", "blob", "wrap_raw",
            "wrap_args", "RAW_TYPES"]
 
 
@@ -147,3 +159,119 @@ def wrap_args(args: tuple) -> tuple:
 # because the main script starts processes at import (no ``if __name__ ==
 # "__main__":`` guard); the parent says so once (see ``bootstrap`` and ``popen``).
 MISSING_MAIN_GUARD = "missing-main-guard"
+
+
+# -- the envelope on the wire --------------------------------------------------------------
+COMPACT = b"FB\x02"
+_CALL, _REPLY = 0, 1
+_SCALARS = frozenset((type(None), bool, int, float, str))
+
+
+def _plain(value: Any) -> bool:
+    """Whether plain pickle carries ``value`` as fast as it can: no class looked up by
+    name, no buffer that should travel out of band."""
+    kind = type(value)
+    if kind in _SCALARS:
+        return True
+    if kind is bytes:
+        return len(value) < OOB_THRESHOLD
+    if kind is tuple:
+        return all(type(v) in _SCALARS or type(v) is bytes and len(v) < OOB_THRESHOLD
+                   for v in value)
+    return False
+
+
+def _field(value: Any, bit: int, mask: list) -> Any:
+    """``value`` as a compact field (an Encoded as its bytes, noted in ``mask``), or
+    the class ``_NotCompact`` when it must travel pickled as it is."""
+    if type(value) is Encoded:
+        data = value.data
+        if value.buffers or len(data) >= OOB_THRESHOLD:
+            return _NotCompact
+        mask[0] |= bit
+        return data if type(data) is bytes else bytes(data)
+    return value if _plain(value) else _NotCompact
+
+
+class _NotCompact:
+    """Marks a field that a compact frame cannot carry."""
+
+
+def _compact(message: Any) -> Any:
+    """The tuple of a compact ``message``, or None."""
+    mask = [0]
+    if type(message) is Reply:
+        value = _field(message.value, 1, mask)
+        if value is _NotCompact:
+            return None
+        return (_REPLY, message.rid, message.ok, message.encoded, mask[0], value)
+    if type(message) is Call:
+        args = message.args
+        fields = [_CALL, message.rid, message.oid, message.method, 0]
+        for i, arg in enumerate(args):
+            value = _field(arg, 1 << i, mask)
+            if value is _NotCompact:
+                return None
+            fields.append(value)
+        fields[4] = mask[0]
+        return tuple(fields)
+    return None
+
+
+def pack(message: "Call | Reply | list") -> list:
+    """The frame (a list of byte-like parts) that carries ``message``, a :class:`Call`,
+    a :class:`Reply` or a list of them; :func:`unpack` gives it back."""
+    if type(message) is list:
+        tuples = [_compact(m) for m in message]
+        if all(t is not None for t in tuples):
+            return [COMPACT + pickle.dumps(tuples, protocol=5)]
+    else:
+        one = _compact(message)
+        if one is not None:
+            return [COMPACT + pickle.dumps(one, protocol=5)]
+    return serialization.dumps_parts(message)
+
+
+def unpack(frame: Any) -> "Call | Reply | list":
+    """The message (or list of messages) of a frame made by :func:`pack`.
+
+    Raises:
+        FrameError: the frame is not one (it came from a broken or foreign peer).
+    """
+    if frame[:3] != COMPACT:
+        message = serialization.loads(frame)
+        if type(message) is list:
+            if all(type(m) in (Call, Reply) for m in message):
+                return message
+        elif type(message) in (Call, Reply):
+            return message
+        raise FrameError(f"a frame carried a {type(message).__name__}, not a message")
+    try:
+        body = pickle.loads(memoryview(frame)[3:])
+        if type(body) is list:
+            return [_message(t) for t in body]
+        return _message(body)
+    except FrameError:
+        raise
+    except Exception as exc:
+        raise FrameError(f"malformed compact frame ({type(exc).__name__}: {exc})") from None
+
+
+def _message(t: tuple) -> "Call | Reply":
+    if type(t) is not tuple or len(t) < 5 or type(t[1]) is not int or type(t[4]) is not int:
+        raise FrameError("malformed compact message")
+    mask = t[4]
+    if t[0] == _REPLY and len(t) == 6 and type(t[2]) is bool and type(t[3]) is bool:
+        return Reply(t[1], t[2], _payload(t[5]) if mask else t[5], t[3])
+    if t[0] == _CALL and type(t[2]) is str and type(t[3]) is str:
+        args = t[5:]
+        if mask:
+            args = tuple(_payload(a) if mask >> i & 1 else a for i, a in enumerate(args))
+        return Call(t[1], t[2], t[3], args)
+    raise FrameError("malformed compact message")
+
+
+def _payload(data: Any) -> Encoded:
+    if type(data) is not bytes:
+        raise FrameError("malformed compact message: a payload that is not bytes")
+    return Encoded(data)

@@ -39,7 +39,7 @@ from .. import runtime, serialization
 from ..errors import ChannelClosed, RemoteObjectError, TransportError, owner_gone
 from ..hub import Hub, get_hub
 from ..janitor import Finalizer
-from ..messages import Call, wrap_args
+from ..messages import Call, pack, unpack, wrap_args
 
 __all__ = ["Line", "PipelinedLine", "ReplyTimeout", "line_for", "hub_for", "close_lines",
            "note_decref", "take_decrefs", "lost_error", "MANAGER_OID"]
@@ -109,7 +109,7 @@ class Line:
         """The next reply, or None when none came within ``timeout`` (after a whole
         slice without one, the server is pinged: a vanished one raises)."""
         try:
-            return serialization.loads(self._channel.recv(timeout))
+            return unpack(self._channel.recv(timeout))
         except TimeoutError:
             if timeout >= self._slice:
                 hub_for(self.authkey).ensure_alive(self.address, self._limit)
@@ -227,7 +227,7 @@ class PipelinedLine(Line):
 
 def _frame(rid: int, method: str, args: tuple) -> list:
     """The frame of call ``rid`` to the server's manager service."""
-    return serialization.dumps_parts(Call(rid, MANAGER_OID, method, wrap_args(args)))
+    return pack(Call(rid, MANAGER_OID, method, wrap_args(args)))
 
 
 def _value(reply: Any) -> Any:
