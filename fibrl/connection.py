@@ -272,6 +272,7 @@ class _Inbox:
         self.eof = False
         self.error: Optional[BaseException] = None
         self.listeners: set = set()
+        self.sleepers = 0       # threads in cond.wait
 
     @classmethod
     def use(cls, address: str, oid: str) -> "_Inbox":
@@ -317,8 +318,9 @@ class _Inbox:
                 self.revokes += 1
             else:
                 self.items.append(value)
-            self.cond.notify_all()
-            listeners = list(self.listeners)
+            if self.sleepers:
+                self.cond.notify_all()
+            listeners = list(self.listeners) if self.listeners else ()
         for poke in listeners:
             poke()
 
@@ -385,7 +387,15 @@ class _Inbox:
                 self.cond.acquire()
             if self._state() is not False or self.rid != rid:
                 return True
-        return self.cond.wait(max(0.0, interval - (time.monotonic() - start)))
+        return self._sleep(max(0.0, interval - (time.monotonic() - start)))
+
+    def _sleep(self, timeout: float) -> bool:
+        """``cond.wait`` (cond held), counted: a reply notifies only when a thread sleeps."""
+        self.sleepers += 1
+        try:
+            return self.cond.wait(timeout)
+        finally:
+            self.sleepers -= 1
 
     def _pop(self) -> Any:
         if self.items:
@@ -401,7 +411,7 @@ class _Inbox:
             if self._state() is None:
                 self._subscribe()
             while self.rid != 0 and not self.ready and self.error is None:
-                if not self.cond.wait(hub.parent_timeout):
+                if not self._sleep(hub.parent_timeout):
                     break  # the owner stays silent: the next recv() reports it
             while True:
                 state = self._state()
@@ -410,7 +420,7 @@ class _Inbox:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     return False
-                self.cond.wait(left if left is not None else hub.heartbeat_interval)
+                self._sleep(left if left is not None else hub.heartbeat_interval)
 
 
 def Pipe(duplex: bool = True) -> tuple[Connection, Connection]:

@@ -417,6 +417,7 @@ class Client:
         self._outbox: deque = deque()
         self._sending = False
         self._idle = threading.Condition(self._lock)
+        self._idlers = 0   # threads waiting on _idle
         self._feeder: Optional[threading.Thread] = None
         self._wake = threading.Event()
         self.lost = False
@@ -480,12 +481,16 @@ class Client:
         self._submit(Call(0, oid, method, wrap_args(args)), inline=inline)
 
     def _submit(self, call: Call, inline: bool) -> None:
-        borrowed = inline and any(type(a) is Encoded and a.borrowed for a in call.args)
+        borrowed = False
+        if inline:
+            for arg in call.args:
+                if type(arg) is Encoded and arg.borrowed:
+                    borrowed = True
         with self._lock:
             while borrowed and (self._outbox or self._sending) and not self.lost:
                 # a large payload that views the caller's objects: send it from this
                 # thread once earlier calls are out, rather than copy it for the feeder
-                self._idle.wait()
+                self._idle_wait(None)
             if inline and not self._outbox and not self._sending:
                 self._sending = True
             else:
@@ -505,8 +510,17 @@ class Client:
             self._sending = False
             if self._outbox:
                 self._wake.set()
-            else:
+            elif self._idlers:
                 self._idle.notify_all()
+
+    def _idle_wait(self, timeout: Optional[float]) -> None:
+        """Wait for the sending to go idle (lock held); counted, so that the sender
+        notifies only when somebody waits."""
+        self._idlers += 1
+        try:
+            self._idle.wait(timeout)
+        finally:
+            self._idlers -= 1
 
     def _start_feeder(self) -> None:
         if self._feeder is None:
@@ -545,7 +559,7 @@ class Client:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     return False
-                self._idle.wait(left)
+                self._idle_wait(left)
         return True
 
     # -- receiving -----------------------------------------------------------
