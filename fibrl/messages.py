@@ -264,8 +264,8 @@ def _message(t: tuple) -> "Call | Reply":
     if t[0] == _REPLY and len(t) == 6 and type(t[2]) is bool and type(t[3]) is bool:
         return Reply(t[1], t[2], _payload(t[5]) if mask else t[5], t[3])
     if t[0] == _CALL and type(t[2]) is str and type(t[3]) is str:
-        if mask == 1 and len(t) == 6:   # the commonest: a put of one payload
-            return Call(t[1], t[2], t[3], (_payload(t[5]),))
+        if mask == 1 and len(t) > 5:   # the commonest: a put, its payload first
+            return Call(t[1], t[2], t[3], (_payload(t[5]),) + t[6:])
         args = t[5:]
         if mask:
             args = tuple(_payload(a) if mask >> i & 1 else a for i, a in enumerate(args))
