@@ -1208,6 +1208,10 @@ class PipeBox(Mailbox):
             else:
                 super().op_poll(reply, 0.0 if self._revoking else timeout, token)
 
+    def give(self, payload: Any) -> None:
+        if not self._broken:   # (see op_put)
+            super().give(payload)
+
     def op_put(self, reply: ReplySink, payload: Any, timeout: Optional[float] = None) -> None:
         if self._broken:
             # no reader is left: the sender raises BrokenPipeError once its watch is
