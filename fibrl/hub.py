@@ -16,7 +16,7 @@ Data flow::
       |  local oid? --> service.dispatch(m, args, _LocalReply) --> Event
       v
     Client ---- feeder thread batches one-way Calls ----> Listener peer thread
-      ^         (a synchronous call is sent inline)         | loads(frame)
+      ^         (a synchronous call is sent inline)         | unpack(frame)
       |                                                     v
     reader <------------ Reply(rid) ---------------- service.dispatch(m, args, _PeerReply)
       | resolves the Handle with that rid                   | parks or answers now
@@ -33,7 +33,8 @@ last the same way while it waits in ``recv`` or ``get`` (:meth:`Hub.wait_reading
 
 This module owns the dispatching and waiting. It does not own the meaning of
 any service (``queues``, ``connection``, ``synchronize``, ``pool``,
-``managers``) nor the wire (``transport``, ``serialization``), nor which hub is
+``managers``) nor the wire (``transport``, ``serialization``, and ``messages``,
+which packs calls and replies into frames), nor which hub is
 this process's and when it closes (``runtime``: this module only builds the hub
 the first time one is asked for).
 """
