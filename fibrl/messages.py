@@ -26,8 +26,8 @@ from .errors import FrameError, RemoteObjectError, chain_remote
 from . import serialization
 from .serialization import OOB_THRESHOLD, Encoded, dumps
 
-__all__ = ["Call", "Reply", "pack", "unpack", "RemoteError", "WorkerStart", "MAIN_SOURCE", "blob", "wrap_raw",
-           "wrap_args", "RAW_TYPES"]
+__all__ = ["Call", "Reply", "pack", "unpack", "RemoteError", "WorkerStart", "MAIN_SOURCE",
+           "blob", "wrap_raw", "wrap_args", "RAW_TYPES"]
 
 
 @dataclass(frozen=True, slots=True)
