@@ -45,7 +45,7 @@ from multiprocessing import BufferTooShort
 from typing import Any, Iterable, Optional
 
 from . import serialization
-from .hub import drop_owner, get_hub, mark_pickled
+from .hub import QuietCondition, drop_owner, get_hub, mark_pickled
 from .janitor import Finalizer
 from .mailbox import PipeBox, take
 from .messages import blob
@@ -267,7 +267,7 @@ class _Inbox:
     def __init__(self, address: str, oid: str) -> None:
         self.address, self.oid = address, oid
         self.items: deque = deque()
-        self.cond = threading.Condition()
+        self.cond = QuietCondition()
         self.users = 0
         self.rid = 0            # the subscription's call id; 0: not subscribed
         self.client: Any = None  # the connection the subscription is on
@@ -276,7 +276,6 @@ class _Inbox:
         self.eof = False
         self.error: Optional[BaseException] = None
         self.listeners: set = set()
-        self.sleepers = 0       # threads in cond.wait
 
     @classmethod
     def use(cls, address: str, oid: str) -> "_Inbox":
@@ -322,8 +321,7 @@ class _Inbox:
                 self.revokes += 1
             else:
                 self.items.append(value)
-            if self.sleepers:
-                self.cond.notify_all()
+            self.cond.notify_all()
             listeners = list(self.listeners) if self.listeners else ()
         for poke in listeners:
             poke()
@@ -391,15 +389,7 @@ class _Inbox:
                 self.cond.acquire()
             if self._state() is not False or self.rid != rid:
                 return True
-        return self._sleep(max(0.0, interval - (time.monotonic() - start)))
-
-    def _sleep(self, timeout: float) -> bool:
-        """``cond.wait`` (cond held), counted: a reply notifies only when a thread sleeps."""
-        self.sleepers += 1
-        try:
-            return self.cond.wait(timeout)
-        finally:
-            self.sleepers -= 1
+        return self.cond.wait(max(0.0, interval - (time.monotonic() - start)))
 
     def _pop(self) -> Any:
         if self.items:
@@ -415,7 +405,7 @@ class _Inbox:
             if self._state() is None:
                 self._subscribe()
             while self.rid != 0 and not self.ready and self.error is None:
-                if not self._sleep(hub.parent_timeout):
+                if not self.cond.wait(hub.parent_timeout):
                     break  # the owner stays silent: the next recv() reports it
             while True:
                 state = self._state()
@@ -424,7 +414,7 @@ class _Inbox:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     return False
-                self._sleep(left if left is not None else hub.heartbeat_interval)
+                self.cond.wait(left if left is not None else hub.heartbeat_interval)
 
 
 def Pipe(duplex: bool = True) -> tuple[Connection, Connection]:

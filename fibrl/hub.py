@@ -63,7 +63,7 @@ from .serialization import Encoded
 from .timers import Timers
 
 __all__ = ["Hub", "Handle", "Service", "SharedService", "Client", "HeldReplies", "get_hub",
-           "drop_owner", "mark_pickled", "own"]
+           "drop_owner", "mark_pickled", "own", "QuietCondition"]
 
 log = logging.getLogger(__name__)
 
@@ -148,6 +148,27 @@ class Handle:
         if not self._ok:
             raise self._value  # a remote one has its traceback as __cause__ already
         return self._value
+
+
+class QuietCondition(threading.Condition):
+    """A condition whose ``notify_all`` costs nothing while no thread waits on it (a
+    plain one checks that the caller holds its lock, a lock round trip, every time):
+    for a hot path that notifies far more often than anyone waits."""
+
+    def __init__(self, lock: Any = None) -> None:
+        super().__init__(lock)
+        self.sleepers = 0   # threads in wait() (changed with the lock held)
+
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        self.sleepers += 1
+        try:
+            return super().wait(timeout)
+        finally:
+            self.sleepers -= 1
+
+    def notify_all(self) -> None:
+        if self.sleepers:
+            super().notify_all()
 
 
 class ReplySink:
@@ -417,8 +438,7 @@ class Client:
         self._lock = threading.Lock()
         self._outbox: deque = deque()
         self._sending = False
-        self._idle = threading.Condition(self._lock)
-        self._idlers = 0   # threads waiting on _idle
+        self._idle = QuietCondition(self._lock)
         self._feeder: Optional[threading.Thread] = None
         self._wake = threading.Event()
         self.lost = False
@@ -487,11 +507,12 @@ class Client:
             for arg in call.args:
                 if type(arg) is Encoded and arg.borrowed:
                     borrowed = True
+                    break
         with self._lock:
             while borrowed and (self._outbox or self._sending) and not self.lost:
                 # a large payload that views the caller's objects: send it from this
                 # thread once earlier calls are out, rather than copy it for the feeder
-                self._idle_wait(None)
+                self._idle.wait()
             if inline and not self._outbox and not self._sending:
                 self._sending = True
             else:
@@ -511,17 +532,8 @@ class Client:
             self._sending = False
             if self._outbox:
                 self._wake.set()
-            elif self._idlers:
+            else:
                 self._idle.notify_all()
-
-    def _idle_wait(self, timeout: Optional[float]) -> None:
-        """Wait for the sending to go idle (lock held); counted, so that the sender
-        notifies only when somebody waits."""
-        self._idlers += 1
-        try:
-            self._idle.wait(timeout)
-        finally:
-            self._idlers -= 1
 
     def _start_feeder(self) -> None:
         if self._feeder is None:
@@ -560,7 +572,7 @@ class Client:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     return False
-                self._idle_wait(left)
+                self._idle.wait(left)
         return True
 
     # -- receiving -----------------------------------------------------------
