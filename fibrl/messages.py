@@ -23,8 +23,7 @@ from typing import Any
 
 from .config import Config
 from .errors import FrameError, RemoteObjectError, chain_remote
-from . import serialization
-from .serialization import OOB_THRESHOLD, Encoded, dumps
+from .serialization import OOB_THRESHOLD, Encoded, dumps, dumps_parts, loads
 
 __all__ = ["Call", "Reply", "pack", "unpack", "RemoteError", "WorkerStart", "MAIN_SOURCE",
            "blob", "wrap_raw", "wrap_args", "RAW_TYPES"]
@@ -181,41 +180,30 @@ def _plain(value: Any) -> bool:
     return False
 
 
-def _field(value: Any, bit: int, mask: list) -> Any:
-    """``value`` as a compact field (an Encoded as its bytes, noted in ``mask``), or
-    the class ``_NotCompact`` when it must travel pickled as it is."""
-    if type(value) is Encoded:
-        data = value.data
-        if value.buffers or len(data) >= OOB_THRESHOLD:
-            return _NotCompact
-        mask[0] |= bit
-        return data if type(data) is bytes else bytes(data)
-    return value if _plain(value) else _NotCompact
-
-
-class _NotCompact:
-    """Marks a field that a compact frame cannot carry."""
-
-
 def _compact(message: Any) -> Any:
-    """The tuple of a compact ``message``, or None."""
-    mask = [0]
-    if type(message) is Reply:
-        value = _field(message.value, 1, mask)
-        if value is _NotCompact:
-            return None
-        return (_REPLY, message.rid, message.ok, message.encoded, mask[0], value)
-    if type(message) is Call:
-        args = message.args
-        fields = [_CALL, message.rid, message.oid, message.method, 0]
-        for i, arg in enumerate(args):
-            value = _field(arg, 1 << i, mask)
-            if value is _NotCompact:
+    """The tuple of a compact ``message``, or None when a field cannot travel in one:
+    payloads as their bytes, a bit of the mask set for each."""
+    kind = type(message)
+    if kind is Reply:
+        values: tuple = (message.value,)
+    elif kind is Call:
+        values = message.args
+    else:
+        return None
+    mask, fields = 0, []
+    for i, value in enumerate(values):
+        if type(value) is Encoded:
+            data = value.data
+            if value.buffers or len(data) >= OOB_THRESHOLD:
                 return None
-            fields.append(value)
-        fields[4] = mask[0]
-        return tuple(fields)
-    return None
+            mask |= 1 << i
+            value = data if type(data) is bytes else bytes(data)
+        elif not _plain(value):
+            return None
+        fields.append(value)
+    if kind is Reply:
+        return (_REPLY, message.rid, message.ok, message.encoded, mask, fields[0])
+    return (_CALL, message.rid, message.oid, message.method, mask, *fields)
 
 
 def pack(message: "Call | Reply | list") -> list:
@@ -229,7 +217,7 @@ def pack(message: "Call | Reply | list") -> list:
         one = _compact(message)
         if one is not None:
             return [COMPACT + pickle.dumps(one, protocol=5)]
-    return serialization.dumps_parts(message)
+    return dumps_parts(message)
 
 
 def unpack(frame: Any) -> "Call | Reply | list":
@@ -239,7 +227,7 @@ def unpack(frame: Any) -> "Call | Reply | list":
         FrameError: the frame is not one (it came from a broken or foreign peer).
     """
     if frame[:3] != COMPACT:
-        message = serialization.loads(frame)
+        message = loads(frame)
         if type(message) is list:
             if all(type(m) in (Call, Reply) for m in message):
                 return message
