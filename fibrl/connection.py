@@ -175,13 +175,17 @@ class Connection:
             box.give(payload)
             return
         # inline: a pipe is used for request/response, where latency matters most
-        hub.send(self._address, self._outbox, "put", payload, None, inline=True)
+        hub.client(self._address).send(self._outbox, "put", (payload,), inline=True)
 
     # -- receiving -----------------------------------------------------------------
     def _get(self) -> Any:
         if self._pushed is not None:
             return self._pushed.take()
-        return take(get_hub(), self._address, self._inbox, None)
+        hub = get_hub()
+        box = hub.local_service(self._address, self._inbox)
+        if box is not None:
+            return box.take_here()
+        return take(hub, self._address, self._inbox, None)
 
     def recv(self) -> Any:
         """Receive an object sent with :meth:`send`; ``EOFError`` when the other end closed."""
@@ -267,7 +271,8 @@ class _Inbox:
     def __init__(self, address: str, oid: str) -> None:
         self.address, self.oid = address, oid
         self.items: deque = deque()
-        self.cond = QuietCondition()
+        self.lock = threading.RLock()   # (``with`` on it: a Condition's is a Python call)
+        self.cond = QuietCondition(self.lock)
         self.users = 0
         self.rid = 0            # the subscription's call id; 0: not subscribed
         self.client: Any = None  # the connection the subscription is on
@@ -309,7 +314,7 @@ class _Inbox:
             self.rid = rid
 
     def _on_reply(self, ok: bool, value: Any) -> None:
-        with self.cond:
+        with self.lock:
             if not ok:
                 self.error, self.rid = value, 0
             elif value == "ready":
@@ -341,7 +346,7 @@ class _Inbox:
             pass  # the owner is gone, and the pipe with it
 
     def unsubscribe(self) -> None:
-        with self.cond:
+        with self.lock:
             if self.rid != 0:
                 self._give_back()
 
@@ -356,7 +361,9 @@ class _Inbox:
 
     def take(self) -> Any:
         hub = get_hub()
-        with self.cond:
+        with self.lock:
+            if self.items:
+                return self.items.popleft()
             revokes = self.revokes
             while True:
                 state = self._state()
@@ -401,7 +408,7 @@ class _Inbox:
     def poll(self, timeout: Optional[float]) -> bool:
         hub = get_hub()
         deadline = None if timeout is None else time.monotonic() + timeout
-        with self.cond:
+        with self.lock:
             if self._state() is None:
                 self._subscribe()
             while self.rid != 0 and not self.ready and self.error is None:
@@ -491,7 +498,7 @@ def _wait_blocking(conns: list, others: list, timeout: Optional[float]) -> list:
     handles = []
     try:
         for conn in pushed:  # the message itself arrives here: watch the local inbox
-            with conn._pushed.cond:
+            with conn._pushed.lock:
                 conn._pushed.listeners.add(waker.poke)
         for conn in polled:
             handle = hub.call_async(conn._address, conn._inbox, "poll", timeout, token)
@@ -520,7 +527,7 @@ def _wait_blocking(conns: list, others: list, timeout: Optional[float]) -> list:
                     os.read(waker.read_fd, 4096)
     finally:
         for conn in pushed:
-            with conn._pushed.cond:
+            with conn._pushed.lock:
                 conn._pushed.listeners.discard(waker.poke)
         for conn, handle in zip(polled, handles):
             if not handle.ready():

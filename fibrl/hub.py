@@ -13,7 +13,7 @@ Data flow::
 
     caller thread                  remote hub process
     hub.call(addr, oid, m, args)
-      |  local oid? --> service.dispatch(m, args, _LocalReply) --> Event
+      |  local oid? --> service.dispatch(m, args, LocalReply) --> Event
       v
     Client ---- feeder thread batches one-way Calls ----> Listener peer thread
       ^         (a synchronous call is sent inline)         | unpack(frame)
@@ -192,7 +192,9 @@ class ReplySink:
         return None
 
 
-class _LocalReply(ReplySink):
+class LocalReply(ReplySink):
+    """The answer to a call made in the service's own process: resolves its handle."""
+
     __slots__ = ("handle",)
 
     def __init__(self, handle: Handle) -> None:
@@ -207,6 +209,23 @@ class _LocalReply(ReplySink):
         # what a remote caller would get: the service's frames as __cause__, not live ones
         self.handle._resolve(False, RemoteError.capture(exc).rebuilt() if exc.__traceback__
                              else exc)
+        return True
+
+
+class WakingReply(LocalReply):
+    """A :class:`LocalReply` for a thread that waits in :meth:`Hub.wait_reading`: the
+    answer also ends that thread's read, when another thread gives it."""
+
+    __slots__ = ("reader", "wake")
+
+    def __init__(self, handle: Handle, wake: Callable[[int], None]) -> None:
+        super().__init__(handle)
+        self.reader = threading.get_ident()
+        self.wake = wake   # the connection's wake (``transport.wake_reader``)
+
+    def __call__(self, value: Any = None) -> bool:
+        self.handle._resolve(True, value)
+        self.wake(self.reader)
         return True
 
 
@@ -319,6 +338,22 @@ class _PeerReply(ReplySink):
         return self._send(Reply(self.rid, False, RemoteError.capture(exc)))
 
 
+_operations: dict = {}   # (service class, method name) -> its op_ function, or None
+
+
+def _operation(cls: type, method: str) -> Optional[Callable]:
+    """The ``op_<method>`` function of the service class ``cls`` (found once per pair:
+    a name built and looked up through the class's bases on every call is measurable)."""
+    try:
+        return _operations[cls, method]
+    except KeyError:
+        pass
+    op = getattr(cls, "op_" + method, None) if type(method) is str else None
+    if len(_operations) < 10_000:   # (method names come from peers: keep the cache bounded)
+        _operations[cls, method] = op
+    return op
+
+
 class Service:
     """An object hosted by a hub. Subclasses define ``op_<name>(reply, *args)``.
 
@@ -331,14 +366,13 @@ class Service:
     hub: "Hub"
 
     def dispatch(self, method: str, args: tuple, reply: ReplySink) -> None:
-        try:
-            op = getattr(self, "op_" + method)
-        except AttributeError:
+        op = _operation(type(self), method)
+        if op is None:
             reply.fail(RemoteObjectError(
                 f"{type(self).__name__} {self.oid!r} has no operation {method!r}"))
             return
         try:
-            op(reply, *args)
+            op(self, reply, *args)
         except BaseException as exc:  # the caller gets it, with its traceback
             reply.fail(exc)
 
@@ -622,14 +656,16 @@ class Client:
             log.exception("undecodable frame from %s; closing the connection", self.address)
             self._channel.close()
             return
-        for reply in (msg if isinstance(msg, list) else (msg,)):
-            with self._lock:
-                handle = self._pending.pop(reply.rid, None)
-                stream = self._streams.get(reply.rid) if handle is None else None
+        # (no lock: a dict's pop and get are atomic, and _on_lost swaps the dicts for
+        # empty ones before it fails what they held; a handle resolves only once)
+        for reply in (msg if type(msg) is list else (msg,)):
+            handle = self._pending.pop(reply.rid, None)
             if handle is not None:
                 handle._resolve(*_decode(reply))
-            elif stream is not None:
-                stream(*_decode(reply))
+            else:
+                stream = self._streams.get(reply.rid)
+                if stream is not None:
+                    stream(*_decode(reply))
 
     def _lost_error(self, in_flight: bool = False) -> RemoteObjectError:
         return owner_gone(self.address, "its connection dropped", in_flight=in_flight)
@@ -645,9 +681,9 @@ class Client:
             self._idle.notify_all()
         self._wake.set()
         err = self._lost_error(in_flight=True)
-        for handle in pending.values():
+        for handle in list(pending.values()):   # (a last reply may still pop one)
             handle._resolve(False, err)
-        for on_reply in streams.values():
+        for on_reply in list(streams.values()):
             on_reply(False, err)
         self._hub._client_lost(self)
         for cb in self._lost_callbacks:
@@ -784,23 +820,26 @@ class Hub:
             log.error("dropping peer %s of process %s: %s", peer.id, self.pid, exc)
             peer.close()
             return
-        lone = not isinstance(msg, list)
+        lone = type(msg) is not list
+        services = self._services
         for call in (msg,) if lone else msg:
             reply = _PeerReply(peer, call.rid, lone)
-            service = self._services.get(call.oid)
+            service = services.get(call.oid)
             if service is None:
                 reply.fail(object_gone(call.oid, f"process {self.pid}"))
             else:
                 service.dispatch(call.method, call.args, reply)
 
-    def wait_reading(self, handle: Handle, peer) -> None:
+    def wait_reading(self, handle: Handle, peer, woken: bool = False) -> None:
         """Wait for a local call's ``handle`` while reading ``peer``'s frames in this
         thread, when no other thread reads them (``transport._Reading``): the
         message that answers it then reaches this thread with no hand-over. Returns
         when it is answered, or as soon as this thread cannot read them (the caller
-        then waits as usual)."""
-        me = threading.get_ident()
-        handle.add_done_callback(lambda _h: peer.wake(me))   # answered elsewhere
+        then waits as usual). ``woken``: its answer is a :class:`WakingReply` of this
+        thread (else a callback wakes the read when another thread answers)."""
+        if not woken:
+            me = threading.get_ident()
+            handle.add_done_callback(lambda _h: peer.wake(me))   # answered elsewhere
         on_frame = functools.partial(self._on_frame, peer)
         while not handle.ready():
             if not peer.read_here(handle.ready, self.heartbeat_interval, on_frame):
@@ -849,7 +888,7 @@ class Hub:
             if service is None:
                 handle._resolve(False, object_gone(oid, "this process"))
             else:
-                service.dispatch(method, args, _LocalReply(handle))
+                service.dispatch(method, args, LocalReply(handle))
             return handle
         return self.client(address).call(oid, method, args, inline)
 

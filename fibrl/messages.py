@@ -190,6 +190,13 @@ def _compact(message: Any) -> Any:
         values = message.args
     else:
         return None
+    first = values[0] if len(values) == 1 else None
+    if type(first) is Encoded and not first.buffers and len(first.data) < OOB_THRESHOLD:
+        # the commonest: one payload alone (a put, a pushed message, a call's result)
+        data = first.data if type(first.data) is bytes else bytes(first.data)
+        if kind is Reply:
+            return (_REPLY, message.rid, message.ok, message.encoded, 1, data)
+        return (_CALL, message.rid, message.oid, message.method, 1, data)
     mask, fields = 0, []
     for i, value in enumerate(values):
         if type(value) is Encoded:
