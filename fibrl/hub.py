@@ -228,6 +228,11 @@ class WakingReply(LocalReply):
         self.wake(self.reader)
         return True
 
+    def fail(self, exc: BaseException) -> bool:
+        super().fail(exc)
+        self.wake(self.reader)
+        return True
+
 
 # How long a reply may be held back to share a frame with the next ones (see HeldReplies).
 HOLD_S = 0.001

@@ -297,6 +297,37 @@ def test_the_owner_waiting_in_recv_gets_a_message_written_in_its_own_process(ctx
     assert p.exitcode == 0
 
 
+def send_close_and_wait(conn, closed, done):
+    conn.send("hello")
+    conn.close()
+    closed.set()
+    done.wait(TIMEOUT)   # alive: its connection to the owner stays open
+
+
+def test_the_owner_waiting_in_recv_sees_eof_from_another_thread_at_once(ctx):
+    """While the owner's recv() reads the connection of the child that wrote last, the
+    last writer handle closing in another thread of the owner ends it with EOFError at
+    once, although that child stays connected."""
+    r, w = ctx.Pipe(duplex=False)
+    closed, done = ctx.Event(), ctx.Event()
+    p = ctx.Process(target=send_close_and_wait, args=(w, closed, done))
+    p.start()
+    try:
+        assert r.recv() == "hello"   # the child is now the process that writes to `r`
+        assert closed.wait(TIMEOUT)
+        closer = threading.Timer(0.2, w.close)
+        closer.start()
+        start = time.monotonic()
+        with pytest.raises(EOFError):
+            r.recv()
+        assert time.monotonic() - start < 3, "the owner's recv() missed the EOF"
+        closer.join()
+    finally:
+        done.set()
+        p.join(TIMEOUT)
+    assert p.exitcode == 0
+
+
 def test_send_to_a_closed_reader_raises_broken_pipe():
     a, b = fibrl.Pipe()
     b.close()
