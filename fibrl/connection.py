@@ -360,10 +360,10 @@ class _Inbox:
         return False
 
     def take(self) -> Any:
-        hub = get_hub()
         with self.lock:
             if self.items:
                 return self.items.popleft()
+            hub = get_hub()
             revokes = self.revokes
             while True:
                 state = self._state()

@@ -367,6 +367,8 @@ def loads(frame: "bytes | bytearray | memoryview | Encoded") -> Any:
         FrameError: ``frame`` is not a fibrl frame (wrong magic, truncated).
     """
     if type(frame) is Encoded:
+        if not frame.buffers:   # (the common small message: nothing borrowed to own)
+            return _unpickle(frame.data, ())
         return frame.load()
     view = memoryview(frame)
     if view.nbytes < _HEAD.size or bytes(view[:3]) != MAGIC:
