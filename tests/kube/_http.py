@@ -77,9 +77,11 @@ class Fault:
     verb: str | None
     resource: str | None
     retry_after: int | None
+    namespace: str | None = None
 
     def matches(self, info: RequestInfo) -> bool:
-        return (self.verb in (None, info.verb)) and (self.resource in (None, info.resource, info.rt.plural))
+        return (self.verb in (None, info.verb)) and (self.resource in (None, info.resource, info.rt.plural)) \
+            and self.namespace in (None, info.namespace)
 
 
 class Policy:

@@ -219,9 +219,10 @@ class FakeApiServer:
         self.policy.forbid(verb, resource, namespace)
 
     def inject_errors(self, code: int = 429, count: int = 1, verb: str | None = None,
-                      resource: str | None = None, retry_after: int | None = 1) -> None:
+                      resource: str | None = None, retry_after: int | None = 1,
+                      namespace: str | None = None) -> None:
         """Answer the next ``count`` matching requests with ``code`` (429, 500, 503, 504)."""
-        self.policy.add_fault(Fault(code, count, verb, resource, retry_after))
+        self.policy.add_fault(Fault(code, count, verb, resource, retry_after, namespace))
 
     def record_pod_event(self, namespace: str, name: str, reason: str, message: str,
                          kind: str = "Normal", component: str = "cluster-autoscaler") -> None:
@@ -257,9 +258,9 @@ class FakeApiServer:
         return list(self._http.router.requests)
 
     def count_requests(self, verb: str | None = None, resource: str | None = None,
-                       code: int | None = None) -> int:
+                       code: int | None = None, namespace: str | None = None) -> int:
         return sum(1 for r in self.requests if verb in (None, r.verb) and resource in (None, r.resource)
-                   and code in (None, r.code))
+                   and code in (None, r.code) and namespace in (None, r.namespace))
 
     def running_pods(self) -> list[str]:
         """``namespace/name`` of pods whose worker (and so maybe a process/container) is still alive."""

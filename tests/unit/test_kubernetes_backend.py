@@ -817,17 +817,22 @@ def test_the_watch_waits_as_long_as_the_server_asks(kube_cluster, fake):
     from fibrl.backends.kube.watch import PodWatcher
 
     settings = KubeSettings.from_config(Config(kubernetes_kubeconfig=kube_cluster.kubeconfig))
-    before = fake.count_requests("watch", "pods")
+    # a namespace of its own: the backend's watchers of other tests' pods neither take
+    # the injected error nor add to the count
+    space = "retry-after"
+    before = fake.count_requests("watch", "pods", namespace=space)
     # 500, not 503 or 429: urllib3 itself retries those when they carry Retry-After
-    fake.inject_errors(500, count=1, verb="watch", resource="pods", retry_after=3)
-    watcher = PodWatcher(Api(connect(settings, PodIdentity())), "default", "app=retry-after",
+    fake.inject_errors(500, count=1, verb="watch", resource="pods", retry_after=3,
+                       namespace=space)
+    watcher = PodWatcher(Api(connect(settings, PodIdentity())), space, "app=retry-after",
                          lambda kind, pod: None, lambda pods, seq: None, lambda exc: None,
                          lambda: 0)
     begin = time.monotonic()
     watcher.start()
     try:
-        wait_until(lambda: fake.count_requests("watch", "pods") >= before + 2,
+        wait_until(lambda: fake.count_requests("watch", "pods", namespace=space) >= before + 2,
                    "the watch after the refused one", WAIT)
+        assert fake.count_requests("watch", "pods", 500, namespace=space) == 1
         assert time.monotonic() - begin >= 2.5, "Retry-After: 3 was not honoured"
     finally:
         watcher.stop()
