@@ -13,7 +13,7 @@ Data flow::
 
     caller thread                  remote hub process
     hub.call(addr, oid, m, args)
-      |  local oid? --> service.dispatch(m, args, LocalReply) --> Event
+      |  local oid? --> service.dispatch(m, args, LocalReply) --> Handle
       v
     Client ---- feeder thread batches one-way Calls ----> Listener peer thread
       ^         (a synchronous call is sent inline)         | unpack(frame)
@@ -29,7 +29,8 @@ no other thread does, so its reply reaches it with no hand-over between threads;
 the connection's reader thread reads only while nobody waits (it sleeps until
 the socket is readable, which nng does not signal for a frame a waiting thread
 takes). The owner of a pipe or queue reads the frames of the process that put
-last the same way while it waits in ``recv`` or ``get`` (:meth:`Hub.wait_reading`).
+last the same way while it waits in ``recv`` or ``get`` (:meth:`Hub.wait_reading`;
+a pipe's owner parks its getter on the pipe itself, with no call).
 
 This module owns the dispatching and waiting. It does not own the meaning of
 any service (``queues``, ``connection``, ``synchronize``, ``pool``,
