@@ -199,13 +199,14 @@ def _compact(message: Any) -> Any:
         return (_CALL, message.rid, message.oid, message.method, 1, data)
     mask, fields = 0, []
     for i, value in enumerate(values):
-        if type(value) is Encoded:
+        kind_of = type(value)
+        if kind_of is Encoded:
             data = value.data
             if value.buffers or len(data) >= OOB_THRESHOLD:
                 return None
             mask |= 1 << i
             value = data if type(data) is bytes else bytes(data)
-        elif not _plain(value):
+        elif kind_of not in _SCALARS and not _plain(value):
             return None
         fields.append(value)
     if kind is Reply:
@@ -263,7 +264,11 @@ def _message(t: tuple) -> "Call | Reply":
             return Call(t[1], t[2], t[3], (_payload(t[5]),) + t[6:])
         args = t[5:]
         if mask:
-            args = tuple(_payload(a) if mask >> i & 1 else a for i, a in enumerate(args))
+            args = list(args)
+            for i in range(len(args)):
+                if mask >> i & 1:
+                    args[i] = _payload(args[i])
+            args = tuple(args)
         return Call(t[1], t[2], t[3], args)
     raise FrameError("malformed compact message")
 

@@ -43,7 +43,7 @@ __all__ = [
 ]
 
 
-_NO_ARGS = serialization.dumps(((), {}))
+_NO_ARGS = serialization.encode(((), {}))   # (already an Encoded: sent as it is)
 
 
 def _payload(args: tuple, kwds: Optional[dict]) -> Any:
