@@ -204,6 +204,11 @@ def test_one_way_puts_in_a_row_merge_into_one_call_and_the_queue_takes_them_in_o
     assert [c.method for c in out] == ["put_run", "qsize", "put_run", "put", "put", "put",
                                        "put"]
     assert out[3:] == calls[5:]
+    # a pipe end's put carries the payload alone; a put with a timeout may wait: alone
+    sends = [Call(0, "p", "put", (serialization.encode(i),)) for i in range(3)]
+    assert [c.method for c in _merged(sends)] == ["put_run"]
+    timed = Call(0, "q", "put", (serialization.encode(9), 1.0))
+    assert [c.method for c in _merged([put("q", 1), timed])] == ["put", "put"]
     box, producer = hosted(Mailbox(), host), Peer()
     for call in _merged([put("q", i) for i in range(50)]):
         answer = Reply(producer, rid=0)
