@@ -213,28 +213,6 @@ class LocalReply(ReplySink):
         return True
 
 
-class WakingReply(LocalReply):
-    """A :class:`LocalReply` for a thread that waits in :meth:`Hub.wait_reading`: the
-    answer also ends that thread's read, when another thread gives it."""
-
-    __slots__ = ("reader", "wake")
-
-    def __init__(self, handle: Handle, wake: Callable[[int], None]) -> None:
-        super().__init__(handle)
-        self.reader = threading.get_ident()
-        self.wake = wake   # the connection's wake (``transport.wake_reader``)
-
-    def __call__(self, value: Any = None) -> bool:
-        self.handle._resolve(True, value)
-        self.wake(self.reader)
-        return True
-
-    def fail(self, exc: BaseException) -> bool:
-        super().fail(exc)
-        self.wake(self.reader)
-        return True
-
-
 # How long a reply may be held back to share a frame with the next ones (see HeldReplies).
 HOLD_S = 0.001
 
@@ -836,16 +814,14 @@ class Hub:
             else:
                 service.dispatch(call.method, call.args, reply)
 
-    def wait_reading(self, handle: Handle, peer, woken: bool = False) -> None:
+    def wait_reading(self, handle: Handle, peer) -> None:
         """Wait for a local call's ``handle`` while reading ``peer``'s frames in this
         thread, when no other thread reads them (``transport._Reading``): the
         message that answers it then reaches this thread with no hand-over. Returns
         when it is answered, or as soon as this thread cannot read them (the caller
-        then waits as usual). ``woken``: its answer is a :class:`WakingReply` of this
-        thread (else a callback wakes the read when another thread answers)."""
-        if not woken:
-            me = threading.get_ident()
-            handle.add_done_callback(lambda _h: peer.wake(me))   # answered elsewhere
+        then waits as usual)."""
+        me = threading.get_ident()
+        handle.add_done_callback(lambda _h: peer.wake(me))   # answered elsewhere
         on_frame = functools.partial(self._on_frame, peer)
         while not handle.ready():
             if not peer.read_here(handle.ready, self.heartbeat_interval, on_frame):

@@ -63,8 +63,7 @@ from typing import Any, Optional
 
 from . import serialization
 from .errors import ChannelClosed
-from .hub import (MERGERS, Handle, LocalReply, ReplySink, SharedService, WakingReply,
-                  get_hub)
+from .hub import MERGERS, Handle, LocalReply, ReplySink, SharedService, get_hub
 from .messages import Call, Reply, blob, pack
 from .serialization import OOB_THRESHOLD, Encoded
 
@@ -1118,7 +1117,6 @@ class PipeBox(Mailbox):
     """
 
     _ordered = False  # one reader at a time: a giveback goes in front as it is
-    dispatch = SharedService.dispatch   # (nothing is ever pushed to a window)
 
     def __init__(self) -> None:
         super().__init__(pipe_end=True)
@@ -1213,8 +1211,7 @@ class PipeBox(Mailbox):
 
     def give(self, payload: Any) -> None:
         if not self._broken:   # (see op_put)
-            with self._lock:   # (a pipe has no bound, no join and no windows)
-                self._deliver(payload)
+            super().give(payload)
 
     def take_here(self) -> Any:
         """``recv()`` in the owner process: what is stored, else wait for the next
@@ -1228,22 +1225,20 @@ class PipeBox(Mailbox):
                 return self._popleft()[0]
             else:
                 handle, feeder = Handle(), self.feeder
-                self._getters.append(_Parked(
-                    LocalReply(handle) if feeder is None else WakingReply(handle, feeder.wake)))
+                self._getters.append(_Parked(LocalReply(handle)))
         if handle is None:
             return take(self.hub, None, self.oid, None)
         if feeder is not None:
-            self.hub.wait_reading(handle, feeder, woken=True)
+            self.hub.wait_reading(handle, feeder)
         return handle.get()
 
     def op_put(self, reply: ReplySink, payload: Any, timeout: Optional[float] = None) -> None:
-        # once no reader is left, the sender raises BrokenPipeError as soon as its watch
-        # is answered; what it sent meanwhile goes nowhere, as into a widowed OS pipe
-        if not self._broken:
-            self.feeder = reply.peer
-            with self._lock:
-                self._deliver(payload)
-        reply(None)
+        if self._broken:
+            # no reader is left: the sender raises BrokenPipeError once its watch is
+            # answered; what it sent meanwhile goes nowhere, as into a widowed OS pipe
+            reply(None)
+            return
+        super().op_put(reply, payload, timeout)
 
     def _check_eof(self) -> None:
         if self._writers or self._eof:

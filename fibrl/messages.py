@@ -180,6 +180,15 @@ def _plain(value: Any) -> bool:
     return False
 
 
+def _inline(payload: Encoded) -> Any:
+    """The bytes of ``payload`` to embed in a compact frame, or None when it must travel
+    out of band (it has buffers, or it is large)."""
+    data = payload.data
+    if payload.buffers or len(data) >= OOB_THRESHOLD:
+        return None
+    return data if type(data) is bytes else bytes(data)
+
+
 def _compact(message: Any) -> Any:
     """The tuple of a compact ``message``, or None when a field cannot travel in one:
     payloads as their bytes, a bit of the mask set for each."""
@@ -190,10 +199,11 @@ def _compact(message: Any) -> Any:
         values = message.args
     else:
         return None
-    first = values[0] if len(values) == 1 else None
-    if type(first) is Encoded and not first.buffers and len(first.data) < OOB_THRESHOLD:
+    if len(values) == 1 and type(values[0]) is Encoded:
         # the commonest: one payload alone (a put, a pushed message, a call's result)
-        data = first.data if type(first.data) is bytes else bytes(first.data)
+        data = _inline(values[0])
+        if data is None:
+            return None
         if kind is Reply:
             return (_REPLY, message.rid, message.ok, message.encoded, 1, data)
         return (_CALL, message.rid, message.oid, message.method, 1, data)
@@ -201,11 +211,10 @@ def _compact(message: Any) -> Any:
     for i, value in enumerate(values):
         kind_of = type(value)
         if kind_of is Encoded:
-            data = value.data
-            if value.buffers or len(data) >= OOB_THRESHOLD:
+            value = _inline(value)
+            if value is None:
                 return None
             mask |= 1 << i
-            value = data if type(data) is bytes else bytes(data)
         elif kind_of not in _SCALARS and not _plain(value):
             return None
         fields.append(value)

@@ -280,6 +280,8 @@ class Encoded:
 
     def load(self) -> Any:
         """Rebuild the object (arrays share the buffers' memory when those are writable)."""
+        if not self.buffers:   # the common small message: nothing borrowed to own
+            return _unpickle(self.data, ())
         self.own()  # never hand out views of the sender's own objects
         # Buffers are views of a writable received frame (or owned copies); pickle marks
         # those whose original was read-only, so arrays come back as writable as they left.
@@ -367,8 +369,6 @@ def loads(frame: "bytes | bytearray | memoryview | Encoded") -> Any:
         FrameError: ``frame`` is not a fibrl frame (wrong magic, truncated).
     """
     if type(frame) is Encoded:
-        if not frame.buffers:   # (the common small message: nothing borrowed to own)
-            return _unpickle(frame.data, ())
         return frame.load()
     view = memoryview(frame)
     if view.nbytes < _HEAD.size or bytes(view[:3]) != MAGIC:
