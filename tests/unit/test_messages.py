@@ -6,7 +6,8 @@ import pytest
 
 from fibrl import serialization
 from fibrl.errors import FrameError, RemoteObjectError
-from fibrl.messages import COMPACT, Call, RemoteError, Reply, pack, unpack
+from fibrl.messages import (COMPACT, LONE_CALL, LONE_REPLY, Call, RemoteError, Reply, pack,
+                            unpack)
 from fibrl.serialization import Encoded, encode
 
 
@@ -31,22 +32,50 @@ def _same(a, b):
             assert x == y and type(x) is type(y)
 
 
-HOT = [
+LONE = [
     Reply(7, True, encode(b"x" * 100)),                             # a pushed pipe message
     Call(0, "pipe-1", "put", (encode({"k": [1, 2]}),)),             # a put
+    Reply(3, True, b"answer", True),                                # a manager call's reply
+    Reply(4, False, encode(("no", 3)), True),
+    Reply(2**63 - 1, True, b""),
+    Call(5, "pipe-ø", "pút", (encode(None),)),
+]
+COMPACT_ONLY = [
     Call(3, "mgr", "call", ("ident", "append", b"payload", ())),    # a manager call
-    Reply(3, True, b"answer", True),                                # its reply
     Call(9, "q", "get", (None,)), Call(9, "q", "get", (2.5,)), Reply(1, True, None),
     Call(4, "q", "want", (3, 16, 1)), Reply(5, False, "text", False),
     Call(2, "mgr", "decref", (("a", "b"),)),
+    Call(0, "q", "put", (encode(1), 2.5)),                          # a put with a timeout
+    Reply(2**64, True, encode(1)), Call(-2**64, "q", "put", (encode(1),)),  # ids too large
 ]
+HOT = LONE + COMPACT_ONLY
 
 
-@pytest.mark.parametrize("message", HOT, ids=lambda m: type(m).__name__)
-def test_hot_messages_travel_compact_and_come_back_equal(message):
+@pytest.mark.parametrize("message", LONE, ids=lambda m: type(m).__name__)
+def test_a_lone_payload_travels_after_a_fixed_header_and_comes_back_equal(message):
+    frame = _frame(message)
+    assert frame[:3] == (LONE_REPLY if type(message) is Reply else LONE_CALL)
+    payload = message.value if type(message) is Reply else message.args[0]
+    payload = payload.data if type(payload) is Encoded else payload
+    header = 12 if type(message) is Reply else 15 + len(message.oid.encode()) \
+        + len(message.method.encode())
+    assert frame[header:] == payload and len(frame) == header + len(payload)  # nothing else
+    _same(unpack(frame), message)
+
+
+@pytest.mark.parametrize("message", COMPACT_ONLY, ids=lambda m: type(m).__name__)
+def test_other_hot_messages_travel_compact_and_come_back_equal(message):
     frame = _frame(message)
     assert frame.startswith(COMPACT)
     _same(unpack(frame), message)
+
+
+def test_a_lone_frame_received_as_a_view_comes_back_as_bytes():
+    frame = _frame(Reply(7, True, encode(b"y" * 1000)))
+    back = unpack(memoryview(bytearray(frame)))
+    assert type(back.value.data) is bytes and serialization.loads(back.value) == b"y" * 1000
+    call = unpack(memoryview(_frame(LONE[1])))
+    assert call.oid == "pipe-1" and serialization.loads(call.args[0]) == {"k": [1, 2]}
 
 
 def test_a_batch_travels_as_one_compact_frame():
@@ -97,6 +126,20 @@ def test_a_mixed_batch_falls_back_whole():
 def test_malformed_compact_frames_are_refused(body):
     with pytest.raises(FrameError):
         unpack(COMPACT + body)
+
+
+@pytest.mark.parametrize("frame", [
+    LONE_REPLY, LONE_REPLY + b"\x01" * 8,                           # truncated header
+    LONE_REPLY + (1).to_bytes(8, "little") + b"\x08payload",        # unknown flag
+    LONE_CALL + (1).to_bytes(8, "little") + b"\x01\x00",             # truncated header
+    LONE_CALL + (1).to_bytes(8, "little") + b"\x05\x00\x03\x00" + b"oid",  # names too long
+    LONE_CALL + (1).to_bytes(8, "little") + b"\x01\x00\x01\x00" + b"\xff" + b"m",  # not utf-8
+])
+def test_malformed_lone_frames_are_refused(frame):
+    with pytest.raises(FrameError, match="lone"):
+        unpack(frame)
+    with pytest.raises(FrameError, match="lone"):
+        unpack(memoryview(frame))
 
 
 def test_a_frame_of_something_else_than_messages_is_refused():
