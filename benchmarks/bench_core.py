@@ -26,7 +26,10 @@ Measures, for both libraries:
 
 The transport's floor is measured in the same run (``floor.py``): a bare
 pynng ``Pair0`` round trip between two processes for the Pipe row, a bare
-pynng stream of 1 MB frames for the 1 MB Queue rows. Uber Fiber, where a
+pynng stream of 1 MB frames for the 1 MB Queue rows. The Pipe row also
+measures that round trip with the object pickled and unpickled on each side
+(a note under the table): what any Python library that sends objects pays
+before it adds anything of its own. Uber Fiber, where a
 Python with it installed is given (``--fiber-python``, or ``FIBER_PYTHON``;
 ``benchmarks/install_fiber.sh`` makes one), is measured in that interpreter,
 driven line by line from this run so that its repeats interleave with the
@@ -62,6 +65,7 @@ LARGE = 1 << 20
 MB = 1e6
 LIBS = ("mp", "fibrl")
 FLOOR = "nng"       # the bare pynng floor (floor.py)
+PICKLED = "nng+pickle"   # the same round trip with pickle on each side (Pipe row only)
 FIBER = "fiber"     # Uber Fiber, run in its own interpreter
 
 
@@ -473,6 +477,7 @@ def bench_pipe(opts) -> list:
 
     benches = {lib: PipeBench(lib) for lib in LIBS}
     benches[FLOOR] = floor.NngEcho()
+    benches[PICKLED] = floor.PickledEcho()
     if opts.fiber_python:
         benches[FIBER] = FiberBench(opts.fiber_python, "pipe")
     row = Row("Pipe round trip 100 B", "µs", False, "<= 1.2 floor, <= fiber", tuple(benches))
@@ -486,6 +491,12 @@ def bench_pipe(opts) -> list:
         for bench in benches.values():
             bench.close()
     _progress(row)
+    pickled = row.value(PICKLED)
+    NOTES.append(
+        f"{row.name}: the floor with pickle on both sides (the object pickled before each "
+        f"send, unpickled after each receive, nothing else) took {_fmt(pickled)} µs, "
+        f"{_ratio(_div(pickled, row.value(FLOOR)))} the floor; fibrl took "
+        f"{_ratio(_div(row.value('fibrl'), pickled))} that.")
     return [row]
 
 

@@ -7,14 +7,19 @@ against:
 
 - :class:`NngEcho`: round trip of one frame to an echo in another process;
 - :class:`NngStream`: a stream of frames in either direction, ended by a
-  one-frame acknowledgement (the receiver has them all).
+  one-frame acknowledgement (the receiver has them all);
+- :class:`PickledEcho`: :class:`NngEcho` with the object pickled before each
+  send and unpickled after each receive, on both sides: the least that any
+  Python library sending objects over nng pays, with nothing else (no
+  envelope, dispatch, ordering or end-of-file bookkeeping).
 
-No authentication, pickling or dispatch: only nng. The worker is a stdlib
-spawn process, so nothing of fibrl runs on either side.
+No authentication and no dispatch; no pickling but in :class:`PickledEcho`.
+The worker is a stdlib spawn process, so nothing of fibrl runs on either side.
 """
 from __future__ import annotations
 
 import multiprocessing
+import pickle
 import time
 
 ACK = b"ok"
@@ -28,12 +33,20 @@ def _listen():
     return sock, "tcp://" + str(sock.listeners[0].local_address)
 
 
-def serve(address: str) -> None:
-    """Worker: dial ``address``; echo frames, or run stream commands, until ``b"stop"``."""
+def serve(address: str, pickled: bool = False) -> None:
+    """Worker: dial ``address``; echo frames, or run stream commands, until ``b"stop"``.
+    ``pickled``: every frame is an object pickled, echoed unpickled and pickled again."""
     import pynng
 
     sock = pynng.Pair0(recv_max_size=0)
     sock.dial(address, block=True)
+    if pickled:
+        dumps, loads = pickle.dumps, pickle.loads
+        while True:
+            msg = sock.recv()
+            if msg == b"stop":
+                return
+            sock.send(dumps(loads(msg), 5))
     while True:
         msg = sock.recv()
         if msg == b"stop":
@@ -52,14 +65,17 @@ def serve(address: str) -> None:
 
 
 class _Worker:
+    pickled = False
+
     def __init__(self) -> None:
         self.sock, address = _listen()
         self.proc = multiprocessing.get_context("spawn").Process(
-            target=serve, args=(address,), daemon=True)
+            target=serve, args=(address, self.pickled), daemon=True)
         self.proc.start()
         self.sock.recv_timeout = 120_000
-        self.sock.send(b"hello")
-        assert self.sock.recv() == b"hello"
+        hello = pickle.dumps(b"hello", 5) if self.pickled else b"hello"
+        self.sock.send(hello)
+        assert self.sock.recv() == hello
 
     def close(self) -> None:
         self.sock.send(b"stop")
@@ -76,6 +92,22 @@ class NngEcho(_Worker):
         for _ in range(n):
             sock.send(msg)
             sock.recv()
+        return time.perf_counter() - start
+
+
+class PickledEcho(_Worker):
+    """Round trips of a ``size``-byte ``bytes`` object, pickled (protocol 5) before each
+    send and unpickled after each receive, in both processes."""
+
+    pickled = True
+
+    def rounds(self, n: int, size: int = 100) -> float:
+        sock, msg = self.sock, b"x" * size
+        dumps, loads = pickle.dumps, pickle.loads
+        start = time.perf_counter()
+        for _ in range(n):
+            sock.send(dumps(msg, 5))
+            loads(sock.recv())
         return time.perf_counter() - start
 
 
