@@ -35,8 +35,9 @@ from .config import Config
 from .errors import FrameError, RemoteObjectError, chain_remote
 from .serialization import OOB_THRESHOLD, Encoded, dumps, dumps_parts, loads
 
-__all__ = ["Call", "Reply", "pack", "unpack", "COMPACT", "LONE_REPLY", "LONE_CALL", "RemoteError", "WorkerStart", "MAIN_SOURCE",
-           "blob", "wrap_raw", "wrap_args", "RAW_TYPES"]
+__all__ = ["Call", "Reply", "pack", "unpack", "COMPACT", "LONE_REPLY", "LONE_CALL",
+           "RemoteError", "WorkerStart", "MAIN_SOURCE", "blob", "wrap_raw", "wrap_args",
+           "RAW_TYPES"]
 
 
 @dataclass(frozen=True, slots=True, init=False)
