@@ -1075,8 +1075,7 @@ class _Run:
 def _merge_puts(oid: str, calls: list) -> Optional[Call]:
     """One ``put_run`` call for one-way puts of small items that follow each other on a
     connection (their Call and wrapper cost more than a 100 B item); None: as they are."""
-    if any(not 1 <= len(c.args) <= 2 or len(c.args) == 2 and c.args[1] is not None
-           for c in calls):
+    if any(not c.args or c.args[1:] not in ((), (None,)) for c in calls):
         return None   # (a put with a timeout: it may wait, it goes alone)
     run = _Run.of([c.args[0] for c in calls])
     return Call(0, oid, "put_run", (run,)) if type(run) is _Run else None

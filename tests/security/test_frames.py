@@ -1,7 +1,7 @@
 """A connected process that sends a frame fibrl cannot read (a malformed lone or compact
 envelope: a buggy or hostile peer that knows the secret) loses its connection, in either
 direction, and the hub goes on serving everyone else."""
-import time
+import threading
 
 import pytest
 
@@ -29,15 +29,6 @@ class _Echo(Service):
         reply.peer.send([frame])   # to the caller, in place of the answer
 
 
-def _until(predicate, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
-
-
 @pytest.fixture
 def hubs():
     made = []
@@ -56,9 +47,10 @@ def test_a_caller_that_sends_an_unreadable_frame_is_dropped_and_others_are_serve
     server, bad, good = hubs(), hubs(), hubs()
     oid = server.register(_Echo())
     assert bad.call(server.address, oid, "echo", 1, timeout=30) == 1
-    client = bad.client(server.address)
+    client, dropped = bad.client(server.address), threading.Event()
+    client.on_lost(dropped.set)
     client._channel.send([frame])
-    assert _until(lambda: client.lost), "the server kept a peer that sends garbage"
+    assert dropped.wait(10), "the server kept a peer that sends garbage"
     assert good.call(server.address, oid, "echo", 2, timeout=30) == 2
     # the dropped process may connect again, as any other
     assert bad.call(server.address, oid, "echo", 3, timeout=30) == 3
