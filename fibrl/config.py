@@ -3,7 +3,7 @@
 Precedence, strongest first: keyword arguments (``fibrl.init(**kw)``),
 ``FIBRL_<KEY>`` environment variables, a ``.fibrlconfig`` file (``key = value``
 lines, optionally under a ``[fibrl]`` header) in the current directory, and the
-defaults below. Unknown keys are rejected with the list of valid ones; values
+defaults below. Unknown keys are rejected with the closest valid ones; values
 from text sources are parsed to the field's type (``FIBRL_DEBUG=false`` is
 ``False``).
 
@@ -15,6 +15,7 @@ parent hands its config to every worker it starts. The backend names are
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 import typing
 from pathlib import Path
@@ -126,9 +127,28 @@ def _check_keys(keys, source: str) -> None:
     valid = _fields()
     unknown = sorted(k for k in keys if k not in valid)
     if unknown:
-        raise ConfigError(
-            f"unknown fibrl config key(s) {unknown} in {source}. "
-            f"Valid keys: {', '.join(sorted(valid))}. Fix the spelling or remove the key.")
+        raise ConfigError(" ".join(_unknown_key(k, source, valid) for k in unknown) +
+                          " Fix the spelling or remove the key (every key is described "
+                          "in docs/configuration.md).")
+
+
+def _unknown_key(key: str, source: str, valid) -> str:
+    close = difflib.get_close_matches(str(key).lower(), list(valid), n=3, cutoff=0.6)
+    if close:
+        return (f"unknown fibrl config key {key!r} in {source}: did you mean "
+                f"{' or '.join(map(repr, close))}?")
+    return f"unknown fibrl config key {key!r} in {source}; valid keys: {_compact(valid)}."
+
+
+def _compact(names) -> str:
+    """The key names with shared prefixes folded: ``docker_{network, workdir}``."""
+    groups: dict[str, list] = {}
+    for name in sorted(names):
+        head, _, tail = name.partition("_")
+        family = name.startswith(("docker_", "kubernetes_"))
+        groups.setdefault(head if family else name, []).append(tail if family else "")
+    return ", ".join(head if tails == [""] else f"{head}_{{{', '.join(tails)}}}"
+                     for head, tails in groups.items())
 
 
 def _parse(name: str, value: Any, source: str) -> Any:

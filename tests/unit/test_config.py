@@ -32,9 +32,20 @@ def test_bool_parsing(text, value):
     assert resolve(environ={"FIBRL_DEBUG": text}, cwd=None).debug is value
 
 
-def test_unknown_keys_list_valid_ones(tmp_path):
-    with pytest.raises(ConfigError, match="unknown.*bakend.*Valid keys:.*backend"):
+def test_unknown_keys_suggest_the_close_ones(tmp_path):
+    with pytest.raises(ConfigError) as info:
         resolve({"bakend": "local"}, environ={}, cwd=None)
+    text = str(info.value)
+    assert "unknown fibrl config key 'bakend'" in text
+    assert "did you mean 'backend'?" in text
+    assert "kubernetes_namespace" not in text      # not the whole list of keys
+    assert "docs/configuration.md" in text
+    with pytest.raises(ConfigError) as info:       # nothing close: every key, compactly
+        resolve({"zzz": 1}, environ={}, cwd=None)
+    text = str(info.value)
+    assert "valid keys: auth_timeout, backend," in text
+    assert "docker_{mount_cwd, mount_readonly, network, workdir}" in text
+    assert "kubernetes_namespace" not in text and "namespace" in text
     with pytest.raises(ConfigError, match="FIBRL_"):
         resolve(environ={"FIBRL_NOPE": "1"}, cwd=None)
     (tmp_path / ".fibrlconfig").write_text("colour = red\n")
