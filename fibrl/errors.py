@@ -17,6 +17,7 @@ Hierarchy::
      |         |    +-- FrameError               bytes that are not a fibrl frame
      |         |    +-- ChannelClosed            the peer went away
      |         +-- BackendError                  engine/cluster unreachable, job failed to start
+     |         |    +-- BackendUnavailableError  no engine or cluster: no job can start
      |         +-- WorkerLostError               a worker died while holding tasks
      |         |    +-- TaskFailedError          a task killed its worker too many times
      |         +-- RemoteObjectError             a hosted object vanished (owner exited)
@@ -32,7 +33,7 @@ import multiprocessing.pool  # for RemoteTraceback's base (about 3 ms more on im
 import signal
 
 __all__ = [
-    "AuthenticationError", "BackendError", "ChannelClosed", "ConfigError", "FibrlError",
+    "AuthenticationError", "BackendError", "BackendUnavailableError", "ChannelClosed", "ConfigError", "FibrlError",
     "FrameError", "RemoteObjectError", "RemoteTraceback", "SerializationError",
     "TaskFailedError", "TransportError", "WorkerLostError", "chain_remote", "describe_exitcode",
     "object_gone", "owner_gone",
@@ -65,6 +66,11 @@ class ChannelClosed(TransportError, EOFError):
 
 class BackendError(FibrlError):
     """A backend could not start, watch or stop a job."""
+
+
+class BackendUnavailableError(BackendError):
+    """The backend can start no job at all: its engine or cluster is not configured,
+    not installed or not reachable. A pool stops at the first one instead of retrying."""
 
 
 class WorkerLostError(FibrlError):

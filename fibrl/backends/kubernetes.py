@@ -43,7 +43,7 @@ from typing import Callable, Optional
 from urllib.parse import urlsplit
 
 from ..config import Config
-from ..errors import BackendError
+from ..errors import BackendError, BackendUnavailableError
 from ..timers import Timers
 from .base import Backend, Job, JobSpec
 from .kube.api import Api, KubeApiError, connect
@@ -94,6 +94,7 @@ class KubernetesBackend(Backend):
         self._own_secrets: list[str] = []          # Secrets this backend created
         self._bad_images: dict[str, str] = {}
         self._fatal: Optional[BackendError] = None
+        self._unreachable: tuple = (0.0, None)     # (when, error) of the last failed connect
         self._created = 0                          # pods created so far (resync order)
         self._parent: Optional[dict] = None        # this process's pod, when it runs in one
         self._closed = False
@@ -163,7 +164,7 @@ class KubernetesBackend(Backend):
                 raise BackendError("the kubernetes backend was closed (the program is exiting); "
                                    "no new worker pods can start.")
             if self._watcher is None:
-                self._connect()
+                self._connect_once()
         if not self._watcher.ready.wait(_START_WAIT):
             raise BackendError(
                 f"the watch of worker pods in namespace {self.namespace!r} did not start within "
@@ -171,6 +172,18 @@ class KubernetesBackend(Backend):
                 f"with `kubectl get --raw /readyz`.")
         if self._watcher.error is not None:
             raise self._watcher.error
+
+    def _connect_once(self) -> None:
+        """Connect, unless the last try found no cluster moments ago: the starts of a
+        pool that wait on this lock fail at once with that error, not one probe each."""
+        when, error = self._unreachable
+        if error is not None and time.monotonic() - when < _PROBE_SECONDS:
+            raise error
+        try:
+            self._connect()
+        except BackendUnavailableError as exc:
+            self._unreachable = (time.monotonic(), exc)
+            raise
 
     def _connect(self) -> None:
         api = Api(connect(self.settings, self.identity), max_inflight=self.settings.create_batch)

@@ -54,8 +54,8 @@ import time
 from collections import OrderedDict, deque
 from typing import Any, Optional
 
-from ..errors import (SerializationError, TaskFailedError, WorkerLostError,
-                      describe_exitcode)
+from ..errors import (BackendUnavailableError, SerializationError, TaskFailedError,
+                      WorkerLostError, describe_exitcode)
 from ..hub import ReplySink, Service
 from .protocol import (CLOSE, LOADING, RUN, STOP, TERMINATE, Batch, Kind, Report, TaskSpec,
                        describe, unpack)
@@ -214,6 +214,8 @@ class PoolService(Service):
         self._ids = itertools.count(1)
         self._failed_starts: list = []   # evidence of consecutive failed starts
         self._short_of: set = set()   # causes of refused starts, each logged once
+        self._load_errors: set = set()   # what workers said when they could not load
+        self._first_failure = ""   # evidence of the first failed start in a row
         self._retiring = 0   # workers in _workers that are retiring, kept as they change
         self.stats = {"lost": 0, "requeued": 0, "failed": 0}
 
@@ -418,6 +420,8 @@ class PoolService(Service):
         if peer is not None:
             self._by_peer[peer.id] = worker
         self._failed_starts.clear()
+        self._first_failure = ""
+        self._load_errors.clear()   # loading works: an error seen before was not for all
 
     # == recording results =================================================================
     def _record(self, reports: list, effects: _Effects) -> None:
@@ -635,12 +639,16 @@ class PoolService(Service):
         """Starting worker ``wid`` raised ``exc`` (the backend refused the job)."""
         self._drop(wid, None, f"start raised {type(exc).__name__}: {exc}", exc)
 
-    def lose(self, wid: int, exitcode: Optional[int], detail: str = "") -> None:
-        """Worker ``wid`` ended (``exitcode``; None: unknown). Requeue what it held."""
-        self._drop(wid, exitcode, _evidence(exitcode, detail), None)
+    def lose(self, wid: int, exitcode: Optional[int], detail: str = "",
+             load_error: str = "") -> None:
+        """Worker ``wid`` ended (``exitcode``; None: unknown). Requeue what it held.
+        ``load_error``: why it said it could not load its process (its exception)."""
+        evidence = _evidence(exitcode, detail)
+        self._drop(wid, exitcode, f"{evidence}: {load_error}" if load_error else evidence,
+                   None, load_error)
 
     def _drop(self, wid: int, exitcode: Optional[int], evidence: str,
-              exc: Optional[BaseException]) -> None:
+              exc: Optional[BaseException], load_error: str = "") -> None:
         effects = _Effects()
         with self._lock:
             worker = self._workers.pop(wid, None)
@@ -654,7 +662,7 @@ class PoolService(Service):
             for task in reversed(list(worker.held.values())):
                 self._requeue(task, exitcode, effects)
             if not worker.connected and self._wants_workers():
-                self._failed_start(evidence, exc, effects)
+                self._failed_start(evidence, exc, load_error, effects)
             effects.wake = True
             self._dispatch(effects)
         effects.run(self)
@@ -724,34 +732,57 @@ class PoolService(Service):
             return describe(", ".join(parts)) if parts else ""
         return describe(items[task.lo])
 
-    def _failed_start(self, evidence: str, exc: Optional[BaseException],
+    def _failed_start(self, evidence: str, exc: Optional[BaseException], load_error: str,
                       effects: _Effects) -> None:
+        if isinstance(exc, BackendUnavailableError):
+            self._give_up(exc, effects)   # no engine or cluster: every start fails alike
+            return
+        if load_error and load_error in self._load_errors:
+            self._give_up(WorkerLostError(
+                f"the pool stopped starting workers: two of them could not load their "
+                f"process with the same error, {load_error} (the worker's traceback is "
+                f"logged above); every other worker would fail alike. Fix that error and "
+                f"create a new Pool."), effects)
+            return
+        if load_error:
+            self._load_errors.add(load_error)
         self._failed_starts.append(evidence)
-        running = sum(1 for w in self._workers.values() if w.connected and not w.retiring)
-        alive = len(self._workers) - self._retiring   # running or still starting
-        if ((exc is not None and alive) or
-                (running and len(self._failed_starts) >= _SHORT_AFTER)):
-            # The backend refused a start (descriptors, processes, memory, a refused
-            # container), or starts keep failing, while others run: go on with those
-            # (and the starts under way), and say so once per cause.
-            self.processes = alive
-            self._failed_starts.clear()
-            if evidence not in self._short_of:
-                self._short_of.add(evidence)
-                log.warning("pool: could not start another worker (%s); the pool goes on "
-                            "with the workers it has (%d running, %d starting). Raise the "
-                            "limit, or create a smaller Pool.", evidence, running,
-                            alive - running)
+        self._first_failure = self._first_failure or evidence
+        if self._going_on_short(evidence, exc):
             return
         limit = max(10, 2 * self.processes)
         if len(self._failed_starts) < limit:
             return
         seen = "; ".join(sorted(set(self._failed_starts)))
-        broken = WorkerLostError(
+        self._give_up(WorkerLostError(
             f"the pool could not start a worker: {limit} starts in a row failed before the "
-            f"worker connected back ({seen}). Check the backend (image, resources, "
-            f"start_timeout) and the worker's logs; fix it and create a new Pool.")
-        broken.__cause__ = exc
+            f"worker connected back. The first failure: {self._first_failure}. All of them: "
+            f"{seen}. Check the backend (image, resources, start_timeout) and the worker's "
+            f"logs; fix it and create a new Pool."), effects, exc)
+
+    def _going_on_short(self, evidence: str, exc: Optional[BaseException]) -> bool:
+        running = sum(1 for w in self._workers.values() if w.connected and not w.retiring)
+        alive = len(self._workers) - self._retiring   # running or still starting
+        if not ((exc is not None and alive) or
+                (running and len(self._failed_starts) >= _SHORT_AFTER)):
+            return False
+        # The backend refused a start (descriptors, processes, memory, a refused
+        # container), or starts keep failing, while others run: go on with those
+        # (and the starts under way), and say so once per cause.
+        self.processes = alive
+        self._failed_starts.clear()
+        if evidence not in self._short_of:
+            self._short_of.add(evidence)
+            log.warning("pool: could not start another worker (%s); the pool goes on "
+                        "with the workers it has (%d running, %d starting). Raise the "
+                        "limit, or create a smaller Pool.", evidence, running,
+                        alive - running)
+        return True
+
+    def _give_up(self, broken: BaseException, effects: _Effects,
+                 cause: Optional[BaseException] = None) -> None:
+        if cause is not None:
+            broken.__cause__ = cause
         self._broken = broken
         self._abort_all(broken, effects)
 

@@ -26,7 +26,7 @@ from fibrl.backends.base import JobStatus
 from fibrl.backends.kube.settings import (KubeSettings, PodIdentity, cpu_quantity, label_value,
                                           memory_quantity, pod_image, pod_name)
 from fibrl.config import Config
-from fibrl.errors import BackendError, ConfigError
+from fibrl.errors import BackendError, BackendUnavailableError, ConfigError
 
 
 kubernetes = require_module("kubernetes")
@@ -281,18 +281,42 @@ def test_forbidden_names_the_missing_permission_and_the_fix(kube_init, fake, ver
     assert "forbidden" in text and f"{verb} {resource}" in text and "deploy/rbac.yaml" in text
 
 
-def test_no_cluster_reachable_is_reported_quickly(kube_init, tmp_path):
+def _unreachable_kubeconfig(tmp_path) -> str:
     config = {"apiVersion": "v1", "kind": "Config", "current-context": "c",
               "clusters": [{"name": "c", "cluster": {"server": "http://127.0.0.1:9"}}],
               "users": [{"name": "u", "user": {"token": "t"}}],
               "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}]}
     path = tmp_path / "kubeconfig"
     path.write_text(json.dumps(config))
+    return str(path)
+
+
+def test_no_cluster_reachable_is_reported_quickly(kube_init, tmp_path):
+    path = _unreachable_kubeconfig(tmp_path)
     kube_init(kubernetes_kubeconfig=str(path))
     t0 = time.monotonic()
     with pytest.raises(BackendError, match="no kubernetes cluster reachable at http://127.0.0.1:9"):
         fibrl.Process(target=exit_with, args=(0,)).start()
     assert time.monotonic() - t0 < 30
+
+
+@pytest.mark.parametrize("cluster", ["unreachable", "missing"])
+def test_pool_without_a_cluster_fails_once_with_the_clear_error(kube_init, tmp_path, caplog,
+                                                               monkeypatch, cluster):
+    """No cluster: the pool's map raises the backend's error after one try to reach it,
+    without first announcing that it goes on with fewer workers."""
+    path = _unreachable_kubeconfig(tmp_path) if cluster == "unreachable" else tmp_path / "no"
+    backend = kube_init(kubernetes_kubeconfig=str(path))
+    tries = []
+    connect = backend._connect
+    monkeypatch.setattr(backend, "_connect", lambda: tries.append(1) or connect())
+    expected = "no kubernetes cluster reachable" if cluster == "unreachable" else "does not exist"
+    with caplog.at_level(logging.WARNING, logger="fibrl.pool"):
+        with fibrl.Pool(4) as pool:
+            with pytest.raises(BackendUnavailableError, match=expected):
+                pool.map_async(abs, range(8)).get(timeout=WAIT * 2)
+    assert len(tries) == 1
+    assert "goes on with the workers it has" not in caplog.text
 
 
 def test_missing_kubeconfig_says_how_to_fix(kube_init, tmp_path):

@@ -13,7 +13,7 @@ import re
 import secrets
 from typing import Optional
 
-from ...errors import BackendError
+from ...errors import BackendError, BackendUnavailableError
 
 __all__ = ["connect", "container_name", "exit_code", "in_worker_container", "LABEL_HOST",
            "LABEL_PIDNS", "LOG_TAIL_LINES"]
@@ -39,7 +39,7 @@ def _sdk():
 
 
 def _no_sdk() -> BackendError:
-    return BackendError(
+    return BackendUnavailableError(
         "the docker backend needs the docker SDK, which is not installed. "
         "Fix: pip install 'fibrl[docker]' (or choose fibrl.init(backend='local')).")
 
@@ -73,7 +73,7 @@ def connect(timeout: float = 60.0, pool_size: int = 64):
     try:
         return docker.from_env(timeout=int(timeout), max_pool_size=pool_size)
     except _sdk_errors() as exc:
-        raise BackendError(
+        raise BackendUnavailableError(
             f"cannot reach the docker engine at {_engine_address()} ({exc}). Likely cause: "
             f"dockerd is not running, DOCKER_HOST points to the wrong place, or this user "
             f"may not use the socket. Fix: start dockerd (e.g. `sudo systemctl start "

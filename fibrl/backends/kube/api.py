@@ -25,7 +25,7 @@ import threading
 import time
 from typing import Any, Callable, Optional
 
-from ...errors import BackendError
+from ...errors import BackendError, BackendUnavailableError
 from .settings import KubeSettings, PodIdentity
 
 __all__ = ["Api", "KubeApiError", "connect", "sdk", "RBAC_HINT", "REQUIRED_PERMISSIONS",
@@ -55,7 +55,7 @@ def sdk():
     try:
         import kubernetes
     except ImportError as exc:
-        raise BackendError(
+        raise BackendUnavailableError(
             "the kubernetes backend needs the official kubernetes client, which is not "
             "installed. Fix: pip install 'fibrl[kubernetes]' (or choose another backend with "
             "fibrl.init(backend='local')).") from exc
@@ -69,6 +69,10 @@ class KubeApiError(BackendError):
         super().__init__(message)
         self.status = status
         self.retry_after = retry_after   # seconds the server asked to wait (Retry-After)
+
+
+class KubeUnreachableError(KubeApiError, BackendUnavailableError):
+    """The API server did not answer at all (after retrying for a while)."""
 
 
 # -- connecting -------------------------------------------------------------------------
@@ -106,7 +110,7 @@ def _load(load: Callable[[], None], source: str) -> None:
     try:
         load()
     except Exception as exc:  # the loaders raise ConfigException, ValueError, OSError...
-        raise BackendError(
+        raise BackendUnavailableError(
             f"cannot load the kubernetes client configuration from {source}: {exc}. Fix: check "
             f"it with `kubectl cluster-info`, or point kubernetes_kubeconfig at a working "
             f"kubeconfig.") from exc
@@ -114,10 +118,10 @@ def _load(load: Callable[[], None], source: str) -> None:
 
 def _no_config(path: str, explicit: bool) -> BackendError:
     if explicit:
-        return BackendError(
+        return BackendUnavailableError(
             f"kubernetes_kubeconfig={path!r} does not exist. Fix: give the path of a "
             f"kubeconfig (kubectl config view --raw > FILE), or leave it empty inside a cluster.")
-    return BackendError(
+    return BackendUnavailableError(
         f"no kubernetes cluster configured: this process does not run in a pod (no service "
         f"account token) and there is no kubeconfig at {path}. Fix: set kubernetes_kubeconfig "
         f"(fibrl.init(kubernetes_kubeconfig=...) or FIBRL_KUBERNETES_KUBECONFIG), export "
@@ -247,7 +251,7 @@ def status_message(exc: Any) -> str:
 
 
 def unreachable(host: str, exc: Exception) -> KubeApiError:
-    return KubeApiError(
+    return KubeUnreachableError(
         f"no kubernetes cluster reachable at {host}: {exc}. Likely cause: the cluster is down, "
         f"the kubeconfig points at another address, or a VPN or firewall is in the way. Fix: "
         f"check `kubectl cluster-info` with the same kubeconfig, set kubernetes_kubeconfig, or "
