@@ -88,6 +88,7 @@ class Popen:
     def __init__(self, process_obj: Any, config: Config) -> None:
         self.returncode: Optional[int] = None
         self.missing_main_guard = False   # the worker said: the main script has no guard
+        self.load_error = ""   # the worker said: it could not load its process (summary)
         self.config = config
         self._done = threading.Event()
         self._closed = False
@@ -113,7 +114,8 @@ class Popen:
         self._job = None
         self._deadline: Optional[list] = None
         try:
-            self._job = self._backend.create_job(self._spec(process_obj, hub.address))
+            self._job_spec = self._spec(process_obj, hub.address)
+            self._job = self._backend.create_job(self._job_spec)
         except BaseException:
             self._release()
             self._close_sentinel()
@@ -207,8 +209,27 @@ class Popen:
             self.missing_main_guard = True   # read by a pool: it stops starting workers
             _log_missing_guard_once(error)
             return
-        log.error("worker %s (%s) could not load its process and exits with code 1:\n%s",
-                  getattr(self._job, "id", None) or self.pid, self._spec_name, error)
+        summary = _error_summary(error)
+        hint = self._import_hint(summary)
+        self.load_error = f"{summary}. {hint}" if hint else summary   # read by a pool
+        with _guard_lock:   # pool workers failing alike: the traceback once, then a line
+            repeat = summary in _load_errors_said
+            _load_errors_said.add(summary)
+        worker = getattr(self._job, "id", None) or self.pid
+        if repeat:
+            log.debug("worker %s (%s) could not load its process either (%s); it exits with "
+                      "code 1", worker, self._spec_name, summary)
+            return
+        log.error("worker %s (%s) could not load its process and exits with code 1:\n%s%s",
+                  worker, self._spec_name, error, f"\n{hint}" if hint else "")
+
+    def _import_hint(self, summary: str) -> str:
+        if "ImportError" not in summary and "ModuleNotFoundError" not in summary:
+            return ""
+        try:
+            return self._backend.import_hint(self._job_spec)   # _job may not be set yet
+        except Exception:   # a hint only: the error itself is what matters
+            return ""
 
     def _explain_early_exit(self, code: int) -> None:
         from .errors import describe_exitcode
@@ -340,6 +361,16 @@ _guard_said = False
 
 
 _early_exits_said: set = set()   # (exit code, reason, last output line) logged in full
+_load_errors_said: set = set()   # summaries of load errors whose traceback was logged
+
+
+def _error_summary(error: str) -> str:
+    """A worker's traceback in one line: its exception and the line that raised it."""
+    lines = [line.strip() for line in error.splitlines() if line.strip()]
+    if not lines:
+        return "(no error text)"
+    frames = [line for line in lines if line.startswith('File "')]
+    return f"{lines[-1]} ({frames[-1]})" if frames else lines[-1]
 
 
 def _log_missing_guard_once(error: str) -> None:

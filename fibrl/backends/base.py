@@ -180,6 +180,11 @@ class Backend(abc.ABC):
         backend registers nothing at exit by itself.
         """
 
+    def import_hint(self, spec: JobSpec) -> str:
+        """Where a job of ``spec`` finds this host's modules, said when one could not
+        import a module ("": the same files as here)."""
+        return ""
+
     def listen_host(self) -> str:
         """Address the parent must listen on so workers can reach it."""
         return self.config.listen_host

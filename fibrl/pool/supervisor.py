@@ -176,7 +176,7 @@ class Supervisor:
         detail = "" if code == 0 else _failure_reason(proc)
         if getattr(proc._popen, "missing_main_guard", False):
             self._service.missing_main_guard()   # before lose(): no replacement starts
-        self._service.lose(wid, code, detail)
+        self._service.lose(wid, code, detail, getattr(proc._popen, "load_error", ""))
         if code is not None:
             proc.close()
 

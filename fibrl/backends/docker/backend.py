@@ -190,6 +190,21 @@ class DockerBackend(Backend):
             return self.config.docker_workdir
         return spec.workdir if self.config.docker_mount_cwd and spec.workdir else None
 
+    def import_hint(self, spec: JobSpec) -> str:
+        if self._nested_locally():
+            return ""
+        try:
+            mounted = sorted(self._volumes(spec))
+        except BackendError:
+            mounted = []
+        where = ", ".join(mounted) or "no directory (docker_mount_cwd=False)"
+        return (f"A docker worker sees only what its image {spec.image or self.config.image!r} "
+                f"holds and the host directories mounted into it at the same paths: "
+                f"{where}. A module elsewhere (a PYTHONPATH entry outside them, a package "
+                f"installed only on this host) is missing there. Fix: run from a directory "
+                f"that holds your code, move the module under one of those directories, or "
+                f"install it in the image.")
+
     def _volumes(self, spec: JobSpec) -> dict:
         volumes = {}
         if self.config.docker_mount_cwd and spec.workdir:
