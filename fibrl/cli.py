@@ -10,7 +10,10 @@
     fibrl stop RUN [--backend B] [--namespace NS]
 
 ``run`` waits for the script and exits with its exit code (``--follow`` also
-streams its output; ``--detach`` prints the run id and returns at once).
+streams its output, else it says how to follow it with ``fibrl logs``;
+``--detach`` prints the run id and returns at once). A docker run's parent
+container stays, with its output, until ``fibrl stop``. Without ``--backend``
+it launches on kubernetes unless the config's backend is docker.
 Settings not given as options come from the fibrl config (``FIBRL_*``
 variables, ``.fibrlconfig``): ``kubernetes_namespace``, ``kubernetes_kubeconfig``,
 ``image``, ``registry``, ``kubernetes_service_account``...
@@ -29,7 +32,7 @@ from typing import Optional
 
 from .backends.base import CLUSTER_BACKENDS as BACKENDS
 from .config import Config, resolve
-from .errors import ConfigError, FibrlError
+from .errors import BackendUnavailableError, ConfigError, FibrlError
 
 __all__ = ["main"]
 
@@ -190,6 +193,16 @@ def _kube_context(config: Config) -> str:
 def _run(args: argparse.Namespace, config: Config) -> int:
     command, env = _command(args.argv), _env(args.env)
     backend = _backend(args, config)
+    try:
+        return _launch(args, config, backend, command, env)
+    except BackendUnavailableError as exc:
+        if backend != "kubernetes":
+            raise
+        raise _no_cluster(args, command, exc) from exc
+
+
+def _launch(args: argparse.Namespace, config: Config, backend: str, command: tuple,
+            env: dict) -> int:
     run_id = secrets.token_hex(6)
     from .launch import RunRequest, get_launcher
 
@@ -201,18 +214,54 @@ def _run(args: argparse.Namespace, config: Config) -> int:
     where = launcher.launch(request)
     _say(f"run {run_id} started: {where} ({backend}"
          f"{', namespace ' + config.kubernetes_namespace if backend == 'kubernetes' else ''})")
+    follow = _follow_hint(config, backend, run_id)
     if args.detach:
+        _say(f"{follow}; `fibrl stop {run_id}{_flag(config, backend)}` ends it and deletes it.")
         print(run_id)
         return 0
+    if not args.follow:
+        _say(f"waiting for it to end; {follow} (or run with -f to stream it here).")
     try:
         ended = launcher.wait(run_id, args.follow, sys.stdout.buffer)
     except KeyboardInterrupt:
-        _say(f"stopped waiting; run {run_id} goes on. `fibrl logs {run_id} -f` to follow it, "
-             f"`fibrl stop {run_id}` to end it.")
+        _say(f"stopped waiting; run {run_id} goes on. {follow}, "
+             f"`fibrl stop {run_id}{_flag(config, backend)}` to end it.")
         return 130
-    if ended.reason:
-        _say(f"run {run_id}: the script ended with exit status {ended.status}: {ended.reason}")
+    _say(_ended(config, backend, run_id, ended))
     return ended.status
+
+
+def _flag(config: Config, backend: str) -> str:
+    """The option the other commands need to find this run (their default backend is
+    the config's if it is docker, else kubernetes)."""
+    return " --backend docker" if backend == "docker" and config.backend != "docker" else ""
+
+
+def _follow_hint(config: Config, backend: str, run_id: str) -> str:
+    return f"`fibrl logs {run_id}{_flag(config, backend)} -f` follows its output"
+
+
+def _ended(config: Config, backend: str, run_id: str, ended) -> str:
+    text = f"run {run_id}: the script ended with exit status {ended.status}"
+    if ended.reason:
+        text += f": {ended.reason}"
+    if backend == "docker":   # the container keeps its output, as a finished Job's pod does
+        text += (f". Its container stays, with its output (`fibrl logs {run_id}"
+                 f"{_flag(config, backend)}`), until `fibrl stop {run_id}{_flag(config, backend)}`")
+    return text + "."
+
+
+def _no_cluster(args: argparse.Namespace, command: tuple,
+                exc: BackendUnavailableError) -> BackendUnavailableError:
+    from .backends.kube.api import IN_CLUSTER_ADVICE
+
+    chose = ("kubernetes (given with --backend)" if args.backend else
+             "kubernetes (the default: the config's backend is not docker)")
+    detail = str(exc).replace(f", or {IN_CLUSTER_ADVICE}", "").replace(IN_CLUSTER_ADVICE, "")
+    return BackendUnavailableError(
+        f"fibrl run launches on {chose} and found no cluster: {detail} To run the script "
+        f"in a docker container on this machine instead: `fibrl run --backend docker -- "
+        f"{' '.join(command)}`.")
 
 
 # -- fibrl ps / logs / stop -------------------------------------------------------------

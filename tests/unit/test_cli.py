@@ -42,8 +42,11 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def fibrl_cli(*args, timeout=TIMEOUT, cwd=None):
+def fibrl_cli(*args, timeout=TIMEOUT, cwd=None, **extra_env):
     env = {k: v for k, v in os.environ.items() if not k.startswith("FIBRL_")}
+    # this checkout's fibrl, from any cwd (not an installed one)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))
+    env.update(extra_env)
     return subprocess.run([sys.executable, "-m", "fibrl.cli", *args], capture_output=True,
                           text=True, timeout=timeout, cwd=cwd, env=env)
 
@@ -54,6 +57,16 @@ def test_usage_errors_say_what_to_do():
     out = fibrl_cli("run", "--env", "NOPE", "--", "python", "-c", "pass")
     assert out.returncode == 1 and "--env 'NOPE' is not K=V" in out.stderr
     assert fibrl_cli("run", "--image", "x", "--build", "--", "true").returncode == 2
+
+
+def test_run_without_a_cluster_suggests_docker_not_itself(tmp_path):
+    out = fibrl_cli("run", "--", "python", "-c", "pass", HOME=str(tmp_path),
+                    KUBECONFIG=str(tmp_path / "none"))
+    assert out.returncode == 1
+    assert "no kubernetes cluster configured" in out.stderr
+    assert "launches on kubernetes (the default" in out.stderr
+    assert "`fibrl run --backend docker -- python -c pass`" in out.stderr
+    assert "with `fibrl run`" not in out.stderr   # not the command that just failed
 
 
 def test_version():
@@ -314,6 +327,24 @@ def test_docker_run_follow_ps_logs_stop(docker_engine, tmp_path):
         stopped = fibrl_cli("stop", run, "--backend", "docker")
     assert f"container/fibrl-run-{run}" in stopped.stdout
     assert run not in _run_ids(["--backend", "docker"])
+
+
+@pytest.mark.docker
+def test_docker_run_without_follow_says_how_to_follow_and_that_the_container_stays(
+        docker_engine, tmp_path):
+    out = fibrl_cli("run", "--backend", "docker", "--image", "fibrl:latest", "--",
+                    "python", "-c", "print('quiet run')", cwd=tmp_path)
+    run = _run_id(out)
+    try:
+        assert out.returncode == 0, out.stderr
+        assert "quiet run" not in out.stdout
+        assert f"`fibrl logs {run} --backend docker -f` follows its output" in out.stderr
+        assert (f"exit status 0. Its container stays, with its output (`fibrl logs {run} "
+                f"--backend docker`), until `fibrl stop {run} --backend docker`") in out.stderr
+        assert "quiet run" in fibrl_cli("logs", run, "--backend", "docker").stdout
+    finally:
+        stopped = fibrl_cli("stop", run, "--backend", "docker")
+    assert f"container/fibrl-run-{run}" in stopped.stdout
 
 
 # The parent container starts a docker worker, then dies of SIGKILL: its reaper dies with

@@ -75,6 +75,10 @@ class KubeUnreachableError(KubeApiError, BackendUnavailableError):
     """The API server did not answer at all (after retrying for a while)."""
 
 
+# The last advice of the no-cluster errors; `fibrl run` drops it (it is what failed).
+IN_CLUSTER_ADVICE = "launch the script inside the cluster with `fibrl run`"
+
+
 # -- connecting -------------------------------------------------------------------------
 
 def _default_kubeconfig() -> str:
@@ -125,7 +129,7 @@ def _no_config(path: str, explicit: bool) -> BackendError:
         f"no kubernetes cluster configured: this process does not run in a pod (no service "
         f"account token) and there is no kubeconfig at {path}. Fix: set kubernetes_kubeconfig "
         f"(fibrl.init(kubernetes_kubeconfig=...) or FIBRL_KUBERNETES_KUBECONFIG), export "
-        f"KUBECONFIG, or launch the script inside the cluster with `fibrl run`.")
+        f"KUBECONFIG, or {IN_CLUSTER_ADVICE}.")
 
 
 # -- calling ----------------------------------------------------------------------------
@@ -255,7 +259,7 @@ def unreachable(host: str, exc: Exception) -> KubeApiError:
         f"no kubernetes cluster reachable at {host}: {exc}. Likely cause: the cluster is down, "
         f"the kubeconfig points at another address, or a VPN or firewall is in the way. Fix: "
         f"check `kubectl cluster-info` with the same kubeconfig, set kubernetes_kubeconfig, or "
-        f"run the script inside the cluster with `fibrl run`.")
+        f"{IN_CLUSTER_ADVICE}.")
 
 
 def api_error(exc: Any, verb: str, resource: str, namespace: str, api: Api) -> KubeApiError:
