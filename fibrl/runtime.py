@@ -220,6 +220,36 @@ def _run_exit_sequence() -> None:
                 fn()
             except Exception:  # one failing cleanup must not keep the others from running
                 log.exception("exit step %s: %r failed", step, fn)
+    if _ended_by_ctrl_c():
+        _die_of_sigint()
+
+
+def _ended_by_ctrl_c() -> bool:
+    """The main script ended with an uncaught KeyboardInterrupt (Python's own error
+    printing sets ``sys.last_type``; an interactive session sets it for any error)."""
+    import sys
+
+    last = getattr(sys, "last_type", None)
+    interactive = sys.flags.interactive or hasattr(sys, "ps1")
+    return not interactive and isinstance(last, type) and issubclass(last, KeyboardInterrupt)
+
+
+def _die_of_sigint() -> None:
+    """End as Python ends after an uncaught Ctrl-C: killed by SIGINT (exit status 130
+    in a shell). CPython forgets that it should when any thread runs Python code it
+    compiles or imports while the interpreter exits (a worker start still under way
+    imports lazily), and then exits with status 1; this is its own last step, taken
+    once fibrl's cleanups are done."""
+    import signal
+    import sys
+
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (AttributeError, ValueError, OSError):
+            pass   # closed or replaced by the program
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGINT)
 
 
 def _end_children() -> None:

@@ -45,6 +45,7 @@ def _preload(modules) -> None:
 def _child(request: dict, stdio: list, keep_fds: tuple) -> None:
     signal.set_wakeup_fd(-1)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)   # as a spawned child's
     for fd in keep_fds:
         os.close(fd)
     for target, fd in zip((1, 2), stdio):
@@ -147,6 +148,10 @@ def _fork(request: dict, stdio: list, out, fds: tuple) -> None:
 
 
 def main() -> None:
+    # Ctrl-C reaches the whole foreground group, this server included: it is no job and
+    # ends when its parent closes the request pipe, so it neither dies of it nor prints a
+    # traceback (its children get Python's handler back, see _child).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _preload(sys.argv[3:])
     requests_fd, replies_fd = int(sys.argv[1]), int(sys.argv[2])
     serve(requests_fd, replies_fd)
