@@ -872,6 +872,11 @@ class Listener:
                 return False
             sock.send(_OK)
             return True
+        except pynng.Closed:
+            # Closed here: the listener is closing (its owner's exit), or the peer's one
+            # connection went away (_OnePipe); neither is a peer to report as dropped.
+            log.debug("%s: a peer's data socket closed before its token came", self.address)
+            return False
         except pynng.NNGException as exc:
             self._dropped("(none)", f"the authenticated peer did not connect to its data "
                           f"socket within auth_timeout ({exc})")
