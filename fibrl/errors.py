@@ -22,14 +22,14 @@ Hierarchy::
      |         |    +-- TaskFailedError          a task killed its worker too many times
      |         +-- RemoteObjectError             a hosted object vanished (owner exited)
      |         +-- SerializationError            an object cannot be pickled (also a TypeError)
-     +-- multiprocessing.pool.RemoteTraceback     (stdlib)
-          +-- fibrl.errors.RemoteTraceback        carries a worker's formatted traceback,
+     +-- multiprocessing.pool.RemoteTraceback     (stdlib; also fibrl.errors.RemoteTraceback)
+                                                  carries a worker's formatted traceback,
                                                   chained as ``__cause__`` of a remote error
 """
 from __future__ import annotations
 
 import multiprocessing
-import multiprocessing.pool  # for RemoteTraceback's base (about 3 ms more on import)
+import multiprocessing.pool  # for RemoteTraceback (about 3 ms more on import)
 import signal
 
 __all__ = [
@@ -89,26 +89,19 @@ class SerializationError(FibrlError, TypeError):
     """An object could not be pickled or unpickled."""
 
 
-class RemoteTraceback(multiprocessing.pool.RemoteTraceback):
-    """The formatted traceback of an exception raised in another process.
-
-    A ``multiprocessing.pool.RemoteTraceback``, so code written for the stdlib's
-    pool that checks an error's ``__cause__`` keeps working.
-    """
-
-    def __init__(self, tb: str) -> None:
-        super().__init__(tb)
-        self.tb = tb
-
-    def __str__(self) -> str:
-        return self.tb
+#: The formatted traceback of an exception raised in another process: the stdlib's
+#: class itself, so code written for the stdlib's pool that checks an error's
+#: ``__cause__`` (its type included) keeps working.
+RemoteTraceback = multiprocessing.pool.RemoteTraceback
 
 
 def chain_remote(exc: BaseException, tb: str) -> BaseException:
     """``exc`` with the remote traceback ``tb`` chained as its ``__cause__`` (as
     ``raise exc from RemoteTraceback(tb)`` would); returns ``exc``."""
     if tb:
-        exc.__cause__ = RemoteTraceback(tb)
+        cause = RemoteTraceback(tb)
+        cause.args = (tb,)  # the stdlib's leaves them empty: it would not unpickle
+        exc.__cause__ = cause
         exc.__suppress_context__ = True
     return exc
 

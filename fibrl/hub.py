@@ -63,8 +63,8 @@ from .messages import RAW_TYPES, Call, RemoteError, Reply, blob, pack, unpack, w
 from .serialization import Encoded
 from .timers import Timers
 
-__all__ = ["Hub", "Handle", "Service", "SharedService", "Client", "HeldReplies", "get_hub",
-           "drop_owner", "mark_pickled", "own", "QuietCondition"]
+__all__ = ["BEFORE_SEND", "Hub", "Handle", "Service", "SharedService", "Client", "HeldReplies",
+           "get_hub", "drop_owner", "mark_pickled", "own", "QuietCondition"]
 
 log = logging.getLogger(__name__)
 
@@ -693,6 +693,13 @@ _PLAIN = frozenset({bool, int, float, str})
 MERGERS: dict[str, Callable[[str, list], Optional[Call]]] = {}
 
 
+# What runs before a call or one-way message to another hub, given its address; the
+# modules that own the services fill it in (``mailbox``: acknowledge there what get()
+# returned of its queues, so that an owner that hears from this process also counts
+# those items as taken, as multiprocessing's empty() and qsize() would).
+BEFORE_SEND: list[Callable[[str], None]] = []
+
+
 def _merged(calls: list) -> list:
     """``calls`` with each run that a merger takes replaced by its one call."""
     out: list = []
@@ -872,6 +879,8 @@ class Hub:
             else:
                 service.dispatch(method, args, LocalReply(handle))
             return handle
+        for hook in BEFORE_SEND:
+            hook(address)
         return self.client(address).call(oid, method, args, inline)
 
     def call(self, address: Optional[str], oid: str, method: str, *args: Any,
@@ -932,6 +941,8 @@ class Hub:
                 raise object_gone(oid, "this process")
             service.dispatch(method, args, _NO_REPLY)
             return
+        for hook in BEFORE_SEND:
+            hook(address)
         self.client(address).send(oid, method, args, inline)
 
     def flush(self, timeout: Optional[float] = 10.0) -> None:

@@ -63,7 +63,7 @@ from typing import Any, Optional
 
 from . import serialization
 from .errors import ChannelClosed
-from .hub import MERGERS, Handle, LocalReply, ReplySink, SharedService, get_hub
+from .hub import BEFORE_SEND, MERGERS, Handle, LocalReply, ReplySink, SharedService, get_hub
 from .messages import Call, Reply, blob, pack
 from .serialization import OOB_THRESHOLD, Encoded
 
@@ -1082,6 +1082,14 @@ def _merge_puts(oid: str, calls: list) -> Optional[Call]:
 
 
 MERGERS["put"] = _merge_puts
+
+
+def _acks_ahead(address: str) -> None:
+    if Window.unreported:
+        Window.sync_to(address)
+
+
+BEFORE_SEND.append(_acks_ahead)
 
 
 def _clamp(size: Any) -> int:

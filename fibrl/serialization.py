@@ -18,6 +18,7 @@ from __future__ import annotations
 import copyreg
 import io
 import pickle
+import re
 import struct
 import sys
 from collections import ChainMap
@@ -26,7 +27,7 @@ from typing import Any
 from .errors import FrameError, SerializationError
 
 __all__ = ["dumps", "loads", "dumps_parts", "encode", "Encoded", "as_bytes", "MAGIC",
-           "OOB_THRESHOLD", "stdlib_advice"]
+           "OOB_THRESHOLD", "stdlib_advice", "unpickle_error", "guarded_main_name"]
 
 MAGIC = b"FB\x01"
 OOB_THRESHOLD = 64 * 1024  # smaller buffers are cheaper inline than out of band
@@ -405,10 +406,36 @@ def _unpickle(data: Any, buffers: list) -> Any:
     try:
         return pickle.loads(data, buffers=buffers)
     except Exception as exc:
-        raise SerializationError(
-            f"cannot unpickle a received object ({type(exc).__name__}: {exc}). The "
-            f"receiving process must be able to import every module and class the sender "
-            f"used; check that both run the same code and that it is on sys.path.") from exc
+        raise unpickle_error(exc) from exc
+
+
+def unpickle_error(exc: Exception) -> SerializationError:
+    """Why a received object could not be rebuilt, and what to do about it."""
+    name = guarded_main_name(exc)
+    if name is not None:
+        return SerializationError(
+            f"define {name} at module top level (functions defined under `if __name__ == "
+            f"'__main__':` cannot be found by name in a worker, "
+            f"which imports the main script without running that block); cannot unpickle a "
+            f"received object ({type(exc).__name__}: {exc}).")
+    return SerializationError(
+        f"cannot unpickle a received object ({type(exc).__name__}: {exc}). The "
+        f"receiving process must be able to import every module and class the sender "
+        f"used; check that both run the same code and that it is on sys.path.")
+
+
+_MISSING_MAIN = re.compile(r"Can't get attribute '([^']+)' on <module '__mp_main__'")
+
+
+def guarded_main_name(exc: BaseException) -> "str | None":
+    """The name a worker's ``__mp_main__`` lacks (a function or class the main script
+    defines only when run as ``__main__``), if that is why ``exc`` was raised."""
+    while exc is not None:
+        match = _MISSING_MAIN.search(str(exc)) if isinstance(exc, AttributeError) else None
+        if match:
+            return match.group(1)
+        exc = exc.__cause__
+    return None
 
 
 def main_is_interactive() -> bool:

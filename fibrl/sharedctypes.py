@@ -14,9 +14,13 @@ object in the hub of the process that created it, and every access
 Semantics kept: ``Value``/``Array`` with ``lock=True`` (an ``RLock``, the
 default), a given ``Lock``/``RLock`` or ``lock=False``; ``get_lock()``,
 ``get_obj()``, ``acquire``/``release``, ``with``; ``.value``/``.raw`` of
-char arrays; fields of ``ctypes.Structure`` values. An access from a thread
-that does not hold the lock waits while another thread holds it, as with
-``multiprocessing`` (so a multi-step update under the lock is seen whole).
+char arrays; fields of ``ctypes.Structure`` values; elements and fields that are
+Structures or arrays (``A[0].x = 1``, ``for a in A: a.x **= 2``), which ctypes
+gives as views into the shared memory: here they are :class:`HostedPart` objects
+that read and write the hosted object (setting a name that is not a field raises).
+An access from a thread that does not hold the lock waits while another thread
+holds it, as with ``multiprocessing`` (so a multi-step update under the lock is
+seen whole).
 
 Not kept, because no memory is shared across machines: ``RawValue`` and
 ``RawArray`` (and ``get_obj()``) are hosted objects too, not ctypes
@@ -39,7 +43,7 @@ from .synchronize import LockHandle, RLock
 from .synchronize.services import LockService, owner_of
 
 __all__ = ["RawValue", "RawArray", "Value", "Array", "synchronized", "copy",
-           "HostedValue", "HostedArray", "Synchronized", "SynchronizedArray",
+           "HostedValue", "HostedArray", "HostedPart", "Synchronized", "SynchronizedArray",
            "SynchronizedString"]
 
 
@@ -60,10 +64,71 @@ def _fields(ctype: type) -> tuple:
 
 
 def _plain(value: Any) -> Any:
-    """A picklable Python value for what ctypes returned (a Structure stays a ctypes copy)."""
+    """A picklable copy of what ctypes returned: lists for arrays, Structure copies."""
     if isinstance(value, ctypes.Array):
-        return value[:]
+        value = value[:]  # bytes/str for char arrays, a list of elements otherwise
+    if isinstance(value, list):
+        return [_plain(item) for item in value]
+    if isinstance(value, (ctypes.Structure, ctypes.Union)):
+        return type(value).from_buffer_copy(value)
     return value
+
+
+_NAMES = ("value", "raw")  # the attributes a hosted object has besides its fields
+
+
+def _step(obj: Any, key: Any) -> Any:
+    """One step down a path: a field of a Structure or an element of an array."""
+    if isinstance(key, str):
+        if key not in _fields(type(obj)):
+            raise AttributeError(f"{type(obj).__name__} object has no field {key!r}")
+        return getattr(obj, key)
+    if isinstance(key, int) and isinstance(obj, ctypes.Array):
+        return obj[key]
+    raise TypeError(f"cannot index {type(obj).__name__} with {key!r}")
+
+
+_children: dict = {}
+
+
+def _child_type(ctype: type, key: Any) -> Optional[type]:
+    """The ctypes type of ``ctype``'s field or element ``key`` when ctypes gives a view of it
+    (a nested Structure, Union or array), None when it gives a plain value."""
+    slot = (ctype, key if isinstance(key, str) else int)
+    if slot not in _children:
+        probe = _probe(ctype, key)
+        _children[slot] = type(probe) if isinstance(probe, _AGGREGATES) else None
+    return _children[slot]
+
+
+_AGGREGATES = (ctypes.Structure, ctypes.Union, ctypes.Array)
+
+
+def _probe(ctype: type, key: Any) -> Any:
+    if isinstance(key, str):
+        return getattr(ctype(), key)
+    return (ctype._type_ * 1)()[0]  # what indexing gives, on a zeroed one-element array
+
+
+class _Recipe:
+    """Pickles a ctypes type as a recipe when it is an array type (``c_int * 2`` is
+    made at run time and cannot be found by name); unpickles to the type itself."""
+
+    def __init__(self, ctype: type) -> None:
+        self.ctype = ctype
+
+    def __reduce__(self):
+        if issubclass(self.ctype, ctypes.Array):
+            return (_array_type, (_Recipe(self.ctype._type_), self.ctype._length_))
+        return (_same, (self.ctype,))
+
+
+def _array_type(item: type, length: int) -> type:
+    return item * length
+
+
+def _same(ctype: type) -> type:
+    return ctype
 
 
 class _CTypesService(HostedService):
@@ -73,7 +138,6 @@ class _CTypesService(HostedService):
         super().__init__()
         self.obj = obj
         self.lock = lock
-        self.names = frozenset(("value", "raw") + _fields(type(obj)))
 
     def _run(self, reply: ReplySink, tid: int, fn: Callable[[], Any]) -> None:
         if self.lock is None:
@@ -81,28 +145,60 @@ class _CTypesService(HostedService):
         else:
             self.lock.run_unlocked(owner_of(reply, tid), reply, fn)
 
-    def _name(self, name: str) -> str:
-        if name not in self.names or not hasattr(self.obj, name):
-            raise AttributeError(f"{type(self.obj).__name__} object has no attribute {name!r}")
+    def _at(self, path: tuple) -> Any:
+        obj = self.obj
+        for key in path:
+            obj = _step(obj, key)
+        return obj
+
+    def _get(self, path: tuple, key: Any) -> Any:
+        obj = self._at(path)
+        if isinstance(key, str):
+            return _plain(getattr(obj, self._name(obj, key)))
+        return _plain(obj[key])
+
+    def _set(self, path: tuple, key: Any, value: Any) -> None:
+        obj = self._at(path)
+        if isinstance(key, str):
+            setattr(obj, self._name(obj, key), value)
+        else:
+            obj[key] = value
+
+    @staticmethod
+    def _name(obj: Any, name: str) -> str:
+        if name not in _NAMES + _fields(type(obj)) or not hasattr(obj, name):
+            raise AttributeError(f"{type(obj).__name__} object has no attribute {name!r}")
         return name
 
+    def op_get(self, reply: ReplySink, tid: int, path: tuple, key: Any) -> None:
+        """Read field or item ``key`` of the part of the object at ``path``."""
+        self._run(reply, tid, lambda: self._get(tuple(path), key))
+
+    def op_set(self, reply: ReplySink, tid: int, path: tuple, key: Any, value: Any) -> None:
+        """Write field or item ``key`` of the part of the object at ``path``."""
+        self._run(reply, tid, lambda: self._set(tuple(path), key, value))
+
     def op_getattr(self, reply: ReplySink, tid: int, name: str) -> None:
-        self._run(reply, tid, lambda: _plain(getattr(self.obj, self._name(name))))
+        self.op_get(reply, tid, (), name)
 
     def op_setattr(self, reply: ReplySink, tid: int, name: str, value: Any) -> None:
-        self._run(reply, tid, lambda: setattr(self.obj, self._name(name), value))
+        self.op_set(reply, tid, (), name, value)
 
     def op_getitem(self, reply: ReplySink, tid: int, index: Any) -> None:
-        self._run(reply, tid, lambda: _plain(self.obj[index]))
+        self.op_get(reply, tid, (), index)
 
     def op_setitem(self, reply: ReplySink, tid: int, index: Any, value: Any) -> None:
-        self._run(reply, tid, lambda: self.obj.__setitem__(index, value))
+        self.op_set(reply, tid, (), index, value)
 
     def op_repr(self, reply: ReplySink) -> None:
         reply(repr(self.obj))
 
-    def op_snapshot(self, reply: ReplySink, tid: int) -> None:
-        self._run(reply, tid, lambda: type(self.obj).from_buffer_copy(self.obj))
+    def op_snapshot(self, reply: ReplySink, tid: int, path: tuple = ()) -> None:
+        self._run(reply, tid, lambda: _plain_copy(self._at(tuple(path))))
+
+
+def _plain_copy(obj: Any) -> Any:
+    return type(obj).from_buffer_copy(obj)
 
 
 # -- raw (lock-free) hosted objects ------------------------------------------------------------
@@ -112,13 +208,33 @@ class _CTypesHandle(HostedHandle):
     _ctype: type
 
     def _state(self) -> dict:
-        return {"_ctype": self._ctype}
+        return {"_ctype": _Recipe(self._ctype)}
 
     def _get(self, name: str) -> Any:
-        return self._call("getattr", threading.get_ident(), name)
+        return self._read((), name)
 
     def _set(self, name: str, value: Any) -> None:
-        self._call("setattr", threading.get_ident(), name, value)
+        self._write((), name, value)
+
+    def _read(self, path: tuple, key: Any, ctype: Optional[type] = None) -> Any:
+        """Field or item ``key`` at ``path``: a value, or a HostedPart where ctypes gives
+        a view (so writes through it reach the hosted object, as through shared memory)."""
+        ctype = ctype or _type_at(self._ctype, path)
+        child = _child_type(ctype, key if isinstance(key, str) else 0)
+        if child is None:
+            return self._call("get", threading.get_ident(), path, key)
+        if isinstance(key, str):
+            return HostedPart(self, path + (key,), child)
+        if isinstance(key, slice):
+            return [HostedPart(self, path + (i,), child) for i in range(ctype._length_)[key]]
+        return HostedPart(self, path + (_index(key, ctype._length_),), child)
+
+    def _write(self, path: tuple, key: Any, value: Any) -> None:
+        if isinstance(value, HostedPart):
+            value = value._copy()
+        elif isinstance(key, slice) and isinstance(value, (list, tuple)):
+            value = [v._copy() if isinstance(v, HostedPart) else v for v in value]
+        self._call("set", threading.get_ident(), path, key, value)
 
     def __repr__(self) -> str:
         try:
@@ -126,6 +242,96 @@ class _CTypesHandle(HostedHandle):
         except Exception:
             text = f"{self._ctype.__name__} at {self._address}"
         return f"<hosted {text}>"
+
+
+def _tupled(value: Any) -> Any:
+    """Lists (what arrays read as) as tuples, which ctypes takes for an array slot."""
+    if isinstance(value, list):
+        return tuple(_tupled(item) for item in value)
+    return value
+
+
+def _index(index: int, length: int) -> int:
+    if not isinstance(index, int):
+        raise TypeError(f"indices must be integers or slices, not {type(index).__name__}")
+    if not -length <= index < length:
+        raise IndexError("invalid index")
+    return index % length
+
+
+class HostedPart:
+    """A nested Structure, Union or array inside a hosted object (an element of an
+    ``Array`` of Structures, a Structure field of a ``Value``): reads and writes
+    go to the hosted object, as a ctypes view writes into shared memory.
+
+    Example: with ``a = Array(Point, [(1, 2)])``, ``a[0].x = 5`` writes into ``a``.
+    """
+
+    __slots__ = ("_handle", "_path", "_ctype")
+
+    def __init__(self, handle: "_CTypesHandle", path: tuple, ctype: type) -> None:
+        object.__setattr__(self, "_handle", handle)
+        object.__setattr__(self, "_path", path)
+        object.__setattr__(self, "_ctype", ctype)
+
+    def __reduce__(self):
+        return (_rebuild_part, (self._handle, self._path))
+
+    def _names(self) -> tuple:
+        names = _fields(self._ctype)
+        if issubclass(self._ctype, ctypes.Array) and self._ctype._type_ in (ctypes.c_char,
+                                                                             ctypes.c_wchar):
+            names += _NAMES
+        return names
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_") or name not in self._names():
+            raise AttributeError(f"{self._ctype.__name__} object has no attribute {name!r}")
+        return self._handle._read(self._path, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name not in self._names():
+            raise AttributeError(
+                f"{self._ctype.__name__} has no field {name!r}: an element of a shared "
+                f"object stores only its fields ({', '.join(self._names()) or 'none'})")
+        self._handle._write(self._path, name, value)
+
+    def __len__(self) -> int:
+        return len(self._ctype())
+
+    def _is_array(self) -> bool:
+        return issubclass(self._ctype, ctypes.Array)
+
+    def __getitem__(self, index: Any) -> Any:
+        if not self._is_array():
+            raise TypeError(f"{self._ctype.__name__} object is not subscriptable")
+        return self._handle._read(self._path, index, self._ctype)
+
+    def __setitem__(self, index: Any, value: Any) -> None:
+        if not self._is_array():
+            raise TypeError(f"{self._ctype.__name__} object does not support item assignment")
+        self._handle._write(self._path, index, value)
+
+    def __iter__(self):
+        return iter(self[:])
+
+    def _copy(self) -> Any:
+        """A plain copy: a ctypes Structure, or a tuple for an array."""
+        return _tupled(self._handle._call("get", threading.get_ident(), self._path[:-1],
+                                          self._path[-1]))
+
+    def __repr__(self) -> str:
+        return f"<hosted {self._ctype.__name__} part {list(self._path)}>"
+
+
+def _rebuild_part(handle: "_CTypesHandle", path: tuple) -> HostedPart:
+    return HostedPart(handle, path, _type_at(handle._ctype, path))
+
+
+def _type_at(ctype: type, path: tuple) -> type:
+    for key in path:
+        ctype = _child_type(ctype, key)
+    return ctype
 
 
 class HostedValue(_CTypesHandle):
@@ -158,7 +364,8 @@ class HostedArray(_CTypesHandle):
     _elem: type
 
     def _state(self) -> dict:
-        return {"_elem": self._elem, "_length": self._length}  # array types do not pickle
+        return {"_elem": _Recipe(self._elem), "_length": self._length}
+
 
     @property
     def _ctype(self) -> type:  # type: ignore[override]
@@ -172,10 +379,10 @@ class HostedArray(_CTypesHandle):
         return self._length
 
     def __getitem__(self, index: Any) -> Any:
-        return self._call("getitem", threading.get_ident(), index)
+        return self._read((), index)
 
     def __setitem__(self, index: Any, value: Any) -> None:
-        self._call("setitem", threading.get_ident(), index, value)
+        self._write((), index, value)
 
     def __iter__(self):
         return iter(self[:])

@@ -15,6 +15,8 @@ One worker's conversation::
                                                  item, announce the one starting now
                                                  (lo = LOADING: unpickling the task)
     func(fid)               ------------------>  a callable the worker no longer caches
+    func_by_value(fid)      ------------------>  a callable of the main script that the
+                                                 worker cannot find by name (cloudpickle)
     init_failed(wid, RemoteError) ------------>  the initializer raised: the pool breaks
                             <------------------  Batch(stop=True): exit now
 
@@ -32,7 +34,6 @@ from operator import attrgetter
 from typing import Any, Optional
 
 from .. import serialization
-from ..errors import SerializationError
 from ..messages import RemoteError
 
 __all__ = ["Kind", "TaskSpec", "Batch", "Report", "Raised", "WorkerArgs", "LOADING", "message",
@@ -94,10 +95,7 @@ def unpack(data: bytes) -> Any:
     try:
         return pickle.loads(data)
     except Exception as exc:
-        raise SerializationError(
-            f"cannot unpickle a received object ({type(exc).__name__}: {exc}). The "
-            f"receiving process must be able to import every module and class the sender "
-            f"used; check that both run the same code and that it is on sys.path.") from exc
+        raise serialization.unpickle_error(exc) from exc
 
 
 def message(cls: type) -> type:

@@ -54,6 +54,7 @@ import time
 from collections import OrderedDict, deque
 from typing import Any, Optional
 
+from .. import serialization
 from ..errors import (BackendUnavailableError, SerializationError, TaskFailedError,
                       WorkerLostError, describe_exitcode)
 from ..hub import ReplySink, Service
@@ -382,6 +383,16 @@ class PoolService(Service):
         if func is None:
             raise KeyError(f"the pool no longer knows callable {fid}")
         reply(func.data)
+
+    def op_func_by_value(self, reply: ReplySink, fid: int) -> None:
+        """Callable ``fid`` pickled by value: a function the main script defines under
+        ``if __name__ == "__main__":``, which a worker's ``__mp_main__`` lacks (as a
+        ``Process`` target gets it)."""
+        with self._lock:
+            func = self._fids.get(fid)
+        if func is None:
+            raise KeyError(f"the pool no longer knows callable {fid}")
+        reply(serialization.dumps(unpack(func.data), by_value=True))
 
     def op_init_failed(self, reply: ReplySink, wid: int, error: BaseException) -> None:
         """The initializer raised in worker ``wid``: every task would fail the same way."""

@@ -159,11 +159,23 @@ class _Loop:
             self._remember(fid, func)
         if isinstance(func, bytes):  # not unpickled yet (a callable is never bytes)
             try:
-                func = unpack(func)
+                func = self._unpack_func(fid, func)
             except Exception as exc:  # each call of the task raises why
                 func = _Broken(exc)
             self._funcs[fid] = func
         return func
+
+    def _unpack_func(self, fid: int, data: bytes) -> Callable:
+        """By reference; a function the main script defines only when run as ``__main__``
+        comes again by value, as a ``Process`` target does."""
+        try:
+            return unpack(data)
+        except SerializationError as exc:
+            if serialization.guarded_main_name(exc) is None:
+                raise
+            data = self._hub.call(self._address, self._oid, "func_by_value", fid,
+                                  timeout=_CALL_TIMEOUT_S)
+            return unpack(data)
 
     def _load(self, task: TaskSpec) -> tuple:
         """The task's callable and items (a callable that raises why, if they cannot load)."""

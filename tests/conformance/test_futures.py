@@ -1,6 +1,7 @@
 """``fibrl.futures.ProcessPoolExecutor`` conformance: the stdlib executor is the spec,
 plus the Pool's recovery from lost workers. Every backend."""
 import concurrent.futures as cf
+import multiprocessing.pool
 import os
 import signal
 import threading
@@ -74,7 +75,7 @@ def test_exception_keeps_type_and_traceback(executor):
     future = executor.submit(fail, "nope")
     with pytest.raises(KeyError, match="nope") as info:
         future.result(TIMEOUT)
-    assert isinstance(info.value.__cause__, RemoteTraceback)
+    assert type(info.value.__cause__) is RemoteTraceback is multiprocessing.pool.RemoteTraceback
     assert isinstance(future.exception(TIMEOUT), KeyError)
     assert executor.submit(square, 4).result(TIMEOUT) == 16
 

@@ -6,6 +6,7 @@ worker functions are made by ``_defs()`` so they travel by value: a worker
 container has no pytest, so it could not import this module.
 """
 import multiprocessing
+import multiprocessing.pool
 import queue
 import socket
 import threading
@@ -213,7 +214,7 @@ def test_queue_and_joinable_queue_proxies(ctx, manager):
     assert q.qsize() == 1 and q.get(timeout=5) == "x" and q.empty()
     with pytest.raises(queue.Empty) as info:
         q.get(timeout=0.1)
-    assert isinstance(info.value.__cause__, RemoteTraceback)
+    assert type(info.value.__cause__) is multiprocessing.pool.RemoteTraceback
     jq = manager.JoinableQueue()
     p = run_process(ctx, D.consume, jq)
     for i in range(3):

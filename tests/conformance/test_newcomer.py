@@ -106,6 +106,42 @@ def test_function_defined_under_the_main_guard_runs_as_target(tmp_path, script_b
     assert out.stdout.split() == ["27", "exitcode", "0", "held", "exitcode", "0"]
 
 
+GUARDED_IN_POOL = """
+    import sys
+    import fibrl
+    from fibrl.futures import ProcessPoolExecutor
+
+    if __name__ == "__main__":
+        fibrl.init(backend=sys.argv[1])
+
+        def square(x):
+            return x * x
+
+        class Box:
+            pass
+
+        with fibrl.Pool(2) as pool:
+            print(pool.map(square, range(4)), pool.apply(square, (5,)))
+            print(list(pool.imap(square, range(3))), pool.starmap(square, [(6,)]))
+            try:
+                pool.apply(type, (Box(),))  # an argument, not the task's function
+            except Exception as exc:
+                print("error:", exc)
+        with ProcessPoolExecutor(2) as executor:
+            print(list(executor.map(square, range(3))), executor.submit(square, 7).result(120))
+"""
+
+
+def test_function_defined_under_the_main_guard_runs_in_pool(tmp_path, script_backend):
+    out = _run_script(tmp_path, GUARDED_IN_POOL, script_backend)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    assert lines[:2] == ["[0, 1, 4, 9] 25", "[0, 1, 4] [36]"]
+    assert lines[2].startswith("error: define Box at module top level (functions defined "
+                               "under `if __name__ == '__main__':` ")
+    assert lines[3:] == ["[0, 1, 4] 49"]
+
+
 UNGUARDED = """
     import os
     import fibrl

@@ -35,6 +35,15 @@ def echo_back(inq, outq):
     outq.put(inq.get(timeout=TIMEOUT))
 
 
+def take_then_tell(q, count, done):
+    import fibrl.mailbox
+
+    fibrl.mailbox.ACK_DELAY = 3600  # what get() returned reaches the owner only ahead of
+    for _ in range(count):          # this process's next message to it (the Event's set)
+        q.get(timeout=TIMEOUT)
+    done.set()
+
+
 def put_array(q, seed):
     q.put(np.random.default_rng(seed).random(256 * 1024))   # 2 MiB: travels out of band
 
@@ -314,3 +323,17 @@ def test_large_item_from_one_child_to_another(ctx):
     assert {out.get(timeout=TIMEOUT), out.get(timeout=TIMEOUT)} == want
     for p in (consumer, late):
         p.join(TIMEOUT)
+
+
+@pytest.mark.parametrize("kind", ["Queue", "JoinableQueue"])
+def test_empty_and_qsize_count_what_a_child_took_before_it_said_so(ctx, kind):
+    for put, taken in ((50, 50), (50, 20), (1, 1)):
+        q, done = getattr(ctx, kind)(), ctx.Event()
+        for i in range(put):
+            q.put(i)
+        p = ctx.Process(target=take_then_tell, args=(q, taken, done))
+        p.start()
+        assert done.wait(TIMEOUT)
+        assert q.empty() is (put == taken) and q.qsize() == put - taken
+        p.join(TIMEOUT)
+        assert p.exitcode == 0

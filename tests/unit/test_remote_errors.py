@@ -1,6 +1,7 @@
 """Remote errors: captured once by the raiser, chained as ``__cause__`` when unpickled."""
 from __future__ import annotations
 
+import multiprocessing.pool
 import pickle
 import threading
 
@@ -23,8 +24,10 @@ def test_unpickling_a_captured_error_gives_the_exception_with_its_traceback_as_c
     captured = RemoteError.capture(_raise(KeyError("k")))
     received = serialization.loads(serialization.dumps(captured))
     assert type(received) is KeyError and received.args == ("k",)
-    assert isinstance(received.__cause__, RemoteTraceback)
+    assert type(received.__cause__) is multiprocessing.pool.RemoteTraceback
     assert "_raise" in str(received.__cause__) and received.__suppress_context__
+    again = pickle.loads(pickle.dumps(received.__cause__))  # the cause travels on too
+    assert type(again) is multiprocessing.pool.RemoteTraceback and again.tb == received.__cause__.tb
 
 
 def test_an_error_without_traceback_travels_without_cause():
