@@ -212,9 +212,13 @@ class Popen:
         summary = _error_summary(error)
         hint = self._import_hint(summary)
         self.load_error = f"{summary}. {hint}" if hint else summary   # read by a pool
-        with _guard_lock:   # pool workers failing alike: the traceback once, then a line
-            repeat = summary in _load_errors_said
-            _load_errors_said.add(summary)
+        repeat = False
+        if self._job_spec.labels.get(LABEL_ROLE) == "pool-worker":
+            # a pool's workers failing alike: the traceback once, the others at debug level
+            said = (self._spec_name.rsplit("-worker-", 1)[0], summary)
+            with _guard_lock:
+                repeat = said in _load_errors_said
+                _load_errors_said.add(said)
         worker = getattr(self._job, "id", None) or self.pid
         if repeat:
             log.debug("worker %s (%s) could not load its process either (%s); it exits with "
@@ -361,7 +365,7 @@ _guard_said = False
 
 
 _early_exits_said: set = set()   # (exit code, reason, last output line) logged in full
-_load_errors_said: set = set()   # summaries of load errors whose traceback was logged
+_load_errors_said: set = set()   # (pool, error summary) whose traceback was logged
 
 
 def _error_summary(error: str) -> str:
