@@ -454,7 +454,7 @@ class _OnePipe:
                 self.pipe_id = pipe.id
                 return
         self._refused(_remote(pipe), "a second connection to a one-peer socket")
-        pipe.close()   # allowed here: nng then reports neither its connect nor its removal
+        _close_pipe(pipe)   # allowed here: nng then reports neither its connect nor its removal
 
     def _removed(self, pipe: pynng.Pipe) -> None:
         if pipe.id == self.pipe_id:
@@ -679,7 +679,7 @@ class Listener:
             _, victim = self._pipes.pop(oldest)
         self._dropped(_remote(victim), f"{self._max_pending} connections are pending "
                       "authentication; the oldest is dropped for the new one")
-        _call_soon(victim.close)
+        _call_soon(functools.partial(_close_pipe, victim))
 
     def _accept_pipe_removed(self, pipe: pynng.Pipe) -> None:
         with self._lock:
@@ -803,10 +803,14 @@ class Listener:
         good = self._check_token(sock, token)
         with self._lock:
             self._opening.pop(peer.id, None)
-            if not good or self._closed:
-                sock.close()
-                return
-            self._peers[peer.id] = peer
+            keep = good and not self._closed
+            if keep:
+                self._peers[peer.id] = peer
+        if not keep:
+            # (never under the lock: the close waits for nng's reaper thread, which may
+            # be running the accept socket's pipe callback, which waits for the lock)
+            sock.close()
+            return
         log.debug("peer %s authenticated on %s", peer.id, self.address)
         self._read(peer, 0)
 
@@ -895,6 +899,8 @@ class Listener:
 
 
 def _close_pipe(pipe: pynng.Pipe) -> None:
+    """Close one connection, which may have gone by itself meanwhile: every pipe fibrl
+    closes goes through here, so a peer that leaves first logs nothing."""
     try:
         pipe.close()
     except pynng.NNGException:
