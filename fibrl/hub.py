@@ -749,6 +749,7 @@ class Hub:
         self._services: dict[str, Service] = {}
         self._clients: dict[str, Client] = {}
         self._lock = threading.RLock()
+        self._listening = threading.Lock()   # held only while the listener is made
         self._listener = None
         self.pid = os.getpid()
         self.register(_HubService(), "hub")
@@ -771,15 +772,18 @@ class Hub:
     @property
     def address(self) -> str:
         """The address other processes connect to (starts listening on first use)."""
-        with self._lock:
-            if self._listener is None:
-                from .transport import Listener
+        if self._listener is None:
+            # (its own lock, which no pipe callback or pipe-event thread takes: the
+            # hub's lock is never held while nng listens or closes)
+            with self._listening:
+                if self._listener is None:
+                    from .transport import Listener
 
-                self._listener = Listener(self.host, self.secret, on_frame=self._on_frame,
-                                          on_lost=self._on_peer_lost,
-                                          auth_timeout=self.auth_timeout, port=self.port,
-                                          tls=self.tls)
-            return self._listener.address
+                    self._listener = Listener(
+                        self.host, self.secret, on_frame=self._on_frame,
+                        on_lost=self._on_peer_lost, auth_timeout=self.auth_timeout,
+                        port=self.port, tls=self.tls)
+        return self._listener.address
 
     def register(self, service: Service, oid: Optional[str] = None) -> str:
         """Host ``service``; returns its object id."""
@@ -855,8 +859,8 @@ class Hub:
                 client = self._clients.get(address)
                 if client is None or client.lost:
                     self._clients[address] = client = new
-                else:
-                    new.close()
+            if client is not new:
+                new.close()   # (after the lock: the close waits for nng's reaper)
         return client
 
     def _client_lost(self, client: Client) -> None:

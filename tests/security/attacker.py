@@ -56,3 +56,27 @@ def in_threads(count: int, fn, *args) -> list[threading.Thread]:
     for thread in threads:
         thread.start()
     return threads
+
+
+def half_hello() -> bytes:
+    """nng's SP header for a Req0 socket, then the first half of a fibrl hello frame."""
+    hello = b"FBHELLO2" + bytes(32)
+    return sp_header("req0") + len(hello).to_bytes(8, "big") + hello[:len(hello) // 2]
+
+
+def churn(port: int, stop: threading.Event, hold: int = 40) -> None:
+    """Open connections that send :func:`half_hello` as fast as possible until ``stop``,
+    keeping the last ``hold`` of them open (so the listener has many pending and drops
+    the oldest, while this closes others)."""
+    held: list[socket.socket] = []
+    while not stop.is_set():
+        try:
+            raw = connect(port, timeout=2)
+            raw.sendall(half_hello())
+            held.append(raw)
+        except OSError:
+            pass   # refused or reset: the victim defended itself
+        while len(held) > hold:
+            held.pop(0).close()
+    for raw in held:
+        raw.close()

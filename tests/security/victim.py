@@ -3,11 +3,16 @@ that need the victim in a process of its own (memory, descriptor limit).
 
 Usage: python victim.py [NOFILE]. Prints "ready <accept address>", then answers each
 line on stdin: "connect" -> "ok" or "fail <error>" (a new authenticated round trip),
-"rss" -> "rss <peak RSS in KiB>", "quit".
+"rss" -> "rss <peak RSS in KiB>", "hub" -> "hub <accept address of the process's hub>"
+(the one Process uses), "start" -> "ok" or "fail <error>" (a fibrl.Process started and
+joined), "fds" -> "fds <descriptors open>", "quit".
 """
+import os
 import resource
 import sys
 
+import fibrl
+from fibrl.hub import get_hub
 from fibrl.transport import Channel, Listener
 
 SECRET = b"victim secret".ljust(32, b".")
@@ -16,6 +21,40 @@ SECRET = b"victim secret".ljust(32, b".")
 def _peak_rss_kib() -> int:
     with open("/proc/self/status") as status:
         return next(int(line.split()[1]) for line in status if line.startswith("VmHWM"))
+
+
+def _start() -> str:
+    proc = fibrl.Process(target=os.getpid)
+    proc.start()
+    proc.join(30)
+    return "ok" if proc.exitcode == 0 else f"fail exitcode {proc.exitcode}"
+
+
+def _connect(listener: Listener, resident: Channel) -> None:
+    channel = Channel.connect(listener.address, SECRET, timeout=10)
+    channel.send(b"x")
+    assert channel.recv(10) == b"x"
+    resident.send(b"y")
+    assert resident.recv(10) == b"y"
+    channel.close()
+
+
+def _answer(command: str, listener: Listener, resident: Channel) -> str:
+    try:
+        if command == "connect":
+            _connect(listener, resident)
+            return "ok"
+        if command == "start":
+            return _start()
+    except Exception as exc:  # reported to the test, which fails with it
+        return " ".join(["fail", type(exc).__name__, str(exc).replace("\n", " ")])
+    if command == "rss":
+        return f"rss {_peak_rss_kib()}"
+    if command == "hub":
+        return f"hub {get_hub().address}"
+    if command == "fds":
+        return f"fds {len(os.listdir('/proc/self/fd'))}"
+    return f"fail unknown command {command!r}"
 
 
 def main() -> None:
@@ -29,21 +68,9 @@ def main() -> None:
     print("ready", listener.address, flush=True)
     for line in sys.stdin:
         command = line.strip()
-        if command == "connect":
-            try:
-                channel = Channel.connect(listener.address, SECRET, timeout=10)
-                channel.send(b"x")
-                assert channel.recv(10) == b"x"
-                resident.send(b"y")
-                assert resident.recv(10) == b"y"
-                channel.close()
-                print("ok", flush=True)
-            except Exception as exc:  # reported to the test, which fails with it
-                print("fail", type(exc).__name__, str(exc).replace("\n", " "), flush=True)
-        elif command == "rss":
-            print("rss", _peak_rss_kib(), flush=True)
-        elif command == "quit":
+        if command == "quit":
             break
+        print(_answer(command, listener, resident), flush=True)
     resident.close()
     listener.close(join=1.0)
 
