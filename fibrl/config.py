@@ -178,7 +178,8 @@ def _parse_bool(value: Any) -> bool:
 
 def _from_env(environ: Mapping[str, str]) -> dict[str, str]:
     found = {k[len(ENV_PREFIX):].lower(): v for k, v in environ.items()
-             if k.startswith(ENV_PREFIX) and k not in _ENV_NOT_CONFIG}
+             if k.startswith(ENV_PREFIX) and k not in _ENV_NOT_CONFIG
+             and not k.startswith(_ENV_TEST_PREFIX)}
     _check_keys(found, "environment variables FIBRL_*")
     return found
 
@@ -189,6 +190,8 @@ _ENV_NOT_CONFIG = frozenset({"FIBRL_SECRET", "FIBRL_SECRET_FD", "FIBRL_SECRET_FI
                              "FIBRL_POD_NAMESPACE", "FIBRL_POD_UID",
                              # read by fibrl.transport before nng starts, in any process
                              "FIBRL_NNG_THREADS"})
+# Switches of fibrl's own test suite (FIBRL_TEST_KUBECONFIG ...), not config keys.
+_ENV_TEST_PREFIX = "FIBRL_TEST_"
 
 
 def _from_file(path: Path) -> dict[str, tuple[str, str]]:

@@ -160,6 +160,9 @@ def configure():
 
 
 KUBE_TEST_NAMESPACE = "fibrl-test"
+# An admin kubeconfig of a real cluster (tests/kube/control-plane.sh up prints one): the
+# kubernetes tests run there, the backend with the token of deploy/rbac.yaml's account.
+ADMIN_KUBECONFIG = "FIBRL_TEST_KUBECONFIG"
 
 
 @dataclasses.dataclass
@@ -171,11 +174,12 @@ class KubeCluster:
     image: str
     listen_host: str
     fake: object = None         # tests.kube.fake_apiserver.FakeApiServer, None on a real cluster
+    admin_kubeconfig: str = ""  # what the tests' own checks use ("" : kubeconfig)
 
     def client(self):
         from kubernetes import config
 
-        return config.new_client_from_config(config_file=self.kubeconfig)
+        return config.new_client_from_config(config_file=self.admin_kubeconfig or self.kubeconfig)
 
 
 @pytest.fixture(scope="session")
@@ -189,10 +193,17 @@ def kube_cluster():
     """
     require_module("kubernetes", REQUIRE_KUBERNETES)
     real = os.environ.get("KUBE_TEST_KUBECONFIG")
-    if real:
-        cluster = KubeCluster(real, os.environ.get("KUBE_TEST_NAMESPACE", "default"),
-                              os.environ.get("KUBE_TEST_IMAGE", "fibrl:latest"),
-                              os.environ.get("KUBE_TEST_LISTEN_HOST", "127.0.0.1"))
+    admin = os.environ.get(ADMIN_KUBECONFIG)
+    if real or admin:
+        namespace = os.environ.get("KUBE_TEST_NAMESPACE", KUBE_TEST_NAMESPACE if admin else "default")
+        if admin:
+            _importable_tests_package()
+            from tests.kube.real_cluster import service_account_kubeconfig
+
+            real = service_account_kubeconfig(admin, namespace)
+        cluster = KubeCluster(real, namespace, os.environ.get("KUBE_TEST_IMAGE", "fibrl:latest"),
+                              os.environ.get("KUBE_TEST_LISTEN_HOST", "127.0.0.1"),
+                              admin_kubeconfig=admin or "")
         yield cluster
         _close_kubernetes_backends()
         left = _pods_left(cluster, time.monotonic() + 60, "fibrl.backend=kubernetes")
@@ -223,7 +234,9 @@ def kube_settings(kube_cluster):
     if kube_cluster.fake is None:   # workers that start workers need the API from their pod
         settings["kubernetes_service_account"] = os.environ.get("KUBE_TEST_SERVICE_ACCOUNT",
                                                                 "fibrl")
-    else:   # the fake's pods are processes of this machine: loopback reaches the parent
+    if kube_cluster.fake is not None or kube_cluster.listen_host in ("127.0.0.1", "::1"):
+        # pods that are processes of this machine (the fake's node, tests/kube/node_agent.py):
+        # loopback reaches the parent
         settings["kubernetes_allow_loopback"] = True
     yield settings
     if kube_cluster.fake is not None:

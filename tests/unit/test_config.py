@@ -32,6 +32,13 @@ def test_bool_parsing(text, value):
     assert resolve(environ={"FIBRL_DEBUG": text}, cwd=None).debug is value
 
 
+def test_test_suite_switches_are_not_config_keys():
+    # FIBRL_TEST_KUBECONFIG (tests/conftest.py) is read by the test suite, while every
+    # process of the run, workers included, resolves its config from the same environment
+    config = resolve(environ={"FIBRL_TEST_KUBECONFIG": "/tmp/admin.kubeconfig"}, cwd=None)
+    assert config == Config()
+
+
 def test_unknown_keys_suggest_the_close_ones(tmp_path):
     with pytest.raises(ConfigError) as info:
         resolve({"bakend": "local"}, environ={}, cwd=None)

@@ -1,0 +1,105 @@
+"""What only a real control plane shows: its controllers, its RBAC authorizer, its messages.
+
+These run when the kubernetes tests run on a real cluster (``FIBRL_TEST_KUBECONFIG``,
+tests/kube/control-plane.sh in CI) and are skipped on the fake API server, which
+implements none of it from the real code. Every wait is a watch or a bounded poll.
+"""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+pytestmark = pytest.mark.kubernetes
+
+WAIT = 90.0   # controllers act within seconds; a loaded CI machine gets room
+
+
+@pytest.fixture
+def real(kube_cluster):
+    if kube_cluster.fake is not None:
+        pytest.skip("needs a real control plane (FIBRL_TEST_KUBECONFIG)")
+    return kube_cluster
+
+
+@pytest.fixture
+def admin(real):
+    from kubernetes import client
+
+    with real.client() as api:
+        yield client.CoreV1Api(api), client.BatchV1Api(api)
+
+
+def _wait_gone(read, what: str) -> None:
+    from kubernetes.client.rest import ApiException
+
+    deadline = time.monotonic() + WAIT
+    while time.monotonic() < deadline:
+        try:
+            read(_request_timeout=10)
+        except ApiException as exc:
+            if exc.status == 404:
+                return
+            raise
+        time.sleep(0.2)
+    pytest.fail(f"{what} still there after {WAIT:.0f} s")
+
+
+def test_ttl_controller_removes_a_finished_job_and_its_pod(real, admin):
+    core, batch = admin
+    name = f"ttl-{time.monotonic_ns() % 10**8}"
+    job = {"metadata": {"name": name},
+           "spec": {"ttlSecondsAfterFinished": 0, "backoffLimit": 0, "template": {"spec": {
+               "restartPolicy": "Never",
+               "containers": [{"name": "main", "image": "python:3.11-slim",
+                               "command": ["python", "-c", "print('done')"]}]}}}}
+    batch.create_namespaced_job(real.namespace, job, _request_timeout=10)
+    # the Job controller made the pod, the scheduler bound it, the node agent ran it,
+    # the Job controller saw it succeed and the TTL controller deleted the Job
+    _wait_gone(lambda **kw: batch.read_namespaced_job(name, real.namespace, **kw), f"Job {name}")
+    deadline = time.monotonic() + WAIT
+    while core.list_namespaced_pod(real.namespace, label_selector=f"job-name={name}", _request_timeout=10).items:
+        assert time.monotonic() < deadline, f"pods of Job {name} outlived it (garbage collector)"
+        time.sleep(0.2)
+
+
+def test_garbage_collector_deletes_what_an_object_owns(real, admin):
+    core, _ = admin
+    name = f"owner-{time.monotonic_ns() % 10**8}"
+    owner = core.create_namespaced_config_map(real.namespace, {"metadata": {"name": name}}, _request_timeout=10)
+    ref = {"apiVersion": "v1", "kind": "ConfigMap", "name": name, "uid": owner.metadata.uid}
+    core.create_namespaced_secret(real.namespace, {"metadata": {"name": name, "ownerReferences": [ref]},
+                                                   "stringData": {"k": "v"}}, _request_timeout=10)
+    core.delete_namespaced_config_map(name, real.namespace, _request_timeout=10)
+    _wait_gone(lambda **kw: core.read_namespaced_secret(name, real.namespace, **kw), f"Secret {name}")
+
+
+def test_the_backends_account_has_only_what_rbac_yaml_grants(real):
+    # the backend's kubeconfig holds deploy/rbac.yaml's ServiceAccount token; the real
+    # RBAC authorizer refuses what the Roles there do not list
+    from kubernetes import client, config
+    from kubernetes.client.rest import ApiException
+
+    with config.new_client_from_config(config_file=real.kubeconfig) as api:
+        core = client.CoreV1Api(api)
+        core.list_namespaced_pod(real.namespace, _request_timeout=10)   # granted
+        with pytest.raises(ApiException) as denied:
+            core.read_namespaced_secret("anything", real.namespace, _request_timeout=10)
+        assert denied.value.status == 403
+        assert f"system:serviceaccount:{real.namespace}:fibrl" in denied.value.body
+        with pytest.raises(ApiException) as denied:
+            core.list_node(_request_timeout=10)
+        assert denied.value.status == 403
+
+
+def test_the_node_agents_node_is_ready_with_a_fresh_lease(real):
+    from kubernetes import client
+
+    with real.client() as api:
+        nodes = client.CoreV1Api(api).list_node(_request_timeout=10).items
+        ready = [n.metadata.name for n in nodes
+                 if any(c.type == "Ready" and c.status == "True" for c in n.status.conditions or [])]
+        assert ready, f"no Ready node among {[n.metadata.name for n in nodes]}"
+        lease = client.CoordinationV1Api(api).read_namespaced_lease(ready[0], "kube-node-lease",
+                                                                   _request_timeout=10)
+        assert lease.spec.holder_identity == ready[0] and lease.spec.renew_time is not None
