@@ -76,8 +76,6 @@ HANDSHAKE_MAX_SIZE = 1024
 # Connections to the accept socket kept at most (each holds a descriptor), and never
 # more than this share of the process's descriptor limit, so workers keep the rest.
 MAX_PENDING = 64
-_FD_POLL_S = 0.02      # how often a listener checks the descriptors left
-_FD_RESERVE_MIN = 32   # descriptors kept for the process's own work, at least
 _NOFILE_SHARE = 8
 _LOG_BURST, _LOG_WINDOW = 20, 10.0
 
@@ -670,8 +668,6 @@ class Listener:
         self._janitor = threading.Thread(target=self._drop_idle, daemon=True,
                                          name=f"fibrl-idle-{self.address}")
         self._janitor.start()
-        threading.Thread(target=self._guard_descriptors, daemon=True,
-                         name=f"fibrl-fds-{self.address}").start()
 
     # -- the accept socket: strangers are answered at once and never waited for ----
     def _accept_pipe_added(self, pipe: pynng.Pipe) -> None:
@@ -700,34 +696,6 @@ class Listener:
                 self._dropped(_remote(pipe), f"idle for auth_timeout={self._auth_timeout} s "
                               "without authenticating")
                 _close_pipe(pipe)
-
-    def _guard_descriptors(self) -> None:
-        # nng holds a raw connection that never sends its header for 10 s, before any
-        # pipe callback sees it: when descriptors run low, close every connection to
-        # the accept port that is not through nng's handshake yet (and the pending
-        # ones: their peers start again), keeping a reserve for the process's own work.
-        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-        if soft == resource.RLIM_INFINITY or _descriptors_open() is None:
-            return
-        high = soft - max(_FD_RESERVE_MIN, soft // _NOFILE_SHARE)
-        while not self._stop.wait(_FD_POLL_S):
-            used = _descriptors_open() or 0
-            if used > high:
-                self._dropped("(every connection not yet authenticated)",
-                              f"{used} of {soft} descriptors (ulimit -n) are open")
-                self._reset_accept()
-
-    def _reset_accept(self) -> None:
-        """Close the accept port's nng listener, which ends every connection to it,
-        and listen again on the same port."""
-        try:
-            for endpoint in list(self._accept.listeners):
-                endpoint.close()
-            self._accept.listen(self.address)
-        except pynng.NNGException as exc:
-            if not self._closed:
-                log.error("listener %s: cannot listen again after closing its pending "
-                          "connections (%s); no new peer can connect to it", self.address, exc)
 
     @property
     def pending(self) -> int:
@@ -935,14 +903,6 @@ class Listener:
                 peer.thread.join(join)
 
 
-def _descriptors_open() -> Optional[int]:
-    """How many descriptors this process has open (None where /proc does not say)."""
-    try:
-        return len(os.listdir("/proc/self/fd"))
-    except OSError:
-        return None
-
-
 def _close_pipe(pipe: pynng.Pipe) -> None:
     """Close one connection, which may have gone by itself meanwhile: every pipe fibrl
     closes goes through here, so a peer that leaves first logs nothing."""
@@ -1111,31 +1071,24 @@ def _close_on_disconnect(sock: pynng.Socket) -> None:
 
 def _authenticate_retrying(address: str, secret: bytes, timeout: float,
                            tls: bool) -> tuple[str, bytes]:
-    """:func:`_authenticate`, tried again (four times at most, within ``timeout``) when
-    the listener closed our connection mid-way or refused it: it drops the oldest
-    pending connection when strangers crowd it, and all of them (closing its port for a
-    moment) when its process runs low on descriptors. The first error is the one raised."""
+    """:func:`_authenticate`, tried again (twice at most, within ``timeout``) when the
+    listener closed our connection mid-way: it drops the oldest pending connection
+    when strangers crowd it. A listener that is gone fails the retry at once; the
+    first error is the one raised."""
     deadline = time.monotonic() + timeout
     first: Optional[TransportError] = None
-    for attempt in range(5):
+    for _ in range(3):
         left = deadline - time.monotonic()
         if left <= 0:
             break
         try:
             return _authenticate(address, secret, left, tls)
         except TransportError as exc:
-            if not _retried(exc.__cause__):
+            if not isinstance(exc.__cause__, pynng.Closed):
                 raise first or exc
             first = first or exc
-        time.sleep(min(0.05 * 2 ** attempt, max(0.0, deadline - time.monotonic())))
     assert first is not None
     raise first
-
-
-def _retried(cause: Optional[BaseException]) -> bool:
-    """Whether a handshake that failed with ``cause`` is worth starting again."""
-    return (isinstance(cause, (pynng.Closed, pynng.ConnectionRefused, pynng.ConnectionReset))
-            or getattr(cause, "errno", None) == _lib.NNG_ECONNSHUT)
 
 
 def _authenticate(address: str, secret: bytes, timeout: float,
