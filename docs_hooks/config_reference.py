@@ -1,8 +1,10 @@
 """mkdocs hook: the configuration reference, generated from ``fibrl.config.Config``.
 
 A page that contains the line ``<!-- fibrl:config-reference -->`` gets, in its
-place, one table row per field of the ``Config`` dataclass: key, type, default,
-environment variable, ``.fibrlconfig`` key and the field's docstring. Types and
+place, one table row per field of the ``Config`` dataclass: the key (also the
+``.fibrlconfig`` key) with its environment variable, the default with its type,
+and the field's docstring. Three columns, so that the table fits the page's
+width (docs/css/fibrl.css lets a long default wrap inside its cell). Types and
 defaults come from the dataclass itself, docstrings (the string literal under
 each field) from its source, so the page follows the code and cannot drift.
 A field without a docstring fails the build: every key must be documented.
@@ -56,8 +58,8 @@ def reference_table(module) -> str:
     config = module.Config
     hints = typing.get_type_hints(config)
     docs = field_docs(config)
-    rows = ["| key | type | default | environment variable | description |",
-            "|---|---|---|---|---|"]
+    rows = ["| key and environment variable | default (type) | description |",
+            "|---|---|---|"]
     for field in dataclasses.fields(config):
         if field.name not in docs:
             raise RuntimeError(
@@ -65,8 +67,8 @@ def reference_table(module) -> str:
                 f"under the field saying what it sets; the configuration reference is built "
                 f"from them.")
         kind = getattr(hints[field.name], "__name__", str(hints[field.name]))
-        rows.append(f"| `{field.name}` | `{kind}` | `{field.default!r}` | "
-                    f"`{module.ENV_PREFIX}{field.name.upper()}` | {_cell(docs[field.name])} |")
+        rows.append(f"| `{field.name}`<br>`{module.ENV_PREFIX}{field.name.upper()}` | "
+                    f"`{field.default!r}` (`{kind}`) | {_cell(docs[field.name])} |")
     return "\n".join(rows)
 
 

@@ -77,6 +77,29 @@ def require_module(name: str, *required_envs: str):
                      *(required_envs or (REQUIRE_DOCKER, REQUIRE_KUBERNETES)))
 
 
+# `-m quick`: the API a newcomer uses first, on the local backend: config and
+# the top-level names, Process, Queue, Pipe, Pool, the executor, managers, locks,
+# shared ctypes, and the quickstart example. Tests marked docker, kubernetes or
+# slow are left out. README.md states how long it takes.
+QUICK_MODULES = frozenset(f"tests/{path}.py" for path in (
+    "unit/test_config", "unit/test_api", "unit/test_layers",
+    "conformance/test_process", "conformance/test_queues", "conformance/test_pipe",
+    "conformance/test_pool", "conformance/test_futures", "conformance/test_managers",
+    "conformance/test_synchronize", "conformance/test_sharedctypes",
+    "examples/test_examples",
+))
+_NOT_QUICK = ("docker", "kubernetes", "slow")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark the quick subset (see ``QUICK_MODULES``)."""
+    root = Path(str(config.rootpath))
+    for item in items:
+        module = Path(str(item.path)).relative_to(root).as_posix()
+        if module in QUICK_MODULES and not any(item.get_closest_marker(m) for m in _NOT_QUICK):
+            item.add_marker(pytest.mark.quick)
+
+
 def pytest_sessionfinish(session, exitstatus):
     """Where ``CI_ALLOWED_SKIPS`` names a file of reasons (CI), fail the run when a test
     was skipped for another reason: a skip there hides a broken set-up."""

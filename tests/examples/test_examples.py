@@ -3,18 +3,23 @@
 The examples are imported from their files (examples/ is not a package) and run
 in this process, as a user's ``python examples/<name>.py`` would run them; each
 test checks the example's answer, not only that it returned. All run on the
-local backend; ``pi_estimation`` also on docker; the four
+local backend; ``pi_estimation`` also on docker; the five
 core examples also on kubernetes (the fake API server
 of tests/kube unless ``KUBE_TEST_KUBECONFIG`` names a cluster). On kubernetes the
 cluster's settings reach the unchanged example as a user's would: ``FIBRL_*``
 environment variables, which its ``fibrl.init(backend=...)`` reads. The ``ctx``
 fixture (conftest) restores the config in force afterwards, since ``main``
-calls ``fibrl.init``.
+calls ``fibrl.init``. The quickstart also runs as the README's set-up command
+runs it, in a fresh interpreter. The RL examples that need torch
+(``remote_envs``, ``ppo_cartpole``, ``apex_dqn``) have their smoke tests in
+tests/rl.
 """
 from __future__ import annotations
 
 import importlib.util
 import math
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -95,3 +100,32 @@ def test_evolution_strategies(ctx, tmp_path):
     assert [h["generation"] for h in history] == [0, 1]
     assert all(h["max"] >= h["mean"] > 0 for h in history)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+QUICKSTART_LINES = ["hello world from pid ", "pipe answered PING", "sum of squares below 5: 30"]
+
+
+@LOCAL_AND_KUBERNETES
+def test_quickstart(ctx, monkeypatch, capsys):
+    example = load("quickstart")
+    monkeypatch.setattr(sys, "argv", ["quickstart.py", "--backend", ctx.get_start_method(),
+                                      "--tasks", "5"])
+    example.main(example.parse())
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 3, lines
+    assert [line[:len(want)] for line, want in zip(lines, QUICKSTART_LINES)] == QUICKSTART_LINES
+
+
+def test_quickstart_as_the_readme_runs_it(tmp_path):
+    """``python examples/quickstart.py``, the README's first command, in a fresh
+    interpreter (its main guard, its own ``__main__``), from another directory."""
+    root = EXAMPLES.parent
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(root)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    env.pop("FIBRL_BACKEND", None)
+    run = subprocess.run([sys.executable, str(EXAMPLES / "quickstart.py")], capture_output=True,
+                         text=True, timeout=240, env=env, cwd=tmp_path)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    lines = run.stdout.splitlines()
+    assert lines[0].startswith("hello world from pid "), run.stdout
+    assert lines[1:] == ["pipe answered PING", "sum of squares below 20: 2470"], run.stdout

@@ -126,8 +126,9 @@ class RemoteVectorEnv(VectorEnv):
         wrappers: callables applied to each env made from an env id.
         step_timeout: seconds one request may take before its worker is
             declared hung, killed and replaced (``None``: no deadline).
-        max_restarts, restart_window: more than ``max_restarts`` restarts
+        max_restarts: more than this many restarts (all envs together)
             within ``restart_window`` seconds raise :class:`EnvCrashError`.
+        restart_window: seconds over which ``max_restarts`` counts.
         split: when >= 2, a request for at least this many envs of one worker
             comes back in two halves, so the first half travels (and ``recv``
             can return it) while the second is stepped. Off by default: each

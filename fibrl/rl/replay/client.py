@@ -329,7 +329,10 @@ class ReplayStore:
         wal_path: write-ahead log file on the server (``.shard<i>`` appended when
             sharded); an existing log is replayed at start.
         wal_fsync: fsync each log record (survives a machine crash, not only a kill).
-        snapshot_path, snapshot_every: periodic snapshots (seconds between them).
+        snapshot_path: snapshot file on the server (``.shard<i>`` appended when
+            sharded): where ``snapshot()`` without a path and periodic snapshots write.
+        snapshot_every: seconds between periodic snapshots (``None``: none; needs
+            ``snapshot_path``).
         ctx: the fibrl context whose backend runs the servers (default: current).
         start_timeout: seconds to wait for each server to start.
 
