@@ -239,10 +239,8 @@ def _become(start, hub, client, exiting, oid):
     from . import runtime
 
     config = _own_listen_host(start.config)
-    hub.host = config.listen_host   # before install: the hub has not listened yet
-    hub.auth_timeout = config.auth_timeout
+    hub.use_settings(config)   # before it listens: what this worker hosts obeys them too
     runtime.install_config(config)  # also hands the hub the parent's heartbeat timings
-    hub.tls = config.tls  # for what this worker hosts; its parent's address says its own
     threading.Thread(target=_heartbeat, daemon=True, name="fibrl-heartbeat",
                      args=(client, config.heartbeat_interval, config.parent_timeout,
                            exiting)).start()

@@ -440,11 +440,9 @@ class Client:
     """A connection to another process's hub, shared by all threads of this process."""
 
     def __init__(self, hub: "Hub", address: str, timeout: float) -> None:
-        from .transport import Channel
-
         self.address = address
         self._hub = hub
-        self._channel = Channel.connect(address, hub.secret, timeout)
+        self._channel = hub.settings.connect(address, hub.secret, timeout)
         try:
             self._channel.watch()
         except TransportError:
@@ -737,12 +735,11 @@ class Hub:
                  connect_timeout: float = 30.0, port: int = 0, *,
                  heartbeat_interval: float = Config.heartbeat_interval,
                  parent_timeout: float = Config.parent_timeout, tls: bool = False) -> None:
+        from .transport import Settings
+
         self.secret = secret
-        self.tls = tls
-        self.host = host
+        self.settings = Settings(host, tls, auth_timeout, connect_timeout)
         self.port = port
-        self.auth_timeout = auth_timeout
-        self.connect_timeout = connect_timeout
         self.heartbeat_interval = heartbeat_interval
         self.parent_timeout = parent_timeout
         self.timers = Timers()
@@ -759,14 +756,48 @@ class Hub:
                     port: int = 0) -> "Hub":
         """The hub of a process whose config is ``config`` (the process hub, a manager
         server's, a worker's): it listens on ``host`` (default ``config.listen_host``)."""
-        return cls(bytes(secret), host or config.listen_host, config.auth_timeout,
-                   config.start_timeout, port, heartbeat_interval=config.heartbeat_interval,
-                   parent_timeout=config.parent_timeout, tls=config.tls)
+        hub = cls(bytes(secret), port=port, heartbeat_interval=config.heartbeat_interval,
+                  parent_timeout=config.parent_timeout)
+        hub.use_settings(config, host)
+        return hub
 
-    def use_timings(self, config: Config) -> None:
-        """Adopt the liveness timings of a config put in force after this hub was built."""
+    def use_settings(self, config: Config, host: Optional[str] = None) -> None:
+        """Take the transport settings of ``config`` (listening on ``host``, default
+        ``config.listen_host``) for every listener and channel this hub opens from now on
+        (a worker adopts its parent's before it listens)."""
+        from .transport import Settings
+
+        self.settings = Settings.from_config(config, host)
+
+    # the settings' fields, as this hub's (read-only: change them with use_settings)
+    host = property(lambda self: self.settings.host)
+    tls = property(lambda self: self.settings.tls)
+    auth_timeout = property(lambda self: self.settings.auth_timeout)
+    connect_timeout = property(lambda self: self.settings.connect_timeout)
+
+    def open_listener(self, on_frame: Callable, on_lost: Optional[Callable] = None):
+        """A listener of its own (not the hub's: its frames go to ``on_frame``, in its
+        peers' reader threads), with this hub's secret and transport settings."""
+        return self.settings.listener(self.secret, on_frame=on_frame, on_lost=on_lost)
+
+    def open_channel(self, address: str, timeout: Optional[float] = None):
+        """A dedicated channel to ``address`` (not the shared :meth:`client`), with this
+        hub's secret and transport settings."""
+        return self.settings.connect(address, self.secret, timeout)
+
+    def use_config(self, config: Config) -> None:
+        """Adopt a config put in force after this hub was built: its liveness timings
+        (read while it waits) and its transport settings (for what it opens from now on;
+        a listener already open stays as it is, so a change of ``tls`` is reported)."""
         self.heartbeat_interval = config.heartbeat_interval
         self.parent_timeout = config.parent_timeout
+        was, listening = self.settings.tls, self._listener is not None
+        self.use_settings(config)
+        if listening and was != config.tls:
+            log.warning("tls=%s was set after this process started listening with tls=%s; "
+                        "its listener at %s stays as it is. Set tls in fibrl.init before "
+                        "the first Process, Pool, Queue or Manager.", config.tls, was,
+                        self._listener.address)
 
     # -- hosting -------------------------------------------------------------
     @property
@@ -777,12 +808,9 @@ class Hub:
             # hub's lock is never held while nng listens or closes)
             with self._listening:
                 if self._listener is None:
-                    from .transport import Listener
-
-                    self._listener = Listener(
-                        self.host, self.secret, on_frame=self._on_frame,
-                        on_lost=self._on_peer_lost, auth_timeout=self.auth_timeout,
-                        port=self.port, tls=self.tls)
+                    self._listener = self.settings.listener(
+                        self.secret, on_frame=self._on_frame,
+                        on_lost=self._on_peer_lost, port=self.port)
         return self._listener.address
 
     def register(self, service: Service, oid: Optional[str] = None) -> str:

@@ -9,7 +9,7 @@ Owns three facts that every layer needs and no layer above may be asked for:
   ``install_hub``). Building a hub is the hosting layer's business
   (``hub.get_hub`` builds one with ``Hub.from_config`` when the slot is empty);
   this module only keeps it, hands it config changes that it reads while it
-  runs (heartbeat timings), and closes it at exit.
+  runs (heartbeat timings, transport settings), and closes it at exit.
 - the **exit sequence**, as one ordered table::
 
       CHILDREN     multiprocessing's own exit function: its finalizers of
@@ -77,7 +77,7 @@ def install_config(config: Config) -> Config:
         _config, _explicit = config, True
     hub = installed_hub()
     if hub is not None:
-        hub.use_timings(config)   # the hub reads these while it waits, as it did live
+        hub.use_config(config)   # its timings and the transport settings of what it opens
     return config
 
 

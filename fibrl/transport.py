@@ -53,7 +53,8 @@ import struct
 import sys
 import threading
 import time
-from typing import Callable, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
 
 import pynng
 from pynng import _nng
@@ -61,7 +62,7 @@ from pynng.exceptions import check_err
 
 from .errors import AuthenticationError, ChannelClosed, TransportError
 
-__all__ = ["Listener", "Peer", "Channel", "HELLO", "run_certificate", "tcp_address"]
+__all__ = ["Settings", "Listener", "Peer", "Channel", "HELLO", "run_certificate", "tcp_address"]
 
 log = logging.getLogger(__name__)
 
@@ -1164,3 +1165,52 @@ def _present_token(sock: pynng.Pair1, token: bytes, timeout: float, address: str
     if verdict != _OK:
         raise TransportError(f"{address} did not accept the connection (answered "
                              f"{verdict[:16]!r}).")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """How this process listens and dials: the transport settings that every listener
+    and channel fibrl opens takes (a hub's, a manager server's, the RL envs'), so that
+    ``tls``, the handshake timeout and the pending-connection limit hold for all of them.
+
+    :meth:`from_config` is the one place that maps a config to them.
+
+    Example:
+        >>> settings = Settings(tls=False)
+        >>> lst = settings.listener(b"k", on_frame=lambda p, d: p.send(d))
+        >>> ch = settings.connect(lst.address, b"k"); ch.send(b"x"); ch.recv(5)
+        b'x'
+    """
+
+    host: str = "127.0.0.1"
+    tls: bool = False
+    auth_timeout: float = 10.0
+    connect_timeout: float = 30.0
+    max_pending: Optional[int] = None
+
+    @classmethod
+    def from_config(cls, config: Any, host: Optional[str] = None) -> "Settings":
+        """The settings of a process whose config is ``config``, listening on ``host``
+        (default ``config.listen_host``)."""
+        return cls(host or config.listen_host, config.tls, config.auth_timeout,
+                   config.start_timeout)
+
+    def listener(self, secret: bytes, *, on_frame: FrameHandler,
+                 on_lost: Optional[LossHandler] = None, port: int = 0) -> Listener:
+        """A :class:`Listener` on ``self.host`` that obeys these settings."""
+        return Listener(self.host, secret, on_frame=on_frame, on_lost=on_lost,
+                        auth_timeout=self.auth_timeout, port=port, tls=self.tls,
+                        max_pending=self.max_pending)
+
+    def connect(self, address: str, secret: bytes,
+                timeout: Optional[float] = None) -> Channel:
+        """A :class:`Channel` to ``address`` (within ``timeout``, default
+        ``connect_timeout``). With ``tls`` on, a plaintext ``tcp://`` address is refused
+        before anything is sent: this process's traffic stays encrypted."""
+        if self.tls and not address.startswith("tls+tcp://"):
+            raise TransportError(
+                f"tls=True, but {address} is a plaintext address; nothing was sent to it. "
+                f"Likely cause: it belongs to a process started with tls=False. Start every "
+                f"process of the run with the same tls setting (fibrl.init(tls=...)).")
+        return Channel.connect(address, secret,
+                               self.connect_timeout if timeout is None else timeout)

@@ -64,8 +64,6 @@ class Line:
     """One thread's dedicated connection to the manager server at ``address``."""
 
     def __init__(self, address: str, authkey: bytes) -> None:
-        from ..transport import Channel
-
         hub = hub_for(authkey)
         self._slice, self._limit = hub.heartbeat_interval, hub.parent_timeout
         self.address = address
@@ -73,7 +71,7 @@ class Line:
         self.broken = False
         self._rids = itertools.count(1)
         try:
-            self._channel = Channel.connect(address, authkey, hub.connect_timeout)
+            self._channel = hub.open_channel(address)   # hub_for: its secret is authkey
             hub.client(address)  # liveness pings go this way: connect now, not when stuck
         except TransportError as exc:
             raise lost_error(address, exc) from exc

@@ -4,10 +4,12 @@ Owns the vector env's state machine, the batching of actions and results,
 the partial-batch API (``send``/``recv``) and the restart policy (which
 worker to replace, the restart budget, the per-env step deadline). The loop
 inside each worker is :mod:`.worker`; the message types are :mod:`.protocol`.
-It uses only fibrl's public API: ``Process`` and its sentinel,
-``fibrl.connection.wait``, the authenticated channels of ``fibrl.transport``
-and the frames of ``fibrl.serialization`` (per-step messages use the compact
-frames of :mod:`.protocol`)::
+It uses ``Process`` and its sentinel, ``fibrl.connection.wait``, and the
+authenticated listeners and channels of ``fibrl.transport``, opened through the
+process hub so that they obey the same transport settings (``tls``, handshake
+timeout, pending-connection limit) as every other socket of fibrl; the frames
+are those of ``fibrl.serialization`` (per-step messages use the compact frames of
+:mod:`.protocol`)::
 
     this process                                          workers (any backend)
     send(actions, ids) -- one Step frame per worker ---->  worker 0: envs 0..k-1
@@ -42,7 +44,6 @@ import queue
 import threading
 import time
 from multiprocessing import TimeoutError as MpTimeoutError
-from multiprocessing import current_process
 from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 import numpy as np
@@ -53,7 +54,7 @@ from gymnasium.vector.utils import batch_space, create_empty_array
 from ... import get_context
 from ...connection import wait
 from ...errors import ChannelClosed, TransportError, describe_exitcode
-from ...transport import Channel, Listener
+from ...hub import get_hub
 from .manager import make_gym_env
 from .protocol import (Broken, Call, Called, Close, Died, Hello, Reset, Result, Step, decode,
                        encode, rows, write_rows)
@@ -176,9 +177,9 @@ class RemoteVectorEnv(VectorEnv):
                          for w, lo in enumerate(range(0, self.num_envs, envs_per_worker))]
         self._where = [(w.index, j) for w in self._workers for j in range(len(w.env_ids))]
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._listener = Listener(get_context().config.listen_host,
-                                  bytes(current_process().authkey),
-                                  on_frame=lambda peer, data: self._inbox.put((peer, data)))
+        # the process hub's secret and transport settings (tls, limits), as for its own
+        self._listener = get_hub().open_listener(
+            on_frame=lambda peer, data: self._inbox.put((peer, data)))
         self._wake_r, self._wake_w = os.pipe()
         self._lock = threading.Lock()
         # watching from the start: a worker that dies while starting is replaced too
@@ -345,8 +346,7 @@ class RemoteVectorEnv(VectorEnv):
         """Open the direct connection to ``worker``'s listener (the listener path stays
         in use if that fails)."""
         try:
-            worker.chan = Channel.connect(address, bytes(current_process().authkey),
-                                          min(30.0, self._start_timeout))
+            worker.chan = get_hub().open_channel(address, min(30.0, self._start_timeout))
         except (TransportError, OSError) as exc:
             log.warning("RemoteVectorEnv: no direct connection to worker %d (%s); its "
                         "replies go through the listener", worker.index, exc)

@@ -1,8 +1,9 @@
 """The loop that runs in each RemoteVectorEnv worker (a fibrl Process).
 
 A worker hosts ``k`` envs. It connects one authenticated transport channel
-to the vector env's listener (the run's secret is its process authkey), says
-``Hello``, then answers one request at a time on that channel::
+to the vector env's listener (through its process hub: the run's secret and
+transport settings, ``tls`` included), says ``Hello``, then answers one request
+at a time on that channel::
 
     vector env (Listener)                  worker w (local process, container or pod)
     peer.send(Step) ---------------------> recv -> step envs of half 1 -> Result --+
@@ -45,8 +46,8 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from ... import get_context
-from ...transport import Channel, Listener, Peer
+from ...hub import get_hub
+from ...transport import Peer
 from .protocol import (Broken, Call, Called, Hello, Reset, Result, Step, decode, encode,
                        encode_result, row, stack)
 
@@ -279,10 +280,8 @@ def _obs_rows(space: Any, n: int) -> Optional[np.ndarray]:
 def serve(index: int, gen: int, fns: list, env_ids: list, restarts: list, mode: str,
           root_seed: int, split: int, address: str, direct: bool = False) -> None:
     """Entry point of a worker process: start the envs, then answer requests until Close."""
-    import multiprocessing
-
-    authkey = bytes(multiprocessing.current_process().authkey)
-    channel = Channel.connect(address, authkey)
+    hub = get_hub()   # the run's secret and this worker's transport settings (tls, ...)
+    channel = hub.open_channel(address)
     outbox = _Outbox(channel)
     failed: list = []
     stop = []
@@ -305,7 +304,7 @@ def serve(index: int, gen: int, fns: list, env_ids: list, restarts: list, mode: 
 
     listener = None
     if direct:
-        listener = Listener(get_context().config.listen_host, authkey, on_frame=on_direct)
+        listener = hub.open_listener(on_direct)
     worker = Worker(index, gen, fns, env_ids, restarts, mode, root_seed, split, outbox)
     outbox.send(Hello(index, gen, listener.address if listener is not None else ""))
     try:
