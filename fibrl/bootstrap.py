@@ -269,7 +269,8 @@ def _take_secret() -> str:
         with os.fdopen(int(fd), "rb") as pipe:
             return pipe.read().decode().strip()
     if os.environ.pop("FIBRL_SECRET_STDIN", ""):
-        # A parent gone before writing closes it: EOF, an empty secret, a clear refusal.
+        # One line, written by the parent right after the start (a parent that fails
+    # first removes the container; start_timeout ends a worker that waits on).
         return sys.stdin.buffer.readline(4096).decode().strip()
     return os.environ.pop("FIBRL_SECRET", "")
 

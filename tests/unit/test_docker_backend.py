@@ -115,7 +115,7 @@ def test_container_defaults_host_network_readonly_cwd_and_labels():
     # the secret is written to stdin once started: not in the environment docker
     # inspect shows, nor in a file of the container's layer on the host's disk
     assert kw["environment"] == {"FIBRL_SECRET_STDIN": "1", "FIBRL_RUN_ID": "r1"}
-    assert kw["stdin_open"] is True and kw["stdin_once"] is True
+    assert kw["stdin_open"] is True
     assert kw["labels"]["fibrl.backend"] == "docker"
     assert kw["labels"]["fibrl.run"] == "r1" and kw["labels"]["fibrl.role"] == "process"
     assert kw["labels"]["fibrl.host"] == socket.gethostname()

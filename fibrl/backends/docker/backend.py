@@ -182,7 +182,7 @@ class DockerBackend(Backend):
             labels=labels, network_mode=self.config.docker_network, init=True,
             working_dir=self._workdir(spec), volumes=self._volumes(spec),
             user=f"{os.getuid()}:{os.getgid()}", security_opt=["no-new-privileges"],
-            stdin_open=secret, stdin_once=secret, tty=False, auto_remove=False)
+            stdin_open=secret, tty=False, auto_remove=False)
         kwargs.update(_resources(spec))
         return kwargs
 
@@ -315,7 +315,7 @@ def _hand_secret(stdin: Any, secret: str) -> None:
         raw.sendall(secret.encode() + b"\n")
     finally:
         stdin.close()
-        raw.close()   # the engine then closes the worker's stdin (stdin_once)
+        raw.close()
 
 
 def _resources(spec: JobSpec) -> dict:
