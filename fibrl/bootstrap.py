@@ -259,16 +259,17 @@ def _become(start, hub, client, exiting, oid):
 
 def _take_secret() -> str:
     """The run's secret, from where the backend left it: a pipe (FIBRL_SECRET_FD, local
-    workers), a 0400 file copied into the container (FIBRL_SECRET_FILE, docker) or the
-    environment (a kubernetes Secret; the fork server). Each is dropped after use."""
+    workers), stdin (FIBRL_SECRET_STDIN, docker: the parent writes one line through
+    the engine's API, and nothing of it is on disk) or the environment (a kubernetes
+    Secret; the fork server). Each is dropped after use."""
     fd = os.environ.pop("FIBRL_SECRET_FD", "")
     if fd:
         with os.fdopen(int(fd), "rb") as pipe:
             return pipe.read().decode().strip()
-    path = os.environ.pop("FIBRL_SECRET_FILE", "")
-    if path:
-        with open(path) as file:
-            return file.read().strip()
+    if os.environ.pop("FIBRL_SECRET_STDIN", ""):
+        # One line, written by the parent right after the start (a parent that fails
+    # first removes the container; start_timeout ends a worker that waits on).
+        return sys.stdin.buffer.readline(4096).decode().strip()
     return os.environ.pop("FIBRL_SECRET", "")
 
 

@@ -185,7 +185,7 @@ def _from_env(environ: Mapping[str, str]) -> dict[str, str]:
 
 
 # Variables the runtime itself passes to workers; they are not config keys.
-_ENV_NOT_CONFIG = frozenset({"FIBRL_SECRET", "FIBRL_SECRET_FD", "FIBRL_SECRET_FILE",
+_ENV_NOT_CONFIG = frozenset({"FIBRL_SECRET", "FIBRL_SECRET_FD", "FIBRL_SECRET_STDIN",
                              "FIBRL_RUN_ID", "FIBRL_TOKEN", "FIBRL_PARENT", "FIBRL_POD_NAME",
                              "FIBRL_POD_NAMESPACE", "FIBRL_POD_UID",
                              # read by fibrl.transport before nng starts, in any process

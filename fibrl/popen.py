@@ -401,7 +401,8 @@ def _preparation(process_obj: Any, elsewhere: bool) -> dict:
     """
     data = mp_spawn.get_preparation_data(process_obj._name)
     data.pop("start_method", None)  # the stdlib's own start method is not ours to change
-    data["authkey"] = bytes(data["authkey"])
+    # Never sent: the worker proved it knows the key, and sets it from what it holds.
+    del data["authkey"]
     path = data.get("init_main_from_path")
     if path and (sys.flags.interactive or not os.path.isfile(path)):
         del data["init_main_from_path"]

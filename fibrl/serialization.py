@@ -22,12 +22,14 @@ import re
 import struct
 import sys
 from collections import ChainMap
+from multiprocessing import process as mp_process
 from typing import Any
 
 from .errors import FrameError, SerializationError
 
 __all__ = ["dumps", "loads", "dumps_parts", "encode", "Encoded", "as_bytes", "MAGIC",
-           "OOB_THRESHOLD", "stdlib_advice", "unpickle_error", "guarded_main_name"]
+           "OOB_THRESHOLD", "stdlib_advice", "unpickle_error", "guarded_main_name",
+           "held_authkey"]
 
 MAGIC = b"FB\x01"
 OOB_THRESHOLD = 64 * 1024  # smaller buffers are cheaper inline than out of band
@@ -157,10 +159,27 @@ def _refuse(obj: Any) -> tuple:
                                            replacement))
 
 
+def held_authkey() -> mp_process.AuthenticationString:
+    """The run's secret where a started process is unpickled: the key its worker
+    already holds (it proved it to connect), so that no start payload carries it."""
+    return mp_process.AuthenticationString(mp_process.current_process().authkey)
+
+
+def _reduce_authkey(key: mp_process.AuthenticationString) -> tuple:
+    # The process's own key (a Process's authkey, a Manager's default one) is never
+    # written: the worker fills it in. A key of the user's choosing (a Manager given
+    # its own authkey) travels, as multiprocessing's spawn sends it: the worker has no
+    # other way to learn it.
+    if bytes(key) == bytes(mp_process.current_process().authkey):
+        return (held_authkey, ())
+    return (mp_process.AuthenticationString, (bytes(key),))
+
+
 def _stdlib_table() -> dict:
-    """``type -> _refuse`` for the stdlib classes above whose module is loaded (a
-    program that never imported one cannot hold its objects)."""
-    table = {}
+    """``type -> reducer`` for a process start: ``_refuse`` for the stdlib classes
+    above whose module is loaded (a program that never imported one cannot hold its
+    objects), and authkeys written without the run's secret."""
+    table = {mp_process.AuthenticationString: _reduce_authkey}
     for (module, name) in _STDLIB_SHARED:
         cls = getattr(sys.modules.get(module), name, None)
         if isinstance(cls, type):

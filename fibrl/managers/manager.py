@@ -94,7 +94,7 @@ class _StartReportService(Service):
         os.close(self._write_fd)
 
 
-def _run_server(registry: dict, address: Any, authkey: bytes, serializer: str,
+def _run_server(registry: dict, address: Any, authkey: Any, serializer: str,
                 report: StartReport, initializer: Optional[Callable[..., Any]],
                 initargs: tuple) -> None:
     """The manager process's target: build the server, report its address, serve."""
@@ -215,7 +215,7 @@ class BaseManager:
 
         ctx = self._ctx or default_context
         proc = ctx.Process(target=_run_server,
-                           args=(self._registry, self._address, bytes(self._authkey),
+                           args=(self._registry, self._address, self._authkey,
                                  self._serializer, report, initializer, initargs))
         proc._fibrl_role = "manager"
         ident = ":".join(str(i) for i in proc._identity)

@@ -224,7 +224,7 @@ class BaseProxy:
     def __reduce__(self):
         kwds: dict = {}
         if get_spawning_popen() is not None:
-            kwds["authkey"] = bytes(self._authkey)
+            kwds["authkey"] = self._authkey   # the run's secret is not written (serialization)
         if getattr(self, "_isauto", False):
             kwds["exposed"] = self._exposed_
             return (RebuildProxy, (_auto_factory(type(self)), self._token, self._serializer,

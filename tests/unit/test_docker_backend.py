@@ -85,16 +85,25 @@ def _kwargs(spec=None, **config):
     return backend._container_kwargs(spec or _spec(), "fibrl:latest")
 
 
-def test_secret_archive_is_one_private_file_of_the_worker_user():
-    import io
-    import tarfile
+def test_secret_goes_to_the_workers_stdin_then_it_closes():
+    written = []
 
-    from fibrl.backends.docker.backend import SECRET_PATH, secret_archive
+    class Attached:   # what docker's attach_socket returns: a SocketIO around a socket
+        closed = 0
 
-    with tarfile.open(fileobj=io.BytesIO(secret_archive("ab12"))) as tar:
-        member = tar.getmember(SECRET_PATH.lstrip("/"))
-        assert member.mode == 0o400 and (member.uid, member.gid) == (os.getuid(), os.getgid())
-        assert tar.extractfile(member).read() == b"ab12"
+        def __init__(self):
+            self._sock = self
+
+        def sendall(self, data):
+            written.append(data)
+
+        def close(self):
+            Attached.closed += 1
+
+    from fibrl.backends.docker.backend import _hand_secret
+
+    _hand_secret(Attached(), "ab12")
+    assert written == [b"ab12\n"] and Attached.closed == 2
 
 
 def test_container_defaults_host_network_readonly_cwd_and_labels():
@@ -103,8 +112,10 @@ def test_container_defaults_host_network_readonly_cwd_and_labels():
     assert kw["volumes"] == {"/work/project": {"bind": "/work/project", "mode": "ro"}}
     assert kw["working_dir"] == "/work/project"
     assert kw["command"] == ["python", "-m", "fibrl.bootstrap", "tcp://127.0.0.1:1", "h-1"]
-    # the secret is copied in as a file, never in the environment docker inspect shows
-    assert kw["environment"] == {"FIBRL_SECRET_FILE": "/run/fibrl-secret", "FIBRL_RUN_ID": "r1"}
+    # the secret is written to stdin once started: not in the environment docker
+    # inspect shows, nor in a file of the container's layer on the host's disk
+    assert kw["environment"] == {"FIBRL_SECRET_STDIN": "1", "FIBRL_RUN_ID": "r1"}
+    assert kw["stdin_open"] is True
     assert kw["labels"]["fibrl.backend"] == "docker"
     assert kw["labels"]["fibrl.run"] == "r1" and kw["labels"]["fibrl.role"] == "process"
     assert kw["labels"]["fibrl.host"] == socket.gethostname()

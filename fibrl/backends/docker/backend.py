@@ -174,14 +174,15 @@ class DockerBackend(Backend):
         labels.update({LABEL_BACKEND: "docker", LABEL_HOST: socket.gethostname(),
                        LABEL_PIDNS: pid_namespace()})
         env = dict(spec.env)
-        if env.pop("FIBRL_SECRET", None) is not None:   # copied in before start: _start
-            env["FIBRL_SECRET_FILE"] = SECRET_PATH
+        secret = env.pop("FIBRL_SECRET", None) is not None
+        if secret:   # written to its stdin once started: _start
+            env["FIBRL_SECRET_STDIN"] = "1"
         kwargs = dict(
             image=image, command=list(spec.command), environment=env,
             labels=labels, network_mode=self.config.docker_network, init=True,
             working_dir=self._workdir(spec), volumes=self._volumes(spec),
             user=f"{os.getuid()}:{os.getgid()}", security_opt=["no-new-privileges"],
-            stdin_open=False, tty=False, auto_remove=False)
+            stdin_open=secret, tty=False, auto_remove=False)
         kwargs.update(_resources(spec))
         return kwargs
 
@@ -291,12 +292,14 @@ class DockerBackend(Backend):
         api = self.client.api
         try:
             secret = spec.env.get("FIBRL_SECRET")
-            if secret is not None:
-                api.put_archive(container.id, "/", secret_archive(secret))
+            stdin = None if secret is None else api.attach_socket(
+                container.id, params={"stdin": 1, "stream": 1})
             stream = api.attach(container.id, stdout=True, stderr=True, stream=True,
                                 logs=True, demux=True)
             api.start(container.id)
-        except _sdk_errors() as exc:
+            if stdin is not None:
+                _hand_secret(stdin, secret)
+        except (OSError, *_sdk_errors()) as exc:
             _remove_quietly(api, container.id)
             raise _start_error(image, exc) from exc
         job = DockerJob(spec, api, container.id, name, stream)
@@ -314,28 +317,20 @@ class DockerBackend(Backend):
         return "python"
 
 
-SECRET_PATH = "/run/fibrl-secret"
+def _hand_secret(stdin: Any, secret: str) -> None:
+    """Write the run's secret to the started worker's stdin, then close it.
 
-
-def secret_archive(secret: str) -> bytes:
-    """A tar holding the run's secret as ``SECRET_PATH``, mode 0400, owned by the user
-    the worker runs as. Copied into the created container before it starts (through
-    the engine's API, so it works from a parent that is itself a container):
-    ``docker inspect`` shows a container's environment, never its files."""
-    import io
-    import tarfile
-
-    data = secret.encode()
-    out = io.BytesIO()
-    with tarfile.open(fileobj=out, mode="w") as tar:
-        folder = tarfile.TarInfo(os.path.dirname(SECRET_PATH).lstrip("/"))
-        folder.type, folder.mode = tarfile.DIRTYPE, 0o755
-        tar.addfile(folder)
-        info = tarfile.TarInfo(SECRET_PATH.lstrip("/"))
-        info.size, info.mode = len(data), 0o400
-        info.uid, info.gid = os.getuid(), os.getgid()
-        tar.addfile(info, io.BytesIO(data))
-    return out.getvalue()
+    It goes from this process through the engine's API into the worker's pipe (so it
+    works from a parent that is itself a container): not into the container's
+    environment, which ``docker inspect`` shows, nor into a file, which would sit in
+    the container's writable layer on the host's disk until the container is removed.
+    """
+    raw = getattr(stdin, "_sock", stdin)   # docker's attach socket: a SocketIO around it
+    try:
+        raw.sendall(secret.encode() + b"\n")
+    finally:
+        stdin.close()
+        raw.close()
 
 
 def _resources(spec: JobSpec) -> dict:
