@@ -186,7 +186,10 @@ start_all() {
         --service-account-key-file "$pki/sa.pub" --service-account-signing-key-file "$pki/sa.key" \
         --service-account-issuer https://kubernetes.default.svc.cluster.local \
         --service-cluster-ip-range 10.0.0.0/24 --authorization-mode Node,RBAC \
-        --feature-gates TTLAfterFinished=true --profiling=false --allow-privileged=false
+        --feature-gates TTLAfterFinished=true --profiling=false --allow-privileged=false \
+        --endpoint-reconciler-type none
+    # endpoint reconciler off: the "kubernetes" Service's Endpoints may not hold a loopback
+    # address (validation refuses 127.0.0.1); pods here reach the API server on loopback directly
     # no --authentication/authorization-kubeconfig: their secure ports then answer /healthz
     # (always allowed) and refuse everything else
     start kube-controller-manager "$BIN/kube-controller-manager" --kubeconfig "$STATE/controller-manager.kubeconfig" \
