@@ -190,6 +190,13 @@ start_all() {
         --endpoint-reconciler-type none
     # endpoint reconciler off: the "kubernetes" Service's Endpoints may not hold a loopback
     # address (validation refuses 127.0.0.1); pods here reach the API server on loopback directly
+}
+
+# After the API server is ready: the controller-manager gives up (exits) when the API
+# server's /healthz does not answer it within its own short wait, and it is forbidden
+# until the API server has written its bootstrap RBAC policy.
+start_controllers() {
+    local pki=$STATE/pki
     # no --authentication/authorization-kubeconfig: their secure ports then answer /healthz
     # (always allowed) and refuse everything else
     start kube-controller-manager "$BIN/kube-controller-manager" --kubeconfig "$STATE/controller-manager.kubeconfig" \
@@ -241,8 +248,10 @@ alive() {  # every process `up` started still runs
 }
 
 wait_ready() {
-    local pki=$STATE/pki admin="--cacert $pki/ca.crt --cert $pki/admin.crt --key $pki/admin.key"
+    local pki=$STATE/pki
+    local admin="--cacert $pki/ca.crt --cert $pki/admin.crt --key $pki/admin.key"   # needs pki set first
     ready "https://127.0.0.1:$API_PORT/readyz" $admin || die "kube-apiserver not ready in ${READY_TIMEOUT}s"
+    start_controllers
     ready "https://127.0.0.1:$CM_PORT/healthz" -k || die "kube-controller-manager not healthy in ${READY_TIMEOUT}s"
     ready "https://127.0.0.1:$SCHED_PORT/healthz" -k || die "kube-scheduler not healthy in ${READY_TIMEOUT}s"
     # the service-account and token controllers work: the default account has its token
