@@ -18,7 +18,7 @@ KUBE_SRC_VERSION=${FIBRL_KUBE_SRC_VERSION:-1.20.5+really1.20.2-1.1+deb12u1}
 CACHE=${FIBRL_KUBE_CACHE:-/var/cache/fibrl-kube}
 STATE=${FIBRL_KUBE_STATE:-/tmp/fibrl-kube-plane}
 BIN=$CACHE/$KUBE_SRC_VERSION/bin
-READY_TIMEOUT=${FIBRL_KUBE_READY_TIMEOUT:-120}
+READY_TIMEOUT=${FIBRL_KUBE_READY_TIMEOUT:-300}   # the API server alone took 140 s on a loaded 2-core machine
 BUILD_PACKAGES="golang-go golang-github-modern-go-reflect2-dev dpkg-dev"
 RUN_PACKAGES="etcd-server openssl curl"
 COMPONENTS="kube-apiserver kube-controller-manager kube-scheduler"
@@ -186,7 +186,17 @@ start_all() {
         --service-account-key-file "$pki/sa.pub" --service-account-signing-key-file "$pki/sa.key" \
         --service-account-issuer https://kubernetes.default.svc.cluster.local \
         --service-cluster-ip-range 10.0.0.0/24 --authorization-mode Node,RBAC \
-        --feature-gates TTLAfterFinished=true --profiling=false --allow-privileged=false
+        --feature-gates TTLAfterFinished=true --profiling=false --allow-privileged=false \
+        --endpoint-reconciler-type none
+    # endpoint reconciler off: the "kubernetes" Service's Endpoints may not hold a loopback
+    # address (validation refuses 127.0.0.1); pods here reach the API server on loopback directly
+}
+
+# After the API server is ready: the controller-manager gives up (exits) when the API
+# server's /healthz does not answer it within its own short wait, and it is forbidden
+# until the API server has written its bootstrap RBAC policy.
+start_controllers() {
+    local pki=$STATE/pki
     # no --authentication/authorization-kubeconfig: their secure ports then answer /healthz
     # (always allowed) and refuse everything else
     start kube-controller-manager "$BIN/kube-controller-manager" --kubeconfig "$STATE/controller-manager.kubeconfig" \
@@ -238,8 +248,10 @@ alive() {  # every process `up` started still runs
 }
 
 wait_ready() {
-    local pki=$STATE/pki admin="--cacert $pki/ca.crt --cert $pki/admin.crt --key $pki/admin.key"
+    local pki=$STATE/pki
+    local admin="--cacert $pki/ca.crt --cert $pki/admin.crt --key $pki/admin.key"   # needs pki set first
     ready "https://127.0.0.1:$API_PORT/readyz" $admin || die "kube-apiserver not ready in ${READY_TIMEOUT}s"
+    start_controllers
     ready "https://127.0.0.1:$CM_PORT/healthz" -k || die "kube-controller-manager not healthy in ${READY_TIMEOUT}s"
     ready "https://127.0.0.1:$SCHED_PORT/healthz" -k || die "kube-scheduler not healthy in ${READY_TIMEOUT}s"
     # the service-account and token controllers work: the default account has its token

@@ -19,11 +19,13 @@ import argparse
 import copy
 import json
 import logging
+import platform
 import signal
 import ssl
 import threading
 import time
 import urllib.parse
+import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from ._http import _flag, _follow, _int, _since_ns, _stamped, _tail_offset
@@ -174,6 +176,7 @@ class NodeAgent:
         self.settings = settings or Settings(runtime=runtime, node_name=node_name, node_labels={
             "kubernetes.io/hostname": node_name, "kubernetes.io/os": "linux", "kubernetes.io/arch": "amd64"})
         self.stopping = threading.Event()
+        self._boot_id = str(uuid.uuid4())   # new per agent start, as a kubelet's after a reboot
         self.api = RemoteApi(self.core, node_name, self.stopping)
         api_port = urllib.parse.urlsplit(self.api_client.configuration.host).port or 443
         self.kubelet = Kubelet(self.api, self.settings, api_port, docker_engine_answers)
@@ -213,11 +216,18 @@ class NodeAgent:
         status = {"capacity": capacity, "allocatable": capacity, "conditions": [ready],
                   "addresses": [{"type": "InternalIP", "address": self.settings.pod_ip},
                                 {"type": "Hostname", "address": self.node_name}],
-                  "nodeInfo": {"kubeletVersion": "v1.20.2", "operatingSystem": "linux",
-                               "architecture": "amd64", "containerRuntimeVersion": "fibrl-fake://1"}}
+                  "nodeInfo": self._node_info()}
         if self._logs:
             status["daemonEndpoints"] = {"kubeletEndpoint": {"Port": self._logs.port}}
         return status
+
+    def _node_info(self) -> dict:
+        # every field: the API's NodeSystemInfo requires them all (the client checks a body)
+        uname = platform.uname()
+        return {"kubeletVersion": "v1.20.2", "kubeProxyVersion": "v1.20.2", "operatingSystem": "linux",
+                "architecture": "amd64", "containerRuntimeVersion": "fibrl-fake://1",
+                "kernelVersion": uname.release, "osImage": "fibrl node agent",
+                "machineID": self.node_name, "systemUUID": self.node_name, "bootID": self._boot_id}
 
     def _register(self) -> None:
         body = {"metadata": {"name": self.node_name, "labels": dict(self.settings.node_labels)}}

@@ -82,3 +82,17 @@ def test_finishing_a_deleted_pod_is_a_delete_with_grace_0_and_the_uid():
     _store(core).update(("pods", "ns", "p"),
                         lambda pod: pod["metadata"].update(deletionGracePeriodSeconds=0))
     assert core.calls == [("delete", "p", {"gracePeriodSeconds": 0, "preconditions": {"uid": "u-1"}})]
+
+
+def test_the_node_status_is_a_complete_node_system_info():
+    # the kubernetes client checks a body against the API's types before sending it:
+    # a NodeSystemInfo missing a required field (bootID, machineID...) never leaves
+    from kubernetes import client
+
+    from tests.kube.node_agent import NodeAgent
+
+    agent = NodeAgent.__new__(NodeAgent)
+    agent.node_name, agent._boot_id = "n1", "b1"
+    info = agent._node_info()
+    names = {json_name: name for name, json_name in client.V1NodeSystemInfo.attribute_map.items()}
+    client.V1NodeSystemInfo(**{names[key]: value for key, value in info.items()})
