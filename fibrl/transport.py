@@ -25,12 +25,17 @@ be replayed. Nothing a peer sends is unpickled here, and a peer's frames reach
 ``on_frame`` only after it proved it knows the secret (HMAC-SHA256 over fresh
 nonces, in both directions, as ``multiprocessing.connection`` does).
 
-Limits on strangers: the accept socket takes messages of at most 1 KiB and holds
-at most ``max_pending`` connections (the oldest is dropped for a new one, and any
-is dropped after ``auth_timeout``); a data socket exists only for a peer that
-authenticated, accepts one connection, and ends only when that connection ends
-(closing an nng listener would close its connection too, so the port stays open
-and every later connection is closed as it arrives).
+Limits on strangers: without TLS a :class:`~fibrl.gate.Gate` owns the TCP ports
+and hands nng (through its ``socket://`` transport) only connections whose 8-byte
+nng header arrived within ``HEADER_TIMEOUT`` and names the protocol of the socket
+behind the port; those still waiting count against ``max_pending`` with the accept
+socket's. The accept socket takes messages of at most 1 KiB and holds at most
+``max_pending`` connections (the oldest is dropped for a new one, and any is
+dropped after ``auth_timeout``); a data socket exists only for a peer that
+authenticated and takes one connection: its port stops listening once that
+connection is handed on (with TLS, where nng listens itself, the port stays open
+and every later connection is closed as it arrives), and only the end of that
+connection ends the peer.
 Every dropped or refused peer is logged with its address and the reason, at most
 ``_LOG_BURST`` times per ``_LOG_WINDOW`` seconds per listener.
 
@@ -42,6 +47,7 @@ open a connection, and frames are encrypted.
 from __future__ import annotations
 
 import atexit
+import errno
 import functools
 import hashlib
 import hmac
@@ -49,6 +55,7 @@ import logging
 import os
 import resource
 import select
+import socket
 import struct
 import sys
 import threading
@@ -61,6 +68,7 @@ from pynng import _nng
 from pynng.exceptions import check_err
 
 from .errors import AuthenticationError, ChannelClosed, TransportError
+from .gate import Gate, Port, sp_header
 
 __all__ = ["Settings", "Listener", "Peer", "Channel", "HELLO", "run_certificate", "tcp_address"]
 
@@ -78,6 +86,11 @@ HANDSHAKE_MAX_SIZE = 1024
 # more than this share of the process's descriptor limit, so workers keep the rest.
 MAX_PENDING = 64
 _NOFILE_SHARE = 8
+# Seconds a TCP connection to a plaintext listener may take to send nng's header (nng
+# itself would hold it 10 s, unseen); never more than the listener's auth_timeout.
+HEADER_TIMEOUT = 5.0
+# The SP protocol numbers of the peers each socket expects (see gate.sp_header).
+_REQ0, _PAIR1 = 0x30, 0x11
 _LOG_BURST, _LOG_WINDOW = 20, 10.0
 
 
@@ -427,11 +440,86 @@ class _DropLog:
         log.warning("%s: dropped peer %s: %s", self._where, remote, reason)
 
 
+# Remote addresses of the connections a gate handed on, by nng pipe id (nng's socket
+# transport, which carries them, cannot tell a pipe's remote address).
+_gate_addresses: dict[int, str] = {}
+
+
 def _remote(pipe: Optional[pynng.Pipe]) -> str:
+    if pipe is None:
+        return "?"
+    known = _gate_addresses.get(pipe.id)
+    if known is not None:
+        return known
     try:
-        return str(pipe.remote_address) if pipe is not None else "?"
+        return str(pipe.remote_address)
     except pynng.NNGException:
         return "?"
+
+
+class _Door:
+    """Turns the TCP connections a :class:`~fibrl.gate.Gate` hands on into connections of
+    one nng socket (through nng's ``socket://`` transport, which takes a connected
+    descriptor), remembering each one's remote address for the log.
+
+    Each ``socket://`` listener has at most one hand-off in flight, so the pipe it makes
+    is known to be that connection's; a few listeners serve a socket.
+    """
+
+    _MOST = 8        # socket:// listeners per nng socket
+    _STALE = 2.0     # s after which a hand-off that made no pipe frees its listener
+
+    def __init__(self, sock: pynng.Socket) -> None:
+        self._sock = sock
+        self._lock = threading.Lock()
+        self._idle: list = []
+        self._busy: dict[int, tuple[Any, str, float]] = {}   # listener id -> (l, addr, since)
+        self._made = 0
+        # registered before the owner's callbacks, so they can already name the peer
+        sock.add_pre_pipe_connect_cb(self._connected)
+        sock.add_post_pipe_remove_cb(self._removed)
+
+    def hand(self, conn: socket.socket, address: str) -> bool:
+        now = time.monotonic()
+        with self._lock:
+            for lid, (lst, _, since) in list(self._busy.items()):
+                if now - since > self._STALE:   # its peer left during nng's negotiation
+                    del self._busy[lid]
+                    self._idle.append(lst)
+            if self._idle:
+                lst = self._idle.pop()
+            elif self._made < self._MOST:
+                lst, self._made = None, self._made + 1
+            else:
+                return False
+        if lst is None:
+            lst = self._sock.listen("socket://")
+        lid = _lib.nng_listener_id(lst.listener)
+        with self._lock:
+            self._busy[lid] = (lst, address, now)
+        rv = _lib.nng_listener_set_int(lst.listener, b"socket:fd", conn.fileno())
+        if rv == 0:
+            conn.detach()   # nng owns the descriptor now
+            return True
+        with self._lock:
+            self._busy.pop(lid, None)
+            self._idle.append(lst)
+        if rv == _lib.NNG_ENOSPC:
+            return False
+        check_err(rv)
+        return False
+
+    def _connected(self, pipe: pynng.Pipe) -> None:
+        lid = _lib.nng_listener_id(_lib.nng_pipe_listener(pipe.pipe))
+        with self._lock:
+            entry = self._busy.pop(lid, None)
+            if entry is not None:
+                self._idle.append(entry[0])
+        if entry is not None:
+            _gate_addresses[pipe.id] = entry[1]
+
+    def _removed(self, pipe: pynng.Pipe) -> None:
+        _gate_addresses.pop(pipe.id, None)
 
 
 class _OnePipe:
@@ -560,6 +648,7 @@ class Peer(_Reading):
         self.closed = False
         self.context: dict = {}  # per-connection state kept by the frame handler
         self.thread: Optional[threading.Thread] = None   # the reader now
+        self.port: Optional[Port] = None   # its data port at the gate, until connected
         self._reader = 0                   # generation of the reader thread now
         self._busy: Optional[int] = None   # the generation handling a frame now, if any
         self._state = threading.Lock()
@@ -644,22 +733,38 @@ class Listener:
         self._used: dict[bytes, float] = {}  # ticket -> when it expires
         self._max_pending = max_pending or _default_max_pending()
         self._pipes: dict[int, tuple[float, pynng.Pipe]] = {}   # accept socket's, by id
+        self._dropped = _DropLog(f"listener on {host}")
+        self._lock = threading.Lock()
         self._accept = _make(pynng.Rep0, secret, tls, True,
                              recv_max_size=HANDSHAKE_MAX_SIZE)
+        # Plaintext: a gate owns the TCP ports and hands nng only connections that sent
+        # nng's header (nng's TLS transport cannot take a descriptor: it listens itself).
+        self._gate: Optional[Gate] = None
+        door = None
+        if not tls:
+            self._gate = Gate(f"{host}:{port}", refused=self._refused,
+                              max_pending=self._max_pending, others=lambda: self.pending,
+                              header_timeout=min(auth_timeout, HEADER_TIMEOUT))
+            door = _Door(self._accept)
         self._accept.add_pre_pipe_connect_cb(self._accept_pipe_added)
         self._accept.add_post_pipe_remove_cb(self._accept_pipe_removed)
         try:
-            self._accept.listen(tcp_address(host, port, _scheme(tls)))
-        except pynng.NNGException as exc:
+            if self._gate is not None:
+                opened = self._gate.open(host, port, expect=sp_header(_REQ0), hand=door.hand)
+                self.address = tcp_address(opened.host, opened.port)
+            else:
+                self._accept.listen(tcp_address(host, port, _scheme(tls)))
+                self.address = _address_of(self._accept, _scheme(tls))
+        except (pynng.NNGException, OSError) as exc:
+            if self._gate is not None:
+                self._gate.close()
             self._accept.close()
             raise TransportError(
                 f"cannot listen on {host}: {exc}. Set listen_host to an address of this "
                 f"machine that workers can reach (fibrl.init(listen_host=...)).") from exc
-        self.address = _address_of(self._accept, _scheme(tls))
         self._dropped = _DropLog(f"listener {self.address}")
         self._peers: dict[int, Peer] = {}
         self._opening: dict[int, Peer] = {}   # authenticated, data connection not yet up
-        self._lock = threading.Lock()
         self._stop = threading.Event()
         self._next_id = 0
         self._closed = False
@@ -669,6 +774,9 @@ class Listener:
         self._janitor = threading.Thread(target=self._drop_idle, daemon=True,
                                          name=f"fibrl-idle-{self.address}")
         self._janitor.start()
+
+    def _refused(self, remote: str, reason: str) -> None:
+        self._dropped(remote, reason)   # (the log is named once the address is known)
 
     # -- the accept socket: strangers are answered at once and never waited for ----
     def _accept_pipe_added(self, pipe: pynng.Pipe) -> None:
@@ -770,11 +878,21 @@ class Listener:
         except pynng.NNGException as exc:
             return self._refuse_for_lack(pipe, exc)
         peer = Peer(sock, peer_id)
+        door = _Door(sock) if self._gate is not None else None
         _OnePipe(sock, self._dropped, peer.close)   # kept alive by the callbacks it registers
         try:
-            sock.listen(tcp_address(self._host, 0, _scheme(self._tls)))
+            if self._gate is not None:
+                # one connection is handed on, then the port stops listening
+                peer.port = self._gate.open(self._host, 0, expect=sp_header(_PAIR1),
+                                            hand=door.hand, once=True)
+                address = tcp_address(peer.port.host, peer.port.port)
+            else:
+                sock.listen(tcp_address(self._host, 0, _scheme(self._tls)))
+                address = _address_of(sock, _scheme(self._tls))
             peer._watch()   # (two descriptors): a lack of them is reported here
-        except pynng.NNGException as exc:
+        except (pynng.NNGException, OSError) as exc:
+            if peer.port is not None:
+                peer.port.close()
             peer.close()
             return self._refuse_for_lack(pipe, exc)
         with self._lock:
@@ -783,12 +901,12 @@ class Listener:
         peer.thread = threading.Thread(target=self._serve, args=(peer, token),
                                        daemon=True, name=f"fibrl-peer-{peer_id}")
         peer.thread.start()
-        return _ADDR + _address_of(sock, _scheme(self._tls)).encode()
+        return _ADDR + address.encode()
 
     def _refuse_for_lack(self, pipe: pynng.Pipe, exc: Exception) -> bytes:
         reason = (f"cannot open a connection for an authenticated peer on {self._host} "
                   f"({exc}); ")
-        if isinstance(exc, pynng.OutOfFiles):
+        if isinstance(exc, pynng.OutOfFiles) or getattr(exc, "errno", None) == errno.EMFILE:
             soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
             reason += (f"this process has used all of its file descriptors (ulimit -n is "
                        f"{soft}, hard limit {hard}); raise it (ulimit -n, or "
@@ -802,6 +920,8 @@ class Listener:
     def _serve(self, peer: Peer, token: bytes) -> None:
         sock = peer._sock
         good = self._check_token(sock, token)
+        if peer.port is not None:
+            peer.port.close()   # (closed already once it handed its connection on)
         with self._lock:
             self._opening.pop(peer.id, None)
             keep = good and not self._closed
@@ -895,6 +1015,8 @@ class Listener:
             self._closed = True
             peers = list(self._peers.values()) + list(self._opening.values())
         self._stop.set()
+        if self._gate is not None:
+            self._gate.close()
         self._accept.close()
         for peer in peers:
             peer.close()
@@ -907,6 +1029,7 @@ class Listener:
 def _close_pipe(pipe: pynng.Pipe) -> None:
     """Close one connection, which may have gone by itself meanwhile: every pipe fibrl
     closes goes through here, so a peer that leaves first logs nothing."""
+    _gate_addresses.pop(pipe.id, None)
     try:
         pipe.close()
     except pynng.NNGException:

@@ -40,7 +40,11 @@ def _closed_by_peer(sockets, within):
     while open_ and time.monotonic() < deadline:
         readable, _, _ = select.select(list(open_), [], [], deadline - time.monotonic())
         for raw in readable:
-            if not raw.recv(64):        # the SP header first, then EOF
+            try:
+                ended = not raw.recv(64)    # the SP header first, then EOF
+            except ConnectionResetError:
+                ended = True                # closed before it read our header: a reset
+            if ended:
                 closed += 1
                 open_.discard(raw)
         if closed > len(sockets) // 2:

@@ -21,7 +21,7 @@ ROOT = Path(fibrl.__file__).parent
 LAYERS = (
     ("foundation", ("fibrl.errors", "fibrl.config", "fibrl.meta", "fibrl.timers", "fibrl._version",
                     "fibrl.janitor", "fibrl.backends", "fibrl.backends.base")),
-    ("wire and backends", ("fibrl.transport", "fibrl.serialization", "fibrl.backends.*")),
+    ("wire and backends", ("fibrl.transport", "fibrl.gate", "fibrl.serialization", "fibrl.backends.*")),
     ("runtime", ("fibrl.runtime", "fibrl.messages")),
     ("hosting", ("fibrl.hub", "fibrl.hosted", "fibrl.mailbox")),
     ("worker start", ("fibrl.popen", "fibrl.bootstrap")),

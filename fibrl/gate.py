@@ -1,0 +1,360 @@
+"""The TCP door in front of a listener's nng sockets: strangers hold little, for little time.
+
+nng holds a TCP connection that never sends its 8-byte protocol header for a fixed 10 s,
+and no nng callback sees it in that time, so a stranger who opens hundreds of such
+connections could take every descriptor of the process. A :class:`Gate` owns the
+listening TCP sockets instead: one thread accepts, counts and times each connection, and
+hands it to nng (``hand``) only once its header has arrived whole and names the protocol
+the nng socket behind it speaks. What a stranger can hold is then bounded at every step:
+
+- at most ``max_pending`` connections wait for their header (together with what
+  ``others()`` reports the nng side already holds for the same listener); the oldest
+  waiting one is closed for a new one;
+- each waits at most ``header_timeout`` seconds;
+- a connection is refused at once (accepted and closed) while fewer than ``reserve``
+  descriptors of ``ulimit -n`` are left, so the process's own work keeps those;
+- a port opened with ``once=True`` (a data port, meant for one authenticated peer) stops
+  listening as soon as it has handed one connection on.
+
+This module knows nothing of nng or of what the header's bytes after the protocol mean:
+:mod:`fibrl.transport` builds the gate, says which protocol each port expects, and turns
+a handed descriptor into an nng connection.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import resource
+import selectors
+import socket
+import threading
+import time
+from typing import Callable, Optional
+
+__all__ = ["Gate", "Port", "HEADER_SIZE", "sp_header"]
+
+log = logging.getLogger(__name__)
+
+HEADER_SIZE = 8
+_ACCEPTS_PER_WAKE = 32   # connections accepted per readiness event of a listening socket
+_RETRY = 0.005           # s between tries of a hand-off nng could not take yet
+
+
+def sp_header(protocol: int) -> bytes:
+    """The 8 bytes an nng peer of ``protocol`` (its 16-bit SP protocol number) sends first.
+
+    Example:
+        >>> sp_header(0x30)
+        b'\\x00SP\\x00\\x000\\x00\\x00'
+    """
+    return b"\x00SP\x00" + protocol.to_bytes(2, "big") + b"\x00\x00"
+
+
+def _free_descriptors() -> Optional[int]:
+    """Descriptors this process may still open (None where it cannot be told)."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return None
+    try:
+        return soft - len(os.listdir("/proc/self/fd"))
+    except OSError:
+        return None
+
+
+def reserve_for(soft: Optional[int] = None) -> int:
+    """Descriptors kept for the process's own work: an eighth of ``ulimit -n``, at least 32."""
+    if soft is None:
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return 32
+    return max(32, soft // 8)
+
+
+class Port:
+    """One listening TCP socket of a :class:`Gate` (see :meth:`Gate.open`)."""
+
+    def __init__(self, gate: "Gate", sock: socket.socket, expect: bytes,
+                 hand: Callable[[socket.socket, str], bool], once: bool) -> None:
+        self._gate = gate
+        self.sock = sock
+        self.expect = expect
+        self.hand = hand
+        self.once = once
+        self.closed = False
+        host, port = sock.getsockname()[:2]
+        self.host, self.port = host, port
+
+    def close(self) -> None:
+        """Stop listening (connections already handed on are not touched)."""
+        self._gate._call(self._gate._close_port, self)
+
+
+class _Waiting:
+    __slots__ = ("sock", "address", "port", "deadline", "ready")
+
+    def __init__(self, sock: socket.socket, address: str, port: Port, deadline: float) -> None:
+        self.sock = sock
+        self.address = address
+        self.port = port
+        self.deadline = deadline
+        self.ready = False   # the header arrived; waits for nng to take it
+
+
+class Gate:
+    """Accepts TCP connections for nng sockets and hands on only those that sent a header.
+
+    Args:
+        where: names the owner in log lines and the thread's name.
+        refused: ``refused(address, reason)`` for every connection closed unserved.
+        max_pending: connections waiting for their header kept at most.
+        others: connections the owner holds already that count against ``max_pending``.
+        header_timeout: seconds a connection may take to send its header.
+        reserve: descriptors a new connection must leave free (None: :func:`reserve_for`).
+    """
+
+    def __init__(self, where: str, *, refused: Callable[[str, str], None], max_pending: int,
+                 others: Callable[[], int] = lambda: 0, header_timeout: float = 5.0,
+                 reserve: Optional[int] = None) -> None:
+        self._where = where
+        self._refused = refused
+        self._max_pending = max_pending
+        self._others = others
+        self._header_timeout = header_timeout
+        self._reserve = reserve_for() if reserve is None else reserve
+        self._selector = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._selector.register(self._wake_r, selectors.EVENT_READ, None)
+        self._ops: collections.deque = collections.deque()
+        self._waiting: dict[socket.socket, _Waiting] = {}   # oldest first
+        self._ports: set[Port] = set()
+        self._closed = False
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._loop, daemon=True,
+                                        name=f"fibrl-gate-{where}")
+        self._thread.start()
+
+    # -- called from any thread ---------------------------------------------------------
+    def open(self, host: str, port: int, *, expect: bytes,
+             hand: Callable[[socket.socket, str], bool], once: bool = False) -> Port:
+        """Listen on ``host:port`` (0: any free port) for peers whose header is ``expect``.
+
+        ``hand(sock, address)`` is called in the gate's thread with each connection whose
+        header arrived (still unread, so nng sees it); it returns False when it cannot
+        take the connection yet (it is offered again shortly), and owns ``sock`` once it
+        returns True. Raises ``OSError`` when the address cannot be bound.
+        """
+        bare = host[1:-1] if host.startswith("[") else host
+        family, kind, proto, _, address = socket.getaddrinfo(
+            bare, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(address)
+            sock.listen(128)
+            sock.setblocking(False)
+        except OSError:
+            sock.close()
+            raise
+        opened = Port(self, sock, expect, hand, once)
+        self._call(self._add_port, opened)
+        return opened
+
+    @property
+    def waiting(self) -> int:
+        """Connections now waiting for their header."""
+        with self._lock:
+            return len(self._waiting)
+
+    def close(self, join: float = 1.0) -> None:
+        """Stop listening on every port and close every connection not handed on."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._wake()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(join)
+
+    def _call(self, op: Callable, *args) -> None:
+        self._ops.append((op, args))
+        self._wake()
+
+    def _wake(self) -> None:
+        try:
+            self._wake_w.send(b"x")
+        except (BlockingIOError, OSError):
+            pass   # already woken (buffer full), or closing
+
+    # -- the gate's thread ------------------------------------------------------------
+    def _loop(self) -> None:
+        try:
+            while not self._closed:
+                for key, _ in self._selector.select(self._next_timeout()):
+                    if key.data is None:
+                        self._drain_wake()
+                    elif isinstance(key.data, Port):
+                        self._accept(key.data)
+                    else:
+                        self._read_header(key.data)
+                self._expire()
+                self._retry_ready()
+        except Exception:   # never silently: a dead gate would refuse every peer
+            log.exception("%s: the connection gate failed; no new peer can connect",
+                          self._where)
+        finally:
+            self._shut()
+
+    def _drain_wake(self) -> None:
+        try:
+            while self._wake_r.recv(4096):
+                pass
+        except BlockingIOError:
+            pass
+        while self._ops:
+            op, args = self._ops.popleft()
+            op(*args)
+
+    def _next_timeout(self) -> Optional[float]:
+        with self._lock:
+            if not self._waiting:
+                return None
+            if any(w.ready for w in self._waiting.values()):
+                return _RETRY
+            oldest = next(iter(self._waiting.values()))
+        return max(0.0, oldest.deadline - time.monotonic())
+
+    def _add_port(self, port: Port) -> None:
+        if self._closed:
+            port.sock.close()
+            return
+        self._ports.add(port)
+        self._selector.register(port.sock, selectors.EVENT_READ, port)
+
+    def _close_port(self, port: Port) -> None:
+        if port.closed:
+            return
+        port.closed = True
+        self._ports.discard(port)
+        try:
+            self._selector.unregister(port.sock)
+        except (KeyError, ValueError):
+            pass
+        port.sock.close()
+
+    def _accept(self, port: Port) -> None:
+        for _ in range(_ACCEPTS_PER_WAKE):
+            if port.closed:
+                return
+            try:
+                sock, peer = port.sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                # EMFILE/ENFILE: nothing left to accept with; the kernel keeps the
+                # connection queued until a descriptor is free (or the peer gives up).
+                log.warning("%s: cannot accept a connection (%s)", self._where, exc)
+                return
+            address = _address(peer)
+            free = _free_descriptors()
+            if free is not None and free < self._reserve:
+                sock.close()
+                self._refused(address, f"only {free} file descriptors are left (ulimit -n); "
+                              f"the last {self._reserve} are kept for this process's own "
+                              "work")
+                continue
+            self._make_room()
+            sock.setblocking(False)
+            waiting = _Waiting(sock, address, port, time.monotonic() + self._header_timeout)
+            with self._lock:
+                self._waiting[sock] = waiting
+            self._selector.register(sock, selectors.EVENT_READ, waiting)
+
+    def _make_room(self) -> None:
+        others = self._others()   # (not under the gate's lock: it takes the owner's)
+        with self._lock:
+            if len(self._waiting) + others < self._max_pending or not self._waiting:
+                return
+            oldest = next(iter(self._waiting.values()))
+        self._drop(oldest, f"{self._max_pending} connections are pending authentication; "
+                   "the oldest is dropped for the new one")
+
+    def _read_header(self, waiting: _Waiting) -> None:
+        try:
+            head = waiting.sock.recv(HEADER_SIZE, socket.MSG_PEEK)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self._drop(waiting, None)
+            return
+        if not head:
+            self._drop(waiting, None)   # it left without a word: nothing to report
+            return
+        if head != waiting.port.expect[:len(head)]:
+            self._drop(waiting, f"not a fibrl peer (its first bytes were {head!r})")
+            return
+        if len(head) < HEADER_SIZE:
+            return   # the rest of the header is on its way
+        self._selector.unregister(waiting.sock)
+        waiting.ready = True
+        self._offer(waiting)
+
+    def _offer(self, waiting: _Waiting) -> None:
+        port = waiting.port
+        try:
+            taken = port.hand(waiting.sock, waiting.address)
+        except Exception as exc:
+            log.exception("%s: could not hand a connection on", self._where)
+            self._drop(waiting, f"could not be handed on ({exc})", unregister=False)
+            return
+        if not taken:
+            return   # offered again by _retry_ready
+        with self._lock:
+            self._waiting.pop(waiting.sock, None)
+        if port.once:
+            self._close_port(port)
+
+    def _retry_ready(self) -> None:
+        with self._lock:
+            ready = [w for w in self._waiting.values() if w.ready]
+        for waiting in ready:
+            self._offer(waiting)
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            late = [w for w in self._waiting.values() if w.deadline <= now]
+        for waiting in late:
+            self._drop(waiting, f"sent no complete header within {self._header_timeout:g} s",
+                       unregister=not waiting.ready)
+
+    def _drop(self, waiting: _Waiting, reason: Optional[str], unregister: bool = True) -> None:
+        with self._lock:
+            if self._waiting.pop(waiting.sock, None) is None:
+                return
+        if unregister and not waiting.ready:
+            try:
+                self._selector.unregister(waiting.sock)
+            except (KeyError, ValueError):
+                pass
+        waiting.sock.close()
+        if reason is not None:
+            self._refused(waiting.address, reason)
+
+    def _shut(self) -> None:
+        for port in list(self._ports):
+            self._close_port(port)
+        with self._lock:
+            waiting, self._waiting = list(self._waiting.values()), {}
+        for each in waiting:
+            each.sock.close()
+        self._selector.close()
+        self._wake_r.close()
+        self._wake_w.close()
+
+
+def _address(peer) -> str:
+    host, port = peer[:2]
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
