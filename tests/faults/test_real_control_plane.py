@@ -6,9 +6,17 @@ implements none of it from the real code. Every wait is a watch or a bounded pol
 """
 from __future__ import annotations
 
+import os
+import subprocess
+import threading
 import time
+from pathlib import Path
 
 import pytest
+
+import fibrl
+from fibrl.config import Config
+from fibrl.errors import BackendError
 
 pytestmark = pytest.mark.kubernetes
 
@@ -103,3 +111,81 @@ def test_the_node_agents_node_is_ready_with_a_fresh_lease(real):
         lease = client.CoordinationV1Api(api).read_namespaced_lease(ready[0], "kube-node-lease",
                                                                    _request_timeout=10)
         assert lease.spec.holder_identity == ready[0] and lease.spec.renew_time is not None
+
+
+# -- what the API server refuses, and the API server away ------------------------------
+
+CONTROL_PLANE = Path(__file__).resolve().parents[1] / "kube" / "control-plane.sh"
+OUTAGE = 30.0   # seconds the API server is away
+
+
+def _control(*args: str) -> None:
+    """tests/kube/control-plane.sh ARGS (stop-one/start-one NAME), on the plane `up` made."""
+    done = subprocess.run(["bash", str(CONTROL_PLANE), *args], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, f"control-plane.sh {' '.join(args)}: {done.stderr[-2000:]}"
+
+
+@pytest.fixture
+def backend_init(real, kube_settings):
+    """``backend_init(**extra)``: the kubernetes backend on the real plane, for this test."""
+    previous = fibrl.get_context().config
+
+    def init(**extra) -> None:
+        fibrl.init(backend="kubernetes", **{**kube_settings, **extra})
+
+    yield init
+    fibrl.init(**{k: getattr(previous, k) for k in Config.__dataclass_fields__})
+
+
+def square(x: int) -> int:
+    return x * x
+
+
+def test_a_pod_the_api_server_refuses_is_reported_with_its_message(backend_init):
+    """A ServiceAccount that does not exist: the fake API server runs such a pod; the real
+    one's ServiceAccount admission refuses it, and the start says so in the server's words."""
+    backend_init(kubernetes_service_account="no-such-account")
+    proc = fibrl.Process(target=os.getpid)
+    begin = time.monotonic()
+    with pytest.raises(BackendError) as info:
+        proc.start()
+    assert time.monotonic() - begin < 30
+    assert 'serviceaccount "no-such-account" not found' in str(info.value)
+
+
+def test_workers_keep_working_while_the_api_server_is_away(backend_init):
+    """The API server stopped for 30 s mid-run: running workers keep computing (they talk
+    to the parent directly), a start made meanwhile waits and then succeeds once it is
+    back."""
+    backend_init()
+    with fibrl.Pool(2) as pool:
+        assert pool.map(square, range(8)) == [x * x for x in range(8)]
+        _control("stop-one", "kube-apiserver")
+        stopped = time.monotonic()
+        started: dict = {}
+
+        def start_one() -> None:
+            try:
+                proc = fibrl.Process(target=os.getpid)
+                proc.start()
+                proc.join(300)
+                started["exitcode"] = proc.exitcode
+            except BaseException as exc:   # reported by the test below
+                started["error"] = exc
+
+        late = threading.Thread(target=start_one)
+        try:
+            late.start()
+            rounds = 0
+            while time.monotonic() - stopped < OUTAGE:
+                assert pool.map(square, range(20)) == [x * x for x in range(20)]
+                rounds += 1
+                time.sleep(1.0)
+            assert rounds >= 5
+            assert late.is_alive() and not started, f"a start finished without the API: {started}"
+        finally:
+            _control("start-one", "kube-apiserver")
+        late.join(300)
+        assert started == {"exitcode": 0}, started
+        assert pool.map(square, range(8)) == [x * x for x in range(8)]

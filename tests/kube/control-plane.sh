@@ -6,6 +6,9 @@
 #                                       kube-controller-manager and kube-scheduler, wait until
 #                                       ready; the last line printed is the admin kubeconfig path
 #   tests/kube/control-plane.sh down    stop exactly what `up` started
+#   tests/kube/control-plane.sh stop-one NAME    stop one of them (kube-apiserver, node-agent, ...)
+#   tests/kube/control-plane.sh start-one NAME   start it again with the command `up` gave it
+#                                       (the tests of outages use these two)
 #
 # The binaries come from Debian bookworm's `kubernetes` source package (its tarball keeps
 # vendor/, so it builds offline with Debian's Go) and are cached outside the repository under
@@ -163,7 +166,8 @@ KC
 
 start() {  # start NAME COMMAND...: run in the background, its pid recorded for `down`
     local name=$1; shift
-    setsid "$@" > "$STATE/logs/$name.log" 2>&1 < /dev/null &
+    mkdir -p "$STATE/commands" && printf '%s\0' "$@" > "$STATE/commands/$name"
+    (cd "$REPO" && exec setsid "$@" >> "$STATE/logs/$name.log" 2>&1 < /dev/null) &
     echo "$! $name $1" >> "$STATE/pids"
 }
 
@@ -291,22 +295,47 @@ up() {
     echo "$STATE/admin.kubeconfig"
 }
 
-down() {  # stop what `up` recorded, newest first; a pid whose command changed is not ours
+terminate() {  # terminate PID NAME EXE: TERM, 10 s, KILL; a pid whose command changed is not ours
+    local pid=$1 name=$2 exe=$3
+    [ "$(readlink "/proc/$pid/exe" 2>/dev/null)" = "$(readlink -f "$exe")" ] || return 0
+    kill -TERM "$pid" 2>/dev/null || true
+    for _ in $(seq 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+    kill -KILL "$pid" 2>/dev/null || true
+    log "stopped $name ($pid)"
+}
+
+down() {  # stop what `up` recorded, newest first
     [ -f "$STATE/pids" ] || { log "nothing to stop (no $STATE/pids)"; return 0; }
     local pid name exe
-    tac "$STATE/pids" | while read -r pid name exe; do
-        [ "$(readlink "/proc/$pid/exe" 2>/dev/null)" = "$(readlink -f "$exe")" ] || continue
-        kill -TERM "$pid" 2>/dev/null || true
-        for _ in $(seq 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
-        kill -KILL "$pid" 2>/dev/null || true
-        log "stopped $name ($pid)"
-    done
+    tac "$STATE/pids" | while read -r pid name exe; do terminate "$pid" "$name" "$exe"; done
     rm -f "$STATE/pids"
+}
+
+stop_one() {  # stop_one NAME: stop one component and forget its pid
+    [ -f "$STATE/pids" ] || die "the control plane is not up (no $STATE/pids)"
+    local pid name exe kept="" found=""
+    while read -r pid name exe; do
+        if [ "$name" = "$1" ]; then terminate "$pid" "$name" "$exe"; found=1
+        else kept+="$pid $name $exe"$'\n'; fi
+    done < "$STATE/pids"
+    [ -n "$found" ] || die "$1 is not running (names: $(cut -d' ' -f2 "$STATE/pids" | tr '\n' ' '))"
+    printf '%s' "$kept" > "$STATE/pids"
+}
+
+start_one() {  # start_one NAME: start a stopped component again, as `up` started it
+    [ -f "$STATE/commands/$1" ] || die "no command recorded for $1"
+    if cut -d' ' -f2 "$STATE/pids" | grep -qx "$1"; then die "$1 runs already"; fi
+    local -a argv
+    mapfile -d '' argv < "$STATE/commands/$1"
+    start "$1" "${argv[@]}"
+    log "started $1 again"
 }
 
 case "${1:-}" in
     build) build ;;
     up) up ;;
     down) down ;;
-    *) echo "usage: $0 build|up|down" >&2; exit 2 ;;
+    stop-one) stop_one "${2:?stop-one NAME}" ;;
+    start-one) start_one "${2:?start-one NAME}" ;;
+    *) echo "usage: $0 build|up|down|stop-one NAME|start-one NAME" >&2; exit 2 ;;
 esac
