@@ -247,8 +247,11 @@ class KubernetesBackend(Backend):
     def _post_pod(self, job: KubernetesJob) -> None:
         api = self.api
         try:
+            # an API server away (restarting, failing over) is waited for as long as a
+            # worker may take to start: start_timeout, then the start fails with the error
             api.call("create", "pods", api.core.create_namespaced_pod, self.namespace,
-                     job.manifest, namespace=self.namespace)
+                     job.manifest, namespace=self.namespace,
+                     retry_for=max(api.retry_for, self.config.start_timeout))
         except KubeApiError as exc:
             if exc.status != 409 or not self._is_mine(job.name):
                 raise  # 409 on a retried create whose first attempt got through: ours
