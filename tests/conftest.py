@@ -97,50 +97,46 @@ _NOT_QUICK = ("docker", "kubernetes", "slow")
 # default, what CI runs) runs every conformance test on the local backend and, on docker
 # and kubernetes, the tests below, which exercise exactly that; `--matrix=full` runs every
 # conformance test on every backend (about 1,250 tests in all, some three hours on two
-# cores). The backend-specific suites outside tests/conformance/ (tests/unit's docker and
-# kubernetes backend tests, tests/faults) always run on the backends they name.
+# cores). tests/faults/ is treated the same way (its tests that take a backend as the
+# `ctx` parameter; the docker- and kubernetes-only fault files always run), as are the
+# backend-specific suites of tests/unit.
+_FAULTS_CORE = {
+    "test_pool_faults": ("test_killer_task_fails_alone",
+                         "test_worker_dying_half_way_through_a_chunk_loses_nothing",
+                         "test_replacement_of_a_killed_worker_runs_the_initializer"),
+    "test_manager_faults": ("test_killed_server_fails_pending_and_later_calls",),
+    "test_queue_faults": ("test_consumers_killed_at_random_lose_nothing",),
+    "test_process_faults": ("test_daemonic_children_end_when_parent_exits",),
+}
 CROSS_BACKEND = {
     "docker": {
         "test_process": "*",
         "test_newcomer": "*",
         "test_large_messages": "*",
-        "test_pool": ("test_apply_and_apply_async", "test_map_keeps_order",
-                      "test_maxtasksperchild_recycles_workers_and_reinitializes",
-                      "test_terminate_while_workers_start",
-                      "test_task_exception_keeps_type_and_remote_traceback"),
-        "test_futures": ("test_submit_and_result", "test_lost_worker_is_recovered_not_broken"),
-        "test_queues": ("test_child_to_parent_and_back",
-                        "test_many_producers_many_consumers_exactly_once",
-                        "test_large_numpy_array_arrives_whole"),
-        "test_pipe": ("test_duplex_round_trip_with_child",
-                      "test_large_messages_between_two_children"),
-        "test_managers": ("test_lifecycle_and_initializer",
-                          "test_proxies_travel_as_arguments_and_through_queues"),
-        "test_synchronize": ("test_lock_mutual_exclusion",
-                             "test_condition_wait_for_notify_from_another_process"),
-        "test_sharedctypes": ("test_cpython_docs_example_writes_reach_the_parent",),
+        "test_pool": ("test_map_keeps_order", "test_terminate_while_workers_start"),
+        "test_futures": ("test_lost_worker_is_recovered_not_broken",),
+        **_FAULTS_CORE,
     },
     # the fake API server's pods are local processes: what differs from the local backend
     # is the start and the end of a worker, which test_process covers (CI runs it on the
     # real control plane too)
     "kubernetes": {
         "test_process": "*",
-        "test_pool": ("test_map_keeps_order", "test_terminate_while_workers_start"),
-        "test_queues": ("test_child_to_parent_and_back",),
+        "test_pool_faults": _FAULTS_CORE["test_pool_faults"][:2],
     },
 }
 
 
 def pytest_addoption(parser):
     parser.addoption("--matrix", choices=("core", "full"), default="core",
-                     help="core: on docker and kubernetes, only the conformance tests "
-                          "that exercise the backend (tests/conftest.py CROSS_BACKEND); "
-                          "full: every conformance test on every backend")
+                     help="core: on docker and kubernetes, only the conformance and fault "
+                          "tests that exercise the backend (tests/conftest.py CROSS_BACKEND); "
+                          "full: every one of them on every backend")
 
 
 def _in_matrix(item, module: str) -> bool:
     """Whether ``item`` runs under ``--matrix=core``."""
-    if not module.startswith("tests/conformance/"):
+    if not module.startswith(("tests/conformance/", "tests/faults/")):
         return True
     callspec = getattr(item, "callspec", None)
     backend = callspec.params.get("ctx") if callspec is not None else None
