@@ -32,7 +32,7 @@ import threading
 import time
 from typing import Callable, Optional
 
-__all__ = ["Gate", "Port", "HEADER_SIZE", "sp_header"]
+__all__ = ["Gate", "Port", "sp_header"]
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +62,7 @@ def _free_descriptors() -> Optional[int]:
         return None
 
 
-def reserve_for(soft: Optional[int] = None) -> int:
+def _reserve_for(soft: Optional[int] = None) -> int:
     """Descriptors kept for the process's own work: an eighth of ``ulimit -n``, at least 32."""
     if soft is None:
         soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -110,7 +110,7 @@ class Gate:
         max_pending: connections waiting for their header kept at most.
         others: connections the owner holds already that count against ``max_pending``.
         header_timeout: seconds a connection may take to send its header.
-        reserve: descriptors a new connection must leave free (None: :func:`reserve_for`).
+        reserve: descriptors a new connection must leave free (None: an eighth of ``ulimit -n``, at least 32).
     """
 
     def __init__(self, where: str, *, refused: Callable[[str, str], None], max_pending: int,
@@ -121,7 +121,7 @@ class Gate:
         self._max_pending = max_pending
         self._others = others
         self._header_timeout = header_timeout
-        self._reserve = reserve_for() if reserve is None else reserve
+        self._reserve = _reserve_for() if reserve is None else reserve
         self._selector = selectors.DefaultSelector()
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
@@ -161,12 +161,6 @@ class Gate:
         opened = Port(self, sock, expect, hand, once)
         self._call(self._add_port, opened)
         return opened
-
-    @property
-    def waiting(self) -> int:
-        """Connections now waiting for their header."""
-        with self._lock:
-            return len(self._waiting)
 
     def close(self, join: float = 1.0) -> None:
         """Stop listening on every port and close every connection not handed on."""
