@@ -293,6 +293,11 @@ class Popen:
         """The backend's :class:`~fibrl.backends.Job` of this worker."""
         return self._job
 
+    @property
+    def backend(self):
+        """The :class:`~fibrl.backends.Backend` that runs this worker."""
+        return self._backend
+
 
 _images_checked: set = set()
 

@@ -154,6 +154,9 @@ class Backend(abc.ABC):
     """Starts jobs. One instance per process and config."""
 
     name: str = ""
+    #: Seconds a job's exit status may take to arrive after its connection dropped; a
+    #: pool waits this long before it calls the worker lost with its status unknown.
+    exit_report_s: float = 2.0
 
     def __init__(self, config: Config) -> None:
         self.config = config

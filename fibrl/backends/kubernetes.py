@@ -78,6 +78,7 @@ class KubernetesBackend(Backend):
     """
 
     name = "kubernetes"
+    exit_report_s = 15.0   # a pod's terminated status comes through the node and a watch
 
     def __init__(self, config: Config) -> None:
         super().__init__(config)

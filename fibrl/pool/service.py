@@ -72,7 +72,7 @@ log = logging.getLogger(__name__)
 _SHORT_AFTER = 3
 
 HORIZON_S = 0.05        # estimated work a worker may hold (hides the round trip)
-LOST_GRACE_S = 2.0      # wait this long for an exit code after a connection drops
+LOST_GRACE_S = 2.0      # wait this long for an exit code after a connection drops (default)
 _EWMA = 0.3
 _MAX_FUNCS = 256
 
@@ -85,6 +85,11 @@ class Hooks:
 
     def kill(self, wid: int) -> None:
         """Kill worker ``wid`` (its connection dropped but its process may live)."""
+
+    def exit_grace(self, wid: int) -> float:
+        """Seconds worker ``wid``'s backend may take to report its exit after its
+        connection dropped (a container's or pod's status arrives later than a child's)."""
+        return LOST_GRACE_S
 
 
 class _Func:
@@ -413,7 +418,8 @@ class PoolService(Service):
             worker.parked = None
             self._parked.pop(worker.wid, None)
         wid = worker.wid
-        self.hub.timers.call_at(time.monotonic() + LOST_GRACE_S, lambda: self._no_exit_code(wid),
+        grace = self.hooks.exit_grace(wid)
+        self.hub.timers.call_at(time.monotonic() + grace, lambda: self._no_exit_code(wid),
                                 blocking=True)  # may kill the job: a backend call
 
     def _no_exit_code(self, wid: int) -> None:

@@ -33,7 +33,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Optional
 
-from .service import PoolService
+from .service import LOST_GRACE_S, PoolService
 from .worker import run_worker
 
 __all__ = ["Supervisor"]
@@ -99,6 +99,12 @@ class Supervisor:
             proc = self._procs.get(wid)
         if proc is not None:
             _kill(proc)
+
+    def exit_grace(self, wid: int) -> float:
+        with self._lock:
+            proc = self._procs.get(wid)
+        backend = getattr(getattr(proc, "_popen", None), "backend", None)
+        return float(getattr(backend, "exit_report_s", LOST_GRACE_S))
 
     def terminate(self) -> None:
         """Kill every worker now, and any whose start is still in progress once it returns."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pickle
 import queue
 import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -396,6 +397,47 @@ def test_pool_service_parks_an_idle_worker_and_terminate_aborts_open_jobs():
     assert idle.value().tasks
     service.terminate(RuntimeError("stop"))
     assert isinstance(sink.aborted, RuntimeError)
+
+
+class SlowExitHooks:
+    """A supervisor whose backend reports exits ``grace`` s late; records kills."""
+
+    def __init__(self, grace: float) -> None:
+        self.grace = grace
+        self.killed: list = []
+        self.asked = threading.Event()
+
+    def wake(self) -> None:
+        pass
+
+    def kill(self, wid) -> None:
+        self.killed.append(wid)
+
+    def exit_grace(self, wid) -> float:
+        self.asked.set()
+        return self.grace
+
+
+def test_pool_service_waits_for_an_exit_status_as_long_as_the_backend_asks(host):
+    # a backend that reports exits late (a container engine under load) must not see its
+    # workers written off as "exit status unknown" after the default 2 s
+    service = hosted(PoolService(processes=2, max_retries=1, maxtasks=None), host)
+    service.hooks = hooks = SlowExitHooks(grace=3.0)
+    silent, reported = service.reserve_workers()
+    peers = {wid: Peer() for wid in (silent, reported)}
+    for wid, peer in peers.items():
+        service.op_next(Reply(peer), wid, [])   # connected, parked
+    lost_at = time.monotonic()
+    for peer in peers.values():
+        service.peer_lost(peer)
+    assert hooks.asked.is_set()
+    service.lose(reported, -9)   # its status came in time
+    time.sleep(2.5)
+    assert hooks.killed == []   # the other's may still come
+    deadline = time.monotonic() + WAIT
+    while not hooks.killed and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert hooks.killed == [silent] and time.monotonic() - lost_at >= 3.0
 
 
 def _call(service, method, *args, peer=None):

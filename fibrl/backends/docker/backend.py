@@ -79,6 +79,7 @@ class DockerBackend(Backend):
     """
 
     name = "docker"
+    exit_report_s = 10.0   # the engine's wait answer trails the connection's end under load
 
     def __init__(self, config: Config) -> None:
         super().__init__(config)
