@@ -824,14 +824,19 @@ def test_a_slow_delete_does_not_hold_up_the_watch(kube_init, fake, kube_settings
     ok = _started(report_pod_then_wait, out, go)
     out.get(timeout=WAIT)
     fake.fail_image_pulls(pod_image(kube_settings["image"]))   # from now on, for new pods
-    fake.inject_errors(503, count=12, verb="delete", resource="pods", retry_after=1)
-    bad = _started(sleep_forever)
-    wait_until(lambda: fake.count_requests("delete", "pods", 503), "the first refused delete",
-               WAIT)
-    go.put(None)
-    code = ok._popen.job.wait(6)       # the refused deletes retry for about 12 s
-    fake.reset_hooks()
+    # 40 refusals, each asking for a second's wait: the delete retries for 40 s or more
+    fake.inject_errors(503, count=40, verb="delete", resource="pods", retry_after=1)
+    try:
+        bad = _started(sleep_forever)
+        wait_until(lambda: fake.count_requests("delete", "pods", 503),
+                   "the first refused delete", WAIT)
+        go.put(None)
+        code = ok._popen.job.wait(25)
+        refused = fake.count_requests("delete", "pods", 503)
+    finally:
+        fake.reset_hooks()   # the delete goes through on its next try
     assert code == 0, "the worker's exit waited for another pod's delete"
+    assert refused < 40, "the delete was no longer being retried when the exit came"
     bad.join(WAIT)
     ok.join(WAIT)
 
