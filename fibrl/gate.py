@@ -12,7 +12,8 @@ the nng socket behind it speaks. What a stranger can hold is then bounded at eve
   waiting one is closed for a new one;
 - each waits at most ``header_timeout`` seconds;
 - a connection is refused at once (accepted and closed) while fewer than ``reserve``
-  descriptors of ``ulimit -n`` are left, so the process's own work keeps those;
+  descriptors of ``ulimit -n`` are left, so the process's own work keeps those (not on a
+  ``once`` port: its one peer has authenticated already);
 - a port opened with ``once=True`` (a data port, meant for one authenticated peer) stops
   listening as soon as it has handed one connection on.
 
@@ -253,7 +254,9 @@ class Gate:
                 return
             address = _address(peer)
             free = _free_descriptors()
-            if free is not None and free < self._reserve:
+            # A data port is exempt: it takes one connection, for a peer that has
+            # authenticated already; refusing it would waste that whole handshake.
+            if free is not None and free < self._reserve and not port.once:
                 sock.close()
                 self._refused(address, f"only {free} file descriptors are left (ulimit -n); "
                               f"the last {self._reserve} are kept for this process's own "

@@ -505,14 +505,15 @@ def test_pipelined_calls_keep_each_reply_for_its_caller(calcs):
     another is kept for its caller, a dropped handle's is discarded, a timeout leaves
     the call pending, a remote error keeps its type."""
     calc = calcs.Calc()
-    slow, dropped = calc._call_pipelined("sleep", (0.5,)), calc._call_pipelined("add", (1, 2))
+    # long enough that it is still running after the timed-out get on a loaded machine
+    slow, dropped = calc._call_pipelined("sleep", (3.0,)), calc._call_pipelined("add", (1, 2))
     last = calc._call_pipelined("add", (3, 4))
     with pytest.raises(HandleTimeout):
         slow.get(timeout=0.05)
     assert not slow.ready()
     del dropped
     assert last.get(timeout=TIMEOUT) == 7               # read past the other two
-    assert slow.ready() and slow.get(timeout=TIMEOUT) == 0.5
+    assert slow.get(timeout=TIMEOUT) == 3.0 and slow.ready()
     with pytest.raises(KeyError, match="remote failure"):
         calc._call_pipelined("fail").get(timeout=TIMEOUT)
     assert calc.add(5, 6) == 11                         # the thread's own line is apart

@@ -308,7 +308,18 @@ def connected_workers(pool):
     service = pool._engine.service
     with service._lock:
         ready = {wid for wid, w in service._workers.items() if w.connected}
-    return [p for p in pool._pool if int(p.name.rsplit("-", 1)[1]) in ready]
+    return [p for p in pool._pool if _wid(p) in ready]
+
+
+def _wid(proc) -> int:
+    return int(proc.name.rsplit("-", 1)[1])
+
+
+def _loading_workers(pool) -> set:
+    """Workers unpickling a task they took over from a lost worker."""
+    service = pool._engine.service
+    with service._lock:
+        return {task.holder for task in service._tasks.values() if task.running == LOADING}
 
 
 def _chaos_every(ctx):
@@ -319,22 +330,26 @@ def _chaos_every(ctx):
 
 
 @contextlib.contextmanager
-def chaos(pool, every=0.5):
-    """Kill a random connected worker every ``every`` seconds (SIGKILL / backend kill).
+def chaos(pool, every=0.5, most=10):
+    """Kill a random connected worker every ``every`` seconds (SIGKILL / backend kill), at
+    most ``most`` times (each replacement spends seconds importing the tests' module on a
+    2-core machine: unbounded kills would leave the pool mostly restarting).
 
-    A worker is a victim only from the round after it was first seen connected: a
-    replacement gets one period to load the task it took over (on a loaded machine a
-    container needs more than a second to import the tests' module), so the same
-    task is not killed at every retry until its budget runs out."""
+    A worker is a victim only from the round after it was first seen connected, and
+    not while it unpickles a task it took over: a worker that dies then is charged to
+    the task (the pool's contract, tested on its own above), and on a loaded machine
+    importing the tests' module takes seconds, so random kills would land there at
+    every retry until the task's budget runs out."""
     stop = threading.Event()
     kills = []
     seen: set = set()
 
     def run():
         rng = random.Random(1234)
-        while not stop.wait(every):
+        while len(kills) < most and not stop.wait(every):
             connected = connected_workers(pool)
-            workers = [p for p in connected if p.name in seen]
+            loading = _loading_workers(pool)
+            workers = [p for p in connected if p.name in seen and _wid(p) not in loading]
             seen.update(p.name for p in connected)
             if workers:
                 victim = rng.choice(workers)

@@ -746,10 +746,10 @@ def test_quiet_watches_get_periodic_bookmarks():
         rv = v1.list_namespaced_pod("default", _request_timeout=5).metadata.resource_version
         begin = time.monotonic()
         events = [e["type"] for e in watch.Watch().stream(
-            v1.list_namespaced_pod, "default", resource_version=rv, timeout_seconds=1,
-            allow_watch_bookmarks=True, _request_timeout=10)]
-        assert time.monotonic() - begin >= 0.9
-        assert events.count("BOOKMARK") >= 3
+            v1.list_namespaced_pod, "default", resource_version=rv, timeout_seconds=3,
+            allow_watch_bookmarks=True, _request_timeout=15)]
+        assert time.monotonic() - begin >= 2.9
+        assert events.count("BOOKMARK") >= 3   # about 10 on a quiet machine
 
 
 def test_a_too_large_resource_version_is_refused_with_retry_after(v1, kube_namespace):

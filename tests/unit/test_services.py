@@ -18,7 +18,7 @@ import pytest
 import fibrl.pool
 from fibrl.hub import ReplySink
 from fibrl.mailbox import EMPTY, Mailbox
-from fibrl.pool.protocol import Kind, Report, ResultSink, pack
+from fibrl.pool.protocol import Kind, Report, ResultSink, pack, unpack
 from fibrl.pool.service import PoolService
 from fibrl.synchronize.services import BarrierService, BarrierTurn, LockService
 from fibrl.timers import Timers
@@ -366,7 +366,7 @@ def _run(batch) -> list:
     """What a worker reports after running every task of ``batch`` (square)."""
     out = []
     for spec in batch.tasks:
-        items = pickle.loads(spec.payload)
+        items = unpack(spec.payload)   # plain pickle, or a fibrl frame under xdist
         squares = [x * x for (x,) in items] if items and isinstance(items[0], tuple) else \
             [x * x for x in items]
         out.append(Report(spec.tid, spec.lo, len(squares), pack(squares), 0.001, True))

@@ -302,6 +302,18 @@ def test_nothing_listening_is_a_clear_error():
         Channel.connect("tcp://127.0.0.1:9", SECRET, timeout=2)
 
 
+def _closed_by_peer(sock) -> bool:
+    """Read what ``sock`` still holds; True once the other side closed it (FIN or RST)."""
+    try:
+        while sock.recv(64):
+            pass
+    except ConnectionResetError:
+        pass
+    except socket.timeout:
+        return False
+    return True
+
+
 def test_peers_that_never_authenticate_cannot_pile_up():
     """Each connection to the accept socket holds a descriptor: past max_pending the
     oldest is dropped for the new one, and an authenticated peer still gets in at once."""
@@ -315,15 +327,16 @@ def test_peers_that_never_authenticate_cannot_pile_up():
         silent.append(sock)
         time.sleep(0.05)   # (in order: the oldest is the first)
     try:
-        assert all(sock.recv(8) for sock in silent)   # each one got nng's SP header
+        assert all(sock.recv(8) for sock in silent[4:])   # the newest got nng's SP header
         start = time.monotonic()
         good = Channel.connect(listener.address, SECRET, timeout=30)
         good.send(b"after the flood")
         assert good.recv(5) == b"after the flood"
         assert time.monotonic() - start < 5
         assert listener.pending <= 2
-        dropped = sum(sock.recv(1) == b"" for sock in silent[:4])
-        assert dropped == 4                   # the oldest ones, closed by the listener
+        # the oldest ones, closed by the listener: after nng's header, or before it when
+        # they were dropped while still waiting for the hand-off to nng (a loaded machine)
+        assert all(_closed_by_peer(sock) for sock in silent[:4])
         good.close()
     finally:
         for sock in silent:
