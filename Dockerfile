@@ -20,6 +20,16 @@ ENV PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_ROOT_USER_ACTION=ignore
 
+# Dependencies first, in a layer of their own, when docker/build-wheels.sh has listed them
+# (docker/wheels/requirements.txt): a rebuild after a change to fibrl's code alone reuses
+# this layer and reinstalls only fibrl. (The Dockerfile is named so that the COPY has a
+# source when docker/wheels does not exist.)
+COPY Dockerfile docker/wheel[s] /tmp/fibrl-wheels/
+RUN if [ -f /tmp/fibrl-wheels/requirements.txt ]; then \
+        pip install --find-links /tmp/fibrl-wheels -r /tmp/fibrl-wheels/requirements.txt; \
+    fi \
+ && rm -rf /tmp/fibrl-wheels
+
 COPY . /tmp/fibrl-src
 RUN pip install "/tmp/fibrl-src[${EXTRAS}]" \
  && rm -rf /tmp/fibrl-src \

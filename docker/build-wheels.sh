@@ -20,6 +20,9 @@ if [[ "$pyver" != 3.11 ]]; then
     log "WARNING: host Python is $pyver but the image has 3.11; binary wheels may not match"
 fi
 mkdir -p "$WHEEL_DIR"
+# Start from an empty folder (pip's own cache makes the refill cheap): wheels of versions no
+# longer wanted must not end up in the image's requirements below.
+rm -f "$WHEEL_DIR"/*.whl "$WHEEL_DIR"/requirements.txt
 
 # 1. The project's own wheel plus all its runtime deps (and the extras).
 #    Built from a scratch copy so no build/ or *.egg-info lands in the tree.
@@ -44,5 +47,19 @@ PY
 )
 log "build requirements: ${build_reqs[*]}"
 "$PYTHON" -m pip wheel --quiet --wheel-dir "$WHEEL_DIR" "${build_reqs[@]}"
+
+# 3. What the image installs before fibrl's own code (its cached dependency layer; see the
+#    Dockerfile): every wheel but fibrl's, pinned, sorted, so that the list (and the layer)
+#    only changes when a dependency does. fibrl itself is built from the source in the image.
+rm -f "$WHEEL_DIR"/fibrl-*.whl
+"$PYTHON" - "$WHEEL_DIR" <<'PY'
+import pathlib, sys
+folder = pathlib.Path(sys.argv[1])
+pins = set()
+for wheel in folder.glob("*.whl"):
+    name, version = wheel.name.split("-")[:2]
+    pins.add(f"{name}=={version}")
+(folder / "requirements.txt").write_text("".join(f"{pin}\n" for pin in sorted(pins)))
+PY
 
 log "$(ls "$WHEEL_DIR" | wc -l) wheels, $(du -sh "$WHEEL_DIR" | cut -f1) in $WHEEL_DIR"
