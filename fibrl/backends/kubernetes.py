@@ -101,6 +101,7 @@ class KubernetesBackend(Backend):
         self._closed = False
         self._timers = Timers()   # deadlines of pending pods (its thread starts on use)
         self._deleter: Optional[concurrent.futures.ThreadPoolExecutor] = None
+        self._deleting: set = set()   # pods whose delete the deleter has not finished
 
     @property
     def pending_timeout(self) -> float:
@@ -398,10 +399,19 @@ class KubernetesBackend(Backend):
 
     def _delete_later(self, name: str) -> None:
         """Delete pod ``name`` now, with no grace, off the calling (watch or timer) thread."""
+        with self._lock:
+            self._deleting.add(name)
         try:
-            self._deleter.submit(self.delete_pod, name, 0, quiet=True)
-        except RuntimeError:   # shut down by close(), which deleted every pod itself
+            self._deleter.submit(self._delete_pending, name)
+        except RuntimeError:   # shut down by close(), which deletes what is left itself
             pass
+
+    def _delete_pending(self, name: str) -> None:
+        try:
+            self.delete_pod(name, 0, quiet=True)
+        finally:
+            with self._lock:
+                self._deleting.discard(name)
 
     # -- removing --------------------------------------------------------------------------
     def delete_pod(self, name: str, grace: Optional[int], *, quiet: bool = False,
@@ -466,8 +476,12 @@ class KubernetesBackend(Backend):
         # Threads of its own, not the delete pool: close() runs at interpreter exit, when
         # concurrent.futures refuses new work.
         self._deleter.shutdown(wait=False)
+        with self._lock:   # deletes still retrying (an API server refusing them) are redone
+            pending = sorted(self._deleting)   # here: the deleter gives up once closed
         _each_concurrently([job.kill for job in list(self._jobs.values())
-                            if job.created_seq is not None],
+                            if job.created_seq is not None]
+                           + [functools.partial(self.delete_pod, name, 0, quiet=True)
+                              for name in pending],
                            self.settings.create_batch, _CLOSE_WAIT)
         self._watcher.stop()
         for job in list(self._jobs.values()):

@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from conftest import require_module
 
 require_module("gymnasium", "CI_REQUIRE_DOCKER")
@@ -14,10 +15,15 @@ require_module("torch", "CI_REQUIRE_DOCKER")
 ROOT = Path(__file__).resolve().parents[2]
 
 
+# torch's import alone takes 17-40 s on a 2-core machine, several times that beside the
+# rest of the suite
+pytestmark = pytest.mark.timeout(600)
+
+
 def run_example(name: str, *args: str) -> str:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     out = subprocess.run([sys.executable, str(ROOT / "examples" / name), *args],
-                         capture_output=True, text=True, timeout=240, env=env, cwd=ROOT)
+                         capture_output=True, text=True, timeout=540, env=env, cwd=ROOT)
     assert out.returncode == 0, out.stdout + out.stderr
     return out.stdout
 
