@@ -253,10 +253,10 @@ class Gate:
                 log.warning("%s: cannot accept a connection (%s)", self._where, exc)
                 return
             address = _address(peer)
-            free = _free_descriptors()
             # A data port is exempt: it takes one connection, for a peer that has
             # authenticated already; refusing it would waste that whole handshake.
-            if free is not None and free < self._reserve and not port.once:
+            free = None if port.once else _free_descriptors()
+            if free is not None and free < self._reserve:
                 sock.close()
                 self._refused(address, f"only {free} file descriptors are left (ulimit -n); "
                               f"the last {self._reserve} are kept for this process's own "
