@@ -63,6 +63,21 @@ def _free_descriptors() -> Optional[int]:
         return None
 
 
+_shortage: list = []   # [(monotonic time, reason)] of the last descriptor refusal
+
+
+def descriptor_shortage(within: float = 60.0) -> Optional[str]:
+    """Why a gate of this process last refused a connection for want of descriptors,
+    if it did in the last ``within`` seconds; else None.
+
+    A worker whose connection was refused that way exits before it connects back, and
+    its own report says only "connection shutdown": the pool adds this as the cause.
+    """
+    if _shortage and time.monotonic() - _shortage[0][0] <= within:
+        return _shortage[0][1]
+    return None
+
+
 def _reserve_for(soft: Optional[int] = None) -> int:
     """Descriptors kept for the process's own work: an eighth of ``ulimit -n``, at least 32."""
     if soft is None:
@@ -258,9 +273,11 @@ class Gate:
             free = None if port.once else _free_descriptors()
             if free is not None and free < self._reserve:
                 sock.close()
-                self._refused(address, f"only {free} file descriptors are left (ulimit -n); "
-                              f"the last {self._reserve} are kept for this process's own "
-                              "work")
+                reason = (f"only {free} file descriptors are left (ulimit -n); the last "
+                          f"{self._reserve} are kept for this process's own work")
+                _shortage[:] = [(time.monotonic(), f"fewer than {self._reserve} file "
+                                 "descriptors are left (ulimit -n)")]
+                self._refused(address, reason)
                 continue
             self._make_room()
             sock.setblocking(False)

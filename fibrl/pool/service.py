@@ -57,6 +57,7 @@ from typing import Any, Optional
 from .. import serialization
 from ..errors import (BackendUnavailableError, SerializationError, TaskFailedError,
                       WorkerLostError, describe_exitcode)
+from ..gate import descriptor_shortage
 from ..hub import ReplySink, Service
 from .protocol import (CLOSE, LOADING, RUN, STOP, TERMINATE, Batch, Kind, Report, TaskSpec,
                        describe, unpack)
@@ -788,6 +789,10 @@ class PoolService(Service):
         # (and the starts under way), and say so once per cause.
         self.processes = alive
         self._failed_starts.clear()
+        shortage = descriptor_shortage()
+        if shortage and "Too many open files" not in evidence:
+            # the worker's own report ("connection shutdown") hides the cause
+            evidence = f"{evidence}; this process refused connections: {shortage}"
         if evidence not in self._short_of:
             self._short_of.add(evidence)
             log.warning("pool: could not start another worker (%s); the pool goes on "
