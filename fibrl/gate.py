@@ -280,6 +280,13 @@ class Gate:
                 self._refused(address, reason)
                 continue
             self._make_room()
+            # nng sets TCP_NODELAY on the connections it makes itself, not on those
+            # handed to it: without it, a reply sent right behind another waits for the
+            # peer's delayed ACK (Nagle), about 40 ms for every pipelined call
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            except OSError:
+                pass   # (a peer that reset already: the header read drops it)
             sock.setblocking(False)
             waiting = _Waiting(sock, address, port, time.monotonic() + self._header_timeout)
             with self._lock:

@@ -849,7 +849,11 @@ class Hub:
             reply = _PeerReply(peer, call.rid, lone)
             service = services.get(call.oid)
             if service is None:
-                reply.fail(object_gone(call.oid, f"process {self.pid}"))
+                if call.rid:
+                    reply.fail(object_gone(call.oid, f"process {self.pid}"))
+                else:   # a one-way call that came after its object closed: nobody waits
+                    log.debug("one-way %s() to %r, which no longer exists here: dropped",
+                              call.method, call.oid)
             else:
                 service.dispatch(call.method, call.args, reply)
 

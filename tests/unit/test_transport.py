@@ -403,3 +403,46 @@ def _connect_fails_at_once(address, fake_listener, match):
         Channel.connect(address, SECRET, timeout=30)
     assert time.monotonic() - start < 10
     thread.join(10)
+
+
+def test_connections_the_gate_hands_to_nng_do_not_wait_for_delayed_acks():
+    """nng sets TCP_NODELAY only on connections it makes; the gate accepts the server
+    side itself. Without the option, the second of two replies sent back to back waits
+    for the client's delayed ACK (Nagle): ~40 ms for every pipelined call."""
+    from fibrl.gate import Gate, sp_header
+
+    handed = []
+    gate = Gate("test", refused=lambda address, reason: None, max_pending=4)
+    try:
+        port = gate.open("127.0.0.1", 0, expect=sp_header(0x11),
+                         hand=lambda sock, address: handed.append(sock) or True)
+        with socket.create_connection(("127.0.0.1", port.port), timeout=10) as client:
+            client.sendall(sp_header(0x11))
+            deadline = time.monotonic() + 10
+            while not handed and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert handed, "the gate did not hand the connection on"
+            assert handed[0].getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+    finally:
+        for sock in handed:
+            sock.close()
+        gate.close()
+
+
+def test_a_one_way_call_to_a_closed_object_is_dropped_quietly_and_a_call_fails(caplog):
+    """At shutdown, one-way calls (releases, reports) still in flight reach objects that
+    closed: nobody waits for them, so they are no error; a call with a reply still fails."""
+    from fibrl.errors import RemoteObjectError
+
+    hub, other = Hub(SECRET), Hub(SECRET)
+    try:
+        with caplog.at_level("DEBUG", logger="fibrl.hub"):
+            other.send(hub.address, "gone-object", "release", 1, inline=True)
+            other.flush(10)
+        assert not [r for r in caplog.records if r.levelname in ("ERROR", "WARNING")]
+        assert any("no longer exists here" in r.getMessage() for r in caplog.records)
+        with pytest.raises(RemoteObjectError, match="no longer exists"):
+            other.call(hub.address, "gone-object", "get", timeout=10)
+    finally:
+        other.close()
+        hub.close()
