@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import gc
 import importlib
 import os
 import re
 import signal
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -160,6 +162,51 @@ def pytest_collection_modifyitems(config, items):
     if left_out:
         config.hook.pytest_deselected(items=left_out)
         items[:] = kept
+    # tests that need the machine to themselves run last: under pytest-xdist they wait
+    # for the others to finish (see pytest_runtest_protocol), so nothing idles for long
+    items.sort(key=lambda item: item.get_closest_marker("alone") is not None)
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Under pytest-xdist, a test marked ``alone`` runs with no other test beside it.
+
+    Every test holds a shared lock on a file of this run while it runs (setup and
+    teardown included); an ``alone`` test takes it exclusively. A second file is the
+    turnstile that makes it writer-first: an ``alone`` test holds it while it waits, so
+    no new test starts meanwhile. Outermost wrapper: the wait is not part of the test's
+    timeout. Without xdist (one process) there is nothing to wait for.
+    """
+    run = getattr(item.config, "workerinput", {}).get("testrunuid")
+    if run is None:
+        yield
+        return
+    turnstile, room = _run_locks(run)
+    alone = item.get_closest_marker("alone") is not None
+    fcntl.flock(turnstile, fcntl.LOCK_EX)
+    try:
+        fcntl.flock(room, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+    finally:
+        if not alone:
+            fcntl.flock(turnstile, fcntl.LOCK_UN)
+    try:
+        yield
+    finally:
+        fcntl.flock(room, fcntl.LOCK_UN)
+        if alone:
+            fcntl.flock(turnstile, fcntl.LOCK_UN)
+
+
+_locks: dict = {}
+
+
+def _run_locks(run: str) -> tuple:
+    """This process's descriptors of the two lock files of test run ``run``."""
+    if run not in _locks:
+        base = os.path.join(tempfile.gettempdir(), f"fibrl-tests-{run}")
+        _locks[run] = tuple(os.open(f"{base}.{name}", os.O_RDWR | os.O_CREAT, 0o600)
+                            for name in ("turnstile", "room"))
+    return _locks[run]
 
 
 def pytest_report_header(config):

@@ -455,6 +455,7 @@ def test_a_blocking_async_call_does_not_hold_up_the_calls_behind_it(ctx):
         assert [waiting.wait(0).get(10) for _ in range(3)] == [True] * 3
 
 
+@pytest.mark.alone   # a timing: four 1 s calls in under 2 s
 def test_four_managers_overlap(ctx):
     managers = [AsyncCalcManager(ctx=ctx) for _ in range(4)]
     try:

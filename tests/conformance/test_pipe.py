@@ -169,8 +169,9 @@ def receive_and_describe(conn):
 
 # Touching a GiB of memory the VM has not used yet takes 15 s on the 2-core CI machine
 # (70 MB/s: the hypervisor backs guest pages on first use); a round trip touches several,
-# and beside the rest of the suite that came to over 900 s (CI runs such a test again alone).
+# and beside the rest of the suite it took over 420 s: it runs alone (no test beside it).
 @pytest.mark.timeout(420)
+@pytest.mark.alone
 @pytest.mark.slow
 def test_one_gib_message_through_a_pipe_arrives_whole(ctx):
     a, b = ctx.Pipe()

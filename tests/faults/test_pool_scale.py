@@ -43,6 +43,7 @@ _SHORT_OF_FILES = textwrap.dedent("""
 """)
 
 
+@pytest.mark.alone   # starts 64 processes at once
 @pytest.mark.slow
 def test_pool_short_of_descriptors_says_so_once_and_completes(tmp_path):
     script = tmp_path / "short_of_files.py"

@@ -7,6 +7,7 @@ import threading
 import time
 
 import pynng
+import pytest
 
 import fibrl
 from fibrl.hub import get_hub
@@ -27,6 +28,7 @@ def _flood(address, stop, sent):
             pass    # refused or timed out: keep flooding
 
 
+@pytest.mark.alone   # a timing: the start within 5 s while four threads flood
 def test_new_worker_starts_during_a_hello_flood():
     address = get_hub().address
     stop, sent = threading.Event(), []

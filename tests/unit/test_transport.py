@@ -314,6 +314,7 @@ def _closed_by_peer(sock) -> bool:
     return True
 
 
+@pytest.mark.alone   # the order of six connections 50 ms apart
 def test_peers_that_never_authenticate_cannot_pile_up():
     """Each connection to the accept socket holds a descriptor: past max_pending the
     oldest is dropped for the new one, and an authenticated peer still gets in at once."""
