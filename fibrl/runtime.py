@@ -190,10 +190,31 @@ def backend(config: Config) -> Any:
         _backends_seen.add(id(found))
     if not known:
         at_exit(BACKENDS, found.close_at_exit)
+        _abandon_at_shutdown(found)
     return found
 
 
 _backends_seen: set = set()
+
+
+def _abandon_at_shutdown(found: Any) -> None:
+    """Call ``found.abandon_starts()`` as soon as the interpreter begins to exit.
+
+    Pool workers start on the threads of a ``ThreadPoolExecutor``, which the
+    interpreter joins before any ``atexit`` handler runs: after Ctrl-C during a start
+    the program would wait that start out (an image probe, a pod being scheduled).
+    A hook of ``threading``'s own shutdown registered after the executor's runs before
+    its join (they run last registered first).
+    """
+    import concurrent.futures.thread  # noqa: F401  (its hook first, so ours runs before)
+
+    register = getattr(threading, "_register_atexit", None)
+    if register is None:
+        return   # another interpreter: starts are waited out, as before
+    try:
+        register(lambda: found.abandon_starts())   # (looked up when the exit begins)
+    except RuntimeError:
+        pass     # the interpreter is exiting already
 
 
 def _register_exit() -> None:

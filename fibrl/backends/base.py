@@ -183,6 +183,15 @@ class Backend(abc.ABC):
         backend registers nothing at exit by itself.
         """
 
+    def abandon_starts(self) -> None:
+        """The program is exiting: end the starts under way soon, and refuse new ones.
+
+        Called once when the interpreter begins to exit, before it joins the threads
+        that start pool workers. A start that waits on something slow (an image
+        probe, a pod that is not running yet) raises :class:`BackendError` instead of
+        waiting it out, and removes what it made. The default waits for nothing.
+        """
+
     def import_hint(self, spec: JobSpec) -> str:
         """Where a job of ``spec`` finds this host's modules, said when one could not
         import a module ("": the same files as here)."""

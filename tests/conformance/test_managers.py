@@ -272,6 +272,17 @@ def test_pool_proxy(manager):
         assert list(pool.imap(abs, [-4, 5])) == [4, 5]
 
 
+def test_an_object_the_server_cannot_create_raises_its_own_error(manager):
+    """(The stdlib wraps it in managers.RemoteError; a failing method raises its own type
+    there too, and fibrl treats both alike: docs/differences.md.)"""
+    with pytest.raises(ValueError, match="at least 1") as raised:
+        manager.Pool(0)
+    assert "Traceback" in str(raised.value.__cause__)
+    with pytest.raises(TypeError):
+        manager.dict(1, 2, 3)
+    assert manager.list([1])[:] == [1]   # the server goes on
+
+
 # -- nesting, pickling, threads ------------------------------------------------------------------
 def test_nested_proxies_behave_as_in_the_stdlib(ctx, manager):
     dct = manager.dict()

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 from conftest import wait_until
@@ -36,6 +37,18 @@ BUSY_POOL = """
 """
 
 
+STARTING_POOL = """
+    import sys, time
+    import fibrl
+
+    if __name__ == "__main__":
+        fibrl.init(backend=sys.argv[1])
+        print("starting", flush=True)
+        with fibrl.Pool(2) as pool:
+            pool.map(time.sleep, [600] * 2, chunksize=1)
+"""
+
+
 def _session(sid: int) -> list:
     """Pids of the processes of session ``sid`` (the program, its fork server, workers)."""
     pids = []
@@ -50,16 +63,17 @@ def _session(sid: int) -> list:
     return pids
 
 
-def _interrupt_when_busy(tmp_path, backend):
+def _interrupt_when_busy(tmp_path, backend, program=BUSY_POOL, ready="busy\n", after=0.0):
     script = tmp_path / "main.py"
-    script.write_text(textwrap.dedent(BUSY_POOL))
+    script.write_text(textwrap.dedent(program))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
     proc = subprocess.Popen([sys.executable, str(script), backend], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:
-        assert proc.stdout.readline() == "busy\n"   # the script's own get() is bounded
+        assert proc.stdout.readline() == ready   # the script's own get() is bounded
+        time.sleep(after)
         os.killpg(proc.pid, signal.SIGINT)
         out, err = proc.communicate(timeout=120)
     finally:
@@ -91,3 +105,16 @@ def test_ctrl_c_with_docker_workers(tmp_path, docker_engine):
     wait_until(lambda: not _session(proc.pid), "the program's processes to end", 30)
     wait_until(lambda: not docker.list_containers(parent=proc.pid, client=docker_engine),
                "the worker containers to be removed", 60, interval=0.5)
+
+
+@pytest.mark.docker
+def test_ctrl_c_while_docker_workers_start(tmp_path, docker_engine):
+    """During the first start of the image (its probe runs beside the first worker):
+    the exit does not wait the starts out (tests/unit/test_docker_backend.py)."""
+    from fibrl.backends import docker
+
+    proc, err = _interrupt_when_busy(tmp_path, "docker", STARTING_POOL, "starting\n", 1.0)
+    _assert_ended_as_python_does(proc, err)
+    wait_until(lambda: not _session(proc.pid), "the program's processes to end", 30)
+    wait_until(lambda: not docker.list_containers(parent=proc.pid, client=docker_engine),
+               "the worker and probe containers to be removed", 60, interval=0.5)

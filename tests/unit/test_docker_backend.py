@@ -427,3 +427,41 @@ def test_main_script_outside_the_mounted_directory(docker_engine, tmp_path):
                          capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip() == "[0, 1, 4, 9, 16]"
+
+
+# -- an exiting program abandons starts -----------------------------------------------
+
+class _SlowProbe:
+    """A probe container that never ends: each wait times out as the SDK's does."""
+
+    def wait(self, timeout):
+        import requests
+        import time
+
+        time.sleep(timeout)
+        raise requests.exceptions.ReadTimeout("read timed out")
+
+
+def test_an_exiting_program_stops_waiting_for_the_image_probe():
+    """Ctrl-C while the first worker's image probe runs: the interpreter joins the
+    starter threads before exiting, and used to wait the probe out (10-30 s on a loaded
+    machine, up to start_timeout)."""
+    import threading
+    import time
+
+    backend = dockerbackend.DockerBackend(Config(backend="docker", start_timeout=60))
+    threading.Timer(0.3, backend.abandon_starts).start()
+    start = time.monotonic()
+    with pytest.raises(BackendError, match="program is exiting"):
+        backend._wait_for_probe(_SlowProbe())
+    assert time.monotonic() - start < 5
+    with pytest.raises(BackendError, match="program is exiting"):
+        backend._refuse_if_abandoned()   # and no new start begins
+
+
+def test_a_probe_that_outlasts_start_timeout_still_fails_as_before():
+    import requests
+
+    backend = dockerbackend.DockerBackend(Config(backend="docker", start_timeout=1))
+    with pytest.raises(requests.exceptions.ReadTimeout):
+        backend._wait_for_probe(_SlowProbe())

@@ -20,6 +20,7 @@ import os
 import socket
 import sys
 import threading
+import time
 import weakref
 from typing import Any, Optional
 
@@ -38,6 +39,7 @@ __all__ = ["DockerBackend"]
 log = logging.getLogger(__name__)
 
 _LOOPBACK = ("127.", "localhost", "::1")
+_PROBE_SLICE = 0.5   # s: an exiting program waits at most this long for a probe to notice
 
 
 # -- the backend -----------------------------------------------------------------------
@@ -91,6 +93,7 @@ class DockerBackend(Backend):
         self._ncpu: Optional[int] = None
         self._nested: Optional[bool] = None
         self._local_backend: Optional[Backend] = None
+        self._abandoned = threading.Event()   # the program exits: starts end, none begin
 
     @property
     def client(self) -> Any:
@@ -123,17 +126,27 @@ class DockerBackend(Backend):
         image = spec.image or self.config.image
         kwargs = self._container_kwargs(spec, image)
         self._require_image(image)
+        self._refuse_if_abandoned()
         job = self._start(spec, image, kwargs)
         try:
             # The first start of an image and mount probes it, while this worker boots
             # (not before: two container starts overlap instead of adding up).
             self._check_image_runs(image, spec, kwargs)
+            self._refuse_if_abandoned()
         except BaseException:
             job.remove()   # kills the worker that could not run either
             raise
         with self._lock:
             self._jobs.add(job)
         return job
+
+    def abandon_starts(self) -> None:
+        self._abandoned.set()   # an image probe stops waiting within _PROBE_SLICE
+
+    def _refuse_if_abandoned(self) -> None:
+        if self._abandoned.is_set():
+            raise BackendError("the program is exiting: a docker worker's start was "
+                               "abandoned (its container is removed)")
 
     def _nested_locally(self) -> bool:
         """A worker container cannot reach the engine (nothing of the host is mounted
@@ -267,7 +280,7 @@ class DockerBackend(Backend):
         container = self._create(probe, image)
         try:
             container.start()
-            status = container.wait(timeout=self.config.start_timeout)["StatusCode"]
+            status = self._wait_for_probe(container)
             output = container.logs(tail=LOG_TAIL_LINES).decode("utf-8", "replace")
         except _sdk_errors() as exc:
             raise _start_error(image, exc) from exc
@@ -275,6 +288,21 @@ class DockerBackend(Backend):
             _remove_quietly(self.client.api, container.id)
         if status != 0:
             raise _unusable_image(image, kwargs["working_dir"], status, output, spec.probe)
+
+    def _wait_for_probe(self, container: Any) -> int:
+        """The probe's exit status, waited for in slices so that an exiting program
+        (:meth:`abandon_starts`) need not wait the probe out."""
+        import requests
+
+        deadline = time.monotonic() + self.config.start_timeout
+        while True:
+            self._refuse_if_abandoned()
+            left = deadline - time.monotonic()
+            try:
+                return container.wait(timeout=max(0.1, min(_PROBE_SLICE, left)))["StatusCode"]
+            except (requests.exceptions.ReadTimeout, requests.exceptions.ConnectionError):
+                if left <= _PROBE_SLICE:
+                    raise
 
     # -- starting ---------------------------------------------------------------------
     def _create(self, kwargs: dict, image: str) -> Any:
