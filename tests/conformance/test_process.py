@@ -212,7 +212,7 @@ def test_stdlib_objects_are_refused_at_start_naming_the_replacement(ctx, make, r
 
 # Fewer on backends where a start costs a container or a pod: one leaked descriptor
 # per cycle still shows as 15.
-_CYCLES = {"local": 40, "docker": 12, "kubernetes": 12}   # a leak of one per cycle shows
+_CYCLES = {"local": 20, "docker": 8, "kubernetes": 8}   # a leak of one per cycle shows
 
 
 def _open_fds() -> int:
