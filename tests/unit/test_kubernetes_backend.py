@@ -425,23 +425,28 @@ def test_a_pod_waiting_for_a_new_node_is_waited_for(kube_init, fake, kube_settin
     namespace = kube_settings["kubernetes_namespace"]
     fake.set_unschedulable(lambda pod: "0/1 nodes are available: 1 Insufficient cpu."
                            if pod["spec"]["containers"][0]["name"] == "worker" else None)
-    # start_timeout (from Running) leaves a loaded machine time to connect; the limit of
-    # a pod that never runs is start_timeout + kubernetes_pending_timeout = 5 s
-    kube_init(kubernetes_pending_timeout=1.0, start_timeout=4.0)
+    kube_init(kubernetes_pending_timeout=1.0, start_timeout=_CONNECT_S)
     _outlasts_the_start_limit(fake, namespace, "TriggeredScaleUp",
                               "pod triggered scale-up: [{pool-b 1->2 (max: 5)}]",
                               release=lambda: fake.set_unschedulable(None))  # the node joined
 
 
+# start_timeout counts from Running: a worker process on a loaded machine needed more
+# than 4 s to connect back. The limit of a pod that never runs is start_timeout +
+# kubernetes_pending_timeout (1 s in these tests).
+_CONNECT_S = 10.0
+
+
 def _outlasts_the_start_limit(fake, namespace, reason, message, release) -> None:
-    """A worker whose pod keeps getting event ``reason`` lives through eleven pending
-    timeouts (two 5 s start limits); after ``release()`` it runs and exits cleanly."""
+    """A worker whose pod keeps getting event ``reason`` lives through two start limits
+    (start_timeout + kubernetes_pending_timeout each: 22 pending timeouts); after
+    ``release()`` it runs and exits cleanly."""
     out, go = fibrl.Queue(), fibrl.Queue()
     p = _started(report_pod_then_wait, out, go)
     done = threading.Event()
     _keep_recording(fake, namespace, p._popen.job.name, reason, message, done)
     try:
-        time.sleep(11.0)
+        time.sleep(2 * (_CONNECT_S + 1.0) + 1.0)
         assert p._popen.job.status() is not JobStatus.FAILED, p._popen.job.failure_reason()
         release()
         assert out.get(timeout=WAIT)
@@ -473,7 +478,7 @@ def test_an_image_pull_in_progress_extends_the_start_limit(kube_init, fake, kube
     kubernetes_pending_timeout; each new pull event restarts that limit."""
     namespace, image = kube_settings["kubernetes_namespace"], pod_image(kube_settings["image"])
     fake.pull_images_slowly(image)
-    kube_init(start_timeout=4.0, kubernetes_pending_timeout=1.0)   # a 5 s start limit
+    kube_init(start_timeout=_CONNECT_S, kubernetes_pending_timeout=1.0)
     _outlasts_the_start_limit(fake, namespace, "Pulling", f'Pulling image "{image}"',
                               release=lambda: fake.allow_image_pulls(image))
 
