@@ -63,7 +63,7 @@ def _free_descriptors() -> Optional[int]:
         return None
 
 
-_shortage: list = []   # [(monotonic time, reason)] of the last descriptor refusal
+_last_shortage: Optional[tuple] = None   # (monotonic time, reserve) of the last refusal
 
 
 def descriptor_shortage(within: float = 60.0) -> Optional[str]:
@@ -73,9 +73,10 @@ def descriptor_shortage(within: float = 60.0) -> Optional[str]:
     A worker whose connection was refused that way exits before it connects back, and
     its own report says only "connection shutdown": the pool adds this as the cause.
     """
-    if _shortage and time.monotonic() - _shortage[0][0] <= within:
-        return _shortage[0][1]
-    return None
+    last = _last_shortage
+    if last is None or time.monotonic() - last[0] > within:
+        return None
+    return f"fewer than {last[1]} file descriptors are left (ulimit -n)"
 
 
 def _reserve_for(soft: Optional[int] = None) -> int:
@@ -255,6 +256,7 @@ class Gate:
         port.sock.close()
 
     def _accept(self, port: Port) -> None:
+        global _last_shortage
         for _ in range(_ACCEPTS_PER_WAKE):
             if port.closed:
                 return
@@ -273,11 +275,10 @@ class Gate:
             free = None if port.once else _free_descriptors()
             if free is not None and free < self._reserve:
                 sock.close()
-                reason = (f"only {free} file descriptors are left (ulimit -n); the last "
-                          f"{self._reserve} are kept for this process's own work")
-                _shortage[:] = [(time.monotonic(), f"fewer than {self._reserve} file "
-                                 "descriptors are left (ulimit -n)")]
-                self._refused(address, reason)
+                _last_shortage = (time.monotonic(), self._reserve)
+                self._refused(address, f"only {free} file descriptors are left (ulimit -n); "
+                              f"the last {self._reserve} are kept for this process's own "
+                              "work")
                 continue
             self._make_room()
             # nng sets TCP_NODELAY on the connections it makes itself, not on those
