@@ -258,7 +258,9 @@ class KubernetesLauncher(Launcher):
         request = client.param_serialize(
             "GET", "/api/v1/namespaces/{namespace}/pods/{name}/log",
             path_params={"namespace": self.namespace, "name": pod}, query_params=query,
-            header_params={"Accept": "text/plain"}, auth_settings=["BearerToken"])
+            # the body is the log's text whatever is accepted; an API server may refuse a
+            # text/plain Accept (1.20 answers 406), so ask as kubectl does
+            header_params={"Accept": "application/json, */*"}, auth_settings=["BearerToken"])
         deadline = time.monotonic() + self.api.retry_for
         while True:
             try:

@@ -43,6 +43,20 @@ class Response:
     stream: Iterator[bytes] | None = None     # chunked when set
 
 
+# What a 1.20 API server negotiates for pods/log (it answers with the plain log text
+# whatever was accepted): an Accept header that names none of these gets 406.
+_SERVED_MEDIA_TYPES = ("application/json", "application/yaml", "application/vnd.kubernetes.protobuf")
+
+
+def _check_accept(accept: str) -> None:
+    wanted = [part.split(";")[0].strip() for part in accept.split(",") if part.strip()]
+    if not wanted or any(w in ("*/*", "application/*") or w in _SERVED_MEDIA_TYPES
+                         for w in wanted):
+        return
+    raise ApiError(406, "NotAcceptable", "only the following media types are accepted: "
+                                        + ", ".join(_SERVED_MEDIA_TYPES))
+
+
 def json_response(code: int, obj, headers: dict | None = None) -> Response:
     return Response(code, json.dumps(obj).encode(), headers=headers or {})
 
@@ -273,6 +287,7 @@ class Router:
 
     def _dispatch(self, method: str, info: RequestInfo, query: dict, headers, body: bytes) -> Response:
         if info.subresource == "log":
+            _check_accept(headers.get("Accept", ""))
             return self._logs(info, query)
         if info.subresource == "eviction":
             return self._evict(info, body)
