@@ -53,13 +53,21 @@ class _Handover(Service):
         # Kept until the worker has loaded it, as it is now: start() drops the target
         # and arguments from the process object once its Popen exists.
         self._process: Any = copy.copy(process_obj)
+        self._peer = None   # the worker's connection, once it took the payload
 
     def op_payload(self, reply: ReplySink, pid: Optional[int] = None) -> None:
         start, self._start = self._start, None
         if start is None:
             raise BackendError("this worker's process object was already handed over")
+        self._peer = getattr(reply, "peer", None)   # the worker's connection to this hub
         self._popen._connected(pid)
         reply(start)
+
+    def peer_lost(self, peer) -> None:
+        # A worker exits when its connection to the parent ends; if its backend then
+        # reports no exit (a node that went down with it), Popen ends the job itself.
+        if peer is not None and peer is self._peer:
+            self._popen._connection_lost()
 
     def op_by_value(self, reply: ReplySink) -> None:
         # A function of the main script that the worker's __mp_main__ lacks (defined
@@ -113,6 +121,7 @@ class Popen:
         self.pid: Optional[int] = None
         self._job = None
         self._deadline: Optional[list] = None
+        self._silence: Optional[list] = None   # armed when the worker's connection ends
         try:
             self._job_spec = self._spec(process_obj, hub.address)
             self._job = self._backend.create_job(self._job_spec)
@@ -168,8 +177,30 @@ class Popen:
         self._backend_timers_cancel()
 
     def _backend_timers_cancel(self) -> None:
-        if self._deadline is not None:
-            get_hub().timers.cancel(self._deadline)
+        for timer in (self._deadline, self._silence):
+            if timer is not None:
+                get_hub().timers.cancel(timer)
+
+    def _connection_lost(self) -> None:
+        grace = self._backend.silent_exit_s
+        if grace is None or self._done.is_set() or self._stopped:
+            return
+        self._silence = get_hub().timers.call_at(time.monotonic() + grace, self._no_exit_report,
+                                                 blocking=True)   # kill() may call an API
+
+    def _no_exit_report(self) -> None:
+        """The worker's connection ended ``silent_exit_s`` ago and its backend has said
+        nothing since: its machine or node went with it (a kubelet that stopped reports
+        no exit, and the pod would show Running for minutes). End the job, so that
+        join() returns, with SIGKILL's exit code."""
+        if self._done.is_set() or self._stopped or self._job is None:
+            return
+        log.warning("worker %s (%s): its connection to this process ended %.0f s ago and the "
+                    "%s backend has reported no exit since; its machine or node is likely gone "
+                    "or cut off. Ending it (exit code -9).", self._job.id, self._spec_name,
+                    self._backend.silent_exit_s, self._backend.name)
+        self._stopped = True
+        self._job.kill()
 
     def _arm_start_deadline(self) -> None:
         # From when the job runs: a pod still waiting for a node is its backend's to

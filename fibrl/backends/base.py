@@ -157,6 +157,10 @@ class Backend(abc.ABC):
     #: Seconds a job's exit status may take to arrive after its connection dropped; a
     #: pool waits this long before it calls the worker lost with its status unknown.
     exit_report_s: float = 2.0
+    #: Seconds after a worker's connection ended with no exit reported at which its
+    #: Popen ends the job itself (the worker exits when its connection ends; a node that
+    #: went down with it reports nothing). None: the backend always reports an exit.
+    silent_exit_s: Optional[float] = None
 
     def __init__(self, config: Config) -> None:
         self.config = config

@@ -79,6 +79,9 @@ class KubernetesBackend(Backend):
 
     name = "kubernetes"
     exit_report_s = 15.0   # a pod's terminated status comes through the node and a watch
+    # A node that stopped (or was cut off) reports no exit: its pods show Running until the
+    # node lifecycle controller evicts them, 5 minutes after the node goes NotReady.
+    silent_exit_s = 60.0
 
     def __init__(self, config: Config) -> None:
         super().__init__(config)

@@ -7,6 +7,7 @@ implements none of it from the real code. Every wait is a watch or a bounded pol
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import threading
 import time
@@ -120,7 +121,8 @@ OUTAGE = 30.0   # seconds the API server is away
 
 
 def _control(*args: str) -> None:
-    """tests/kube/control-plane.sh ARGS (stop-one/start-one NAME), on the plane `up` made."""
+    """tests/kube/control-plane.sh ARGS (stop-one/crash-one/start-one NAME), on the plane
+    `up` made."""
     done = subprocess.run(["bash", str(CONTROL_PLANE), *args], capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0, f"control-plane.sh {' '.join(args)}: {done.stderr[-2000:]}"
@@ -154,6 +156,7 @@ def test_a_pod_the_api_server_refuses_is_reported_with_its_message(backend_init)
     assert 'serviceaccount "no-such-account" not found' in str(info.value)
 
 
+@pytest.mark.alone
 def test_workers_keep_working_while_the_api_server_is_away(backend_init):
     """The API server stopped for 30 s mid-run: running workers keep computing (they talk
     to the parent directly), a start made meanwhile waits and then succeeds once it is
@@ -189,3 +192,66 @@ def test_workers_keep_working_while_the_api_server_is_away(backend_init):
         late.join(300)
         assert started == {"exitcode": 0}, started
         assert pool.map(square, range(8)) == [x * x for x in range(8)]
+
+
+# -- the node away ----------------------------------------------------------------------
+
+def report_then_sleep(out) -> None:
+    out.put(os.getpid())
+    time.sleep(3600)
+
+
+def _node_ready(core) -> dict:
+    """``{node name: (Ready condition status, taint keys)}`` of every node."""
+    return {n.metadata.name: (next((c.status for c in n.status.conditions or []
+                                    if c.type == "Ready"), None),
+                              sorted(t.key for t in n.spec.taints or []))
+            for n in core.list_node(_request_timeout=10).items}
+
+
+def _wait_for(predicate, what: str, timeout: float) -> float:
+    begin = time.monotonic()
+    while not predicate():
+        assert time.monotonic() - begin < timeout, f"{what}: not within {timeout:.0f} s"
+        time.sleep(0.5)
+    return time.monotonic() - begin
+
+
+@pytest.mark.alone
+@pytest.mark.timeout(600)
+def test_a_worker_whose_node_goes_away_is_ended_and_a_new_one_waits_for_a_node(
+        backend_init, admin):
+    """The node agent crashed with its pods' processes (a machine that lost power): nothing
+    reports their exit, and the API server shows them Running. The parent hears the worker's connection
+    end; after the backend's silent_exit_s (60 s) with no exit reported it deletes the pod,
+    and join() returns -9. The controller-manager marks the node NotReady (its 40 s grace);
+    a worker started then waits in Pending and runs once the node is back."""
+    from fibrl.backends.kubernetes import KubernetesBackend
+
+    core, _ = admin
+    backend_init(kubernetes_pending_timeout=600.0)
+    out = fibrl.Queue()
+    lost = fibrl.Process(target=report_then_sleep, args=(out,))
+    lost.start()
+    out.get(timeout=WAIT)
+    (node,) = _node_ready(core)
+    stopped = time.monotonic()
+    _control("crash-one", "node-agent")
+    try:
+        lost.join(KubernetesBackend.silent_exit_s + WAIT)
+        ended_after = time.monotonic() - stopped
+        assert lost.exitcode == -signal.SIGKILL, f"exit code {lost.exitcode}"
+        assert ended_after >= KubernetesBackend.silent_exit_s - 1
+        _wait_for(lambda: _node_ready(core)[node][0] != "True", f"node {node} NotReady",
+                  40 + WAIT)
+        late = fibrl.Process(target=report_then_sleep, args=(out,))
+        late.start()
+        time.sleep(5)
+        assert late.exitcode is None and out.empty(), "a worker ran on a node that is away"
+    finally:
+        _control("start-one", "node-agent")
+    _wait_for(lambda: _node_ready(core)[node] == ("True", []), f"node {node} Ready again",
+              WAIT)
+    out.get(timeout=WAIT + 60)   # the worker started while the node was away now runs
+    late.kill()
+    late.join(WAIT)

@@ -7,8 +7,10 @@
 #                                       ready; the last line printed is the admin kubeconfig path
 #   tests/kube/control-plane.sh down    stop exactly what `up` started
 #   tests/kube/control-plane.sh stop-one NAME    stop one of them (kube-apiserver, node-agent, ...)
+#   tests/kube/control-plane.sh crash-one NAME   SIGKILL one of them and every process under it,
+#                                       as a machine that loses power (node-agent: its pods too)
 #   tests/kube/control-plane.sh start-one NAME   start it again with the command `up` gave it
-#                                       (the tests of outages use these two)
+#                                       (the tests of outages use these)
 #
 # The binaries come from Debian bookworm's `kubernetes` source package (its tarball keeps
 # vendor/, so it builds offline with Debian's Go) and are cached outside the repository under
@@ -311,11 +313,25 @@ down() {  # stop what `up` recorded, newest first
     rm -f "$STATE/pids"
 }
 
-stop_one() {  # stop_one NAME: stop one component and forget its pid
+kill_tree() {  # kill_tree PID: freeze it (it starts nothing more), SIGKILL what runs under it, then it
+    local pid=$1 child
+    kill -STOP "$pid" 2>/dev/null || return 0
+    for child in $(pgrep -P "$pid" || true); do kill_tree "$child"; done
+    kill -KILL "$pid" 2>/dev/null || true
+}
+
+crash() {  # crash PID NAME EXE: as terminate, but at once and with everything under it
+    local pid=$1 name=$2 exe=$3
+    [ "$(readlink "/proc/$pid/exe" 2>/dev/null)" = "$(readlink -f "$exe")" ] || return 0
+    kill_tree "$pid"
+    log "crashed $name ($pid) and the processes under it"
+}
+
+stop_one() {  # stop_one NAME [crash]: stop (or crash) one component and forget its pid
     [ -f "$STATE/pids" ] || die "the control plane is not up (no $STATE/pids)"
-    local pid name exe kept="" found=""
+    local pid name exe kept="" found="" how=${2:-terminate}
     while read -r pid name exe; do
-        if [ "$name" = "$1" ]; then terminate "$pid" "$name" "$exe"; found=1
+        if [ "$name" = "$1" ]; then "$how" "$pid" "$name" "$exe"; found=1
         else kept+="$pid $name $exe"$'\n'; fi
     done < "$STATE/pids"
     [ -n "$found" ] || die "$1 is not running (names: $(cut -d' ' -f2 "$STATE/pids" | tr '\n' ' '))"
@@ -336,6 +352,7 @@ case "${1:-}" in
     up) up ;;
     down) down ;;
     stop-one) stop_one "${2:?stop-one NAME}" ;;
+    crash-one) stop_one "${2:?crash-one NAME}" crash ;;
     start-one) start_one "${2:?start-one NAME}" ;;
-    *) echo "usage: $0 build|up|down|stop-one NAME|start-one NAME" >&2; exit 2 ;;
+    *) echo "usage: $0 build|up|down|stop-one NAME|crash-one NAME|start-one NAME" >&2; exit 2 ;;
 esac
