@@ -1231,9 +1231,7 @@ def _authenticate(address: str, secret: bytes, timeout: float,
         req.send(_AUTH + nonce + ticket + _mac(secret, b"C", ticket + nonce))
         answer = req.recv()
     except pynng.Closed as exc:
-        raise TransportError(
-            f"{address} went away during the authentication handshake; the fibrl process "
-            f"that owns it has exited.") from exc
+        raise _closed_in_handshake(address) from exc
     except pynng.ConnectionRefused as exc:
         raise TransportError(
             f"nothing listens at {address} (connection refused); the fibrl process that "
@@ -1271,15 +1269,20 @@ def _data_address(answer: bytes, address: str) -> str:
     raise TransportError(f"{address} refused the connection: {reason or answer[:16]!r}")
 
 
+def _closed_in_handshake(address: str) -> TransportError:
+    return TransportError(
+        f"{address} closed the connection during the authentication handshake: the fibrl "
+        f"process that owns it has exited, or it gave up on this handshake after its "
+        f"auth_timeout (a machine too busy to finish one in time; raise auth_timeout).")
+
+
 def _present_token(sock: pynng.Pair1, token: bytes, timeout: float, address: str) -> None:
     sock.recv_timeout = int(timeout * 1000)
     try:
         sock.send(token)
         verdict = sock.recv()
     except pynng.Closed as exc:
-        raise TransportError(
-            f"{address} went away during the authentication handshake; the fibrl process "
-            f"that owns it has exited.") from exc
+        raise _closed_in_handshake(address) from exc
     except pynng.Timeout as exc:
         raise TransportError(f"{address} did not confirm the connection within "
                              f"{timeout} s.") from exc
