@@ -142,9 +142,7 @@ def test_workers_exit_when_the_parent_outside_the_cluster_is_killed(kube_cluster
 
 def test_killing_the_parent_pod_takes_its_workers(kube_cluster, core):
     options = ["--kubeconfig", kube_cluster.kubeconfig, "-n", kube_cluster.namespace]
-    access = (["--env", f"FIBRL_KUBERNETES_KUBECONFIG={kube_cluster.kubeconfig}"]
-              if kube_cluster.fake is not None else
-              ["--service-account", os.environ.get("KUBE_TEST_SERVICE_ACCOUNT", "fibrl")])
+    access = kube_cluster.parent_access()
     out = _fibrl_cli("run", *options, "--detach", "--image", kube_cluster.image, *access,
                      "--", "python", "-c", PARENT)
     assert out.returncode == 0, out.stderr

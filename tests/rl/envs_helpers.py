@@ -73,6 +73,20 @@ class Slow(gymnasium.Wrapper):
         return self.env.step(action)
 
 
+class Gated(gymnasium.Wrapper):
+    """CartPole whose step waits until the file ``gate`` exists (at most a minute)."""
+
+    def __init__(self, gate: str) -> None:
+        super().__init__(gymnasium.make("CartPole-v1"))
+        self.gate = gate
+
+    def step(self, action):
+        deadline = time.monotonic() + 60.0
+        while not os.path.exists(self.gate) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return self.env.step(action)
+
+
 class HangAt(CrashAt):
     """Hangs (sleeps an hour) on its ``crash_at``-th step."""
 

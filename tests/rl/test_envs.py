@@ -118,30 +118,32 @@ def test_worker_stacks_observations_that_do_not_fit_its_space():
     assert _obs_rows(gymnasium.spaces.Dict({"a": gymnasium.spaces.Discrete(2)}), 2) is None
 
 
-def test_send_recv_one_slow_env_does_not_hold_up_the_others():
-    # env 0 sleeps 3 s per step; the fast envs are driven for 1 s (2 s of margin under load)
-    fns = [functools.partial(envs_helpers.Slow, 3.0)] + [envs_helpers.Pid] * 3
+def test_send_recv_one_slow_env_does_not_hold_up_the_others(tmp_path):
+    # env 0's step waits for a file the test makes only after the fast envs stepped 6 times
+    gate = tmp_path / "go"
+    fns = [functools.partial(envs_helpers.Gated, str(gate))] + [envs_helpers.Pid] * 3
     envs = RemoteVectorEnv(fns, envs_per_worker=1)
     try:
         envs.reset(seed=0)
         envs.send(np.zeros(4, dtype=np.int64))
-        fast_rounds, start = 0, time.monotonic()
-        while time.monotonic() - start < 1.0:
-            obs, rewards, terms, truncs, infos = envs.recv(num=3, timeout=1.0)
+        for _ in range(6):  # the fast envs keep stepping while env 0 is held
+            obs, rewards, terms, truncs, infos = envs.recv(num=3, timeout=30)
             assert sorted(infos["env_id"].tolist()) == [1, 2, 3]
             assert obs.shape == (3, 4) and set(rewards.tolist()) <= {0.0, 1.0}  # 0: autoreset
             envs.send(np.ones(3, dtype=np.int64), env_ids=infos["env_id"])
-            fast_rounds += 1
-        assert fast_rounds >= 5  # the fast envs kept stepping while env 0 slept
         with pytest.raises(ValueError, match="running"):
             envs.send(np.zeros(1, dtype=np.int64), env_ids=[1])
-        *_, infos = envs.recv(num=3, timeout=10)  # the last send of 1, 2, 3
+        *_, infos = envs.recv(num=3, timeout=30)  # the last send of 1, 2, 3
         assert sorted(infos["env_id"].tolist()) == [1, 2, 3]
-        obs, rewards, *_, infos = envs.recv(num=1, timeout=10)
+        with pytest.raises(multiprocessing.TimeoutError):
+            envs.recv(num=1, timeout=0.2)  # env 0 is still held
+        gate.touch()
+        obs, rewards, *_, infos = envs.recv(num=1, timeout=30)
         assert infos["env_id"].tolist() == [0] and obs.shape == (1, 4)
         with pytest.raises(NoAsyncCallError):
             envs.recv()
     finally:
+        gate.touch()
         envs.close()
 
 

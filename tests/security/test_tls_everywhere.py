@@ -103,6 +103,9 @@ def _probe(ip: str, port: int) -> tuple:
     return received, False
 
 
+# 25 s with the machine to itself; a Pool, a Manager and env workers each making TLS
+# handshakes beside three other tests took over 300 s on two cores
+@pytest.mark.alone
 def test_every_listener_of_a_tls_program_refuses_plaintext():
     with _program("all") as (proc, lines):
         _check_listeners(proc, lines)

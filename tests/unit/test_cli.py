@@ -7,6 +7,7 @@ references to it.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import io
 import os
 import re
@@ -23,7 +24,11 @@ from conftest import wait_until
 from fibrl.errors import BackendError
 from fibrl.launch.build import image_tag
 
-TIMEOUT = 120
+# One `fibrl` command: it imports the kubernetes client (5-9 s of CPU on a 2-core machine),
+# and `fibrl run` waits for a parent pod that starts pods of its own; several times that
+# when the machine is loaded.
+TIMEOUT = 240
+pytestmark = pytest.mark.timeout(600)
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this fibrl
 
 # Run with ``python -c``: nothing to copy into the image, even on a real cluster.
@@ -93,21 +98,13 @@ def test_build_needs_a_dockerfile(tmp_path):
 def kube(kube_cluster):
     """Options that point the command at the test cluster, and cleanup of its runs."""
     options = ["--kubeconfig", kube_cluster.kubeconfig, "-n", kube_cluster.namespace]
-    env = ["--image", kube_cluster.image] + _parent_access(kube_cluster)
+    env = ["--image", kube_cluster.image] + kube_cluster.parent_access()
     runs = []
     yield options, env, runs
     for run in runs:
         fibrl_cli("stop", run, *options)
     if kube_cluster.fake is not None:
         kube_cluster.fake.reset_hooks()
-
-
-def _parent_access(kube_cluster):
-    """How the launched script reaches the API: the fake's kubeconfig (its pods run on this
-    machine), or on a real cluster the service account of deploy/rbac.yaml."""
-    if kube_cluster.fake is not None:
-        return ["--env", f"FIBRL_KUBERNETES_KUBECONFIG={kube_cluster.kubeconfig}"]
-    return ["--service-account", os.environ.get("KUBE_TEST_SERVICE_ACCOUNT", "fibrl")]
 
 
 def _run_id(out):
@@ -164,6 +161,7 @@ def test_run_detach_then_logs_follow(kube):
 
 
 @pytest.mark.kubernetes
+@pytest.mark.fake_kube
 def test_run_reports_an_image_it_cannot_pull(kube, kube_cluster):
     if kube_cluster.fake is None:
         pytest.skip("needs the fake API server's failing image pulls")
@@ -286,13 +284,17 @@ def test_run_follow_resumes_a_log_stream_that_went_silent(launcher, kube_cluster
     kube_cluster.fake.stall_log_streams(count=1, after_lines=2)
     script = "import time\nfor i in range(8):\n    print('line', i, flush=True)\n    time.sleep(0.3)\n"
     run = _launch(launcher, runs, kube_cluster.image, ("python", "-c", script))
-    out, ended = io.BytesIO(), []
-    follow = threading.Thread(target=lambda: ended.append(launcher.wait(run, True, out)),
-                              daemon=True)
-    follow.start()
-    follow.join(60)
-    assert not follow.is_alive(), f"--follow hung on a silent stream; it wrote {out.getvalue()!r}"
-    assert ended[0].status == 0
+    out = io.BytesIO()
+    follow = concurrent.futures.ThreadPoolExecutor(1)
+    try:
+        ended = follow.submit(launcher.wait, run, True, out)
+        try:   # an exception of the follow is raised here, with its traceback
+            status = ended.result(timeout=TIMEOUT).status
+        except concurrent.futures.TimeoutError:
+            pytest.fail(f"--follow hung on a silent stream; it wrote {out.getvalue()!r}")
+    finally:
+        follow.shutdown(wait=False)
+    assert status == 0
     # every line once, in order, though the resumed stream repeats the lines of the second
     # it resumes from (sinceTime has whole seconds)
     assert out.getvalue().decode().splitlines() == [f"line {i}" for i in range(8)]
