@@ -148,6 +148,12 @@ def _in_matrix(item, module: str) -> bool:
     return kept == "*" or item.originalname in kept
 
 
+# Fixtures that hand a test the fake API server (or a launcher on its hooks): a kubernetes
+# test that uses one is marked ``fake_kube`` (it skips on a real cluster). CI runs those on
+# the fake and every other kubernetes test on the real control plane.
+_FAKE_KUBE_FIXTURES = {"fake", "fake_apiserver", "launcher"}
+
+
 def pytest_collection_modifyitems(config, items):
     """Mark the quick subset (see ``QUICK_MODULES``); leave out the docker and kubernetes
     variants of conformance tests not in ``CROSS_BACKEND`` unless ``--matrix=full``."""
@@ -156,6 +162,8 @@ def pytest_collection_modifyitems(config, items):
     kept, left_out = [], []
     for item in items:
         module = Path(str(item.path)).relative_to(root).as_posix()
+        if item.get_closest_marker("kubernetes") and _FAKE_KUBE_FIXTURES & set(item.fixturenames):
+            item.add_marker(pytest.mark.fake_kube)
         if module in QUICK_MODULES and not any(item.get_closest_marker(m) for m in _NOT_QUICK):
             item.add_marker(pytest.mark.quick)
         (kept if not core or _in_matrix(item, module) else left_out).append(item)
@@ -315,6 +323,18 @@ class KubeCluster:
     fake: object = None         # tests.kube.fake_apiserver.FakeApiServer, None on a real cluster
     admin_kubeconfig: str = ""  # what the tests' own checks use ("" : kubeconfig)
 
+    def parent_access(self) -> list:
+        """`fibrl run` options by which a launched parent reaches the API server. Pods that
+        are processes of this machine (the fake's node, tests/kube/node_agent.py) get no
+        service-account token file, so they read this kubeconfig (on a real plane: the
+        token of deploy/rbac.yaml's account); pods of a real kubelet use that account."""
+        account = ["--service-account", os.environ.get("KUBE_TEST_SERVICE_ACCOUNT", "fibrl")]
+        if self.fake is not None:
+            return ["--env", f"FIBRL_KUBERNETES_KUBECONFIG={self.kubeconfig}"]
+        if self.listen_host in ("127.0.0.1", "::1"):
+            return account + ["--env", f"FIBRL_KUBERNETES_KUBECONFIG={self.kubeconfig}"]
+        return account
+
     def client(self):
         from kubernetes import config
 
@@ -345,7 +365,7 @@ def kube_cluster():
                               admin_kubeconfig=admin or "")
         yield cluster
         _close_kubernetes_backends()
-        left = _pods_left(cluster, time.monotonic() + 60, "fibrl.backend=kubernetes")
+        left = _pods_left(cluster, time.monotonic() + 60, _session_pods())
         assert not left, f"fibrl pods left after the kubernetes tests: {left}"
         return
     _importable_tests_package()
@@ -385,6 +405,16 @@ def kube_settings(kube_cluster):
     left = _pods_left(kube_cluster, time.monotonic() + 20, f"fibrl.run={run_id()}")
     if left:
         pytest.fail(f"worker pods left behind in namespace {kube_cluster.namespace}: {left}")
+
+
+def _session_pods() -> str:
+    """The label selector of the fibrl pods this test session made: every fibrl pod, or
+    under pytest-xdist (other sessions share a real cluster) this process's runs."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        from fibrl.popen import run_id
+
+        return f"fibrl.backend=kubernetes,fibrl.run={run_id()}"
+    return "fibrl.backend=kubernetes"
 
 
 def _pods_left(cluster: KubeCluster, deadline: float, selector: str) -> list:
@@ -503,7 +533,7 @@ def frozen(process, request):
 
     Docker: ``docker pause`` (the cgroup freezer). Local, and kubernetes on the fake
     API server (its pods are local processes): SIGSTOP of the worker's pid. A real
-    cluster offers neither: the test skips there (allowed in .ci/allowed-skips).
+    cluster offers neither: the test skips there.
     """
     popen = process._popen
     if popen.config.backend == "docker":
