@@ -32,7 +32,7 @@ from tests.kube.conftest_plugin import (fake_apiserver, fake_apiserver_docker, f
                                         fake_kubeconfig, kube_api_client, kube_namespace)
 from tests.kube.fake_apiserver import FakeApiServer, docker_leaked_containers  # noqa: E402
 
-pytestmark = [pytest.mark.kubernetes, pytest.mark.fake_kube, pytest.mark.timeout(60)]
+pytestmark = [pytest.mark.kubernetes, pytest.mark.fake_kube]
 
 FIXTURES = Path(__file__).resolve().parents[1] / "kube" / "fixtures"
 IMAGE = "python:3.11-slim"
