@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import wait_until
+
 import fibrl
 from fibrl.config import Config
 from fibrl.errors import BackendError
@@ -209,14 +211,6 @@ def _node_ready(core) -> dict:
             for n in core.list_node(_request_timeout=10).items}
 
 
-def _wait_for(predicate, what: str, timeout: float) -> float:
-    begin = time.monotonic()
-    while not predicate():
-        assert time.monotonic() - begin < timeout, f"{what}: not within {timeout:.0f} s"
-        time.sleep(0.5)
-    return time.monotonic() - begin
-
-
 @pytest.mark.alone
 @pytest.mark.timeout(600)
 def test_a_worker_whose_node_goes_away_is_ended_and_a_new_one_waits_for_a_node(
@@ -242,16 +236,16 @@ def test_a_worker_whose_node_goes_away_is_ended_and_a_new_one_waits_for_a_node(
         ended_after = time.monotonic() - stopped
         assert lost.exitcode == -signal.SIGKILL, f"exit code {lost.exitcode}"
         assert ended_after >= KubernetesBackend.silent_exit_s - 1
-        _wait_for(lambda: _node_ready(core)[node][0] != "True", f"node {node} NotReady",
-                  40 + WAIT)
+        wait_until(lambda: _node_ready(core)[node][0] != "True", f"node {node} NotReady",
+                   40 + WAIT, interval=0.5)
         late = fibrl.Process(target=report_then_sleep, args=(out,))
         late.start()
         time.sleep(5)
         assert late.exitcode is None and out.empty(), "a worker ran on a node that is away"
     finally:
         _control("start-one", "node-agent")
-    _wait_for(lambda: _node_ready(core)[node] == ("True", []), f"node {node} Ready again",
-              WAIT)
+    wait_until(lambda: _node_ready(core)[node] == ("True", []), f"node {node} Ready again",
+               WAIT, interval=0.5)
     out.get(timeout=WAIT + 60)   # the worker started while the node was away now runs
     late.kill()
     late.join(WAIT)
