@@ -403,7 +403,7 @@ def main(argv: list[str]) -> int:
         raise
     exitcode = process_obj._bootstrap(parent_sentinel=parent_r)
     exiting.set()
-    hub.flush(10.0)
+    hub.flush(10.0)   # (what this process sent is processed before its parent sees it exit)
     return exitcode
 
 

@@ -458,6 +458,10 @@ class Client:
         self._feeder: Optional[threading.Thread] = None
         self._wake = threading.Event()
         self.lost = False
+        # one-way calls sent, and how many of them the other hub confirmed it processed
+        # (:meth:`Hub.flush`): an exit waits only for connections with unconfirmed ones
+        self.one_way_sent = 0
+        self.one_way_confirmed = 0
         self._lost_callbacks: list[Callable[[], None]] = []
         self._reader = threading.Thread(target=self._read, daemon=True,
                                         name=f"fibrl-client-{address}")
@@ -525,6 +529,8 @@ class Client:
                     borrowed = True
                     break
         with self._lock:
+            if not call.rid:
+                self.one_way_sent += 1
             while borrowed and (self._outbox or self._sending) and not self.lost:
                 # a large payload that views the caller's objects: send it from this
                 # thread once earlier calls are out, rather than copy it for the feeder
@@ -981,16 +987,33 @@ class Hub:
             hook(address)
         self.client(address).send(oid, method, args, inline)
 
-    def flush(self, timeout: Optional[float] = 10.0) -> None:
-        """Make sure every one-way call sent so far was processed by its receiver."""
+    def flush(self, timeout: Optional[float] = 10.0) -> bool:
+        """Make sure every one-way call sent so far was processed by its receiver: a
+        ping behind them, answered once they were (connections with nothing
+        unconfirmed are skipped). The wait lasts while the receiver answers liveness
+        pings (a frozen one ends it after ``parent_timeout``). What stays unconfirmed is
+        logged; returns whether everything was confirmed."""
         with self._lock:
             clients = list(self._clients.values())
+        confirmed = True
         for client in clients:
-            if client.flush(timeout) and not client.lost:
-                try:  # bounded by the peer's liveness too: a frozen peer answers nothing
-                    self.wait(client.call("hub", "ping", ()), client.address, timeout)
-                except Exception:
-                    pass
+            sent = client.one_way_sent
+            if sent == client.one_way_confirmed or client.lost:
+                continue
+            try:
+                if not client.flush(timeout):
+                    raise TimeoutError(f"not sent within {timeout} s")
+                self.wait(client.call("hub", "ping", ()), client.address, timeout)
+                client.one_way_confirmed = max(client.one_way_confirmed, sent)
+            except Exception as exc:
+                if client.lost:   # (its loss is reported where the calls came from)
+                    continue
+                confirmed = False
+                log.warning("%d one-way message(s) to %s (queue puts, pipe sends, "
+                            "events) may not have been processed there: it did not "
+                            "confirm them (%s)", sent - client.one_way_confirmed,
+                            client.address, exc)
+        return confirmed
 
     def close(self) -> None:
         """Flush, close every connection and the listener, and wait for their threads.

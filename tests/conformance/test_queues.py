@@ -94,6 +94,7 @@ def test_many_producers_many_consumers_exactly_once(ctx):
         p.start()
     for p in producers:
         p.join(TIMEOUT)
+        assert p.exitcode == 0, f"a producer did not finish within {TIMEOUT} s"
     for _ in consumers:
         q.put(None)
     got = [x for _ in consumers for x in out.get(timeout=TIMEOUT)]

@@ -10,7 +10,7 @@ import time
 
 import psutil
 import pytest
-from conftest import frozen, parent_env, wait_until, workers_of_run
+from conftest import freeze, frozen, parent_env, wait_until, workers_of_run
 
 TIMEOUT = 60
 
@@ -89,7 +89,8 @@ def test_daemonic_children_end_when_parent_exits(ctx, tmp_path, request):
 def host_a_queue(carrier, stop):
     import fibrl
 
-    carrier.put(fibrl.Queue())
+    queue = fibrl.Queue()   # (kept: an owner that drops its queue ends it)
+    carrier.put(queue)
     stop.get(timeout=120)
 
 
@@ -135,3 +136,47 @@ def test_join_thread_with_a_frozen_queue_owner_returns(hosted_queue):
     joiner.start()
     joiner.join(20)
     assert not joiner.is_alive(), "join_thread() still waits for a frozen owner"
+
+
+def put_when_told(hosted, ready, go, count):
+    hosted.qsize()   # connected to the owner while it still answers
+    ready.put(True)
+    go.get(timeout=TIMEOUT)
+    for i in range(count):
+        hosted.put(bytes([i % 256]) * 100_000)
+
+
+def test_a_producer_ends_only_once_a_slow_owner_processed_its_puts(configure):
+    """A queue owner that is alive but slow (here: stopped for 20 s, within
+    parent_timeout) gets every put of a producer before the producer is seen to exit,
+    even when more was put than the connection buffers (30 MB): what the parent does
+    after join() (put the consumers' sentinels, count) comes after the producer's items,
+    and none is dropped."""
+    import fibrl
+
+    configure(heartbeat_interval=0.5, parent_timeout=60.0)
+    carrier, stop, ready, go = (fibrl.Queue() for _ in range(4))
+    owner = fibrl.Process(target=host_a_queue, args=(carrier, stop))
+    owner.start()
+    try:
+        hosted = carrier.get(timeout=TIMEOUT)
+        producer = fibrl.Process(target=put_when_told, args=(hosted, ready, go, 300))
+        producer.start()
+        assert ready.get(timeout=TIMEOUT)
+        freeze(owner.pid)
+        try:
+            go.put(True)
+            producer.join(20)
+            assert producer.exitcode is None, "the producer ended with its puts unprocessed"
+        finally:
+            os.kill(owner.pid, signal.SIGCONT)
+        producer.join(TIMEOUT)
+        assert producer.exitcode == 0
+        assert hosted.qsize() == 300
+        assert sorted(hosted.get(timeout=TIMEOUT)[0] for _ in range(300)) == \
+            sorted(i % 256 for i in range(300))
+    finally:
+        stop.put(None)
+        owner.join(TIMEOUT)
+        owner.kill()
+
