@@ -407,7 +407,7 @@ def test_a_pod_that_never_runs_ends_after_start_plus_pending_timeout(kube_init, 
     assert p.exitcode == 1, reason
     assert "did not start running within" in reason, reason
     assert "kubernetes_pending_timeout = 2 s with no progress since" in reason, reason
-    assert 3.5 < time.monotonic() - begin < 15
+    assert 3.5 < time.monotonic() - begin < 30   # (about 4 s; 17 s seen on a loaded machine)
 
 
 def _keep_recording(fake, namespace, name, reason, message, until, interval=0.4):
