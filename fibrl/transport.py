@@ -622,6 +622,7 @@ class _Reading:
         return True
 
     def close(self) -> None:
+        """Close this end of the connection; the other end sees it as lost."""
         self.closed = True
         self._sock.close()   # (closes the descriptor the reader thread polls: it wakes)
 
@@ -682,8 +683,9 @@ class Peer(_Reading):
             return self._reader == generation
 
     def send(self, frame) -> None:
-        """Send one frame (bytes, or a list of parts: see :func:`_send_frame`); raises
-        :class:`ChannelClosed` when the peer is gone."""
+        """Send one frame: a bytes-like object, or a list of them sent as one frame
+        (each copied once, never joined first). Raises :class:`ChannelClosed` when the
+        peer is gone."""
         try:
             with self._send_lock:
                 _send_frame(self._sock, frame)
@@ -1101,8 +1103,9 @@ class Channel(_Reading):
             self._lost_once.release()  # let a callback registered later run
 
     def send(self, frame) -> None:
-        """Send one frame (bytes, or a list of parts: see :func:`_send_frame`); raises
-        :class:`ChannelClosed` when the connection is gone."""
+        """Send one frame: a bytes-like object, or a list of them sent as one frame
+        (each copied once, never joined first). Raises :class:`ChannelClosed` when the
+        connection is gone."""
         try:
             with self._send_lock:
                 _send_frame(self._sock, frame)

@@ -115,6 +115,7 @@ CROSS_BACKEND = {
         "test_process": "*",
         "test_newcomer": "*",
         "test_large_messages": "*",
+        "test_channel": ("test_a_worker_connects_to_a_listener_by_address_and_objects_round_trip",),
         "test_pool": ("test_map_keeps_order", "test_terminate_while_workers_start"),
         "test_futures": ("test_lost_worker_is_recovered_not_broken",),
         **_FAULTS_CORE,

@@ -1,5 +1,5 @@
 """TLS covers every listener fibrl opens: a program with ``tls=True`` that runs a Pool,
-a Manager, a Queue and a RemoteVectorEnv with local workers is scanned for listening
+a Manager, a Queue, a RemoteVectorEnv with local workers and a ``fibrl.channel`` listener is scanned for listening
 TCP sockets (its own and its workers'), and each one is sent what a plaintext client
 sends first.
 
@@ -117,12 +117,15 @@ def _check_listeners(proc, lines) -> None:
     reported = {int(pid) for pid in lines["ready"]}
     env_workers = {int(pid) for pid in lines["envs"]}
     # the scan reached every process the program reported, and found the listeners that
-    # must be there (the hub's and the vector env's in the program, each env worker's
-    # own): a process the scan missed cannot make this test pass
+    # must be there (the hub's, the vector env's and the channel's in the program, each
+    # env worker's own): a process the scan missed cannot make this test pass
     assert reported <= scanned, f"processes not found under the program: {reported - scanned}"
     listeners = list(sockets.values())
-    assert listeners.count(proc.pid) >= 2, f"the program's listeners: {sockets}"
+    assert listeners.count(proc.pid) >= 3, f"the program's listeners: {sockets}"
     assert env_workers <= set(listeners), f"env workers {env_workers}; listeners {sockets}"
+    channel_port = int(lines["channel"][0])
+    assert any(port == channel_port and pid == proc.pid for (_, port), pid in sockets.items()), \
+        f"the fibrl.channel listener (port {channel_port}) was not found: {sockets}"
     answered = []
     for (ip, port), pid in sorted(sockets.items()):
         received, closed = _probe(ip, port)

@@ -1,9 +1,10 @@
 """A fibrl program with TLS on, for the test that every listener it opens refuses
-plaintext: it holds a Pool, a Manager, a Queue (with a producer process) and a
-RemoteVectorEnv with local workers, all in use.
+plaintext: it holds a Pool, a Manager, a Queue (with a producer process), a
+RemoteVectorEnv with local workers and a ``fibrl.channel`` listener, all in use.
 
 Usage: python tls_program.py [envs] (``envs``: the RemoteVectorEnv only). Prints
-"stepped <n>" once the vector env has reset and stepped with TLS, "envs <pid> ..." (the env workers), then "ready <pid> ..." (the
+"stepped <n>" once the vector env has reset and stepped with TLS, "envs <pid> ..." (the
+env workers), "channel <port>" (the channel listener, once a worker used it), then "ready <pid> ..." (the
 manager's server and the pool's workers), so that the test can check it found them all,
 and waits for "quit" on stdin.
 """
@@ -13,6 +14,7 @@ import sys
 import numpy as np
 
 import fibrl
+import fibrl.channel
 from fibrl.rl.envs import RemoteVectorEnv
 
 
@@ -22,6 +24,13 @@ def getpid(_):
 
 def produce(queue):
     queue.put(("made in", os.getpid()))
+
+
+def ask(address):
+    conn = fibrl.channel.connect(address)
+    conn.send(fibrl.channel.dumps(("asked by", os.getpid())))
+    assert fibrl.channel.loads(conn.recv(timeout=60))[0] == "asked by"
+    conn.close()
 
 
 def main(everything: bool) -> None:
@@ -41,11 +50,18 @@ def main(everything: bool) -> None:
     producer = fibrl.Process(target=produce, args=(queue,))
     producer.start()
     assert queue.get(timeout=60)[0] == "made in"
+    echo = fibrl.channel.listen(lambda peer, frame: peer.send(frame))
+    asker = fibrl.Process(target=ask, args=(echo.address,))
+    asker.start()
+    asker.join(60)
+    assert asker.exitcode == 0, asker.exitcode
     envs = step_envs()
     print("envs", *[p.pid for p in envs.processes], flush=True)
+    print("channel", echo.address.rsplit(":", 1)[1], flush=True)
     print("ready", manager._process.pid, *sorted(pool_pids), flush=True)
     sys.stdin.readline()   # "quit", or EOF when the test is gone
     envs.close()
+    echo.close()
     producer.join(30)
     manager.shutdown()
     pool.terminate()

@@ -25,7 +25,7 @@ LAYERS = (
     ("runtime", ("fibrl.runtime", "fibrl.messages")),
     ("hosting", ("fibrl.hub", "fibrl.hosted", "fibrl.mailbox")),
     ("worker start", ("fibrl.popen", "fibrl.bootstrap")),
-    ("API", ("fibrl", "fibrl.context", "fibrl.process", "fibrl.queues", "fibrl.connection",
+    ("API", ("fibrl", "fibrl.channel", "fibrl.context", "fibrl.process", "fibrl.queues", "fibrl.connection",
              "fibrl.sharedctypes", "fibrl.futures", "fibrl.pool", "fibrl.pool.*",
              "fibrl.managers", "fibrl.managers.*", "fibrl.synchronize",
              "fibrl.synchronize.*")),
@@ -161,6 +161,22 @@ def test_no_module_imports_another_packages_underscore_names():
             if package(owner) != package(module):
                 found.append(f"{module} imports {owner}.{name}")
     assert not found, "private names used across packages:\n" + "\n".join(found)
+
+
+# What code above the core may import: the modules a user of fibrl imports.
+PUBLIC = ("fibrl", "fibrl.channel", "fibrl.connection", "fibrl.context", "fibrl.errors",
+          "fibrl.futures", "fibrl.managers", "fibrl.pool", "fibrl.process", "fibrl.queues",
+          "fibrl.sharedctypes", "fibrl.synchronize")
+
+
+def test_the_rl_layer_uses_only_the_public_api():
+    """RL code is built as a user of fibrl would build it: a seam it needs (a fast
+    point-to-point connection) is made public in the core, not reached around."""
+    found = [f"{module} imports {_resolve(t, n)}"
+             for module in sorted(MODULES) if module.startswith("fibrl.rl")
+             for t, n in _imports(module)
+             if not _resolve(t, n).startswith("fibrl.rl") and _resolve(t, n) not in PUBLIC]
+    assert not found, "fibrl.rl reaches under the public API:\n" + "\n".join(found)
 
 
 def test_backend_names_have_one_owner():

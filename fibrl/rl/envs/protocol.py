@@ -11,7 +11,7 @@ whose observations are one numpy array) use a compact binary layout: a fixed
 header, the slots, then the arrays' raw bytes (a large observation batch is
 sent as its own part, not copied into a joined frame); only non-empty infos
 and restarts are pickled. Everything else is a fibrl frame
-(:mod:`fibrl.serialization`: pickle protocol 5, large buffers out of band)::
+(``fibrl.channel.dumps``: pickle protocol 5, large buffers out of band)::
 
     Step:   b"FS" | seq:u64 | nslots:u32 | slots:u32[nslots] | actions (array)
     Result: b"FR" | worker:u32 | gen:u32 | seq:u64 | nslots:u32 | slots:u32[nslots]
@@ -31,7 +31,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from ... import serialization
+from ...channel import dumps, loads
 
 __all__ = ["Hello", "Step", "Reset", "Call", "Close", "Result", "Called", "Broken", "Died",
            "rows", "row", "write_rows", "stack", "encode", "encode_result", "decode"]
@@ -260,7 +260,7 @@ def encode(msg: Any) -> Any:
     if type(msg) is Result and msg.rewards is not None:
         return encode_result(msg.worker, msg.gen, msg.seq, msg.slots, msg.obs, msg.rewards,
                              msg.terminated, msg.truncated, msg.infos, msg.restarts)
-    return serialization.dumps(msg)
+    return dumps(msg)
 
 
 def encode_result(worker: int, gen: int, seq: int, slots: tuple, obs: Any, rewards: Any,
@@ -268,13 +268,13 @@ def encode_result(worker: int, gen: int, seq: int, slots: tuple, obs: Any, rewar
     """The frame of the step ``Result`` with these fields, built without the message (the
     worker's hot path). The frame holds copies: ``obs`` may be reused once it is sent."""
     if not _plain(obs):
-        return serialization.dumps(Result(worker, gen, seq, slots, obs, rewards, terminated,
+        return dumps(Result(worker, gen, seq, slots, obs, rewards, terminated,
                                           truncated, infos, restarts))
     n = len(slots)
     obs = np.ascontiguousarray(obs)
     tail = b""
     if restarts or any(infos):
-        tail = serialization.dumps((infos, restarts))
+        tail = dumps((infos, restarts))
     head = (_RESULT.pack(_RESULT_TAG, worker, gen, seq, n) + _slots(n).pack(*slots)
             + _array_head(obs))
     stats = (np.asarray(rewards, np.float64).tobytes()
@@ -299,7 +299,7 @@ def decode(frame: Any) -> Any:
         size = _U32.unpack_from(frame, at)[0]
         infos, restarts = [None] * n, ()
         if size:
-            infos, restarts = serialization.loads(memoryview(frame)[at + 4:at + 4 + size])
+            infos, restarts = loads(memoryview(frame)[at + 4:at + 4 + size])
         return Result(worker, gen, seq, slots, obs, rewards, flags[:n], flags[n:], infos,
                       restarts)
     if tag == _STEP_TAG:
@@ -307,4 +307,4 @@ def decode(frame: Any) -> Any:
         slots = _slots(n).unpack_from(frame, _STEP.size)
         actions, _ = _read_array(frame, _STEP.size + 4 * n)
         return Step(seq, slots, actions.copy())
-    return serialization.loads(frame)
+    return loads(frame)

@@ -4,12 +4,12 @@ Owns the vector env's state machine, the batching of actions and results,
 the partial-batch API (``send``/``recv``) and the restart policy (which
 worker to replace, the restart budget, the per-env step deadline). The loop
 inside each worker is :mod:`.worker`; the message types are :mod:`.protocol`.
-It uses ``Process`` and its sentinel, ``fibrl.connection.wait``, and the
-authenticated listeners and channels of ``fibrl.transport``, opened through the
-process hub so that they obey the same transport settings (``tls``, handshake
-timeout, pending-connection limit) as every other socket of fibrl; the frames
-are those of ``fibrl.serialization`` (per-step messages use the compact frames of
-:mod:`.protocol`)::
+It is built on fibrl's public API only: ``Process`` and its sentinel,
+``fibrl.connection.wait``, and the authenticated listeners and channels of
+:mod:`fibrl.channel`, which obey the run's transport settings (``tls``, handshake
+timeout, pending-connection limit) as every other socket of fibrl does. Per-step
+messages are the compact frames of :mod:`.protocol`; the rest are
+``fibrl.channel.dumps`` frames::
 
     this process                                          workers (any backend)
     send(actions, ids) -- one Step frame per worker ---->  worker 0: envs 0..k-1
@@ -53,8 +53,8 @@ from gymnasium.vector.utils import batch_space, create_empty_array
 
 from ... import get_context
 from ...connection import wait
+from ... import channel
 from ...errors import ChannelClosed, TransportError, describe_exitcode
-from ...hub import get_hub
 from .manager import make_gym_env
 from .protocol import (Broken, Call, Called, Close, Died, Hello, Reset, Result, Step, decode,
                        encode, rows, write_rows)
@@ -178,8 +178,7 @@ class RemoteVectorEnv(VectorEnv):
         self._where = [(w.index, j) for w in self._workers for j in range(len(w.env_ids))]
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         # the process hub's secret and transport settings (tls, limits), as for its own
-        self._listener = get_hub().open_listener(
-            on_frame=lambda peer, data: self._inbox.put((peer, data)))
+        self._listener = channel.listen(lambda peer, data: self._inbox.put((peer, data)))
         self._wake_r, self._wake_w = os.pipe()
         self._lock = threading.Lock()
         # watching from the start: a worker that dies while starting is replaced too
@@ -346,7 +345,7 @@ class RemoteVectorEnv(VectorEnv):
         """Open the direct connection to ``worker``'s listener (the listener path stays
         in use if that fails)."""
         try:
-            worker.chan = get_hub().open_channel(address, min(30.0, self._start_timeout))
+            worker.chan = channel.connect(address, min(30.0, self._start_timeout))
         except (TransportError, OSError) as exc:
             log.warning("RemoteVectorEnv: no direct connection to worker %d (%s); its "
                         "replies go through the listener", worker.index, exc)

@@ -1,8 +1,8 @@
 """The loop that runs in each RemoteVectorEnv worker (a fibrl Process).
 
-A worker hosts ``k`` envs. It connects one authenticated transport channel
-to the vector env's listener (through its process hub: the run's secret and
-transport settings, ``tls`` included), says ``Hello``, then answers one request
+A worker hosts ``k`` envs. It connects one :mod:`fibrl.channel` channel to
+the vector env's listener (authenticated with the run's secret, under the
+run's transport settings, ``tls`` included), says ``Hello``, then answers one request
 at a time on that channel::
 
     vector env (Listener)                  worker w (local process, container or pod)
@@ -46,8 +46,8 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from ...hub import get_hub
-from ...transport import Peer
+from ... import channel
+from ...channel import Peer
 from .protocol import (Broken, Call, Called, Hello, Reset, Result, Step, decode, encode,
                        encode_result, row, stack)
 
@@ -280,9 +280,9 @@ def _obs_rows(space: Any, n: int) -> Optional[np.ndarray]:
 def serve(index: int, gen: int, fns: list, env_ids: list, restarts: list, mode: str,
           root_seed: int, split: int, address: str, direct: bool = False) -> None:
     """Entry point of a worker process: start the envs, then answer requests until Close."""
-    hub = get_hub()   # the run's secret and this worker's transport settings (tls, ...)
-    channel = hub.open_channel(address)
-    outbox = _Outbox(channel)
+    # (the run's secret and this worker's transport settings: tls, limits)
+    conn = channel.connect(address)
+    outbox = _Outbox(conn)
     failed: list = []
     stop = []
 
@@ -296,15 +296,15 @@ def serve(index: int, gen: int, fns: list, env_ids: list, restarts: list, mode: 
                 reply_to = peer.context["outbox"] = _Outbox(peer)
             if not worker.handle(decode(data), reply_to):
                 stop.append(True)
-                channel.close()  # wakes the main thread, which then exits
+                conn.close()  # wakes the main thread, which then exits
         except BaseException as exc:  # the process must end, as in the main thread
             failed.append(exc)
             stop.append(True)
-            channel.close()
+            conn.close()
 
     listener = None
     if direct:
-        listener = hub.open_listener(on_direct)
+        listener = channel.listen(on_direct)
     worker = Worker(index, gen, fns, env_ids, restarts, mode, root_seed, split, outbox)
     outbox.send(Hello(index, gen, listener.address if listener is not None else ""))
     try:
@@ -312,7 +312,7 @@ def serve(index: int, gen: int, fns: list, env_ids: list, restarts: list, mode: 
             return
         while True:
             try:
-                msg = decode(channel.recv())
+                msg = decode(conn.recv())
             except EOFError:  # ChannelClosed: the vector env is gone (or a direct Close)
                 break
             if not worker.handle(msg, outbox):
@@ -323,4 +323,4 @@ def serve(index: int, gen: int, fns: list, env_ids: list, restarts: list, mode: 
         if listener is not None:
             listener.close()
         worker.close()
-        channel.close()
+        conn.close()
