@@ -435,12 +435,14 @@ def bench_queues(opts) -> list:
                     method = bench.child_produces if direction == "child->parent" \
                         else bench.parent_produces
                     try:
-                        n = sized(lambda k, m=method: m(k, size), warm, opts.target, lo, hi)
+                        n = sized(lambda k, m=method, s=size: m(k, s), warm, opts.target,
+                                  lo, hi)
                     except SampleFailed as exc:
                         runs[lib] = _failing(str(exc))
                         continue
-                    runs[lib] = lambda m=method, n=n: (n, m(n, size))
-                rate = (lambda r: r[0] / r[1]) if small else (lambda r: r[0] * size / MB / r[1])
+                    runs[lib] = lambda m=method, n=n, s=size: (n, m(n, s))
+                rate = ((lambda r: r[0] / r[1]) if small
+                        else (lambda r, s=size: r[0] * s / MB / r[1]))
                 interleaved(row, runs, opts.repeats, rate)
                 rows.append(row)
                 _progress(row)

@@ -62,7 +62,7 @@ def start_join(ctx) -> float:
 def alternate(measure, args: dict, repeats: int) -> dict:
     """Median of ``repeats`` runs per backend, interleaved so load changes hit both alike."""
     samples: dict = {name: [] for name in args}
-    for name, arg in args.items():
+    for arg in args.values():
         measure(arg)  # warm-up
     for _ in range(repeats):
         for name, arg in args.items():

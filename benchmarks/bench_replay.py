@@ -162,8 +162,8 @@ def learners_alone(store: ReplayStore, peers: list, args, results: dict) -> None
     for mode in LEARNER_MODES:
         label = f"fibrl learner alone, {mode}"
         results[f"{label}: sampled/s"] = sampled[mode] / (span * ROUNDS)
-        results[f"{label}: p50 ms"] = pct([l for _, l in lat[mode]], 0.5) * 1e3
-        results[f"{label}: p99 ms"] = pct([l for _, l in lat[mode]], 0.99) * 1e3
+        results[f"{label}: p50 ms"] = pct([dt for _, dt in lat[mode]], 0.5) * 1e3
+        results[f"{label}: p99 ms"] = pct([dt for _, dt in lat[mode]], 0.99) * 1e3
     for peer in peers:
         results[f"{peer.name} sampled/s"] = sampled[peer.name] / (span * ROUNDS)
 
@@ -206,10 +206,10 @@ def bench_fibrl(args, results: dict, peers: list) -> None:
         inserts = writers.close()
         results["fibrl shared: inserted/s"] = inserted / elapsed
         results["fibrl shared: sampled/s"] = sampled / elapsed
-        results["fibrl shared: p50 ms"] = pct([l for _, l in lat], 0.5) * 1e3
-        results["fibrl shared: p99 ms"] = pct([l for _, l in lat], 0.99) * 1e3
-        results["fibrl shared: insert call p50 ms"] = pct([l for _, l in inserts], 0.5) * 1e3
-        results["fibrl shared: insert call p99 ms"] = pct([l for _, l in inserts], 0.99) * 1e3
+        results["fibrl shared: p50 ms"] = pct([dt for _, dt in lat], 0.5) * 1e3
+        results["fibrl shared: p99 ms"] = pct([dt for _, dt in lat], 0.99) * 1e3
+        results["fibrl shared: insert call p50 ms"] = pct([dt for _, dt in inserts], 0.5) * 1e3
+        results["fibrl shared: insert call p99 ms"] = pct([dt for _, dt in inserts], 0.99) * 1e3
 
         def overlaps(windows: list) -> Any:
             return lambda t, lasted: any(lo <= t + lasted and t <= hi for lo, hi in windows)
@@ -229,8 +229,8 @@ def bench_fibrl(args, results: dict, peers: list) -> None:
         results["snapshot: call lasted, worst ms"] = max(s["end"] - s["start"]
                                                           for s in snaps) * 1e3
         for side, calls in (("learner step", lat), ("insert call", inserts)):
-            inside = [l for t, l in calls if during(t, l)]
-            before_ = [l for t, l in calls if control(t, l) and not during(t, l)]
+            inside = [dt for t, dt in calls if during(t, dt)]
+            before_ = [dt for t, dt in calls if control(t, dt) and not during(t, dt)]
             results[f"snapshot: slowest {side} during / just before snapshots ms"] = \
                 f"{max(inside, default=float('nan')) * 1e3:.1f} / " \
                 f"{max(before_, default=float('nan')) * 1e3:.1f}"

@@ -39,7 +39,8 @@ def policy(obs):
 
 def run(args: Args) -> float:
     fibrl.init(backend=args.backend)
-    manager = RemoteEnvManager(); manager.start()
+    manager = RemoteEnvManager()
+    manager.start()
     try:
         envs = [manager.Env() for _ in range(args.envs)]
         obs = [h.get(timeout=60) for h in [e.reset() for e in envs]]

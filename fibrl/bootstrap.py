@@ -8,11 +8,11 @@ exit code. A process that does not unpickle here by reference is asked for
 again by value (cloudpickle: functions of the main script that this worker's
 ``__mp_main__`` lacks); one that cannot be rebuilt at all, or a main script
 that starts processes at import (no main guard), is reported to the parent,
-which logs it, and the worker exits with code 1. The worker also exits by itself when the parent goes away: the
-connection drops, or heartbeats stop being answered for ``parent_timeout``. As the
-main process of a docker container it first forks, and the parent stays as the
-container's keeper until the worker's own local children have ended (see
-``_keep_container``).
+which logs it, and the worker exits with code 1. The worker also exits by itself
+when the parent goes away: the connection drops, or heartbeats stop being answered
+for ``parent_timeout``. As the main process of a docker container it first forks,
+and the parent stays as the container's keeper until the worker's own local
+children have ended (see ``_keep_container``).
 
 It imports as little as possible before connecting: start latency matters.
 """
@@ -22,6 +22,7 @@ import os
 import sys
 import threading
 import time
+from typing import Optional
 
 
 # How long a worker whose parent is gone goes on: parent_process() already reports
@@ -333,11 +334,12 @@ def _starts_at_import(exc: BaseException) -> bool:
     started while this worker was still rebuilding its state (importing __main__),
     possibly behind another error (a Pool that could not start its workers)."""
     seen = set()
-    while exc is not None and id(exc) not in seen:
-        if isinstance(exc, RuntimeError) and "bootstrapping phase" in str(exc):
+    current: Optional[BaseException] = exc
+    while current is not None and id(current) not in seen:
+        if isinstance(current, RuntimeError) and "bootstrapping phase" in str(current):
             return True
-        seen.add(id(exc))
-        exc = exc.__cause__ or exc.__context__
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
     return False
 
 
@@ -390,7 +392,12 @@ def main(argv: list[str]) -> int:
     _parent_sentinel_w.append(parent_w)
     client = hub.client(address)
     exiting = threading.Event()
-    client.on_lost(lambda: exiting.is_set() or _parent_lost("lost the connection to the parent"))
+
+    def on_lost() -> None:
+        if not exiting.is_set():
+            _parent_lost("lost the connection to the parent")
+
+    client.on_lost(on_lost)
     start = None
     try:
         start = client.call(oid, "payload", (os.getpid(),)).get(Config().start_timeout)

@@ -64,8 +64,8 @@ class Connection:
         self._inbox = inbox      # mailbox this end reads (None: write-only)
         self._outbox = outbox    # mailbox this end writes (None: read-only)
         self._closed = False
-        self._finalizer = None
-        self._watch = None       # answered when no reader is left: BrokenPipeError
+        self._finalizer: Optional[Finalizer] = None
+        self._watch: Any = None  # a Handle answered when no reader is left: BrokenPipeError
         self._pushed: Optional[_Inbox] = None  # this process's inbox (reader elsewhere)
 
     # -- lifetime ----------------------------------------------------------------
@@ -130,25 +130,31 @@ class Connection:
         if self._closed:
             raise OSError("handle is closed")
 
-    def _check_readable(self) -> None:
+    def _check_readable(self) -> str:
+        """The mailbox this end reads, if it may."""
         self._check_closed()
-        if self._inbox is None:
+        inbox = self._inbox
+        if inbox is None:
             raise OSError("connection is write-only")
+        return inbox
 
-    def _check_writable(self) -> None:
+    def _check_writable(self) -> str:
+        """The mailbox this end writes, if it may."""
         self._check_closed()
-        if self._outbox is None:
+        outbox = self._outbox
+        if outbox is None:
             raise OSError("connection is read-only")
+        return outbox
 
     # -- sending -------------------------------------------------------------------
     def send(self, obj: Any) -> None:
         """Send a picklable object to the other end."""
-        self._check_writable()
-        self._put(serialization.encode(obj))
+        outbox = self._check_writable()
+        self._put(outbox, serialization.encode(obj))
 
     def send_bytes(self, buf: Any, offset: int = 0, size: Optional[int] = None) -> None:
         """Send bytes from a bytes-like object (``offset``/``size`` in items of ``buf``)."""
-        self._check_writable()
+        outbox = self._check_writable()
         view = memoryview(buf).cast("B") if memoryview(buf).ndim else memoryview(buf)
         itemsize = memoryview(buf).itemsize
         start, length = offset * itemsize, len(view)
@@ -158,9 +164,9 @@ class Connection:
             size = (length - start) // itemsize
         if size < 0 or start + size * itemsize > length:
             raise ValueError("size is negative or too large")
-        self._put(bytes(view[start:start + size * itemsize]))
+        self._put(outbox, bytes(view[start:start + size * itemsize]))
 
-    def _put(self, payload: bytes) -> None:
+    def _put(self, outbox: str, payload: bytes | Encoded) -> None:
         watch = self._watch
         if watch is not None and watch.ready() and watch.successful() and watch.get(0):
             raise BrokenPipeError(
@@ -168,36 +174,37 @@ class Connection:
                 f"died; nothing can read what is sent. Keep a reader open (do not close the "
                 f"other end, or end the process holding it) while sending.")
         hub = get_hub()
-        box = hub.local_service(self._address, self._outbox)
+        box = hub.local_service(self._address, outbox)
         if box is not None:   # this process owns the pipe: no call, no reply
             if type(payload) is Encoded:
                 payload.own()  # the pipe may keep it: the caller may change the original
-            box.give(payload)
+            # (a PipeBox, as Pipe() made it; a cast would cost a call per message)
+            box.give(payload)  # type: ignore[attr-defined]
             return
         # inline: a pipe is used for request/response, where latency matters most
-        hub.client(self._address).send(self._outbox, "put", (payload,), inline=True)
+        hub.client(self._address).send(outbox, "put", (payload,), inline=True)
 
     # -- receiving -----------------------------------------------------------------
-    def _get(self) -> Any:
+    def _get(self, inbox: str) -> Any:
         if self._pushed is not None:
             return self._pushed.take()
         hub = get_hub()
-        box = hub.local_service(self._address, self._inbox)
+        box = hub.local_service(self._address, inbox)
         if box is not None:
-            return box.take_here()
-        return take(hub, self._address, self._inbox, None)
+            # (a PipeBox, as Pipe() made it; a cast would cost a call per message)
+            return box.take_here()  # type: ignore[attr-defined]
+        return take(hub, self._address, inbox, None)
 
     def recv(self) -> Any:
         """Receive an object sent with :meth:`send`; ``EOFError`` when the other end closed."""
-        self._check_readable()
-        return serialization.loads(self._get())
+        return serialization.loads(self._get(self._check_readable()))
 
     def recv_bytes(self, maxlength: Optional[int] = None) -> bytes:
         """Receive one message as bytes; ``OSError`` if it is longer than ``maxlength``."""
-        self._check_readable()
+        inbox = self._check_readable()
         if maxlength is not None and maxlength < 0:
             raise ValueError("negative maxlength")
-        data = bytes(serialization.as_bytes(self._get()))
+        data = bytes(serialization.as_bytes(self._get(inbox)))
         if maxlength is not None and len(data) > maxlength:
             self.close()
             raise OSError("bad message length")
@@ -206,11 +213,11 @@ class Connection:
     def recv_bytes_into(self, buf: Any, offset: int = 0) -> int:
         """Receive into a writable buffer; ``BufferTooShort`` (holding the message) if it
         does not fit."""
-        self._check_readable()
+        inbox = self._check_readable()
         view = memoryview(buf).cast("B")
         if offset < 0 or offset > len(view):
             raise ValueError("offset out of bounds")
-        data = memoryview(serialization.as_bytes(self._get())).cast("B")
+        data = memoryview(serialization.as_bytes(self._get(inbox))).cast("B")
         if len(data) > len(view) - offset:
             raise BufferTooShort(bytes(data))
         view[offset:offset + len(data)] = data
@@ -218,10 +225,10 @@ class Connection:
 
     def poll(self, timeout: Optional[float] = 0.0) -> bool:
         """Whether there is data to read (or EOF), waiting up to ``timeout`` seconds."""
-        self._check_readable()
+        inbox = self._check_readable()
         if self._pushed is not None:
             return self._pushed.poll(timeout)
-        return get_hub().call(self._address, self._inbox, "poll", timeout)
+        return get_hub().call(self._address, inbox, "poll", timeout)
 
 
 def _detach(address: str, inbox: Optional[str], outbox: Optional[str]) -> None:
@@ -509,6 +516,7 @@ def _wait_blocking(conns: list, others: list, timeout: Optional[float]) -> list:
             sel.register(waker.read_fd, selectors.EVENT_READ)
             for obj in others:
                 sel.register(obj, selectors.EVENT_READ)
+            left: Optional[float]
             while True:
                 if any(c._pushed.poll(0) for c in pushed):
                     left = 0.0

@@ -29,9 +29,9 @@ __all__ = ["BaseContext", "DefaultContext", "default_context", "current_config",
 _ALIASES = {"spawn": "local", "fork": "local", "forkserver": "local"}
 
 
-def _backend_of(method: str) -> str:
-    name = _ALIASES.get(method, method)
-    if name not in BACKENDS:
+def _backend_of(method: Optional[str]) -> str:
+    name = None if method is None else _ALIASES.get(method, method)
+    if name is None or name not in BACKENDS:
         raise ValueError(
             f"cannot find context for {method!r}: fibrl start methods are "
             f"{', '.join(BACKENDS)} (and spawn/fork/forkserver, which mean local)")

@@ -33,10 +33,10 @@ import multiprocessing.pool  # for RemoteTraceback (about 3 ms more on import)
 import signal
 
 __all__ = [
-    "AuthenticationError", "BackendError", "BackendUnavailableError", "ChannelClosed", "ConfigError", "FibrlError",
-    "FrameError", "RemoteObjectError", "RemoteTraceback", "SerializationError",
-    "TaskFailedError", "TransportError", "WorkerLostError", "chain_remote", "describe_exitcode",
-    "object_gone", "owner_gone",
+    "AuthenticationError", "BackendError", "BackendUnavailableError", "ChannelClosed",
+    "ConfigError", "FibrlError", "FrameError", "RemoteObjectError", "RemoteTraceback",
+    "SerializationError", "TaskFailedError", "TransportError", "WorkerLostError",
+    "chain_remote", "describe_exitcode", "object_gone", "owner_gone",
 ]
 
 
@@ -92,7 +92,8 @@ class SerializationError(FibrlError, TypeError):
 #: The formatted traceback of an exception raised in another process: the stdlib's
 #: class itself, so code written for the stdlib's pool that checks an error's
 #: ``__cause__`` (its type included) keeps working.
-RemoteTraceback = multiprocessing.pool.RemoteTraceback
+RemoteTraceback: type[Exception] = \
+    multiprocessing.pool.RemoteTraceback  # type: ignore[attr-defined]  # not in typeshed
 
 
 def chain_remote(exc: BaseException, tb: str) -> BaseException:

@@ -127,7 +127,8 @@ class Gate:
         max_pending: connections waiting for their header kept at most.
         others: connections the owner holds already that count against ``max_pending``.
         header_timeout: seconds a connection may take to send its header.
-        reserve: descriptors a new connection must leave free (None: an eighth of ``ulimit -n``, at least 32).
+        reserve: descriptors a new connection must leave free (None: an eighth of
+            ``ulimit -n``, at least 32).
     """
 
     def __init__(self, where: str, *, refused: Callable[[str, str], None], max_pending: int,

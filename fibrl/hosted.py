@@ -134,7 +134,7 @@ class HostedHandle:
         """Give back what an interrupted call obtained after all."""
 
 
-def rebuild(cls: type, address: str, oid: str, state: dict) -> Any:
+def rebuild(cls: type[HostedHandle], address: str, oid: str, state: dict) -> HostedHandle:
     """Unpickle a :class:`HostedHandle` (no service is created: it exists at its owner)."""
     obj = cls.__new__(cls)
     obj._address, obj._oid = address, oid

@@ -50,7 +50,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from multiprocessing.process import current_process
 
@@ -62,6 +62,9 @@ from .janitor import Finalizer
 from .messages import RAW_TYPES, Call, RemoteError, Reply, blob, pack, unpack, wrap_args
 from .serialization import Encoded
 from .timers import Timers
+
+if TYPE_CHECKING:   # (imported when the hub is built: transport loads pynng)
+    from .transport import Listener, Peer
 
 __all__ = ["BEFORE_SEND", "Hub", "Handle", "Service", "SharedService", "Client", "HeldReplies",
            "get_hub", "drop_owner", "mark_pickled", "own", "QuietCondition"]
@@ -176,8 +179,10 @@ class ReplySink:
     """Where a service sends the answer to one call (the caller's handle, or a peer)."""
 
     __slots__ = ("peer",)
+    peer: Optional[Peer]   # the caller's connection; None: a caller in this process
     wanted = True
     lone = False   # a peer's call that came alone in its frame (see _PeerReply)
+    rid = 0        # the call's id on the peer's connection (0: a local or one-way call)
 
     def __call__(self, value: Any = None) -> bool:
         """Answer with ``value``; False when the caller is gone (re-queue what you gave)."""
@@ -227,15 +232,15 @@ class HeldReplies:
 
     __slots__ = ("peer", "_timers", "_lock", "_replies", "_timer")
 
-    def __init__(self, peer, timers: Timers) -> None:
+    def __init__(self, peer: Peer, timers: Timers) -> None:
         self.peer = peer
         self._timers = timers
         self._lock = threading.Lock()
         self._replies: list = []
-        self._timer = None
+        self._timer: Optional[list] = None   # the timers' entry that sends what is held
 
     @classmethod
-    def of(cls, peer, timers: Timers) -> "HeldReplies":
+    def of(cls, peer: Peer, timers: Timers) -> "HeldReplies":
         """The one holder of ``peer`` (made on first use)."""
         held = peer.context.get(cls)
         if held is None:
@@ -269,8 +274,9 @@ def _frame(messages: list) -> list:
 
 class _PeerReply(ReplySink):
     __slots__ = ("rid", "holder", "lone")
+    peer: Peer
 
-    def __init__(self, peer, rid: int, lone: bool) -> None:
+    def __init__(self, peer: Peer, rid: int, lone: bool) -> None:
         self.peer = peer
         self.rid = rid
         self.holder: Optional[HeldReplies] = None  # set: the reply waits there (see above)
@@ -646,7 +652,10 @@ class Client:
             return
         # (no lock: a dict's pop and get are atomic, and _on_lost swaps the dicts for
         # empty ones before it fails what they held; a handle resolves only once)
-        for reply in (msg if type(msg) is list else (msg,)):
+        # (the other hub sends replies only; mypy does not narrow msg when it is not a list)
+        replies: list[Reply] | tuple[Reply]
+        replies = msg if type(msg) is list else (msg,)  # type: ignore[assignment]
+        for reply in replies:
             handle = self._pending.pop(reply.rid, None)
             if handle is not None:
                 handle._resolve(*_decode(reply))
@@ -712,11 +721,13 @@ def _merged(calls: list) -> list:
         call = calls[i]
         j = i + 1
         merge = MERGERS.get(call.method) if call.rid == 0 else None
+        one = None
         if merge is not None:
             while (j < n and calls[j].rid == 0 and calls[j].method == call.method
                    and calls[j].oid == call.oid):
                 j += 1
-        one = merge(call.oid, calls[i:j]) if j - i > 1 else None
+            if j - i > 1:
+                one = merge(call.oid, calls[i:j])
         if one is not None:
             out.append(one)
         else:
@@ -753,7 +764,7 @@ class Hub:
         self._clients: dict[str, Client] = {}
         self._lock = threading.RLock()
         self._listening = threading.Lock()   # held only while the listener is made
-        self._listener = None
+        self._listener: Optional[Listener] = None
         self.pid = os.getpid()
         self.register(_HubService(), "hub")
 
@@ -797,13 +808,13 @@ class Hub:
         a listener already open stays as it is, so a change of ``tls`` is reported)."""
         self.heartbeat_interval = config.heartbeat_interval
         self.parent_timeout = config.parent_timeout
-        was, listening = self.settings.tls, self._listener is not None
+        was, listener = self.settings.tls, self._listener
         self.use_settings(config)
-        if listening and was != config.tls:
+        if listener is not None and was != config.tls:
             log.warning("tls=%s was set after this process started listening with tls=%s; "
                         "its listener at %s stays as it is. Set tls in fibrl.init before "
                         "the first Process, Pool, Queue or Manager.", config.tls, was,
-                        self._listener.address)
+                        listener.address)
 
     # -- hosting -------------------------------------------------------------
     @property
@@ -842,7 +853,7 @@ class Hub:
             return self._services.get(oid)
         return None
 
-    def _on_frame(self, peer, data: bytes) -> None:
+    def _on_frame(self, peer: Peer, data: bytes) -> None:
         try:
             msg = unpack(data)
         except Exception as exc:  # an authenticated peer that sends garbage is broken
@@ -851,7 +862,9 @@ class Hub:
             return
         lone = type(msg) is not list
         services = self._services
-        for call in (msg,) if lone else msg:
+        calls: tuple[Call] | list[Call]   # (a peer sends calls only; mypy cannot tell)
+        calls = (msg,) if lone else msg  # type: ignore[assignment]
+        for call in calls:
             reply = _PeerReply(peer, call.rid, lone)
             service = services.get(call.oid)
             if service is None:
@@ -863,7 +876,7 @@ class Hub:
             else:
                 service.dispatch(call.method, call.args, reply)
 
-    def wait_reading(self, handle: Handle, peer) -> None:
+    def wait_reading(self, handle: Handle, peer: Peer) -> None:
         """Wait for a local call's ``handle`` while reading ``peer``'s frames in this
         thread, when no other thread reads them (``transport._Reading``): the
         message that answers it then reaches this thread with no hand-over. Returns
@@ -876,7 +889,7 @@ class Hub:
             if not peer.read_here(handle.ready, self.heartbeat_interval, on_frame):
                 return
 
-    def _on_peer_lost(self, peer) -> None:
+    def _on_peer_lost(self, peer: Peer) -> None:
         for service in list(self._services.values()):
             try:
                 service.peer_lost(peer)
@@ -913,7 +926,7 @@ class Hub:
         ``inline=False`` hands the send to the connection's feeder thread (see
         :meth:`Client.call`); it makes no difference for a local object.
         """
-        if self.is_local(address):
+        if address is None or self.is_local(address):   # (so address is a str below)
             handle = Handle()
             service = self._services.get(oid)
             if service is None:
@@ -939,7 +952,7 @@ class Hub:
         ``heartbeat_interval`` and raise :class:`RemoteObjectError` when it
         stays silent for ``parent_timeout``.
         """
-        if handle.ready() or self.is_local(address):
+        if handle.ready() or address is None or self.is_local(address):
             return handle.get(timeout)
         interval = self.heartbeat_interval
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -977,7 +990,7 @@ class Hub:
 
         ``inline`` trades batching for latency (see :meth:`Client.send`).
         """
-        if self.is_local(address):
+        if address is None or self.is_local(address):
             service = self._services.get(oid)
             if service is None:
                 raise object_gone(oid, "this process")

@@ -42,7 +42,8 @@ __all__ = ["Finalizer", "flush", "join", "stop"]
 
 log = logging.getLogger(__name__)
 
-_pending: "queue.SimpleQueue[tuple[Callable[..., Any], tuple]]" = queue.SimpleQueue()
+# (None, ()) is the stop sentinel
+_pending: "queue.SimpleQueue[tuple[Optional[Callable[..., Any]], tuple]]" = queue.SimpleQueue()
 _start_lock = threading.Lock()
 _thread: Optional[threading.Thread] = None
 _thread_pid = 0

@@ -59,13 +59,15 @@ import threading
 import time
 from array import array
 from collections import deque
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
-from . import serialization
 from .errors import ChannelClosed
 from .hub import BEFORE_SEND, MERGERS, Handle, LocalReply, ReplySink, SharedService, get_hub
 from .messages import Call, Reply, blob, pack
 from .serialization import OOB_THRESHOLD, Encoded
+
+if TYPE_CHECKING:
+    from .transport import Peer
 
 __all__ = ["Mailbox", "PipeBox", "Window", "EMPTY", "take"]
 
@@ -106,7 +108,7 @@ class _Parked:
     def __init__(self, reply: ReplySink, payload: Any = None, token: Any = None) -> None:
         self.reply = reply
         self.payload = payload
-        self.timer = None
+        self.timer: Optional[list] = None   # the timers' entry of its deadline
         self.token = token
 
 
@@ -117,9 +119,9 @@ class _Win:
     __slots__ = ("sink", "peer", "size", "held", "nbytes", "base", "waiting", "heard",
                  "recalling", "gap")
 
-    def __init__(self, sink: ReplySink, size: int) -> None:
+    def __init__(self, sink: ReplySink, peer: Peer, size: int) -> None:
         self.sink = sink
-        self.peer = sink.peer
+        self.peer = peer         # sink's: a window's consumer is another process
         self.size = size
         self.held: deque = deque()   # (push number, item), oldest first
         self.nbytes = 0
@@ -192,7 +194,7 @@ class Mailbox(SharedService):
         # the queue keeps its order whichever window gives back first
         self._redo: deque = deque()
         self._turn = 0                       # where the next push starts looking
-        self._recall_timer = None
+        self._recall_timer: Optional[list] = None   # the timers' entry of the next check
         self._recall_at = 0.0
         self._outgoing: dict = {}            # window -> what to push to it, in order
         self._send_lock = threading.Lock()   # one thread sends what is outgoing
@@ -408,16 +410,16 @@ class Mailbox(SharedService):
             self._send_outgoing()
             return
         self._last_push = now
-        if self._sender is None:
-            self._sender_wake = threading.Event()
-            self._sender = threading.Thread(target=self._send_loop, daemon=True,
+        wake = self._sender_wake
+        if wake is None:
+            wake = self._sender_wake = threading.Event()
+            self._sender = threading.Thread(target=self._send_loop, args=(wake,), daemon=True,
                                             name=f"fibrl-push-{self.oid}")
             self._sender.start()
-        if not self._sender_wake.is_set():
-            self._sender_wake.set()
+        if not wake.is_set():
+            wake.set()
 
-    def _send_loop(self) -> None:
-        wake = self._sender_wake
+    def _send_loop(self, wake: threading.Event) -> None:
         while not self._retired:
             wake.wait()
             wake.clear()
@@ -432,13 +434,14 @@ class Mailbox(SharedService):
     def op_window(self, reply: ReplySink, size: int) -> None:
         """A consumer in another process opens its window: items are pushed to it as
         replies of this call (see :class:`Window`)."""
-        if reply.peer is None or not reply.wanted:
+        peer = reply.peer
+        if peer is None or not reply.wanted:
             raise RuntimeError("a window is opened by a consumer in another process")
         with self._lock:
-            old = self._windows.get(reply.peer.id)
+            old = self._windows.get(peer.id)
             if old is not None:
                 self._close_window(old)
-            self._windows[reply.peer.id] = _Win(reply, _clamp(size))
+            self._windows[peer.id] = _Win(reply, peer, _clamp(size))
             if self._items:
                 self._fill()
             else:
@@ -508,7 +511,7 @@ class Mailbox(SharedService):
             front = [(self._redo.popleft(), self._items.popleft())
                      for _ in range(len(self._redo))]
             held = sorted(front + list(held), key=lambda pair: pair[0])
-        rest = deque()
+        rest: deque[tuple[int, Any]] = deque()
         for number, payload in held:
             while self._getters and not rest:
                 parked = self._getters.popleft()
@@ -615,12 +618,14 @@ class Mailbox(SharedService):
 
     def op_ack(self, reply: ReplySink, rid: int) -> None:
         """The calling process received the item it asked for with call ``rid``."""
-        with self._lock:
-            held = self._unacked.get(reply.peer.id) if reply.peer is not None else None
-            if held is not None:
-                held.pop(rid, None)
-                if not held:
-                    del self._unacked[reply.peer.id]
+        peer = reply.peer
+        if peer is not None:   # (a call of this process gets its item unacknowledged)
+            with self._lock:
+                held = self._unacked.get(peer.id)
+                if held is not None:
+                    held.pop(rid, None)
+                    if not held:
+                        del self._unacked[peer.id]
         reply(None)
 
     def op_poll(self, reply: ReplySink, timeout: Optional[float] = 0.0, token: Any = None) -> None:
@@ -673,17 +678,21 @@ class Mailbox(SharedService):
     # -- pipe end bookkeeping ------------------------------------------------------
     def op_attach(self, reply: ReplySink, key: Any = None) -> None:
         """Count one more open writer handle, owned by ``key`` or the calling peer."""
+        writers = self._writers
+        assert writers is not None   # (a pipe end's operation)
         with self._lock:
             owner = _owner(reply, key)
-            self._writers[owner] = self._writers.get(owner, 0) + 1
+            writers[owner] = writers.get(owner, 0) + 1
         reply(None)
 
     def op_adopt(self, reply: ReplySink) -> None:
         """Move one in-flight handle (pickled, now unpickled) to the calling peer."""
+        writers = self._writers
+        assert writers is not None   # (a pipe end's operation)
         with self._lock:
             self._take("inflight")
             owner = _owner(reply, None)
-            self._writers[owner] = self._writers.get(owner, 0) + 1
+            writers[owner] = writers.get(owner, 0) + 1
         reply(None)
 
     def op_detach(self, reply: ReplySink) -> None:
@@ -693,11 +702,13 @@ class Mailbox(SharedService):
         reply(None)
 
     def _take(self, owner: Any) -> None:
-        count = self._writers.get(owner, 0)
+        writers = self._writers
+        assert writers is not None   # (a pipe end's operation)
+        count = writers.get(owner, 0)
         if count <= 1:
-            self._writers.pop(owner, None)
+            writers.pop(owner, None)
         else:
-            self._writers[owner] = count - 1
+            writers[owner] = count - 1
 
     def _check_eof(self) -> None:
         if self._writers or self._eof:
@@ -737,7 +748,9 @@ class Mailbox(SharedService):
             self._sender_wake.set()
         with self._lock:
             parked = list(self._getters) + list(self._putters) + self._pollers
-            self._getters.clear(), self._putters.clear(), self._pollers.clear()
+            self._getters.clear()
+            self._putters.clear()
+            self._pollers.clear()
             wins, self._windows = list(self._windows.values()), {}
             # answers that were to follow pushes (a non-blocking get's)
             answers = [v for values in self._outgoing.values() for v in values
@@ -753,7 +766,7 @@ class Mailbox(SharedService):
             sink.fail(err)
 
 
-def take(hub: Any, address: str, oid: str, timeout: Optional[float]) -> Any:
+def take(hub: Any, address: Optional[str], oid: str, timeout: Optional[float]) -> Any:
     """``get`` from the mailbox ``oid`` at ``address`` and acknowledge what arrived.
 
     The acknowledgement is a one-way message sent before this returns, so the
@@ -801,7 +814,7 @@ class Window:
         self.reported = 0      # the count the owner was last told
         self.waiters = 0       # threads of this process waiting in get()
         self.error: Optional[BaseException] = None
-        self.timer = None
+        self.timer: Optional[list] = None   # the timers' entry that acknowledges
         # "resume" markers still due: the owner pushed before it saw this process
         # give its items back, so what arrives until then went back too and is dropped
         self.stale = 0
@@ -1023,8 +1036,8 @@ def _push(win: _Win, values: list) -> None:
             if run:
                 replies.append(Reply(rid, True, _Run.of(run)))
                 run = []
-            replies.append(Reply(rid, True, value) if type(value) is str
-                           else Reply(value.rid, True, None))
+            replies.append(Reply(value.rid, True, None) if isinstance(value, ReplySink)
+                           else Reply(rid, True, value))
         else:
             run.append(value)
     if run:
@@ -1176,7 +1189,9 @@ class PipeBox(Mailbox):
         if sub is not None and (reply.peer is None or sub.peer is not reply.peer):
             self._sub = None
             if sub("revoke"):
-                self._revoking.add(sub.peer.id)
+                peer = sub.peer
+                assert peer is not None   # (only another process subscribes)
+                self._revoking.add(peer.id)
 
     def op_subscribe(self, reply: ReplySink) -> None:
         if reply.peer is None:

@@ -29,7 +29,7 @@ import pickle
 import struct
 import traceback
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from .config import Config
 from .errors import FrameError, RemoteObjectError, chain_remote
@@ -300,7 +300,7 @@ def pack(message: "Call | Reply | list") -> list:
         if one is not None:
             return [COMPACT + pickle.dumps(one, protocol=5)]
     elif kind is list:
-        tuples = [_compact(m) for m in message]
+        tuples = [_compact(m) for m in cast(list, message)]
         if all(t is not None for t in tuples):
             return [COMPACT + pickle.dumps(tuples, protocol=5)]
     return dumps_parts(message)
@@ -375,11 +375,11 @@ def _message(t: tuple) -> "Call | Reply":
             return Call(t[1], t[2], t[3], (_payload(t[5]),) + t[6:])
         args = t[5:]
         if mask:
-            args = list(args)
-            for i in range(len(args)):
+            fields = list(args)
+            for i in range(len(fields)):
                 if mask >> i & 1:
-                    args[i] = _payload(args[i])
-            args = tuple(args)
+                    fields[i] = _payload(fields[i])
+            args = tuple(fields)
         return Call(t[1], t[2], t[3], args)
     raise FrameError("malformed compact message")
 

@@ -31,7 +31,7 @@ from multiprocessing import spawn as mp_spawn
 from typing import Any, Optional
 
 from . import runtime, serialization
-from .backends import JobSpec
+from .backends import Job, JobSpec
 from .backends.base import LABEL_ROLE, job_labels, run_id
 from .config import Config
 from .errors import BackendError
@@ -119,7 +119,7 @@ class Popen:
         self._close_sentinel.atexit = False
         self._started = threading.Event()
         self.pid: Optional[int] = None
-        self._job = None
+        self._job: Optional[Job] = None   # None only while create_job runs
         self._deadline: Optional[list] = None
         self._silence: Optional[list] = None   # armed when the worker's connection ends
         try:
@@ -141,7 +141,9 @@ class Popen:
         watcher.start()
 
     def _pickle(self, process_obj: Any, by_value: bool = False) -> bytes:
-        mp_context.set_spawning_popen(self)  # lets the authkey travel, as spawn does
+        # lets the authkey travel, as spawn does; typeshed admits only the stdlib's Popen
+        # classes, though any object with duplicate_for_child serves
+        mp_context.set_spawning_popen(self)  # type: ignore[arg-type]
         try:
             return serialization.dumps(process_obj, spawning=True, by_value=by_value)
         finally:
@@ -218,10 +220,18 @@ class Popen:
                   self._job.logs()[-4000:])
         self._job.kill()
 
+    @property
+    def _created_job(self) -> Job:
+        """The backend's job, for what runs once ``__init__`` returned (the watcher,
+        terminate, kill): only the hub's calls to the handover may come before."""
+        assert self._job is not None, "the job of this Popen was not created"
+        return self._job
+
     def _watch(self) -> None:
-        code = self._job.wait()
+        job = self._created_job
+        code = job.wait()
         code = code if code is not None else 1
-        log.debug("job %s ended with exit code %s", self._job.id, code)
+        log.debug("job %s ended with exit code %s", job.id, code)
         if code != 0 and not self._started.is_set() and not self._stopped:
             self._explain_early_exit(code)   # not when we ended it (a pool's terminate)
         self.returncode = code
@@ -231,7 +241,7 @@ class Popen:
         os.write(self._write_fd, b"x")
         os.close(self._write_fd)
         self._done.set()
-        self._job.remove()
+        job.remove()
 
     def _load_failed(self, error: str, kind: str) -> None:
         # The worker exits with code 1 right after telling us; its error is logged here,
@@ -269,13 +279,14 @@ class Popen:
     def _explain_early_exit(self, code: int) -> None:
         from .errors import describe_exitcode
 
-        reason = self._job.failure_reason()
-        output = self._job.logs()[-4000:]
+        job = self._created_job
+        reason = job.failure_reason()
+        output = job.logs()[-4000:]
         # Many pool workers failing alike (a parent out of descriptors, a broken image)
         # are told in full once; the others at debug level.
         last = next((line for line in reversed(output.splitlines()) if line.strip()), "")
         repeat = False
-        if self._job.spec.labels.get(LABEL_ROLE) == "pool-worker":
+        if job.spec.labels.get(LABEL_ROLE) == "pool-worker":
             with _guard_lock:
                 repeat = (code, reason, last) in _early_exits_said
                 _early_exits_said.add((code, reason, last))
@@ -283,7 +294,7 @@ class Popen:
             logging.DEBUG if repeat else logging.ERROR,
             "worker %s (%s) ended before it connected back to this process: %s%s. Likely "
             "cause: its interpreter could not import fibrl or reach %s. Its output:\n%s%s",
-            self._job.id, self._job.spec.name, describe_exitcode(code),
+            job.id, job.spec.name, describe_exitcode(code),
             f" ({reason})" if reason else "", get_hub().address,
             output or "(none kept by the backend)",
             "" if repeat else "\n(Other workers that end the same way are logged at debug "
@@ -307,12 +318,12 @@ class Popen:
     def terminate(self) -> None:
         if self.returncode is None:
             self._stopped = True
-            self._job.terminate()
+            self._created_job.terminate()
 
     def kill(self) -> None:
         if self.returncode is None:
             self._stopped = True
-            self._job.kill()
+            self._created_job.kill()
 
     def close(self) -> None:
         if not self._closed:
@@ -357,12 +368,12 @@ def code_not_in_image(config: Config) -> Optional[str]:
     shown = ", ".join(sorted(mine)[:5]) + (", ..." if len(mine) > 5 else "")
     return (f"kubernetes workers run the image {config.image}, which holds fibrl but not "
             f"this program's code: the modules it imports from "
-            f"{', '.join(sorted(set(mine.values())))} ({shown}) will be missing in the pods, and a worker whose target or "
-            f"arguments need them fails with ModuleNotFoundError (functions of the main "
-            f"script itself travel with it). Fix: launch the program with `fibrl run "
-            f"--build -- python {_script_name()}` (it builds this directory into the image "
-            f"the parent and workers run), or build an image holding your code and pass "
-            f"it as image= (fibrl.init(image=...) or FIBRL_IMAGE).")
+            f"{', '.join(sorted(set(mine.values())))} ({shown}) will be missing in the pods, "
+            f"and a worker whose target or arguments need them fails with ModuleNotFoundError "
+            f"(functions of the main script itself travel with it). Fix: launch the program "
+            f"with `fibrl run --build -- python {_script_name()}` (it builds this directory "
+            f"into the image the parent and workers run), or build an image holding your code "
+            f"and pass it as image= (fibrl.init(image=...) or FIBRL_IMAGE).")
 
 
 _STOCK_IMAGE = Config.__dataclass_fields__["image"].default

@@ -39,10 +39,13 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from . import janitor
 from .config import Config, resolve
+
+if TYPE_CHECKING:
+    from .backends.base import Backend
 
 __all__ = ["current_config", "install_config", "reset_config", "config_is_set",
            "installed_hub", "install_hub", "at_exit", "backend", "CHILDREN", "CONNECTIONS",
@@ -111,8 +114,8 @@ def _apply_debug(config: Config) -> Config:
         logger.addHandler(handler)
         logger.setLevel(logging.DEBUG)
     elif not config.debug and handlers:
-        for handler in handlers:
-            logger.removeHandler(handler)
+        for old in handlers:
+            logger.removeHandler(old)
         logger.setLevel(logging.NOTSET)
     return config
 
@@ -156,7 +159,10 @@ def _listen_within_range(hub: Any) -> None:
     from .backends import backend_class
 
     config = current_config()
-    if hub.port or backend_class(config.backend).listen_ports_of(config) is None:
+    if hub.port:
+        return
+    cls: type[Backend] = backend_class(config.backend)
+    if cls.listen_ports_of(config) is None:
         return
     hub.port = backend(config).listen_port(hub.host)
 
@@ -278,7 +284,7 @@ def _end_children() -> None:
     # before the hub closes, because non-daemonic children may still call our hub.
     from multiprocessing import util
 
-    util._exit_function()
+    util._exit_function()  # type: ignore[attr-defined]  # private: not in typeshed
 
 
 def _close_hub() -> None:

@@ -22,8 +22,9 @@ import re
 import struct
 import sys
 from collections import ChainMap
+from collections.abc import Iterable
 from multiprocessing import process as mp_process
-from typing import Any
+from typing import Any, Callable, SupportsIndex, final
 
 from .errors import FrameError, SerializationError
 
@@ -159,27 +160,31 @@ def _refuse(obj: Any) -> tuple:
                                            replacement))
 
 
-def held_authkey() -> mp_process.AuthenticationString:
+# multiprocessing's bytes subclass for authkeys (typeshed does not declare it)
+_AuthenticationString: type[bytes] = mp_process.AuthenticationString  # type: ignore[attr-defined]
+
+
+def held_authkey() -> bytes:
     """The run's secret where a started process is unpickled: the key its worker
     already holds (it proved it to connect), so that no start payload carries it."""
-    return mp_process.AuthenticationString(mp_process.current_process().authkey)
+    return _AuthenticationString(mp_process.current_process().authkey)
 
 
-def _reduce_authkey(key: mp_process.AuthenticationString) -> tuple:
+def _reduce_authkey(key: bytes) -> tuple:
     # The process's own key (a Process's authkey, a Manager's default one) is never
     # written: the worker fills it in. A key of the user's choosing (a Manager given
     # its own authkey) travels, as multiprocessing's spawn sends it: the worker has no
     # other way to learn it.
     if bytes(key) == bytes(mp_process.current_process().authkey):
         return (held_authkey, ())
-    return (mp_process.AuthenticationString, (bytes(key),))
+    return (_AuthenticationString, (bytes(key),))
 
 
 def _stdlib_table() -> dict:
     """``type -> reducer`` for a process start: ``_refuse`` for the stdlib classes
     above whose module is loaded (a program that never imported one cannot hold its
     objects), and authkeys written without the run's secret."""
-    table = {mp_process.AuthenticationString: _reduce_authkey}
+    table: dict[type, Callable[[Any], tuple]] = {_AuthenticationString: _reduce_authkey}
     for (module, name) in _STDLIB_SHARED:
         cls = getattr(sys.modules.get(module), name, None)
         if isinstance(cls, type):
@@ -200,7 +205,7 @@ class _SpawnPickler(pickle.Pickler):
     so they are refused here with the fibrl object to use instead."""
 
     @property
-    def dispatch_table(self):  # type: ignore[override]
+    def dispatch_table(self):
         return ChainMap(_stdlib_table(), copyreg.dispatch_table)
 
 
@@ -213,7 +218,7 @@ def _advice(exc: Exception) -> str:
     # processes through inheritance"
     if text.endswith("should only be shared between processes through inheritance"):
         kind = text.split(" ", 1)[0]
-        for (module, name), replacement in _STDLIB_SHARED.items():
+        for (_module, name), replacement in _STDLIB_SHARED.items():
             if name == kind:
                 return " " + stdlib_advice(f"multiprocessing {kind}", replacement)
     return (" Pass the data needed to rebuild it instead (for example a path rather "
@@ -253,6 +258,7 @@ def _error_class(kind: type) -> type:
     return cls
 
 
+@final  # the code tests ``type(x) is Encoded``: a subclass would not be recognised
 class Encoded:
     """An object serialized for another process: its pickle stream and its large
     buffers, kept apart (never joined into one ``bytes``).
@@ -350,7 +356,7 @@ class _LargeBytes:
     def __init__(self, data: bytes) -> None:
         self.data = data
 
-    def __reduce_ex__(self, protocol: int):
+    def __reduce_ex__(self, protocol: SupportsIndex):
         return (bytes, (pickle.PickleBuffer(self.data),))
 
 
@@ -421,7 +427,7 @@ def loads(frame: "bytes | bytearray | memoryview | Encoded") -> Any:
     return _unpickle(data, bufs)
 
 
-def _unpickle(data: Any, buffers: list) -> Any:
+def _unpickle(data: Any, buffers: Iterable[Any]) -> Any:
     try:
         return pickle.loads(data, buffers=buffers)
     except Exception as exc:
@@ -449,11 +455,12 @@ _MISSING_MAIN = re.compile(r"Can't get attribute '([^']+)' on <module '__mp_main
 def guarded_main_name(exc: BaseException) -> "str | None":
     """The name a worker's ``__mp_main__`` lacks (a function or class the main script
     defines only when run as ``__main__``), if that is why ``exc`` was raised."""
-    while exc is not None:
-        match = _MISSING_MAIN.search(str(exc)) if isinstance(exc, AttributeError) else None
+    cause: "BaseException | None" = exc
+    while cause is not None:
+        match = _MISSING_MAIN.search(str(cause)) if isinstance(cause, AttributeError) else None
         if match:
             return match.group(1)
-        exc = exc.__cause__
+        cause = cause.__cause__
     return None
 
 

@@ -34,8 +34,9 @@ from __future__ import annotations
 
 import ctypes
 import threading
-from multiprocessing.sharedctypes import typecode_to_type
-from typing import Any, Callable, Optional
+# (the stdlib's table of array typecodes: typeshed does not declare it)
+from multiprocessing.sharedctypes import typecode_to_type  # type: ignore[attr-defined]
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from .hosted import HostedHandle, HostedService
 from .hub import ReplySink, get_hub
@@ -49,8 +50,15 @@ __all__ = ["RawValue", "RawArray", "Value", "Array", "synchronized", "copy",
 
 _CTYPES = (ctypes._SimpleCData, ctypes.Structure, ctypes.Union, ctypes.Array)
 
+if TYPE_CHECKING:
+    from typing import TypeAlias
 
-def _ctype(typecode_or_type: Any) -> type:
+    # A ctypes type that can be made and multiplied (``c_int * 3``): one of _CTYPES.
+    _CType: TypeAlias = ("type[ctypes._SimpleCData[Any]] | type[ctypes.Structure]"
+                         " | type[ctypes.Union] | type[ctypes.Array[Any]]")
+
+
+def _ctype(typecode_or_type: Any) -> _CType:
     ctype = typecode_to_type.get(typecode_or_type, typecode_or_type)
     if not (isinstance(ctype, type) and issubclass(ctype, _CTYPES)):
         raise TypeError(
@@ -107,7 +115,9 @@ _AGGREGATES = (ctypes.Structure, ctypes.Union, ctypes.Array)
 def _probe(ctype: type, key: Any) -> Any:
     if isinstance(key, str):
         return getattr(ctype(), key)
-    return (ctype._type_ * 1)()[0]  # what indexing gives, on a zeroed one-element array
+    # what indexing gives, on a zeroed one-element array (an array type's ``_type_``:
+    # typeshed knows it on instances only)
+    return (ctype._type_ * 1)()[0]  # type: ignore[attr-defined]
 
 
 class _Recipe:
@@ -123,7 +133,7 @@ class _Recipe:
         return (_same, (self.ctype,))
 
 
-def _array_type(item: type, length: int) -> type:
+def _array_type(item: _CType, length: int) -> type:
     return item * length
 
 
@@ -225,9 +235,10 @@ class _CTypesHandle(HostedHandle):
             return self._call("get", threading.get_ident(), path, key)
         if isinstance(key, str):
             return HostedPart(self, path + (key,), child)
+        length = ctype._length_  # type: ignore[attr-defined]  # (an array type's, as above)
         if isinstance(key, slice):
-            return [HostedPart(self, path + (i,), child) for i in range(ctype._length_)[key]]
-        return HostedPart(self, path + (_index(key, ctype._length_),), child)
+            return [HostedPart(self, path + (i,), child) for i in range(length)[key]]
+        return HostedPart(self, path + (_index(key, length),), child)
 
     def _write(self, path: tuple, key: Any, value: Any) -> None:
         if isinstance(value, HostedPart):
@@ -329,9 +340,10 @@ def _rebuild_part(handle: "_CTypesHandle", path: tuple) -> HostedPart:
 
 
 def _type_at(ctype: type, path: tuple) -> type:
+    part: Any = ctype  # (never None: each step of a part's path is a view, see _read)
     for key in path:
-        ctype = _child_type(ctype, key)
-    return ctype
+        part = _child_type(part, key)
+    return part
 
 
 class HostedValue(_CTypesHandle):
@@ -361,7 +373,7 @@ class HostedArray(_CTypesHandle):
     """What ``RawArray`` returns: a hosted ctypes array with ``len``, indexing and slicing."""
 
     _length: int
-    _elem: type
+    _elem: _CType
 
     def _state(self) -> dict:
         return {"_elem": _Recipe(self._elem), "_length": self._length}
@@ -406,9 +418,9 @@ class HostedArray(_CTypesHandle):
         self._set("raw", value)
 
 
-def _host_raw(obj: Any, lock: Optional[LockService], cls: type) -> Any:
+def _host_raw(obj: Any, lock: Optional[LockService], cls: type[_CTypesHandle]) -> Any:
     handle = cls.__new__(cls)
-    if cls is HostedArray:
+    if isinstance(handle, HostedArray):
         handle._elem, handle._length = obj._type_, len(obj)
     else:
         object.__setattr__(handle, "_ctype", type(obj))
@@ -497,6 +509,8 @@ class Synchronized(_SynchronizedBase):
 class SynchronizedArray(_SynchronizedBase):
     """An ``Array`` with a lock: ``len``, indexing, slicing, iteration."""
 
+    _obj: HostedArray
+
     def __len__(self) -> int:
         return len(self._obj)
 
@@ -524,13 +538,25 @@ def _struct_class(ctype: type) -> type:
     """A Synchronized subclass with one property per field of a ``ctypes.Structure``."""
     cls = _struct_classes.get(ctype)
     if cls is None:
-        props = {name: property(lambda self, n=name: self._obj._get(n),
-                                lambda self, v, n=name: self._obj._set(n, v))
-                 for name in _fields(ctype)}
-        cls = type(f"Synchronized{ctype.__name__}", (Synchronized,), props)
-        cls.__reduce__ = lambda self: (_rebuild_struct, (ctype, self._obj, self._lock))
+        namespace: dict[str, Any] = {name: _field_property(name) for name in _fields(ctype)}
+
+        def reduce(self: Synchronized) -> tuple:
+            return (_rebuild_struct, (ctype, self._obj, self._lock))
+
+        namespace["__reduce__"] = reduce
+        cls = type(f"Synchronized{ctype.__name__}", (Synchronized,), namespace)
         _struct_classes[ctype] = cls
     return cls
+
+
+def _field_property(name: str) -> property:
+    def fget(self: Synchronized) -> Any:
+        return self._obj._get(name)
+
+    def fset(self: Synchronized, value: Any) -> None:
+        self._obj._set(name, value)
+
+    return property(fget, fset)
 
 
 def _rebuild_struct(ctype: type, obj: _CTypesHandle, lock: LockHandle) -> Any:

@@ -572,11 +572,11 @@ class _Reading:
 
     _sock: pynng.Socket
     closed: bool
+    _poll: select.poll   # made by _watch(), before any wait_readable()
     wake = staticmethod(wake_reader)   # (for a caller that imports no transport)
 
     def _readable_init(self) -> None:
         self.lead = threading.Lock()   # held by the thread that reads the frames now
-        self._poll: Optional[select.poll] = None
 
     def _watch(self) -> None:
         """Make nng's readable descriptor (two descriptors): raises NNGException (out
@@ -665,10 +665,12 @@ class Peer(_Reading):
         with self._state:
             if self._busy != generation or self._reader != generation or self.closed:
                 return False
+            new_reader = self._new_reader
+            assert new_reader is not None   # (set before the peer's first frame is read)
             self._reader = generation + 1
             self._busy = None
             self.lead.release()   # the busy reader's: it reads no more
-            self.thread = self._new_reader(self._reader)
+            self.thread = new_reader(self._reader)
         return True
 
     def _handling(self, generation: int, busy: bool) -> bool:
@@ -742,7 +744,7 @@ class Listener:
         # Plaintext: a gate owns the TCP ports and hands nng only connections that sent
         # nng's header (nng's TLS transport cannot take a descriptor: it listens itself).
         self._gate: Optional[Gate] = None
-        door = None
+        door: Optional[_Door] = None   # (set with the gate)
         if not tls:
             self._gate = Gate(f"{host}:{port}", refused=self._refused,
                               max_pending=self._max_pending, others=lambda: self.pending,
@@ -751,7 +753,7 @@ class Listener:
         self._accept.add_pre_pipe_connect_cb(self._accept_pipe_added)
         self._accept.add_post_pipe_remove_cb(self._accept_pipe_removed)
         try:
-            if self._gate is not None:
+            if self._gate is not None and door is not None:
                 opened = self._gate.open(host, port, expect=sp_header(_REQ0), hand=door.hand)
                 self.address = tcp_address(opened.host, opened.port)
             else:
@@ -883,7 +885,7 @@ class Listener:
         door = _Door(sock) if self._gate is not None else None
         _OnePipe(sock, self._dropped, peer.close)   # kept alive by the callbacks it registers
         try:
-            if self._gate is not None:
+            if self._gate is not None and door is not None:
                 # one connection is handed on, then the port stops listening
                 peer.port = self._gate.open(self._host, 0, expect=sp_header(_PAIR1),
                                             hand=door.hand, once=True)
@@ -1025,7 +1027,9 @@ class Listener:
         if join:
             self._thread.join(join)
             for peer in peers:
-                peer.thread.join(join)
+                thread = peer.thread   # (None: a peer still opening, its thread not made)
+                if thread is not None:
+                    thread.join(join)
 
 
 def _close_pipe(pipe: pynng.Pipe) -> None:
@@ -1211,10 +1215,12 @@ def _authenticate_retrying(address: str, secret: bytes, timeout: float,
         try:
             return _authenticate(address, secret, left, tls)
         except TransportError as exc:
-            if not isinstance(exc.__cause__, pynng.Closed):
-                raise first or exc
             first = first or exc
-    assert first is not None
+            if not isinstance(exc.__cause__, pynng.Closed):
+                break
+    if first is None:
+        raise TransportError(f"no time left to connect to {address} (timeout {timeout} s); "
+                             f"give connect a positive timeout")
     raise first
 
 

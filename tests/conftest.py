@@ -355,7 +355,8 @@ def kube_cluster():
     real = os.environ.get("KUBE_TEST_KUBECONFIG")
     admin = os.environ.get(ADMIN_KUBECONFIG)
     if real or admin:
-        namespace = os.environ.get("KUBE_TEST_NAMESPACE", KUBE_TEST_NAMESPACE if admin else "default")
+        namespace = os.environ.get("KUBE_TEST_NAMESPACE",
+                                   KUBE_TEST_NAMESPACE if admin else "default")
         if admin:
             _importable_tests_package()
             from tests.kube.real_cluster import service_account_kubeconfig

@@ -148,6 +148,7 @@ class Job(abc.ABC):
 
     def remove(self) -> None:
         """Free what the backend keeps for an ended job."""
+        return None   # a hook: by default the backend keeps nothing
 
 
 class Backend(abc.ABC):
@@ -186,6 +187,7 @@ class Backend(abc.ABC):
         before its hub closes (``runtime``'s exit sequence, step BACKENDS). A
         backend registers nothing at exit by itself.
         """
+        return None   # a hook: by default nothing outlives the jobs
 
     def abandon_starts(self) -> None:
         """The program is exiting: end the starts under way soon, and refuse new ones.
@@ -195,6 +197,7 @@ class Backend(abc.ABC):
         probe, a pod that is not running yet) raises :class:`BackendError` instead of
         waiting it out, and removes what it made. The default waits for nothing.
         """
+        return None   # a hook: by default no start waits
 
     def import_hint(self, spec: JobSpec) -> str:
         """Where a job of ``spec`` finds this host's modules, said when one could not

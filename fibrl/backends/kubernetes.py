@@ -11,7 +11,8 @@ Data flow::
 
     create_job(spec)          (caller's thread)
       first time: connect (kubeconfig or in-cluster), start the watch, wait until it runs
-      Secret fibrl-<run>-<owner>-<hash> for the run's key (once per key; pods read it by secretKeyRef)
+      Secret fibrl-<run>-<owner>-<hash> for the run's key (once per key; pods read it
+        by secretKeyRef)
       Pod manifest --> first pod: created now (errors raise here)
                    '-> later pods: Creator queue --> waves of concurrent creates (creator.py)
     PodWatcher thread (watch.py): list+watch pods labelled fibrl.owner=<this backend>
@@ -39,7 +40,7 @@ import secrets
 import socket
 import threading
 import time
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 from urllib.parse import urlsplit
 
 from ..config import Config
@@ -107,6 +108,12 @@ class KubernetesBackend(Backend):
         self._deleting: set = set()   # pods whose delete the deleter has not finished
 
     @property
+    def _api(self) -> Api:
+        """The connected :attr:`api`: only what follows the first ``create_job`` uses it."""
+        assert self.api is not None, "the kubernetes backend is not connected yet"
+        return self.api
+
+    @property
     def pending_timeout(self) -> float:
         return self.settings.pending_timeout
 
@@ -158,6 +165,7 @@ class KubernetesBackend(Backend):
         if synchronous:
             self._create(job, raise_errors=True)
         else:
+            assert self._creator is not None   # set by _start's connect
             self._creator.submit(job)
         return job
 
@@ -170,13 +178,15 @@ class KubernetesBackend(Backend):
                                    "no new worker pods can start.")
             if self._watcher is None:
                 self._connect_once()
-        if not self._watcher.ready.wait(_START_WAIT):
+            watcher = self._watcher
+        assert watcher is not None   # _connect_once set it, or raised
+        if not watcher.ready.wait(_START_WAIT):
             raise BackendError(
                 f"the watch of worker pods in namespace {self.namespace!r} did not start within "
-                f"{_START_WAIT:.0f} s (API server {self.api.host}). Check the cluster's health "
+                f"{_START_WAIT:.0f} s (API server {self._api.host}). Check the cluster's health "
                 f"with `kubectl get --raw /readyz`.")
-        if self._watcher.error is not None:
-            raise self._watcher.error
+        if watcher.error is not None:
+            raise watcher.error
 
     def _connect_once(self) -> None:
         """Connect, unless the last try found no cluster moments ago: the starts of a
@@ -250,7 +260,7 @@ class KubernetesBackend(Backend):
             self.delete_pod(job.name, 0, quiet=True)
 
     def _post_pod(self, job: KubernetesJob) -> None:
-        api = self.api
+        api = self._api
         try:
             # an API server away (restarting, failing over) is waited for as long as a
             # worker may take to start: start_timeout, then the start fails with the error
@@ -263,8 +273,8 @@ class KubernetesBackend(Backend):
 
     def _is_mine(self, name: str) -> bool:
         try:
-            pod = self.api.call("get", "pods", self.api.core.read_namespaced_pod, name,
-                                self.namespace, namespace=self.namespace)
+            pod = self._api.call("get", "pods", self._api.core.read_namespaced_pod, name,
+                                 self.namespace, namespace=self.namespace)
         except KubeApiError:
             return False
         return (pod.get("metadata", {}).get("labels") or {}).get(LABEL_OWNER) == self.token
@@ -274,8 +284,8 @@ class KubernetesBackend(Backend):
         """This process's own pod (read once), when it runs in one."""
         if self._parent is None and self.identity.in_pod:
             try:
-                self._parent = self.api.call(
-                    "get", "pods", self.api.core.read_namespaced_pod, self.identity.name,
+                self._parent = self._api.call(
+                    "get", "pods", self._api.core.read_namespaced_pod, self.identity.name,
                     self.identity.namespace, namespace=self.identity.namespace, retry_for=10)
             except KubeApiError as exc:
                 log.warning("cannot read this process's own pod %s/%s (%s): worker pods get "
@@ -318,8 +328,8 @@ class KubernetesBackend(Backend):
         secret_labels = {k: labels[k] for k in (LABEL_RUN, LABEL_OWNER, LABEL_BACKEND)}
         body = secret_manifest(name, self.namespace, key, secret_labels, self._owner_reference())
         try:
-            self.api.call("create", "secrets", self.api.core.create_namespaced_secret,
-                          self.namespace, body, namespace=self.namespace)
+            self._api.call("create", "secrets", self._api.core.create_namespaced_secret,
+                           self.namespace, body, namespace=self.namespace)
         except KubeApiError as exc:
             if exc.status != 409:  # 409: a retried create whose first attempt got through
                 raise
@@ -347,9 +357,9 @@ class KubernetesBackend(Backend):
         raise BackendError(
             f"this process runs outside the cluster and listens for its workers on {host}: "
             f"each worker pod would dial {host} inside its own pod and never reach this "
-            f"process (the API server at {self.api.host} being on this machine does not make "
+            f"process (the API server at {self._api.host} being on this machine does not make "
             f"its pods so). Fix: set listen_host to an address of this machine that pods can "
-            f"route to{_routable_hint(self.api.host)}, and let workers reach it (firewall, "
+            f"route to{_routable_hint(self._api.host)}, and let workers reach it (firewall, "
             f"NetworkPolicy); or launch the script in the cluster with `fibrl run`. A cluster "
             f"whose pods share this machine's network may set kubernetes_allow_loopback=True.")
 
@@ -405,6 +415,7 @@ class KubernetesBackend(Backend):
         with self._lock:
             self._deleting.add(name)
         try:
+            assert self._deleter is not None   # pods are watched only once connected
             self._deleter.submit(self._delete_pending, name)
         except RuntimeError:   # shut down by close(), which deletes what is left itself
             pass
@@ -421,11 +432,11 @@ class KubernetesBackend(Backend):
                    forget: Optional[KubernetesJob] = None) -> None:
         """Delete pod ``name`` (``grace`` None: the pod's own grace period)."""
         quiet = quiet or self._closed   # at exit, a gone cluster must not raise
-        extra = {} if grace is None else {"grace_period_seconds": grace}
+        extra: dict[str, Any] = {} if grace is None else {"grace_period_seconds": grace}
         try:
-            self.api.call("delete", "pods", self.api.core.delete_namespaced_pod, name,
-                          self.namespace, namespace=self.namespace,
-                          propagation_policy="Background", **extra)
+            self._api.call("delete", "pods", self._api.core.delete_namespaced_pod, name,
+                           self.namespace, namespace=self.namespace,
+                           propagation_policy="Background", **extra)
         except KubeApiError as exc:
             if exc.status != 404 and not quiet:
                 raise
@@ -442,9 +453,9 @@ class KubernetesBackend(Backend):
 
     def read_logs(self, name: str) -> str:
         try:
-            return self.api.call("get", "pods/log", self.api.core.read_namespaced_pod_log, name,
-                                 self.namespace, namespace=self.namespace, container=CONTAINER,
-                                 tail_lines=LOG_TAIL_LINES, raw=True, retry_for=5)
+            return self._api.call("get", "pods/log", self._api.core.read_namespaced_pod_log, name,
+                                  self.namespace, namespace=self.namespace, container=CONTAINER,
+                                  tail_lines=LOG_TAIL_LINES, raw=True, retry_for=5)
         except KubeApiError as exc:
             return f"<logs of pod {self.namespace}/{name} unavailable: {exc}>"
 
@@ -452,8 +463,8 @@ class KubernetesBackend(Backend):
         """The events of pod ``name`` ([] when they cannot be read: without ``list events``
         a pending pod's deadline only ends sooner)."""
         try:
-            listing = self.api.call(
-                "list", "events", self.api.core.list_namespaced_event, self.namespace,
+            listing = self._api.call(
+                "list", "events", self._api.core.list_namespaced_event, self.namespace,
                 namespace=self.namespace, retry_for=5,
                 field_selector=f"involvedObject.kind=Pod,involvedObject.name={name}")
         except KubeApiError as exc:
@@ -471,14 +482,16 @@ class KubernetesBackend(Backend):
                 self._closed = True
                 return
             self._closed = True
-        for job in self._creator.close():
+        api, creator, deleter, watcher = self.api, self._creator, self._deleter, self._watcher
+        assert creator is not None and deleter is not None and watcher is not None  # connected
+        for job in creator.close():
             job.fail(-15, "")
-        self.api.retry_for = 2.0
+        api.retry_for = 2.0
         # Ours to delete (a requested kill, not a lost pod), all at once: at most
         # kubernetes_create_batch requests in flight, not one pod after another.
         # Threads of its own, not the delete pool: close() runs at interpreter exit, when
         # concurrent.futures refuses new work.
-        self._deleter.shutdown(wait=False)
+        deleter.shutdown(wait=False)
         with self._lock:   # deletes still retrying (an API server refusing them) are redone
             pending = sorted(self._deleting)   # here: the deleter gives up once closed
         _each_concurrently([job.kill for job in list(self._jobs.values())
@@ -486,17 +499,17 @@ class KubernetesBackend(Backend):
                            + [functools.partial(self.delete_pod, name, 0, quiet=True)
                               for name in pending],
                            self.settings.create_batch, _CLOSE_WAIT)
-        self._watcher.stop()
+        watcher.stop()
         for job in list(self._jobs.values()):
             job.on_deleted(None)   # nothing will report on them any more
         for name in self._own_secrets:
             self._delete_secret(name)
-        self.api.closed.set()
+        api.closed.set()
 
     def _delete_secret(self, name: str) -> None:
         try:
-            self.api.call("delete", "secrets", self.api.core.delete_namespaced_secret, name,
-                          self.namespace, namespace=self.namespace)
+            self._api.call("delete", "secrets", self._api.core.delete_namespaced_secret, name,
+                           self.namespace, namespace=self.namespace)
         except KubeApiError as exc:
             if exc.status != 404:
                 log.warning("could not delete Secret %s/%s: %s. Fix: fibrl stop <run>, or "

@@ -86,7 +86,7 @@ class ForkedJob(Job):
         return str(self._pid)
 
     @property
-    def pid(self) -> Optional[int]:
+    def pid(self) -> int:
         return self._pid
 
     def _exited(self, code: int) -> None:
@@ -121,6 +121,14 @@ def _signal(pid: int, returncode: Optional[int], sig: int) -> None:
             pass
 
 
+class _Reply:
+    """A spawn request's answer from the zygote: ``msg`` once ``done`` is set."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.msg: dict = {}
+
+
 class _ForkServer:
     """The parent's side of the zygote: requests (with our stdio), pids, exit codes."""
 
@@ -139,7 +147,7 @@ class _ForkServer:
         self.owner = os.getpid()
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
-        self._waiting: dict[int, list] = {}
+        self._waiting: dict[int, _Reply] = {}
         self._jobs: dict[int, ForkedJob] = {}
         self._early: dict[int, int] = {}
         self.alive = True
@@ -147,7 +155,7 @@ class _ForkServer:
 
     def spawn(self, spec: JobSpec, env: dict, timeout: float) -> ForkedJob:
         request_id = next(self._ids)
-        slot = [threading.Event(), None]
+        slot = _Reply()
         with self._lock:
             if not self.alive:
                 raise BackendError("the local fork server exited")
@@ -157,9 +165,9 @@ class _ForkServer:
                               "env": env, "cwd": spec.workdir}).encode()
         with self._lock:
             socket.send_fds(self._requests, [request], [1, 2])  # our stdout/stderr now
-        if not slot[0].wait(timeout):
+        if not slot.done.wait(timeout):
             raise BackendError(f"the local fork server did not answer within {timeout} s")
-        reply = slot[1]
+        reply = slot.msg
         if "pid" not in reply:
             raise BackendError(f"the local fork server could not fork: {reply.get('error')}")
         return self._register(ForkedJob(spec, reply["pid"]))
@@ -192,8 +200,8 @@ class _ForkServer:
             if job is not None:
                 job._exited(msg["code"])
         elif slot is not None:
-            slot[1] = msg
-            slot[0].set()
+            slot.msg = msg
+            slot.done.set()
 
     def _died(self) -> None:
         with self._lock:
@@ -208,8 +216,8 @@ class _ForkServer:
             job.kill()
             job._exited(-signal.SIGKILL)
         for slot in slots:
-            slot[1] = {"error": "fork server exited"}
-            slot[0].set()
+            slot.msg = {"error": "fork server exited"}
+            slot.done.set()
 
 
 class LocalBackend(Backend):

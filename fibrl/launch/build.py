@@ -50,6 +50,7 @@ def _run(argv: list, what: str, out: TextIO) -> None:
     out.flush()
     with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           stdin=subprocess.DEVNULL, text=True, errors="replace") as proc:
+        assert proc.stdout is not None   # stdout=PIPE
         for line in proc.stdout:
             out.write(line)
         out.flush()

@@ -70,17 +70,17 @@ class DockerLauncher(Launcher):
         if request.memory:
             limits["mem_limit"] = request.memory
         if request.gpu:
-            import docker
+            from ..backends.docker import sdk
 
-            limits["device_requests"] = [docker.types.DeviceRequest(
+            limits["device_requests"] = [sdk().types.DeviceRequest(
                 count=int(request.gpu), capabilities=[["gpu"]])]
         return limits
 
     def _errors(self) -> tuple:
-        import docker
-        import requests
+        # the backend's SDK import: a docker/ folder of the project does not pass for it
+        from ..backends.docker import sdk_errors
 
-        return (docker.errors.DockerException, requests.RequestException)
+        return sdk_errors()
 
     # -- one run ---------------------------------------------------------------------
     def _containers(self, run_id: Optional[str] = None) -> list:

@@ -410,8 +410,9 @@ class _Starting(_Until):
     ``kubernetes_pending_timeout`` bounds only the states nothing else ends: no pod yet
     (a missing service account, a quota), and a pod stuck Unschedulable, in ErrImagePull
     or on a container config error; a stuck pod whose events show progress at the
-    deadline (TriggeredScaleUp, Scheduled, Pulling, Pulled) gets another timeout. A pod pulling its image or creating its container
-    is waited for (a large image takes minutes); ImagePullBackOff ends it at once.
+    deadline (TriggeredScaleUp, Scheduled, Pulling, Pulled) gets another timeout. A pod
+    pulling its image or creating its container is waited for (a large image takes
+    minutes); ImagePullBackOff ends it at once.
     """
 
     def __init__(self, launcher: KubernetesLauncher, run_id: str) -> None:
@@ -493,7 +494,7 @@ def _phase_ended(pod: dict) -> bool:
     return (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed")
 
 
-def _urllib3_errors() -> type:
+def _urllib3_errors() -> type[Exception]:
     import urllib3
 
     return urllib3.exceptions.HTTPError

@@ -107,7 +107,8 @@ def _run_server(registry: dict, address: Any, authkey: Any, serializer: str,
     except BaseException as exc:
         hub.call(report.address, report.oid, "failed", RemoteError.capture(exc), timeout=30)
         raise
-    process.current_process()._manager_server = server
+    # (the stdlib's own mark of a manager process; typeshed does not declare it)
+    process.current_process()._manager_server = server  # type: ignore[attr-defined]
     hub.call(report.address, report.oid, "ready", server.address, timeout=30)
     server.serve_forever()
 
@@ -144,7 +145,8 @@ class BaseManager:
         if authkey is None:
             authkey = process.current_process().authkey
         self._address = address
-        self._authkey = process.AuthenticationString(authkey)
+        # (AuthenticationString is not in typeshed)
+        self._authkey = process.AuthenticationString(authkey)  # type: ignore[attr-defined]
         self._state = State()
         self._state.value = State.INITIAL
         self._serializer = serializer

@@ -26,7 +26,7 @@ import threading
 import weakref
 from multiprocessing import process
 from multiprocessing.context import get_spawning_popen
-from typing import Any, Callable, Optional
+from typing import Any, Callable, ClassVar, Optional, cast
 
 from .. import serialization
 from ..errors import TransportError
@@ -100,6 +100,9 @@ class BaseProxy:
     """
 
     _exposed_: tuple = ()
+    # set on some proxy types and on AutoProxy instances only (read with getattr)
+    _method_to_typeid_: ClassVar[dict[str, str]]
+    _isauto: bool
 
     def __init__(self, token: Token, serializer: str = "pickle", manager: Any = None,
                  authkey: Optional[bytes] = None, exposed: Optional[tuple] = None,
@@ -111,7 +114,8 @@ class BaseProxy:
         if authkey is None:
             authkey = manager._authkey if manager is not None else \
                 process.current_process().authkey
-        self._authkey = process.AuthenticationString(authkey)
+        # (AuthenticationString is not in typeshed)
+        self._authkey = process.AuthenticationString(authkey)  # type: ignore[attr-defined]
         self._owned_by_manager = manager_owned
         self._server = _local_server(token)
         if incref:
@@ -221,7 +225,7 @@ class BaseProxy:
         finalizer.atexit = False
 
     # -- pickling and display ---------------------------------------------------------------
-    def __reduce__(self):
+    def __reduce__(self) -> tuple:
         kwds: dict = {}
         if get_spawning_popen() is not None:
             kwds["authkey"] = self._authkey   # the run's secret is not written (serialization)
@@ -362,7 +366,7 @@ class AsyncProxy(BaseProxy):
     """A proxy whose method calls return a :class:`ProxyHandle` at once."""
 
     def _callmethod(self, methodname: str, args: tuple = (),
-                    kwds: Optional[dict] = None) -> ProxyHandle:  # type: ignore[override]
+                    kwds: Optional[dict] = None) -> ProxyHandle:
         return self._call_async(methodname, args, kwds)
 
     def _getvalue(self) -> Any:
@@ -378,15 +382,16 @@ def _method(name: str) -> Callable[..., Any]:
     return call
 
 
-def MakeProxyType(name: str, exposed: Any, _cache: dict = {}, *,
-                  base: type = BaseProxy) -> type:
+# (the stdlib's signature: ``_cache`` is the shared cache on purpose)
+def MakeProxyType(name: str, exposed: Any, _cache: dict = {}, *,  # noqa: B006
+                  base: type[BaseProxy] = BaseProxy) -> type[BaseProxy]:
     """A proxy class with one method per name in ``exposed`` (cached per name+exposed)."""
     exposed = tuple(exposed)
     key = (name, exposed, base)
-    proxytype = _cache.get(key)
+    proxytype: Optional[type[BaseProxy]] = _cache.get(key)
     if proxytype is None:
         namespace = {meth: _method(meth) for meth in exposed}
-        proxytype = type(name, (base,), namespace)
+        proxytype = cast("type[BaseProxy]", type(name, (base,), namespace))
         proxytype._exposed_ = exposed
         _cache[key] = proxytype
     return proxytype
@@ -449,7 +454,7 @@ class IteratorProxy(BaseProxy):
 
 
 class AcquirerProxy(BaseProxy):
-    _exposed_ = ("acquire", "release")
+    _exposed_: tuple = ("acquire", "release")
 
     def acquire(self, blocking: bool = True, timeout: Optional[float] = None) -> bool:
         args = (blocking,) if timeout is None else (blocking, timeout)

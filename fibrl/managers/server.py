@@ -142,7 +142,7 @@ class _Workers:
         threading.Thread(target=self._run, args=(fn,), daemon=True,
                          name="fibrl-manager-worker").start()
 
-    def _run(self, fn: Callable[[], None]) -> None:
+    def _run(self, fn: Optional[Callable[[], None]]) -> None:
         while fn is not None:
             fn()
             fn = self._next()
@@ -236,8 +236,10 @@ class _Lane:
             if self._running:
                 return
             self._running = True
-        if reply.lone:   # not one of a burst (a burst's replies share frames: see _drain)
-            self._overtime.run(reply.peer.offload(), self._drain)
+        # lone: not one of a burst (a burst's replies share frames: see _drain); only a
+        # peer's reply is lone
+        if reply.lone and (peer := reply.peer) is not None:
+            self._overtime.run(peer.offload(), self._drain)
         else:
             self._workers.submit(self._drain)
 
@@ -469,7 +471,8 @@ class Server:
 
     def serve_forever(self) -> None:
         """Serve until a client calls ``shutdown`` (or the process is interrupted)."""
-        process.current_process()._manager_server = self
+        # (the stdlib's own mark of a manager process; typeshed does not declare it)
+        process.current_process()._manager_server = self  # type: ignore[attr-defined]
         try:
             self.stop_event.wait()
         except KeyboardInterrupt:
@@ -480,5 +483,5 @@ class Server:
     def close(self) -> None:
         self.stop_event.set()
         if getattr(process.current_process(), "_manager_server", None) is self:
-            process.current_process()._manager_server = None
+            process.current_process()._manager_server = None  # type: ignore[attr-defined]
         self.hub.close()

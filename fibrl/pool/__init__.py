@@ -30,7 +30,7 @@ import functools
 import multiprocessing.spawn as mp_spawn
 import warnings
 from itertools import islice
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Collection, Iterable, Iterator, Optional, Sequence, cast
 
 from ..janitor import Finalizer
 from .engine import Engine, worker_meta
@@ -64,6 +64,7 @@ def chunked(iterable: Iterable, size: int) -> list:
     Raises:
         SerializationError: an item cannot be pickled (so ``map`` fails at submit).
     """
+    pieces: Iterator[Sequence[Any]]
     if isinstance(iterable, (list, tuple, range)):
         pieces = (iterable[i:i + size] for i in range(0, len(iterable), size))
     else:
@@ -105,7 +106,7 @@ class Pool:
         self._state = INIT
         # a worker still importing the main script (no `if __name__ == "__main__":`
         # guard): refuse before any worker starts, so the parent says it once
-        mp_spawn._check_not_importing_main()
+        mp_spawn._check_not_importing_main()  # type: ignore[attr-defined]  # (not in typeshed)
         self._ctx = fibrl_context(context)
         processes = self._ctx.cpu_count() if processes is None else processes
         _check_args(processes, initializer, maxtasksperchild)
@@ -127,11 +128,12 @@ class Pool:
         return ctx.Process(*args, **kwds)
 
     # -- submitting ---------------------------------------------------------------------
-    def apply(self, func: Callable, args: tuple = (), kwds: dict = {}) -> Any:
+    # (the stdlib's signatures, defaults included; kwds is only read)
+    def apply(self, func: Callable, args: tuple = (), kwds: dict = {}) -> Any:  # noqa: B006
         """Call ``func(*args, **kwds)`` in a worker and wait for the result."""
         return self.apply_async(func, args, kwds).get()
 
-    def apply_async(self, func: Callable, args: tuple = (), kwds: dict = {},
+    def apply_async(self, func: Callable, args: tuple = (), kwds: dict = {},  # noqa: B006
                     callback: Optional[Callable] = None,
                     error_callback: Optional[Callable] = None) -> ApplyResult:
         """Like :meth:`apply`, returning an :class:`AsyncResult` at once.
@@ -190,12 +192,12 @@ class Pool:
                    chunksize: Optional[int], callback: Optional[Callable] = None,
                    error_callback: Optional[Callable] = None) -> MapResult:
         self._check_running()
-        if not hasattr(iterable, "__len__"):
-            iterable = list(iterable)
-        chunksize = self._chunksize(len(iterable), chunksize)
-        result = MapResult(self, len(iterable), callback, error_callback)
-        if len(iterable):
-            self._engine.submit(result, func, kind, chunked(iterable, chunksize))
+        items = cast("Collection[Any]",
+                     iterable if hasattr(iterable, "__len__") else list(iterable))
+        chunksize = self._chunksize(len(items), chunksize)
+        result = MapResult(self, len(items), callback, error_callback)
+        if len(items):
+            self._engine.submit(result, func, kind, chunked(items, chunksize))
         return result
 
     def _chunksize(self, length: int, chunksize: Optional[int]) -> int:

@@ -31,10 +31,17 @@ import enum
 import pickle
 from dataclasses import dataclass, fields
 from operator import attrgetter
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, TypeVar, cast
 
 from .. import serialization
 from ..messages import RemoteError
+
+if TYPE_CHECKING:  # (typing has it from 3.11 on; fibrl needs no typing_extensions to run)
+    from _typeshed import DataclassInstance
+    from typing_extensions import dataclass_transform
+else:
+    def dataclass_transform(**kwargs: Any) -> Any:
+        return lambda decorator: decorator
 
 __all__ = ["Kind", "TaskSpec", "Batch", "Report", "Raised", "WorkerArgs", "LOADING", "message",
            "pack", "unpack", "ResultSink", "INIT", "RUN", "CLOSE", "TERMINATE"]
@@ -98,15 +105,22 @@ def unpack(data: bytes) -> Any:
         raise serialization.unpickle_error(exc) from exc
 
 
-def message(cls: type) -> type:
+_M = TypeVar("_M")
+
+
+@dataclass_transform(frozen_default=True)
+def message(cls: type[_M]) -> type[_M]:
     """Make ``cls`` a frozen slotted dataclass that pickles as a constructor call."""
     cls = dataclass(frozen=True, slots=True)(cls)
-    names = [f.name for f in fields(cls)]
+    names = [f.name for f in fields(cast("type[DataclassInstance]", cls))]
     getter = attrgetter(*names)
     if len(names) == 1:
-        cls.__reduce__ = lambda self: (cls, (getter(self),))
+        def reduce(self: object) -> tuple[Any, ...]:
+            return (cls, (getter(self),))
     else:
-        cls.__reduce__ = lambda self: (cls, getter(self))
+        def reduce(self: object) -> tuple[Any, ...]:
+            return (cls, getter(self))
+    cls.__reduce__ = reduce  # type: ignore[method-assign]  # set once, as the class is made
     return cls
 
 

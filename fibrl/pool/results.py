@@ -189,9 +189,11 @@ class IMapIterator(ResultSink):
         with self._cond:
             item = self._take(timeout)
             self._index += 1
-            poke = self._hook is not None and self._index % self._hook_every == 0
-        if poke:
-            self._hook()
+            hook = self._hook
+            if hook is not None and self._index % self._hook_every:
+                hook = None  # not its turn
+        if hook is not None:
+            hook()
         ok, value = outcome(item)
         if ok:
             return value

@@ -84,6 +84,7 @@ def _push(stack: list, exc: Exception) -> None:
 
 
 class _Forgiving(pickle._Unpickler):  # the pure-Python one: its opcodes can be wrapped
+    stack: list  # (set by load(); typeshed does not declare it)
     dispatch = dict(pickle._Unpickler.dispatch)
     for _op, _recover in ((pickle.REDUCE, _replace_top), (pickle.BUILD, _replace_top),
                           (pickle.NEWOBJ, _push), (pickle.NEWOBJ_EX, _push)):

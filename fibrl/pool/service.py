@@ -124,8 +124,11 @@ class _Task:
         self.careful = False
         self.running: Optional[int] = None  # careful: what its holder said it started
         self.cost = 0.0
-        self.attempts, self.codes = 0, []          # charged to item ``lo``
-        self.base_attempts, self.base_codes = 0, []  # charged to every item left
+        # lost workers and their exit codes (None: unknown)
+        self.attempts = 0
+        self.codes: list[Optional[int]] = []       # charged to item ``lo``
+        self.base_attempts = 0
+        self.base_codes: list[Optional[int]] = []  # charged to every item left
         self.done = False
         self.killed_loading = False  # a holder died unpickling it: never unpickle it here
 

@@ -33,7 +33,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Optional
 
-from .service import LOST_GRACE_S, PoolService
+from .service import LOST_GRACE_S, Hooks, PoolService
 from .worker import run_worker
 
 __all__ = ["Supervisor"]
@@ -44,7 +44,7 @@ _MAX_STARTERS = 8
 _SELECT_S = 5.0
 
 
-class Supervisor:
+class Supervisor(Hooks):
     """Keeps the service's wanted number of worker processes running.
 
     Args:

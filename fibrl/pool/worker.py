@@ -43,14 +43,14 @@ _MAX_FUNCS = 256
 def run_worker(args: WorkerArgs) -> None:
     """Entry point of a pool worker process."""
     hub = get_hub()
-    if args.init is not None and not _initialize(hub, args):
+    if args.init is not None and not _initialize(hub, args, args.init):
         return
     _Loop(hub, args).run()
 
 
-def _initialize(hub: Any, args: WorkerArgs) -> bool:
+def _initialize(hub: Any, args: WorkerArgs, init: bytes) -> bool:
     try:
-        initializer, initargs = serialization.loads(args.init)
+        initializer, initargs = serialization.loads(init)
         initializer(*initargs)
         return True
     except BaseException as exc:  # reported to the parent, which fails the pool clearly
@@ -75,7 +75,7 @@ class _Loop:
         self._address, self._oid, self._wid = args.address, args.oid, args.wid
         self._client = hub.client(args.address)
         self._local: deque[TaskSpec] = deque()
-        self._funcs: OrderedDict[int, Callable] = OrderedDict()
+        self._funcs: OrderedDict[int, Callable | bytes] = OrderedDict()  # bytes: not loaded
         self._results: list[Report] = []
         self._request: Any = None     # the outstanding next() Handle
         self._refill = 0
@@ -183,7 +183,7 @@ class _Loop:
         try:
             return func, unpack(task.payload)
         except Exception as exc:  # every item fails with the reason
-            items = ((), {}) if task.kind == Kind.APPLY else [()] * task.n
+            items: Any = ((), {}) if task.kind == Kind.APPLY else [()] * task.n
             return _Broken(exc), items
 
     # -- running tasks ------------------------------------------------------------------

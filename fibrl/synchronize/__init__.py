@@ -173,6 +173,7 @@ class Semaphore(LockHandle):
         return self._call("get_value")
 
     def __repr__(self) -> str:
+        value: int | str
         try:
             value = self.get_value()
         except Exception:
@@ -186,6 +187,8 @@ class BoundedSemaphore(Semaphore):
     _bounded = True
 
     def __repr__(self) -> str:
+        value: int | str
+        maxvalue: int | str | None
         try:
             state = self._lock_state()
             value, maxvalue = state.value, state.maxvalue
@@ -329,8 +332,10 @@ class Barrier(HostedHandle):
         return turn.index
 
     def _run_action(self) -> None:
+        action = self._action
+        assert action is not None  # the service asks only a barrier with an action to run it
         try:
-            self._action()
+            action()
         except BaseException:
             self._call("action_done", False)
             raise

@@ -57,7 +57,7 @@ class _Waiter:
         self.who = who
         self.count = count
         self.token = token
-        self.timer = None
+        self.timer: Optional[list] = None  # the Timers entry of its timeout
         self.result = True
         self.run = run
 

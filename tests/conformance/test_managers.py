@@ -198,7 +198,7 @@ def test_namespace_value_and_array_proxies(manager):
     assert (ns.x, ns.y) == (1, 2)
     del ns.x
     with pytest.raises(AttributeError):
-        ns.x
+        _ = ns.x
     assert str(ns) == "Namespace(y=2)"
     value = manager.Value("i", 3)
     value.value += 1
@@ -332,12 +332,12 @@ def test_reference_counting_frees_objects(manager):
     assert manager._number_of_objects() == base
 
 
-# -- custom managers --------------------------------------------------------------------------------
+# -- custom managers -------------------------------------------------------------------------------
 def test_custom_manager_registry_options(calcs):
     calc = calcs.Calc(10)
     assert calc.add(1, 2) == 3 and calc.accumulate(5) == 15
     with pytest.raises(AttributeError):
-        calc._private
+        _ = calc._private
     store = calcs.Store()
     child = store.calc("a")  # method_to_typeid: a proxy, not a copy
     assert child.accumulate(2) == 2 and store.calc("a").accumulate(1) == 3
@@ -412,7 +412,7 @@ def test_serve_forever_at_a_fixed_address(ctx):
         p.join(TIMEOUT)
 
 
-# -- AsyncManager -----------------------------------------------------------------------------------
+# -- AsyncManager ----------------------------------------------------------------------------------
 def test_async_manager_seed_example(ctx):
     m = AsyncCalcManager(ctx=ctx)
     m.start()
@@ -542,7 +542,9 @@ def test_a_sync_proxy_call_is_one_request_and_one_reply(monkeypatch):
         items = manager.list(range(5))
         assert len(items) == 5          # the line is connected; setup traffic is over
         for name in counts:
-            def counted(self, *args, _orig=getattr(transport.Channel, name), _name=name, **kw):
+            orig = getattr(transport.Channel, name)
+
+            def counted(self, *args, _orig=orig, _name=name, **kw):
                 counts[_name] += 1
                 return _orig(self, *args, **kw)
             monkeypatch.setattr(transport.Channel, name, counted)

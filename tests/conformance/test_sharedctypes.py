@@ -7,13 +7,13 @@ Worker functions are made by ``_workers()`` so they travel by value.
 import ctypes
 import time
 import types
+from ctypes.wintypes import POINT  # a Structure any worker can import (x, y: c_long)
 
 import pytest
 
 from conftest import join_all, run_process
 
 TIMEOUT = 60
-from ctypes.wintypes import POINT  # a Structure any worker can import (x, y: c_long)
 
 
 class Point(ctypes.Structure):  # the CPython docs' example type

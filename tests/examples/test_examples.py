@@ -95,8 +95,8 @@ def test_evolution_strategies(ctx, tmp_path):
     example = load("evolution_strategies")
     png = tmp_path / "es.png"
     history = example.main(example.parse([
-        "--backend", ctx.get_start_method(), "--workers", "2", "--generations", "2", "--population", "4", "--episodes", "1",
-        "--plot", str(png)]))
+        "--backend", ctx.get_start_method(), "--workers", "2", "--generations", "2",
+        "--population", "4", "--episodes", "1", "--plot", str(png)]))
     assert [h["generation"] for h in history] == [0, 1]
     assert all(h["max"] >= h["mean"] > 0 for h in history)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -12,10 +12,10 @@ import textwrap
 import pytest
 
 import fibrl
-
-pytestmark = pytest.mark.docker
 from conftest import docker_available, wait_until
 from fibrl.backends import docker as dockerbackend
+
+pytestmark = pytest.mark.docker
 TIMEOUT = 60
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

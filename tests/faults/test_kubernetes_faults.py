@@ -137,7 +137,8 @@ def test_workers_exit_when_the_parent_outside_the_cluster_is_killed(kube_cluster
                          "-n", kube_cluster.namespace)
     assert {f"pod/{n}" for n in names} <= set(stopped.stdout.split()), stopped.stderr
     assert any(line.startswith("secret/") for line in stopped.stdout.split())
-    wait_until(lambda: not _pods(core, kube_cluster.namespace, f"fibrl.run={run}"), "pods deleted", TIMEOUT)
+    wait_until(lambda: not _pods(core, kube_cluster.namespace, f"fibrl.run={run}"),
+               "pods deleted", TIMEOUT)
 
 
 def test_killing_the_parent_pod_takes_its_workers(kube_cluster, core):
@@ -152,7 +153,8 @@ def test_killing_the_parent_pod_takes_its_workers(kube_cluster, core):
         workers = wait_until(lambda: len(_workers(core, namespace, run, "Running")) == 2
                         and _workers(core, namespace, run), "two running worker pods", TIMEOUT)
         (parent,) = _pods(core, namespace, f"fibrl.run={run},fibrl.role=parent")
-        assert {r.uid for w in workers for r in w.metadata.owner_references} == {parent.metadata.uid}
+        assert {r.uid for w in workers for r in w.metadata.owner_references} \
+            == {parent.metadata.uid}
         assert {w.spec.service_account_name for w in workers} == {parent.spec.service_account_name}
         core.delete_namespaced_pod(parent.metadata.name, namespace, grace_period_seconds=0,
                                    _request_timeout=10)
@@ -163,4 +165,5 @@ def test_killing_the_parent_pod_takes_its_workers(kube_cluster, core):
               "the cluster to delete the run's Secret (owned by the parent pod)", timeout=30)
     finally:
         _fibrl_cli("stop", run, *options)
-    wait_until(lambda: not _pods(core, namespace, f"fibrl.run={run}"), "no pod of the run left", TIMEOUT)
+    wait_until(lambda: not _pods(core, namespace, f"fibrl.run={run}"), "no pod of the run left",
+               TIMEOUT)

@@ -69,7 +69,8 @@ def test_ttl_controller_removes_a_finished_job_and_its_pod(real, admin):
     # the Job controller saw it succeed and the TTL controller deleted the Job
     _wait_gone(lambda **kw: batch.read_namespaced_job(name, real.namespace, **kw), f"Job {name}")
     deadline = time.monotonic() + WAIT
-    while core.list_namespaced_pod(real.namespace, label_selector=f"job-name={name}", _request_timeout=10).items:
+    while core.list_namespaced_pod(real.namespace, label_selector=f"job-name={name}",
+                                   _request_timeout=10).items:
         assert time.monotonic() < deadline, f"pods of Job {name} outlived it (garbage collector)"
         time.sleep(0.2)
 
@@ -77,12 +78,15 @@ def test_ttl_controller_removes_a_finished_job_and_its_pod(real, admin):
 def test_garbage_collector_deletes_what_an_object_owns(real, admin):
     core, _ = admin
     name = f"owner-{time.monotonic_ns() % 10**8}"
-    owner = core.create_namespaced_config_map(real.namespace, {"metadata": {"name": name}}, _request_timeout=10)
+    owner = core.create_namespaced_config_map(real.namespace, {"metadata": {"name": name}},
+                                              _request_timeout=10)
     ref = {"apiVersion": "v1", "kind": "ConfigMap", "name": name, "uid": owner.metadata.uid}
-    core.create_namespaced_secret(real.namespace, {"metadata": {"name": name, "ownerReferences": [ref]},
-                                                   "stringData": {"k": "v"}}, _request_timeout=10)
+    core.create_namespaced_secret(real.namespace,
+                                  {"metadata": {"name": name, "ownerReferences": [ref]},
+                                   "stringData": {"k": "v"}}, _request_timeout=10)
     core.delete_namespaced_config_map(name, real.namespace, _request_timeout=10)
-    _wait_gone(lambda **kw: core.read_namespaced_secret(name, real.namespace, **kw), f"Secret {name}")
+    _wait_gone(lambda **kw: core.read_namespaced_secret(name, real.namespace, **kw),
+               f"Secret {name}")
 
 
 def test_the_backends_account_has_only_what_rbac_yaml_grants(real):
@@ -109,7 +113,8 @@ def test_the_node_agents_node_is_ready_with_a_fresh_lease(real):
     with real.client() as api:
         nodes = client.CoreV1Api(api).list_node(_request_timeout=10).items
         ready = [n.metadata.name for n in nodes
-                 if any(c.type == "Ready" and c.status == "True" for c in n.status.conditions or [])]
+                 if any(c.type == "Ready" and c.status == "True"
+                        for c in n.status.conditions or [])]
         assert ready, f"no Ready node among {[n.metadata.name for n in nodes]}"
         lease = client.CoordinationV1Api(api).read_namespaced_lease(ready[0], "kube-node-lease",
                                                                    _request_timeout=10)
@@ -216,10 +221,10 @@ def _node_ready(core) -> dict:
 def test_a_worker_whose_node_goes_away_is_ended_and_a_new_one_waits_for_a_node(
         backend_init, admin):
     """The node agent crashed with its pods' processes (a machine that lost power): nothing
-    reports their exit, and the API server shows them Running. The parent hears the worker's connection
-    end; after the backend's silent_exit_s (60 s) with no exit reported it deletes the pod,
-    and join() returns -9. The controller-manager marks the node NotReady (its 40 s grace);
-    a worker started then waits in Pending and runs once the node is back."""
+    reports their exit, and the API server shows them Running. The parent hears the worker's
+    connection end; after the backend's silent_exit_s (60 s) with no exit reported it deletes
+    the pod, and join() returns -9. The controller-manager marks the node NotReady (its 40 s
+    grace); a worker started then waits in Pending and runs once the node is back."""
     from fibrl.backends.kubernetes import KubernetesBackend
 
     core, _ = admin

@@ -241,10 +241,10 @@ class EnvResolver:
         rt = SECRETS if kind == "Secret" else CONFIGMAPS
         try:
             obj = self._api.get(rt, namespace, ref.get("name", ""))
-        except ApiError:
+        except ApiError as exc:
             if ref.get("optional"):
                 return None
-            raise ConfigError(f'{"secret" if kind == "Secret" else "configmap"} "{ref.get("name")}" not found')
+            raise ConfigError(f'{"secret" if kind == "Secret" else "configmap"} "{ref.get("name")}" not found') from exc
         data = dict(obj.get("data") or {})
         if kind == "Secret":
             data = {k: base64.b64decode(v).decode("utf-8", "replace") for k, v in data.items()}
@@ -477,7 +477,8 @@ class PodWorker:
                 return True
             if message != reported:
                 reported = message
-                self.update(lambda p: set_condition(p["status"], "PodScheduled", "False", "Unschedulable", message))
+                self.update(lambda p, message=message: set_condition(
+                    p["status"], "PodScheduled", "False", "Unschedulable", message))
                 self.record("Warning", "FailedScheduling", message, component="default-scheduler")
             generation = self._wait_for_change(generation)
         return False

@@ -141,7 +141,7 @@ def json_patch(target: dict, operations) -> dict:
         except (KeyError, IndexError, ValueError, TypeError) as exc:
             raise ApiError(422, "Invalid", f"the server rejected our request due to an error in our "
                                            f"request: {op.get('op')} operation does not apply: "
-                                           f"doc is missing path: {op.get('path')!r} ({exc})")
+                                           f"doc is missing path: {op.get('path')!r} ({exc})") from exc
     return doc
 
 

@@ -334,9 +334,9 @@ def _decode_secret_data(data: dict) -> None:
     for key, value in data.items():
         try:
             base64.b64decode(value, validate=True)
-        except (binascii.Error, ValueError, TypeError):
+        except (binascii.Error, ValueError, TypeError) as exc:
             raise ApiError(400, "BadRequest", 'Secret in version "v1" cannot be handled as a Secret: '
-                                              f'illegal base64 data at input byte 0 (key {key!r})')
+                                              f'illegal base64 data at input byte 0 (key {key!r})') from exc
 
 
 def _key_errors(keys, path: str) -> list[FieldError]:
@@ -421,4 +421,4 @@ def parse_body(raw: bytes, content_type: str = "application/json"):
             return yaml.safe_load(raw.decode() or "null")
         return json.loads(raw.decode() or "null")
     except (ValueError, UnicodeDecodeError) as exc:
-        raise ApiError(400, "BadRequest", f"the body of the request could not be decoded: {exc}")
+        raise ApiError(400, "BadRequest", f"the body of the request could not be decoded: {exc}") from exc

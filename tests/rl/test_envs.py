@@ -5,7 +5,6 @@ import functools
 import multiprocessing
 import subprocess
 import sys
-import time
 
 import pytest
 

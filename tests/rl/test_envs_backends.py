@@ -22,7 +22,8 @@ def policy(obs):
 
 
 def test_seed_snippet(ctx):
-    manager = RemoteEnvManager(); manager.start()
+    manager = RemoteEnvManager()
+    manager.start()
     try:
         envs = [manager.Env() for _ in range(10)]
         obs = [h.get(timeout=60) for h in [e.reset() for e in envs]]

@@ -284,7 +284,8 @@ def test_killed_store_gives_clients_a_clear_error():
         waiter.join(30)
         assert isinstance(error, ReplayStoreLost), repr(error)
         start = time.monotonic()
-        with pytest.raises(ReplayStoreLost, match="replay store server is gone .*lost the manager server at .*restore"):
+        with pytest.raises(ReplayStoreLost, match="replay store server is gone "
+                                                  ".*lost the manager server at .*restore"):
             store.insert({"x": np.arange(2)})
         assert time.monotonic() - start < 30
     finally:

@@ -67,7 +67,7 @@ def test_closing_never_waits_for_a_pipe_callback_that_waits_for_the_lock():
         done = subprocess.run([sys.executable, script], env=env, capture_output=True,
                               text=True, timeout=60)
     except subprocess.TimeoutExpired as exc:
-        raise AssertionError(f"the race script hung: {exc.stdout!r} {exc.stderr!r}")
+        raise AssertionError(f"the race script hung: {exc.stdout!r} {exc.stderr!r}") from exc
     assert done.stdout.strip() == "closed", done.stdout + done.stderr
 
 

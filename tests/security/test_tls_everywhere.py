@@ -1,7 +1,7 @@
 """TLS covers every listener fibrl opens: a program with ``tls=True`` that runs a Pool,
-a Manager, a Queue, a RemoteVectorEnv with local workers and a ``fibrl.channel`` listener is scanned for listening
-TCP sockets (its own and its workers'), and each one is sent what a plaintext client
-sends first.
+a Manager, a Queue, a RemoteVectorEnv with local workers and a ``fibrl.channel`` listener
+is scanned for listening TCP sockets (its own and its workers'), and each one is sent what
+a plaintext client sends first.
 
 "Refuses plaintext" means, for each listening socket: a client that sends nng's SP
 header (Req0) and a fibrl hello in the clear gets the connection closed within

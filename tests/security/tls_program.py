@@ -4,9 +4,9 @@ RemoteVectorEnv with local workers and a ``fibrl.channel`` listener, all in use.
 
 Usage: python tls_program.py [envs] (``envs``: the RemoteVectorEnv only). Prints
 "stepped <n>" once the vector env has reset and stepped with TLS, "envs <pid> ..." (the
-env workers), "channel <port>" (the channel listener, once a worker used it), then "ready <pid> ..." (the
-manager's server and the pool's workers), so that the test can check it found them all,
-and waits for "quit" on stdin.
+env workers), "channel <port>" (the channel listener, once a worker used it), then
+"ready <pid> ..." (the manager's server and the pool's workers), so that the test can check
+it found them all, and waits for "quit" on stdin.
 """
 import os
 import sys

@@ -282,7 +282,8 @@ def test_run_follow_resumes_a_log_stream_that_went_silent(launcher, kube_cluster
     monkeypatch.setattr(kube_launch, "_FOLLOW_READ_TIMEOUT", 1.0, raising=False)
     # the first stream sends two lines, then nothing, and is never closed
     kube_cluster.fake.stall_log_streams(count=1, after_lines=2)
-    script = "import time\nfor i in range(8):\n    print('line', i, flush=True)\n    time.sleep(0.3)\n"
+    script = ("import time\nfor i in range(8):\n    print('line', i, flush=True)\n"
+              "    time.sleep(0.3)\n")
     run = _launch(launcher, runs, kube_cluster.image, ("python", "-c", script))
     out = io.BytesIO()
     follow = concurrent.futures.ThreadPoolExecutor(1)
@@ -298,7 +299,7 @@ def test_run_follow_resumes_a_log_stream_that_went_silent(launcher, kube_cluster
     # every line once, in order, though the resumed stream repeats the lines of the second
     # it resumes from (sinceTime has whole seconds)
     assert out.getvalue().decode().splitlines() == [f"line {i}" for i in range(8)]
-    streams = [r for r in kube_cluster.fake.requests if r.path.endswith(f"/log")]
+    streams = [r for r in kube_cluster.fake.requests if r.path.endswith("/log")]
     assert len(streams) >= 2
 
 

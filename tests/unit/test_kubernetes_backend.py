@@ -128,7 +128,8 @@ def test_pod_names_are_rfc1123_labels_and_unique(name):
 def test_label_values_are_valid():
     for text in ("Process-1:2", "-a-", "x" * 100, "ok"):
         value = label_value(text)
-        assert re.match(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$", value) and len(value) <= 63
+        assert re.match(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$", value) \
+            and len(value) <= 63
 
 
 @pytest.mark.parametrize("given,expected", [("512m", "512Mi"), ("2g", "2Gi"), ("1.5g", "1536Mi"),
@@ -345,7 +346,8 @@ def test_image_pull_failure_is_reported_not_waited_on(kube_init, fake, caplog):
 
 def _waiting_pod(reason):
     return {"status": {"phase": "Pending", "containerStatuses": [
-        {"name": "worker", "state": {"waiting": {"reason": reason, "message": "registry said no"}}}]}}
+        {"name": "worker",
+         "state": {"waiting": {"reason": reason, "message": "registry said no"}}}]}}
 
 
 @pytest.mark.parametrize("reason,stuck,fatal", [
@@ -372,7 +374,8 @@ def test_unschedulable_pod_reports_the_schedulers_reason(kube_init):
     reason = p._popen.job.failure_reason()
     # the scheduler's own words: 1.20 says "didn't match Pod's node affinity", later
     # versions "didn't match Pod's node affinity/selector"
-    assert "Unschedulable" in reason and re.search(r"didn.t match Pod.s node affinity", reason), reason
+    assert "Unschedulable" in reason \
+        and re.search(r"didn.t match Pod.s node affinity", reason), reason
     assert "kubernetes_pending_timeout" in reason
 
 
@@ -599,7 +602,8 @@ def test_worker_pods_of_a_pod_carry_an_owner_reference(kube_init, core, kube_set
     names = {out.get(timeout=NESTED_WAIT), out.get(timeout=NESTED_WAIT)}
     child = p._popen.job.name
     (grandchild,) = names - {child}
-    refs = core.read_namespaced_pod(grandchild, namespace, _request_timeout=10).metadata.owner_references
+    refs = core.read_namespaced_pod(grandchild, namespace,
+                                    _request_timeout=10).metadata.owner_references
     owner = core.read_namespaced_pod(child, namespace, _request_timeout=10)
     assert [(r.kind, r.name, r.uid) for r in refs] == [("Pod", child, owner.metadata.uid)]
     core.delete_namespaced_pod(child, namespace, _request_timeout=10)   # the parent pod goes ...

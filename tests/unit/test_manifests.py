@@ -39,8 +39,10 @@ BARE = KubeSettings.from_config(Config())
 
 def _spec(**kw):
     base = dict(command=("python", "-m", "fibrl.bootstrap", "tcp://10.0.0.7:41234", "handover-3"),
-                image="fibrl:latest", env={"FIBRL_SECRET": "ab" * 32, "FIBRL_RUN_ID": "3f2a9c01be77"},
-                labels={"fibrl.run": "3f2a9c01be77", "fibrl.parent": "4242", "fibrl.role": "process"},
+                image="fibrl:latest",
+                env={"FIBRL_SECRET": "ab" * 32, "FIBRL_RUN_ID": "3f2a9c01be77"},
+                labels={"fibrl.run": "3f2a9c01be77", "fibrl.parent": "4242",
+                        "fibrl.role": "process"},
                 name="SpawnPoolWorker-1:3", workdir="/app")
     base.update(kw)
     return JobSpec(**base)
@@ -163,10 +165,10 @@ def test_pods_meet_the_restricted_pod_security_standard(which):
 def test_pods_opt_out_of_mesh_sidecars_and_jobs_expire():
     pod = MANIFESTS["worker pod, defaults"]()
     job = MANIFESTS["launcher job, defaults"]()
-    for annotations in (pod["metadata"]["annotations"],
-                        job["spec"]["template"]["metadata"]["annotations"]):
-        assert annotations["sidecar.istio.io/inject"] == "false"
-        assert annotations["linkerd.io/inject"] == "disabled"
+    for notes in (pod["metadata"]["annotations"],
+                  job["spec"]["template"]["metadata"]["annotations"]):
+        assert notes["sidecar.istio.io/inject"] == "false"
+        assert notes["linkerd.io/inject"] == "disabled"
     assert job["spec"]["ttlSecondsAfterFinished"] == 3600
 
 

@@ -49,7 +49,8 @@ class _Core:
 
 
 def _pod(**meta) -> dict:
-    return {"metadata": {"name": "p", "namespace": "ns", "uid": "u-1", "resourceVersion": "7", **meta},
+    return {"metadata": {"name": "p", "namespace": "ns", "uid": "u-1", "resourceVersion": "7",
+                         **meta},
             "spec": {"nodeName": "fibrl-node"}, "status": {"phase": "Pending"}}
 
 
@@ -81,7 +82,8 @@ def test_finishing_a_deleted_pod_is_a_delete_with_grace_0_and_the_uid():
     core = _Core(_pod(deletionTimestamp="2026-01-01T00:00:00Z", deletionGracePeriodSeconds=30))
     _store(core).update(("pods", "ns", "p"),
                         lambda pod: pod["metadata"].update(deletionGracePeriodSeconds=0))
-    assert core.calls == [("delete", "p", {"gracePeriodSeconds": 0, "preconditions": {"uid": "u-1"}})]
+    assert core.calls == [("delete", "p",
+                           {"gracePeriodSeconds": 0, "preconditions": {"uid": "u-1"}})]
 
 
 def test_the_node_status_is_a_complete_node_system_info():

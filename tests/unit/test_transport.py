@@ -369,7 +369,8 @@ def test_listener_dying_mid_handshake_fails_the_connect_at_once():
             data.close()
             rep.close()
 
-    _connect_fails_at_once(address, fake_listener, "closed the connection during the authentication")
+    _connect_fails_at_once(address, fake_listener,
+                           "closed the connection during the authentication")
 
 
 def test_listener_dying_before_it_gives_its_data_address_fails_at_once(monkeypatch):

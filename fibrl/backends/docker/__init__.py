@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from .backend import DockerBackend
 from .engine import (LABEL_HOST, LABEL_PIDNS, LOG_TAIL_LINES, connect, container_name,
-                     exit_code, in_worker_container)
+                     exit_code, in_worker_container, sdk, sdk_errors)
 from .housekeeping import (collect_orphans, label_filters, list_containers, pid_namespace,
                            remove_containers, remove_when_stopped)
 from .job import DockerJob
@@ -36,4 +36,4 @@ from .reaper import REAP_WAIT, start_reaper
 __all__ = ["DockerBackend", "DockerJob", "connect", "container_name", "exit_code",
            "in_worker_container", "list_containers", "pid_namespace", "remove_containers",
            "remove_when_stopped", "label_filters", "collect_orphans", "start_reaper",
-           "REAP_WAIT", "LABEL_HOST", "LABEL_PIDNS", "LOG_TAIL_LINES"]
+           "REAP_WAIT", "LABEL_HOST", "LABEL_PIDNS", "LOG_TAIL_LINES", "sdk", "sdk_errors"]

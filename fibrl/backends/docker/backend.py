@@ -28,8 +28,8 @@ from ...config import Config
 from ...errors import BackendError, describe_exitcode
 from .. import base
 from ..base import LABEL_BACKEND, LABEL_ROLE, Backend, Job, JobSpec
-from .engine import (LABEL_HOST, LABEL_PIDNS, LOG_TAIL_LINES, _engine_address, _sdk,
-                     _sdk_errors, connect, container_name, exit_code, in_worker_container)
+from .engine import (LABEL_HOST, LABEL_PIDNS, LOG_TAIL_LINES, _engine_address, sdk,
+                     sdk_errors, connect, container_name, exit_code, in_worker_container)
 from .housekeeping import _remove_quietly, collect_orphans, pid_namespace, remove_containers
 from .job import DockerJob
 from .reaper import start_reaper
@@ -88,7 +88,7 @@ class DockerBackend(Backend):
         self._client: Any = None
         self._lock = threading.Lock()
         self._images: set = set()
-        self._checks: dict = {}
+        self._checks: dict[tuple, _Check] = {}
         self._jobs: weakref.WeakSet = weakref.WeakSet()
         self._ncpu: Optional[int] = None
         self._nested: Optional[bool] = None
@@ -113,7 +113,7 @@ class DockerBackend(Backend):
         if self._ncpu is None:
             try:
                 self._ncpu = int(self.client.info()["NCPU"])
-            except _sdk_errors() as exc:
+            except sdk_errors() as exc:
                 raise BackendError(f"cannot ask the docker engine at {_engine_address()} "
                                    f"for its CPU count: {exc}. Check `docker info`.") from exc
         return self._ncpu
@@ -157,7 +157,7 @@ class DockerBackend(Backend):
 
     def _engine_reachable(self) -> bool:
         try:
-            self.client
+            _ = self.client   # connects, or raises
         except BackendError:
             return False
         return True
@@ -242,7 +242,7 @@ class DockerBackend(Backend):
         with self._lock:
             check = self._checks.get(key)
             mine = check is None
-            if mine:
+            if check is None:
                 check = self._checks[key] = _Check()
         if mine:
             check.run(lambda: self._probe(image, spec, kwargs))
@@ -254,7 +254,7 @@ class DockerBackend(Backend):
     def _require_image(self, image: str) -> None:
         if image in self._images:
             return
-        docker = _sdk()
+        docker = sdk()
         try:
             self.client.images.get(image)
         except docker.errors.ImageNotFound as exc:
@@ -263,7 +263,7 @@ class DockerBackend(Backend):
                 f"{_engine_address()}. Fix: build it with docker/build-image.sh (or "
                 f"`docker build -t {image} .` in the fibrl source tree), pull it, or set "
                 f"image=... (fibrl.init(image=...) or FIBRL_IMAGE).") from exc
-        except _sdk_errors() as exc:
+        except sdk_errors() as exc:
             raise BackendError(f"cannot look up image {image!r} on the docker engine at "
                                f"{_engine_address()}: {exc}. Check `docker info`.") from exc
         self._images.add(image)
@@ -282,7 +282,7 @@ class DockerBackend(Backend):
             container.start()
             status = self._wait_for_probe(container)
             output = container.logs(tail=LOG_TAIL_LINES).decode("utf-8", "replace")
-        except _sdk_errors() as exc:
+        except sdk_errors() as exc:
             raise _start_error(image, exc) from exc
         finally:
             _remove_quietly(self.client.api, container.id)
@@ -308,11 +308,11 @@ class DockerBackend(Backend):
     def _create(self, kwargs: dict, image: str) -> Any:
         try:
             return self.client.containers.create(**kwargs)
-        except _sdk().errors.ImageNotFound as exc:
+        except sdk().errors.ImageNotFound as exc:
             self._images.discard(image)  # removed since it was checked
             self._require_image(image)
             raise _start_error(image, exc) from exc
-        except _sdk_errors() as exc:
+        except sdk_errors() as exc:
             raise _start_error(image, exc) from exc
 
     def _start(self, spec: JobSpec, image: str, kwargs: dict) -> DockerJob:
@@ -326,9 +326,9 @@ class DockerBackend(Backend):
             stream = api.attach(container.id, stdout=True, stderr=True, stream=True,
                                 logs=True, demux=True)
             api.start(container.id)
-            if stdin is not None:
+            if stdin is not None and secret is not None:   # stdin: only with a secret
                 _hand_secret(stdin, secret)
-        except (OSError, *_sdk_errors()) as exc:
+        except (OSError, *sdk_errors()) as exc:
             _remove_quietly(api, container.id)
             raise _start_error(image, exc) from exc
         job = DockerJob(spec, api, container.id, name, stream)
@@ -369,7 +369,7 @@ def _resources(spec: JobSpec) -> dict:
     if spec.memory:
         limits["mem_limit"] = limits["memswap_limit"] = spec.memory  # no swap: OOM kills
     if spec.gpu:
-        docker = _sdk()
+        docker = sdk()
         limits["device_requests"] = [docker.types.DeviceRequest(count=int(spec.gpu),
                                                                 capabilities=[["gpu"]])]
     return limits

@@ -28,7 +28,9 @@ _MAX_SIGNAL = 64
 
 # -- the SDK and the engine ------------------------------------------------------------
 
-def _sdk():
+def sdk():
+    """The docker SDK module, or a BackendUnavailableError saying how to install it (a
+    project's own ``docker/`` folder does not pass for the SDK)."""
     try:
         import docker
     except ImportError as exc:
@@ -51,10 +53,11 @@ def in_worker_container() -> bool:
     return os.path.exists("/.dockerenv") and parent_process() is not None
 
 
-def _sdk_errors() -> tuple:
+def sdk_errors() -> tuple:
+    """The exceptions a call to the engine raises (the SDK's and its HTTP layer's)."""
     import requests
 
-    return (_sdk().errors.DockerException, requests.RequestException)
+    return (sdk().errors.DockerException, requests.RequestException)
 
 
 def _engine_address() -> str:
@@ -69,10 +72,10 @@ def connect(timeout: float = 60.0, pool_size: int = 64):
         >>> client.info()["NCPU"] > 0        # doctest: +SKIP
         True
     """
-    docker = _sdk()
+    docker = sdk()
     try:
         return docker.from_env(timeout=int(timeout), max_pool_size=pool_size)
-    except _sdk_errors() as exc:
+    except sdk_errors() as exc:
         raise BackendUnavailableError(
             f"cannot reach the docker engine at {_engine_address()} ({exc}). Likely cause: "
             f"dockerd is not running, DOCKER_HOST points to the wrong place, or this user "

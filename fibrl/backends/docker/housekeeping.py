@@ -16,7 +16,7 @@ import time
 from typing import Any, Optional
 
 from ..base import LABEL_BACKEND, LABEL_PARENT, LABEL_RUN
-from .engine import LABEL_HOST, LABEL_PIDNS, _sdk_errors, connect
+from .engine import LABEL_HOST, LABEL_PIDNS, sdk_errors, connect
 
 __all__ = ["label_filters", "list_containers", "remove_containers", "remove_when_stopped",
            "pid_namespace", "collect_orphans"]
@@ -80,7 +80,7 @@ def remove_when_stopped(containers: list, client: Any, wait: float) -> list:
     for container in containers:
         try:  # the request's timeout bounds the wait
             container.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except _sdk_errors():
+        except sdk_errors():
             pass
         if _remove_quietly(client.api, container.id):
             removed.append(container.name)
@@ -91,7 +91,7 @@ def _remove_quietly(api: Any, container_id: str) -> bool:
     try:
         api.remove_container(container_id, force=True)
         return True
-    except _sdk_errors() as exc:
+    except sdk_errors() as exc:
         if getattr(exc, "status_code", None) == 404:
             return False
         log.warning("could not remove container %s: %s", container_id[:12], exc)
@@ -145,5 +145,5 @@ def collect_orphans(client: Any) -> None:
             parent = container.labels.get(LABEL_PARENT, "")
             if parent.isdigit() and not _pid_alive(int(parent)):
                 _remove_quietly(client.api, container.id)
-    except _sdk_errors() as exc:
+    except sdk_errors() as exc:
         log.debug("orphan container cleanup skipped: %s", exc)

@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 from ...errors import BackendError, describe_exitcode
 from ..base import Job, JobSpec, JobStatus
-from .engine import LOG_TAIL_LINES, _sdk_errors, exit_code
+from .engine import LOG_TAIL_LINES, sdk_errors, exit_code
 from .housekeeping import _remove_quietly
 
 __all__ = ["DockerJob"]
@@ -68,7 +68,7 @@ class DockerJob(Job):
         try:
             status = self._api.wait(self._id)["StatusCode"]
             self._state = self._api.inspect_container(self._id)["State"]
-        except _sdk_errors() as exc:
+        except sdk_errors() as exc:
             status = 255
             self._state = {"Error": f"lost track of the container: {exc}"}
         self._code = exit_code(status)
@@ -88,7 +88,7 @@ class DockerJob(Job):
             return JobStatus.SUCCEEDED if self._code == 0 else JobStatus.FAILED
         try:
             state = self._api.inspect_container(self._id)["State"]
-        except _sdk_errors():
+        except sdk_errors():
             return JobStatus.FAILED
         if state.get("Status") == "created":
             return JobStatus.PENDING
@@ -105,7 +105,7 @@ class DockerJob(Job):
             return
         try:
             self._api.kill(self._id, signal=sig)
-        except _sdk_errors() as exc:  # 404 gone, 409 not running: nothing to stop
+        except sdk_errors() as exc:  # 404 gone, 409 not running: nothing to stop
             if getattr(exc, "status_code", None) not in (404, 409):
                 raise BackendError(f"cannot send {sig} to container {self.name}: {exc}. "
                                    f"Check `docker info` and `docker ps -a`.") from exc
@@ -126,7 +126,7 @@ class DockerJob(Job):
     def _fetch_logs(self) -> str:
         try:
             raw = self._api.logs(self._id, stdout=True, stderr=True, tail=LOG_TAIL_LINES)
-        except _sdk_errors() as exc:
+        except sdk_errors() as exc:
             return f"<logs of container {self.name} unavailable: {exc}>"
         return raw.decode("utf-8", "replace")
 

@@ -139,7 +139,8 @@ class Api:
 
     Example:
         >>> api = Api(connect(settings, PodIdentity.detect()))      # doctest: +SKIP
-        >>> api.call("list", "pods", api.core.list_namespaced_pod, "default", limit=1)  # doctest: +SKIP
+        >>> api.call("list", "pods", api.core.list_namespaced_pod, "default",
+        ...          limit=1)                                    # doctest: +SKIP
         {'kind': 'PodList', ...}
     """
 
@@ -217,7 +218,8 @@ class Api:
             body = {"apiVersion": "authorization.k8s.io/v1", "kind": "SelfSubjectAccessReview",
                     "spec": {"resourceAttributes": attrs}}
             try:
-                review = self._once(self.authz.create_self_subject_access_review, (body,), {}, False)
+                review = self._once(self.authz.create_self_subject_access_review, (body,), {},
+                                    False)
             except Exception:  # no answer: the error keeps what the 403 itself said
                 return []
             if not (review.get("status") or {}).get("allowed"):
@@ -225,7 +227,7 @@ class Api:
         return missing
 
 
-def _urllib3_errors() -> type:
+def _urllib3_errors() -> type[Exception]:
     import urllib3
 
     return urllib3.exceptions.HTTPError

@@ -36,7 +36,7 @@ class Creator:
         self._create = create
         self._throttled = throttled
         self._max = self.size = max(1, batch)
-        self._queue: deque = deque()
+        self._queue: deque[Any] = deque()
         self._cond = threading.Condition()
         self._closed = False
         self.waves = 0
@@ -71,7 +71,7 @@ class Creator:
     def _next_wave(self) -> list:
         with self._cond:
             self._cond.wait_for(lambda: self._queue or self._closed)
-            wave = []
+            wave: list[Any] = []
             while self._queue and len(wave) < self.size:
                 job = self._queue.popleft()
                 if not job.ended:

@@ -23,7 +23,7 @@ What every pod fibrl creates carries::
 from __future__ import annotations
 
 import base64
-from typing import Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 from ..base import JobSpec
 from .settings import (ANNOTATION_NAME, CONTAINER, ENV_LISTEN_HOST, ENV_POD_NAME,
@@ -48,8 +48,8 @@ def owner_reference(identity: PodIdentity) -> dict:
 
 def _metadata(name: str, namespace: str, labels: Mapping[str, str],
               owner: Optional[dict], annotations: Optional[dict] = None) -> dict:
-    meta = {"name": name, "namespace": namespace,
-            "labels": {k: label_value(v) for k, v in labels.items()}}
+    meta: dict[str, Any] = {"name": name, "namespace": namespace,
+                            "labels": {k: label_value(v) for k, v in labels.items()}}
     if annotations:
         meta["annotations"] = dict(annotations)
     if owner:

@@ -34,7 +34,8 @@ from ...errors import BackendError, ConfigError
 from ..base import LABEL_BACKEND, LABEL_PARENT, LABEL_ROLE, LABEL_RUN
 
 __all__ = ["KubeSettings", "PodIdentity", "parse_pairs", "parse_tolerations", "parse_names",
-           "cpu_quantity", "memory_quantity", "port_range", "choose_port", "pod_image", "pod_name", "label_value", "OLDEST_KUBERNETES",
+           "cpu_quantity", "memory_quantity", "port_range", "choose_port", "pod_image",
+           "pod_name", "label_value", "OLDEST_KUBERNETES",
            "NEWEST_KUBERNETES", "LABEL_RUN", "LABEL_PARENT", "LABEL_ROLE", "LABEL_OWNER",
            "LABEL_BACKEND", "SECRET_KEY", "CONTAINER"]
 
@@ -127,7 +128,8 @@ def parse_tolerations(text: str, key: str = "kubernetes_tolerations") -> list:
 def _check_labels(labels: Mapping[str, str], key: str) -> dict:
     for name, value in labels.items():
         prefix, _, base = name.rpartition("/")
-        if not _LABEL_NAME.match(base) or len(base) > 63 or (prefix and not _DNS_SUBDOMAIN.match(prefix)):
+        if (not _LABEL_NAME.match(base) or len(base) > 63
+                or (prefix and not _DNS_SUBDOMAIN.match(prefix))):
             raise ConfigError(f"config {key}: {name!r} is not a valid label key. Fix: letters, "
                               f"digits, '-', '_' and '.', at most 63 characters.")
         if len(value) > 63 or not _LABEL_VALUE.match(value):
@@ -293,7 +295,8 @@ class KubeSettings:
                                                  "kubernetes_image_pull_secrets")),
             labels=labels,
             env=_check_env(parse_pairs(config.kubernetes_env, "kubernetes_env"), "kubernetes_env"),
-            pending_timeout=_positive(config.kubernetes_pending_timeout, "kubernetes_pending_timeout"),
+            pending_timeout=_positive(config.kubernetes_pending_timeout,
+                                      "kubernetes_pending_timeout"),
             create_batch=int(_positive(config.kubernetes_create_batch, "kubernetes_create_batch")),
             image_pull_policy=_pull_policy(config.kubernetes_image_pull_policy),
             run_as_user=_uid(config.kubernetes_run_as_user),

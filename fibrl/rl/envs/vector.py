@@ -44,16 +44,16 @@ import queue
 import threading
 import time
 from multiprocessing import TimeoutError as MpTimeoutError
-from typing import Any, Callable, Iterable, Optional, Sequence, Union
+from typing import Any, Callable, ClassVar, Iterable, Optional, Sequence, Union, cast
 
 import numpy as np
 from gymnasium.error import AlreadyPendingCallError, ClosedEnvironmentError, NoAsyncCallError
 from gymnasium.vector import AutoresetMode, VectorEnv
 from gymnasium.vector.utils import batch_space, create_empty_array
 
-from ... import get_context
-from ...connection import wait
 from ... import channel
+from ...connection import wait
+from ...context import default_context
 from ...errors import ChannelClosed, TransportError, describe_exitcode
 from .manager import make_gym_env
 from .protocol import (Broken, Call, Called, Close, Died, Hello, Reset, Result, Step, decode,
@@ -63,6 +63,8 @@ from .worker import serve
 __all__ = ["RemoteVectorEnv", "EnvCrashError", "AsyncState"]
 
 log = logging.getLogger(__name__)
+
+get_context = default_context.get_context  # what ``fibrl.get_context`` is
 
 _SLICE = 0.25  # seconds a direct receive waits before looking at deaths and Hellos
 
@@ -87,7 +89,9 @@ _MODES = {AutoresetMode.NEXT_STEP: "next_step", AutoresetMode.SAME_STEP: "same_s
 class _InfoBatch:
     """Builds gymnasium's batched info dict for ``num_envs`` envs (VectorEnv's own code)."""
 
-    _add_info = VectorEnv._add_info
+    # bound to this class: its recursive calls reach it through ``self``
+    _add_info: ClassVar[Callable[[Any, dict[str, Any], dict[str, Any], int], dict[str, Any]]] = (
+        VectorEnv._add_info)
 
     def __init__(self, num_envs: int) -> None:
         self.num_envs = num_envs
@@ -161,7 +165,9 @@ class RemoteVectorEnv(VectorEnv):
         self._max_restarts, self._window = max_restarts, restart_window
         self._split, self._start_timeout = (split if split >= 2 else 0), start_timeout
         self._direct = (backend or get_context().config.backend) == "local"
-        self._root = int(seed if seed is not None else np.random.SeedSequence().entropy % 2**63)
+        # a SeedSequence made without entropy draws an int (typed int | Sequence[int] | None)
+        self._root = int(seed if seed is not None
+                         else cast(int, np.random.SeedSequence().entropy) % 2**63)
         self._restart_counts = [0] * self.num_envs
         self._restart_times: collections.deque = collections.deque()
         self._seeds: list = [None] * self.num_envs
@@ -533,7 +539,9 @@ class RemoteVectorEnv(VectorEnv):
                                                      fn=np.zeros)
         rewards = np.zeros(n, dtype=np.float64)
         terms, truncs = np.zeros(n, dtype=np.bool_), np.zeros(n, dtype=np.bool_)
-        infos, start, order = {}, 0, []
+        infos: dict[str, Any] = {}
+        start = 0
+        order: list[tuple[int, dict]] = []
         for env_ids, msg, where in got:
             write_rows(self._obs, where, msg.obs)
             if by_id:

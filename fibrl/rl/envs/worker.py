@@ -69,8 +69,8 @@ class _Slot:
 
     def __init__(self, fn: Callable[[], Any], env_id: int, restarts: int) -> None:
         self.fn, self.env_id, self.restarts = fn, env_id, restarts
-        self.env = None
-        self.obs = None
+        self.env: Any = None   # the gymnasium env fn made (any Env-like object), once made
+        self.obs: Any = None   # its latest observation
         self.needs_reset = False
         self.restarted = False
 
@@ -216,7 +216,7 @@ class Worker:
         if slot.restarted:  # report the restart in place of this step
             slot.restarted = False
             slot.needs_reset = self.mode == NEXT_STEP
-            info = {RESTARTED: True}
+            info: dict[str, Any] = {RESTARTED: True}
             if self.mode == SAME_STEP:
                 info = {"final_obs": slot.obs, "final_info": {RESTARTED: True}, RESTARTED: True}
             return info, 0.0, False, True
@@ -234,7 +234,7 @@ class Worker:
         return info, reward, term, trunc
 
     def _call(self, msg: Call) -> Called:
-        values = []
+        values: list[Any] = []
         try:
             for k, slot in enumerate(self.slots):
                 if msg.values is not None:
@@ -284,7 +284,7 @@ def serve(index: int, gen: int, fns: list, env_ids: list, restarts: list, mode: 
     conn = channel.connect(address)
     outbox = _Outbox(conn)
     failed: list = []
-    stop = []
+    stop: list[bool] = []
 
     def on_direct(peer: Peer, data: Any) -> None:
         # the vector env's direct connection: answered here, in its reader thread

@@ -29,7 +29,7 @@ import itertools
 import os
 import sys
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, TypeVar
 
 import numpy as np
 
@@ -133,10 +133,16 @@ def _optional_array(value: Any) -> Optional[np.ndarray]:
     return None if value is None else _as_array(value)
 
 
-def _as_update(update: Any) -> Optional[tuple]:
+def _as_update(update: Any) -> Optional[tuple[np.ndarray, np.ndarray]]:
     if update is None:
         return None
     ids, priorities = update
+    return (_as_array(ids).astype(np.int64).reshape(-1),
+            _as_array(priorities).astype(np.float64).reshape(-1))
+
+
+def _update_arrays(ids: Any, priorities: Any) -> tuple[np.ndarray, np.ndarray]:
+    """The arrays of a priority update: :func:`_as_update` of an update known to be one."""
     return (_as_array(ids).astype(np.int64).reshape(-1),
             _as_array(priorities).astype(np.float64).reshape(-1))
 
@@ -268,7 +274,10 @@ def restore_shard(path: str, overrides: dict) -> ReplayTable:
     return ReplayTable(dataclasses.replace(meta["config"], **overrides), path)
 
 
-def register_replay_store(manager_class: type) -> type:
+_Manager = TypeVar("_Manager", bound=BaseManager)
+
+
+def register_replay_store(manager_class: type[_Manager]) -> type[_Manager]:
     """Add ``ReplayStore(capacity, ...)`` (one shard) to a manager class; returns it.
 
     Example:
@@ -514,7 +523,7 @@ class ReplayStore:
     def update_priorities(self, ids: Any, priorities: Any) -> int:
         """Set new priorities; ids already evicted are ignored. Returns how many applied."""
         if self.num_shards == 1:
-            ids, priorities = _as_update((ids, priorities))
+            ids, priorities = _update_arrays(ids, priorities)
             return self._shards[0].update_priorities(ids, priorities)
         pending = [(shard, shard._call_later("update_priorities", *part))
                    for shard, part in zip(self._shards, self._split_update((ids, priorities)))
@@ -526,7 +535,8 @@ class ReplayStore:
         ``(ids, priorities)`` or None per shard."""
         if update is None:
             return [None] * self.num_shards
-        ids, priorities = _as_update(update)
+        ids, priorities = update
+        ids, priorities = _update_arrays(ids, priorities)
         if len(ids) != len(priorities):
             raise ValueError(f"a priority update of {len(ids)} ids with {len(priorities)} "
                              f"priorities; give one priority per id")

@@ -48,7 +48,7 @@ def write_snapshot(path: str, arrays: dict, meta: dict, yield_gil: bool = True) 
     with open(tmp, "wb") as out:
         out.write(_MAGIC + _LEN.pack(len(header)) + header)
         for value in arrays.values():
-            flat = np.ascontiguousarray(value).reshape(-1).view(np.uint8)
+            flat = np.ascontiguousarray(value).reshape(-1).view(np.uint8).data  # memoryview
             for lo in range(0, len(flat), _SLICE):
                 out.write(flat[lo:lo + _SLICE])
                 if yield_gil:
@@ -89,9 +89,9 @@ class WriteAheadLog:
     def __init__(self, path: str, fsync: bool = False) -> None:
         self.path = path
         self.fsync = fsync
-        end = 0
-        for _record, end in read_log(path):
-            pass
+        end = 0  # where the last whole record ends
+        for _record, record_end in read_log(path):
+            end = record_end
         self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         os.ftruncate(self.fd, end)  # a torn tail would hide every record appended after it
         self.offset = end

@@ -29,9 +29,10 @@ import logging
 import os
 import threading
 import time
-from typing import Any, Optional
+from typing import Any, Literal, Optional, TypedDict, overload
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from .errors import RateLimiterTimeout
 from .limiters import Limiter, LimiterSpec
@@ -95,6 +96,21 @@ class TableConfig:
         return Limiter(self.rate_limiter, self.capacity, self.max_times_sampled)
 
 
+class _Counters(TypedDict):
+    """A table's counters (``stats()`` reports them; snapshots keep them)."""
+
+    inserts: int
+    samples: int
+    evictions: int
+    insert_blocked_s: float
+    sample_blocked_s: float
+    inserts_waiting: int
+    samples_waiting: int
+    snapshots: int
+    last_snapshot_stall_s: float
+    stale_updates: int
+
+
 class ReplayTable:
     """One shard's items; its public methods are what the proxy calls."""
 
@@ -110,10 +126,10 @@ class ReplayTable:
         self.copy: Optional[PointInTimeCopy] = None  # a snapshot in progress
         self.rng = np.random.default_rng(config.seed)
         self._reset()
-        self.counters = dict(inserts=0, samples=0, evictions=0, insert_blocked_s=0.0,
-                             sample_blocked_s=0.0, inserts_waiting=0, samples_waiting=0,
-                             snapshots=0, last_snapshot_stall_s=0.0,
-                             stale_updates=0)
+        self.counters: _Counters = dict(inserts=0, samples=0, evictions=0,
+                                        insert_blocked_s=0.0, sample_blocked_s=0.0,
+                                        inserts_waiting=0, samples_waiting=0, snapshots=0,
+                                        last_snapshot_stall_s=0.0, stale_updates=0)
         self.next_local = 0
         self.wal_start = 0
         if restore_path is not None:
@@ -147,7 +163,7 @@ class ReplayTable:
         self.indexes = list(indexes.values())
 
     # -- writes ------------------------------------------------------------------------------
-    def insert(self, batch: dict, priorities: Any = None,
+    def insert(self, batch: dict, priorities: Optional[ArrayLike] = None,
                timeout: Optional[float] = None) -> np.ndarray:
         """Insert a batch (dict of equal-length arrays); returns the new ids."""
         n = _batch_length(batch)
@@ -166,7 +182,8 @@ class ReplayTable:
 
     def append(self, steps: dict, env_ids: Any, timeout: Optional[float] = None) -> np.ndarray:
         """Add per-environment steps; stores the n-step items they complete (their ids)."""
-        if self.config.n_step is None:
+        spec = self.config.n_step
+        if spec is None:
             raise ValueError("append() assembles n-step items; create the store with "
                              "n_step=NStep(n, gamma) (or call insert() with whole items)")
         n = _batch_length(steps)
@@ -178,13 +195,13 @@ class ReplayTable:
             raise ValueError(f"append() steps lack {sorted(missing)}; each step needs obs, "
                              f"action, reward, next_obs, done (and optionally truncated)")
         with self.cond:
-            items = self._assemble(steps, env_ids)
+            items = self._assemble(steps, env_ids, spec)
         if not items:
             return np.zeros(0, dtype=np.int64)
         batch = {key: np.stack([item[key] for item in items]) for key in items[0]}
         return self.insert(batch, None, timeout)  # new items get the largest priority seen
 
-    def update_priorities(self, ids: Any, priorities: Any) -> int:
+    def update_priorities(self, ids: Any, priorities: ArrayLike) -> int:
         """Set the priorities of the items still held; returns how many were."""
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         prios = self._priorities(priorities, len(ids))
@@ -243,7 +260,8 @@ class ReplayTable:
 
     def stats(self) -> dict:
         with self.cond:
-            out = dict(self.counters, size=self.size(), capacity=self.config.capacity)
+            out: dict[str, Any] = dict(self.counters, size=self.size(),
+                                       capacity=self.config.capacity)
         out["samples_per_insert"] = out["samples"] / out["inserts"] if out["inserts"] else 0.0
         return out
 
@@ -385,7 +403,8 @@ class ReplayTable:
                               self.config.snapshot_path)
 
     # -- under the lock ----------------------------------------------------------------------
-    def _admit(self, side: str, n: int, timeout: Optional[float]) -> None:
+    def _admit(self, side: Literal["insert", "sample"], n: int,
+               timeout: Optional[float]) -> None:
         check = self.limiter.can_insert if side == "insert" else self.limiter.can_sample
 
         def ready() -> bool:
@@ -393,13 +412,19 @@ class ReplayTable:
 
         if ready():
             return
+        waiting: Literal["inserts_waiting", "samples_waiting"]
+        blocked: Literal["insert_blocked_s", "sample_blocked_s"]
+        if side == "insert":
+            waiting, blocked = "inserts_waiting", "insert_blocked_s"
+        else:
+            waiting, blocked = "samples_waiting", "sample_blocked_s"
         start = time.monotonic()
-        self.counters[f"{side}s_waiting"] += 1
+        self.counters[waiting] += 1
         try:
             ok = self.cond.wait_for(ready, timeout)
         finally:
-            self.counters[f"{side}s_waiting"] -= 1
-        self.counters[f"{side}_blocked_s"] += time.monotonic() - start
+            self.counters[waiting] -= 1
+        self.counters[blocked] += time.monotonic() - start
         if not ok:
             other = "learners to sample" if side == "insert" else "writers to insert"
             state = self.limiter.describe(self.size(), self.counters["inserts"],
@@ -411,7 +436,13 @@ class ReplayTable:
                 f" Check that the other side is running, or pass a longer timeout, or "
                 f"widen the limiter's error_buffer.")
 
-    def _priorities(self, priorities: Any, n: int) -> Optional[np.ndarray]:
+    @overload
+    def _priorities(self, priorities: None, n: int) -> None: ...
+
+    @overload
+    def _priorities(self, priorities: ArrayLike, n: int) -> np.ndarray: ...
+
+    def _priorities(self, priorities: Optional[ArrayLike], n: int) -> Optional[np.ndarray]:
         if priorities is None:
             return None
         prios = np.asarray(priorities, dtype=np.float64).reshape(-1)
@@ -526,9 +557,8 @@ class ReplayTable:
         if limit is not None:
             self._remove(np.unique(slots[self.times_sampled[slots] >= limit]))
 
-    def _assemble(self, steps: dict, env_ids: np.ndarray) -> list:
-        spec = self.config.n_step
-        items = []
+    def _assemble(self, steps: dict, env_ids: np.ndarray, spec: NStep) -> list[dict]:
+        items: list[dict] = []
         truncated = steps.get("truncated")
         for row, env in enumerate(env_ids.tolist()):
             pending = self.pending_steps.setdefault(env, [])
