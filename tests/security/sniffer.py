@@ -27,7 +27,13 @@ class Sniffer:
 
     def __init__(self):
         self._sock = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(_ETH_P_ALL))
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 20)
+        # a busy loopback overflows the default buffer (the kernel then drops packets
+        # unseen): as root, force 64 MiB past net.core.rmem_max
+        force = getattr(socket, "SO_RCVBUFFORCE", 33)
+        try:
+            self._sock.setsockopt(socket.SOL_SOCKET, force, 64 << 20)
+        except PermissionError:
+            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 20)
         self._sock.bind(("lo", 0))
         self._sock.settimeout(0.2)
         self._stop = threading.Event()
