@@ -76,6 +76,10 @@ EMPTY = object()
 #: Most items a consumer's window holds (pushed, not yet acknowledged). It must outlast
 #: an acknowledgement's trip and the push it frees at the consumer's rate, or get() runs
 #: dry: 256 items (1.7 ms at 150k items/s) did not on a busy 2-core machine.
+# What a consumer's window says with each acknowledgement (its ``waiting`` argument):
+IDLE = 0      # no get() of that process waits
+WAITING = 1   # a get() waits: the next item stored goes to it
+ASKING = 2    # a non-blocking get() asks now: push an item stored, then answer it
 WINDOW_ITEMS = 4096
 #: Most bytes a window holds; one item always fits, however large. 4 MiB (four 1 MB items)
 #: ran dry between acknowledgements at 800 MB/s.
@@ -449,8 +453,8 @@ class Mailbox(SharedService):
 
     def op_want(self, reply: ReplySink, returned: int, size: int, waiting: int) -> None:
         """The window's consumer returned ``returned`` items so far and wants ``size``
-        held. ``waiting``: 0 it does not wait, 1 it waits in get(), 2 it asks now and
-        waits for this reply only (a non-blocking get: an item stored is pushed first)."""
+        held. ``waiting``: :data:`IDLE`, :data:`WAITING`, or :data:`ASKING` (a
+        non-blocking get() waits for this reply only: an item stored is pushed first)."""
         with self._lock:
             win = self._windows.get(reply.peer.id) if reply.peer is not None else None
             if win is not None:
@@ -461,7 +465,7 @@ class Mailbox(SharedService):
                     self._fill()
                 else:
                     self._plan_recall()   # its silence restarts; another may wait
-                if waiting == 2:
+                if waiting == ASKING:
                     win.waiting = False
                     # answered behind what was pushed, in the same frame: the get()
                     # that waits for this answer finds a stored item already there
@@ -470,7 +474,7 @@ class Mailbox(SharedService):
         reply(None)
 
     def op_returned(self, reply: ReplySink, returned: int, size: int = 0,
-                    waiting: int = 0) -> None:
+                    waiting: int = IDLE) -> None:
         """The window's consumer returned ``returned`` items so far and dropped the
         rest it held (recalled, or closing): those go back to the queue, in order. It
         wants ``size`` held from now on (0: none until it asks), and waits or not.
@@ -890,10 +894,10 @@ class Window:
         Window.unreported.discard(self)
         if self.stream is None:
             return
-        if waiting != 2:
+        if waiting != ASKING:
             self._send("want", self.returned, self.size, waiting)
             return
-        handle = self.client.call(self.oid, "want", (self.returned, self.size, 2))
+        handle = self.client.call(self.oid, "want", (self.returned, self.size, ASKING))
         self.cond.release()
         try:
             hub.wait(handle, self.address, None)
@@ -927,8 +931,11 @@ class Window:
                 self.stale = max(0, self.stale - 1)
             else:   # "recall": others wait for what this one holds
                 self.size = max(1, self.size // 2)  # it did not drain: shrink
-                waiting = 1 if self.waiters else 0  # a get() that waits stays in line
-                self._give_back(waiting, waiting)
+                # a get() that waits stays in line, with a window of one
+                if self.waiters:
+                    self._give_back(1, WAITING)
+                else:
+                    self._give_back(0, IDLE)
 
     def _flush_acks(self) -> None:
         with self.cond:
@@ -939,7 +946,7 @@ class Window:
         """Acknowledge what get() returned, ahead of another request to the owner."""
         with self.cond:   # (reentrant: _flush_acks holds it)
             if self.stream is not None and self.returned != self.reported:
-                self._want(get_hub(), 1 if self.waiters and not self.items else 0)
+                self._want(get_hub(), WAITING if self.waiters and not self.items else IDLE)
 
     def close(self) -> None:
         """Give back what get() has not returned (this process closes its handle, or exits)."""
@@ -947,7 +954,7 @@ class Window:
             if self.stream is None:
                 return
             self.size = 1
-            self._give_back(0, 0)
+            self._give_back(0, IDLE)
 
     def _give_back(self, size: int, waiting: int) -> None:
         """Drop what get() has not returned; the owner puts it back (cond held)."""
@@ -963,7 +970,7 @@ class Window:
         self.returned += 1
         Window.unreported.add(self)
         if self.returned - self.reported >= max(1, self.size // 4):
-            self._want(get_hub(), 0)  # a quarter of the window was returned: room for more
+            self._want(get_hub(), IDLE)  # a quarter of the window was returned: room for more
         elif self.timer is None:
             hub = get_hub()
             self.timer = hub.timers.call_at(time.monotonic() + ACK_DELAY, self._flush_acks)
@@ -982,15 +989,15 @@ class Window:
             elif self.size < WINDOW_ITEMS:
                 self.size *= 2  # it ran dry: ask for more ahead
             if timeout is not None and timeout <= 0:
-                self._want(hub, 2)  # the owner pushes an item stored, then answers
+                self._want(hub, ASKING)  # the owner pushes an item stored, then answers
                 if self.items:
                     payload = self._pop()
                     if self.returned != self.reported:
-                        self._want(hub, 0)  # a request went to the owner anyway: ack now
+                        self._want(hub, IDLE)  # a request went to the owner anyway: ack now
                     return payload
                 self._raise_error()
                 raise queue.Empty
-            self._want(hub, 1)
+            self._want(hub, WAITING)
             deadline = None if timeout is None else time.monotonic() + timeout
             self.waiters += 1
             try:
@@ -999,7 +1006,7 @@ class Window:
                     left = None if deadline is None else deadline - time.monotonic()
                     if left is not None and left <= 0:
                         if self.waiters == 1:
-                            self._want(hub, 0)  # stopped waiting: what comes stays here
+                            self._want(hub, IDLE)  # stopped waiting: what comes stays here
                         raise queue.Empty
                     step = hub.heartbeat_interval if left is None else min(
                         left, hub.heartbeat_interval)

@@ -558,7 +558,8 @@ def wake_reader(ident: int) -> None:
     """End the wait of thread ``ident`` in :meth:`_Reading.read_here`, if it waits there:
     what it waited for happened elsewhere (another thread, another peer)."""
     aio = _waiting.get(ident)
-    if aio is not None and ident != threading.get_ident():   # (itself: it is not waiting)
+    # (a thread that wakes itself is not inside read_here: there is nothing to end)
+    if aio is not None and ident != threading.get_ident():
         aio.cancel()
 
 

@@ -8,7 +8,8 @@ Split along the policy/mechanism line:
 * ``api``       -- the official client: connecting, retries with backoff on
   429/5xx, and errors that name the fix;
 * ``watch``     -- one list+watch of a run's pods, resyncing with backoff;
-* ``state``     -- what a pod's status means (exit code, failure reason);
+* ``job``       -- one worker pod as a Job: what its status means (exit code,
+  failure reason) and its state machine;
 * ``creator``   -- pod creation in bounded waves.
 
 None of these modules is imported by ``import fibrl``; they import the
