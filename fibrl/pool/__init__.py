@@ -18,7 +18,8 @@ happens when something goes wrong:
   leaves them waiting forever).
 
 The package splits policy from mechanism: ``service`` decides which worker
-runs what and what a loss costs; ``supervisor`` starts and watches processes;
+runs what and what a loss costs; :mod:`fibrl.supervisor` (shared with
+the RL envs) starts and watches processes;
 ``worker`` is the loop inside each worker; ``feeder`` reads ``imap`` inputs
 lazily; ``results`` holds what callers wait on; ``salvage`` decodes, item by
 item, results the parent cannot unpickle as a block; ``engine`` wires them up

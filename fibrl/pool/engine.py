@@ -1,10 +1,11 @@
 """One pool's machinery, shared by :class:`fibrl.pool.Pool` and ``fibrl.futures``.
 
 Owns the wiring and the life cycle: the :class:`~fibrl.pool.service.PoolService`
-hosted on this process's hub, the :class:`~fibrl.pool.supervisor.Supervisor`
-that runs the workers, and the :class:`~fibrl.pool.feeder.Feeder` of lazy
-inputs. The public classes own the API; this module owns how a call becomes
-a job and how the pool ends (close/join, terminate, garbage collection).
+hosted on this process's hub (the workers' policy), the
+:class:`~fibrl.supervisor.Supervisor` that runs the workers, and the
+:class:`~fibrl.pool.feeder.Feeder` of lazy inputs. The public classes own the API;
+this module owns how a call becomes a job and how the pool ends (close/join,
+terminate, garbage collection).
 
 Threads per pool, whatever the number of workers: one supervisor, up to eight
 short-lived starters while workers start, and one feeder once ``imap`` is used.
@@ -21,10 +22,11 @@ from ..errors import WorkerLostError
 from ..hub import get_hub
 from ..meta import KEYS as META_KEYS
 from ..meta import resources
+from ..supervisor import Supervisor
 from .feeder import Feeder
 from .protocol import Kind, WorkerArgs, pack
 from .service import PoolService
-from .supervisor import Supervisor
+from .worker import run_worker
 
 __all__ = ["Engine", "func_name", "worker_meta"]
 
@@ -90,9 +92,13 @@ class Engine:
         oid = self._oid
         self._ended = False
         self._end_lock = threading.Lock()
-        self.supervisor = Supervisor(ctx, self.service,
-                                     lambda wid: WorkerArgs(address, oid, wid, init), name,
-                                     on_done=self._end, meta=meta, new_process=new_process)
+        def spec(wid: int) -> dict:
+            return {"target": run_worker, "args": (WorkerArgs(address, oid, wid, init),),
+                    "name": f"{name}-worker-{wid}"}
+
+        self.supervisor = Supervisor(ctx, self.service, spec, name, role="pool-worker",
+                                     on_done=self._end, meta=meta, new_process=new_process,
+                                     max_starters=processes)
         self.service.hooks = self.supervisor
         self.feeder = Feeder(self.service, name, backlog)
         self.supervisor.start()

@@ -3,7 +3,7 @@
 :class:`PoolService` lives on the parent's hub and owns every task's state:
 pending chunks, which worker holds which chunk, how far each chunk got, the
 attempts and exit codes charged to it. It never starts or kills processes
-(``supervisor`` does) and never waits: workers *pull* work with ``next``,
+(:mod:`fibrl.supervisor` does) and never waits: workers *pull* work with ``next``,
 whose reply is parked until there is work for them.
 
 Data flow::
@@ -52,16 +52,18 @@ import math
 import threading
 import time
 from collections import OrderedDict, deque
-from typing import Any, Optional
+from typing import Any, Optional, Protocol
 
 from .. import serialization
 from ..errors import (BackendUnavailableError, SerializationError, TaskFailedError,
                       WorkerLostError, describe_exitcode)
+from ..backends.base import Backend
 from ..gate import descriptor_shortage
 from ..hub import ReplySink, Service
 from .protocol import (CLOSE, LOADING, RUN, STOP, TERMINATE, Batch, Kind, Report, TaskSpec,
                        describe, unpack)
 from .results import Failure
+from ..supervisor import Policy
 from .salvage import salvage
 
 __all__ = ["PoolService", "Hooks"]
@@ -73,13 +75,12 @@ log = logging.getLogger(__name__)
 _SHORT_AFTER = 3
 
 HORIZON_S = 0.05        # estimated work a worker may hold (hides the round trip)
-LOST_GRACE_S = 2.0      # wait this long for an exit code after a connection drops (default)
 _EWMA = 0.3
 _MAX_FUNCS = 256
 
 
-class Hooks:
-    """What the service asks of the supervisor (no-ops until one is attached)."""
+class Hooks(Protocol):
+    """What the service asks of its supervisor (:class:`fibrl.supervisor.Supervisor`)."""
 
     def wake(self) -> None:
         """Re-check how many workers are wanted."""
@@ -90,7 +91,19 @@ class Hooks:
     def exit_grace(self, wid: int) -> float:
         """Seconds worker ``wid``'s backend may take to report its exit after its
         connection dropped (a container's or pod's status arrives later than a child's)."""
-        return LOST_GRACE_S
+
+
+class _Detached:
+    """The hooks of a service no supervisor is attached to yet (a unit test's)."""
+
+    def wake(self) -> None:
+        return None
+
+    def kill(self, wid: int) -> None:
+        return None
+
+    def exit_grace(self, wid: int) -> float:
+        return Backend.exit_report_s
 
 
 class _Func:
@@ -195,7 +208,7 @@ def _decode(payload: bytes, skip: int, count: int) -> tuple[list, bool]:
     return (values[skip:] if skip else values), whole
 
 
-class PoolService(Service):
+class PoolService(Service, Policy):
     """Task state and dispatch of one pool (hosted on the parent's hub).
 
     Args:
@@ -208,7 +221,7 @@ class PoolService(Service):
         self.processes = processes
         self.max_retries = max_retries
         self.maxtasks = maxtasks
-        self.hooks = Hooks()
+        self.hooks: Hooks = _Detached()
         self._lock = threading.Lock()
         self._state = RUN
         self._broken: Optional[BaseException] = None

@@ -26,8 +26,9 @@ LAYERS = (
     ("runtime", ("fibrl.runtime", "fibrl.messages")),
     ("hosting", ("fibrl.hub", "fibrl.hosted", "fibrl.mailbox")),
     ("worker start", ("fibrl.popen", "fibrl.bootstrap")),
-    ("API", ("fibrl", "fibrl.channel", "fibrl.context", "fibrl.process", "fibrl.queues",
-             "fibrl.connection", "fibrl.sharedctypes", "fibrl.futures", "fibrl.pool",
+    ("API", ("fibrl", "fibrl.channel", "fibrl.supervisor", "fibrl.context", "fibrl.process",
+             "fibrl.queues", "fibrl.connection", "fibrl.sharedctypes", "fibrl.futures",
+             "fibrl.pool",
              "fibrl.pool.*", "fibrl.managers", "fibrl.managers.*", "fibrl.synchronize",
              "fibrl.synchronize.*")),
     ("tools and RL", ("fibrl.cli", "fibrl.launch", "fibrl.launch.*", "fibrl.rl",
@@ -167,7 +168,7 @@ def test_no_module_imports_another_packages_underscore_names():
 # What code above the core may import: the modules a user of fibrl imports.
 PUBLIC = ("fibrl", "fibrl.channel", "fibrl.connection", "fibrl.context", "fibrl.errors",
           "fibrl.futures", "fibrl.managers", "fibrl.pool", "fibrl.process", "fibrl.queues",
-          "fibrl.sharedctypes", "fibrl.synchronize")
+          "fibrl.sharedctypes", "fibrl.supervisor", "fibrl.synchronize")
 
 
 def test_the_rl_layer_uses_only_the_public_api():

@@ -131,13 +131,32 @@ class Broken:
     traceback: str
 
 
+# -- posted to the vector env by its supervisor (never sent on the wire) ------------------
 @dataclasses.dataclass(frozen=True, slots=True)
 class Died:
-    """Posted by the vector env's watcher when a worker's process ended."""
+    """A worker's process ended; ``detail``: the backend's reason or its load error."""
 
     worker: int
     gen: int
     exitcode: Optional[int]
+    detail: str = ""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Started:
+    """A worker's process started (its Hello may come before or after this)."""
+
+    worker: int
+    gen: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StartFailed:
+    """The backend refused to start a worker's process."""
+
+    worker: int
+    gen: int
+    error: BaseException
 
 
 # -- batches ------------------------------------------------------------------------------

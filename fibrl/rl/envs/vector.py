@@ -4,10 +4,12 @@ Owns the vector env's state machine, the batching of actions and results,
 the partial-batch API (``send``/``recv``) and the restart policy (which
 worker to replace, the restart budget, the per-env step deadline). The loop
 inside each worker is :mod:`.worker`; the message types are :mod:`.protocol`.
-It is built on fibrl's public API only: ``Process`` and its sentinel,
-``fibrl.connection.wait``, and the authenticated listeners and channels of
-:mod:`fibrl.channel`, which obey the run's transport settings (``tls``, handshake
-timeout, pending-connection limit) as every other socket of fibrl does. Per-step
+It is built on fibrl's public API only: workers are ``Process`` es started,
+watched and replaced by :mod:`fibrl.supervisor` (the supervisor a ``Pool`` uses,
+with this module's restart policy), and messages travel on the authenticated
+listeners and channels of :mod:`fibrl.channel`, which obey the run's transport
+settings (``tls``, handshake timeout, pending-connection limit) as every other
+socket of fibrl does. Per-step
 messages are the compact frames of :mod:`.protocol`; the rest are
 ``fibrl.channel.dumps`` frames::
 
@@ -15,7 +17,7 @@ messages are the compact frames of :mod:`.protocol`; the rest are
     send(actions, ids) -- one Step frame per worker ---->  worker 0: envs 0..k-1
                        -- (Listener peer -> Channel) --->  worker 1: envs k..2k-1
     recv(num) <- inbox <- reader thread per peer <======  Result frame per half-step
-                 inbox <- Died(w) <- watcher thread <---  process sentinels
+                 inbox <- Died(w) <- supervisor thread <- process sentinels
 
 A worker dials the vector env's listener (as fibrl workers dial their
 parent), so the same layout works on every backend. One request and one
@@ -38,8 +40,8 @@ from __future__ import annotations
 
 import collections
 import functools
+import itertools
 import logging
-import os
 import queue
 import threading
 import time
@@ -52,12 +54,12 @@ from gymnasium.vector import AutoresetMode, VectorEnv
 from gymnasium.vector.utils import batch_space, create_empty_array
 
 from ... import channel
-from ...connection import wait
 from ...context import default_context
 from ...errors import ChannelClosed, TransportError, describe_exitcode
+from ...supervisor import Policy, Supervisor
 from .manager import make_gym_env
-from .protocol import (Broken, Call, Called, Close, Died, Hello, Reset, Result, Step, decode,
-                       encode, rows, write_rows)
+from .protocol import (Broken, Call, Called, Close, Died, Hello, Reset, Result, Started,
+                       StartFailed, Step, decode, encode, rows, write_rows)
 from .worker import serve
 
 __all__ = ["RemoteVectorEnv", "EnvCrashError", "AsyncState"]
@@ -107,6 +109,7 @@ class _WorkerSlot:
         self.span = slice(env_ids[0], env_ids[-1] + 1)   # its envs are consecutive
         self.slots = tuple(range(len(env_ids)))
         self.gen = -1
+        self.wid = -1                # its process's id at the supervisor
         self.proc: Any = None
         self.peer: Any = None        # its transport peer, once it said Hello
         self.chan: Any = None        # the direct Channel to its own listener (local backend)
@@ -185,12 +188,13 @@ class RemoteVectorEnv(VectorEnv):
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         # the process hub's secret and transport settings (tls, limits), as for its own
         self._listener = channel.listen(lambda peer, data: self._inbox.put((peer, data)))
-        self._wake_r, self._wake_w = os.pipe()
         self._lock = threading.Lock()
-        # watching from the start: a worker that dies while starting is replaced too
-        self._watcher = threading.Thread(target=self._watch, name="fibrl-envs-watcher",
-                                         daemon=True)
-        self._watcher.start()
+        # the workers' starts and ends come to the inbox, handled by the stepping thread
+        self._starts = _Starts(self._inbox, self._on_started)
+        self._supervisor = Supervisor(get_context(), self._starts, self._starts.spec,
+                                      "fibrl-envs", role="env-worker",
+                                      max_starters=len(self._workers))
+        self._supervisor.start()
         try:
             for worker in self._workers:
                 self._spawn(worker)
@@ -220,51 +224,41 @@ class RemoteVectorEnv(VectorEnv):
         self._obs = create_empty_array(self.single_observation_space, self.num_envs, fn=np.zeros)
 
     def _spawn(self, worker: _WorkerSlot) -> None:
-        """Start (or replace) the process of ``worker``; it dials our listener."""
+        """Have the supervisor start (or replace) the process of ``worker``; it dials our
+        listener and says Hello."""
         gen = worker.gen + 1
         fns = [self._fns[i] for i in worker.env_ids]
         counts = [self._restart_counts[i] for i in worker.env_ids]
-        proc = get_context().Process(
-            target=serve, name=f"fibrl-env-worker-{worker.index}", daemon=True,
-            backend=self._backend,
-            args=(worker.index, gen, fns, worker.env_ids, counts,
-                  _MODES[self.autoreset_mode], self._root, self._split,
-                  self._listener.address, self._direct))
-        proc.start()
-        # Generation and process change together: the watcher must never pair the new
-        # generation with the old (killed) process, or that death would count against
-        # the new worker.
+        spec = {"target": serve, "name": f"fibrl-env-worker-{worker.index}",
+                "backend": self._backend,
+                "args": (worker.index, gen, fns, worker.env_ids, counts,
+                         _MODES[self.autoreset_mode], self._root, self._split,
+                         self._listener.address, self._direct)}
         if worker.chan is not None:
             worker.chan.close()
+        # The generation changes before the process exists: its Hello (which may come
+        # before its start returns) is the new one's, and what the old one sends is not.
         with self._lock:
             worker.peer, worker.ready, worker.killed_for = None, False, None
             worker.chan, worker.direct = None, False
-            worker.gen, worker.proc = gen, proc
-        os.write(self._wake_w, b"x")
+            worker.gen, worker.proc = gen, None
+            worker.wid = self._starts.request(worker.index, gen, spec)
+        self._supervisor.wake()
+
+    def _on_started(self, index: int, gen: int, process: Any) -> None:
+        """(A starter thread of the supervisor) worker ``index``'s process ``gen`` runs."""
+        worker = self._workers[index]
+        with self._lock:
+            if worker.gen == gen:
+                worker.proc = process
+
+    def _up(self, worker: _WorkerSlot) -> bool:
+        return worker.ready and worker.proc is not None
 
     def _await_ready(self, deadline: float) -> dict:
-        while not all(w.ready for w in self._workers):
+        while not all(self._up(w) for w in self._workers):
             self._pump(deadline, "the workers to start")
         return self._called.pop((0, 0))[0]
-
-    # -- the watcher thread ------------------------------------------------------------
-    def _watch(self) -> None:
-        """Post a Died message for each worker process that ends (sentinels, no polling)."""
-        reported: set = set()
-        while not self.closed:
-            with self._lock:
-                procs = {w.proc.sentinel: (w.index, w.gen, w.proc) for w in self._workers
-                         if w.proc is not None and (w.index, w.gen) not in reported}
-            ready = wait(list(procs) + [self._wake_r])
-            if self._wake_r in ready:
-                os.read(self._wake_r, 4096)
-            for fd in ready:
-                if fd in procs:
-                    index, gen, proc = procs[fd]
-                    reported.add((index, gen))
-                    proc.join(5)
-                    if not self.closed:
-                        self._inbox.put(Died(index, gen, proc.exitcode))
 
     # -- the receiving engine ----------------------------------------------------------
     def _pump(self, deadline: Optional[float], what: str) -> None:
@@ -291,7 +285,7 @@ class RemoteVectorEnv(VectorEnv):
 
     def _pump_direct(self, worker: _WorkerSlot, deadline: Optional[float], what: str) -> None:
         """Receive ``worker``'s next reply on its direct connection, on this thread; between
-        slices of waiting, handle what the listener and the watcher posted (deaths,
+        slices of waiting, handle what the listener and the supervisor posted (deaths,
         replacements' Hellos)."""
         if not self._inbox.empty():   # only this thread takes from the inbox
             self._dispatch(self._inbox.get_nowait())
@@ -334,7 +328,8 @@ class RemoteVectorEnv(VectorEnv):
                 self._handle(decode(frame))
 
     def _dispatch(self, item: Any) -> None:
-        """Handle an item of the inbox: a frame from the listener, or a Died message."""
+        """Handle an item of the inbox: a frame from the listener, or what the supervisor
+        posted (Started, StartFailed, Died)."""
         if isinstance(item, tuple):
             peer, frame = item
             item = decode(frame)
@@ -369,11 +364,15 @@ class RemoteVectorEnv(VectorEnv):
             self._charge(worker.env_ids[msg.slot], msg.traceback, worker.env_ids)
             self._replace(worker)
         elif isinstance(msg, Died):
+            detail = f"; {msg.detail}" if msg.detail else ""
             reason = worker.killed_for or (f"its worker process ended "
-                                           f"({describe_exitcode(msg.exitcode)})")
+                                           f"({describe_exitcode(msg.exitcode)}{detail})")
             reason = f"worker {worker.index} (envs {worker.env_ids}): {reason}"
             self._charge(worker.env_ids[0], reason, worker.env_ids)
             self._replace(worker)
+        elif isinstance(msg, StartFailed):
+            raise msg.error
+        # (Started: only wakes a thread waiting for the worker to be up)
 
     def _on_result(self, worker: _WorkerSlot, msg: Result) -> None:
         for slot, tb in msg.restarts:
@@ -426,14 +425,12 @@ class RemoteVectorEnv(VectorEnv):
 
     def _replace(self, worker: _WorkerSlot) -> None:
         """Start a new incarnation of ``worker`` and send it the requests it held."""
-        old = worker.proc
-        if old is not None and old.is_alive():
-            old.kill()
+        self._supervisor.kill(worker.wid)   # (a worker that reported Broken exits anyway)
         held = worker.open
         worker.open = []
         self._spawn(worker)
         deadline = time.monotonic() + self._start_timeout
-        while not worker.ready:
+        while not self._up(worker):
             self._pump(deadline, f"worker {worker.index} to restart")
         direct = self._state in (AsyncState.WAITING_STEP, AsyncState.WAITING_RESET)
         for msg, _ in held:
@@ -452,7 +449,7 @@ class RemoteVectorEnv(VectorEnv):
                 worker.killed_for = (f"its step took longer than step_timeout="
                                      f"{self._step_timeout:g} s; the worker was killed")
                 worker.open = [(m, float("inf")) for m, _ in worker.open]
-                worker.proc.kill()
+                self._supervisor.kill(worker.wid)
 
     def _post(self, worker: _WorkerSlot, msg: Any, direct: bool = False) -> None:
         self._post_all([(worker, msg)], direct)
@@ -473,7 +470,7 @@ class RemoteVectorEnv(VectorEnv):
                 else:
                     worker.peer.send(frame)
             except ChannelClosed:
-                pass  # the worker died: its sentinel brings the Died message that replaces it
+                pass  # the worker died: the supervisor posts the Died message that replaces it
 
     def _next_seq(self) -> int:
         self._seq += 1
@@ -715,32 +712,20 @@ class RemoteVectorEnv(VectorEnv):
 
     def _shutdown(self, grace: float) -> None:
         self.closed = True
+        self._starts.closed = True   # the supervisor ends once no worker is left
         for worker in self._workers:
             if worker.peer is not None:
                 try:
                     worker.peer.send(encode(Close()))
                 except ChannelClosed:
                     pass  # the worker is gone already
-        deadline = time.monotonic() + grace
-        for worker in self._workers:
             if worker.chan is not None:
                 worker.chan.close()
-            proc = worker.proc
-            if proc is None:
-                continue
-            proc.join(max(0.0, deadline - time.monotonic()))
-            if proc.is_alive():
-                proc.kill()
-                proc.join(10)
-        try:
-            os.write(self._wake_w, b"x")
-        except OSError:
-            pass
-        watcher = getattr(self, "_watcher", None)
-        if watcher is not None:
-            watcher.join(10)
-        for fd in (self._wake_r, self._wake_w):
-            os.close(fd)
+        self._supervisor.wake()
+        if not self._supervisor.join(grace):
+            self._supervisor.terminate()   # past the grace: kill the rest
+            if not self._supervisor.join(10.0):
+                log.warning("RemoteVectorEnv: workers did not end within 10 s of a kill")
         self._listener.close()
 
     def __del__(self) -> None:
@@ -753,6 +738,60 @@ class RemoteVectorEnv(VectorEnv):
     def __repr__(self) -> str:
         return (f"RemoteVectorEnv(num_envs={self.num_envs}, workers={len(self._workers)}, "
                 f"autoreset_mode={self.autoreset_mode.value})")
+
+
+class _Starts(Policy):
+    """The vector env's side of its supervisor: the worker incarnations to start, and
+    their starts and ends posted to the inbox, which the stepping thread handles (it
+    decides what a loss costs and when to replace)."""
+
+    def __init__(self, inbox: queue.SimpleQueue, on_started: Callable[[int, int, Any], None]):
+        self.closed = False
+        self._inbox = inbox
+        self._on_started = on_started
+        self._lock = threading.Lock()
+        self._ids = itertools.count()
+        self._queued: list[int] = []
+        self._of: dict[int, tuple[int, int, dict]] = {}   # wid -> (worker, gen, its spec)
+
+    def request(self, worker: int, gen: int, spec: dict) -> int:
+        """Queue a start of incarnation ``gen`` of ``worker``; its id at the supervisor."""
+        with self._lock:
+            wid = next(self._ids)
+            self._of[wid] = (worker, gen, spec)
+            self._queued.append(wid)
+        return wid
+
+    def spec(self, wid: int) -> dict:
+        with self._lock:
+            return self._of[wid][2]
+
+    def reserve_workers(self) -> list[int]:
+        with self._lock:
+            queued, self._queued = self._queued, []
+        return [] if self.closed else queued
+
+    def finished(self) -> bool:
+        return self.closed
+
+    def started(self, wid: int, process: Any) -> None:
+        with self._lock:
+            worker, gen, _ = self._of[wid]
+        self._on_started(worker, gen, process)
+        self._inbox.put(Started(worker, gen))
+
+    def start_failed(self, wid: int, exc: BaseException) -> None:
+        with self._lock:
+            worker, gen, _ = self._of.pop(wid)
+        if not self.closed:
+            self._inbox.put(StartFailed(worker, gen, exc))
+
+    def lose(self, wid: int, exitcode: Optional[int], detail: str = "",
+             load_error: str = "") -> None:
+        with self._lock:
+            worker, gen, _ = self._of.pop(wid, (-1, -1, {}))
+        if worker >= 0 and not self.closed:
+            self._inbox.put(Died(worker, gen, exitcode, load_error or detail))
 
 
 # -- helpers ----------------------------------------------------------------------------
