@@ -47,7 +47,7 @@ from typing import Any, Iterable, Optional
 from . import serialization
 from .hub import QuietCondition, drop_owner, get_hub, mark_pickled
 from .janitor import Finalizer
-from .mailbox import PipeBox, take
+from .mailbox import PipeBox, merge_puts, take
 from .messages import blob
 from .serialization import Encoded
 
@@ -78,6 +78,8 @@ class Connection:
         if self._outbox is not None:
             hub.call(self._address, self._outbox, "adopt" if adopt else "attach")
             self._watch = _watch_for(hub, self._address, self._outbox)
+            if not hub.is_local(self._address):   # sends that queue up travel as one call
+                hub.merge_calls("put", merge_puts)
         self._finalizer = Finalizer(self, _detach, self._address, self._inbox, self._outbox,
                                     atexit=True)
 

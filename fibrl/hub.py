@@ -66,7 +66,7 @@ from .timers import Timers
 if TYPE_CHECKING:   # (imported when the hub is built: transport loads pynng)
     from .transport import Listener, Peer
 
-__all__ = ["BEFORE_SEND", "Hub", "Handle", "Service", "SharedService", "Client", "HeldReplies",
+__all__ = ["Hub", "Handle", "Service", "SharedService", "Client", "HeldReplies",
            "get_hub", "drop_owner", "mark_pickled", "own", "QuietCondition"]
 
 log = logging.getLogger(__name__)
@@ -582,7 +582,8 @@ class Client:
                 self._outbox.clear()
                 self._sending = True
             try:
-                self._transmit(_merged(batch) if len(batch) > 1 else batch)
+                self._transmit(_merged(batch, self._hub.mergers) if len(batch) > 1
+                               else batch)
             finally:
                 self._done_sending()
 
@@ -700,27 +701,17 @@ class Client:
 _PLAIN = frozenset({bool, int, float, str})
 
 
-# One-way calls that a service takes in one go: consecutive one-way calls to one object,
-# with a method named here, travel as the one call the merger returns (None: as they
-# are). The modules that own the services fill it in (``mailbox``: "put").
-MERGERS: dict[str, Callable[[str, list], Optional[Call]]] = {}
+Merger = Callable[[str, list], Optional[Call]]
 
 
-# What runs before a call or one-way message to another hub, given its address; the
-# modules that own the services fill it in (``mailbox``: acknowledge there what get()
-# returned of its queues, so that an owner that hears from this process also counts
-# those items as taken, as multiprocessing's empty() and qsize() would).
-BEFORE_SEND: list[Callable[[str], None]] = []
-
-
-def _merged(calls: list) -> list:
+def _merged(calls: list, mergers: dict[str, Merger]) -> list:
     """``calls`` with each run that a merger takes replaced by its one call."""
     out: list = []
     i, n = 0, len(calls)
     while i < n:
         call = calls[i]
         j = i + 1
-        merge = MERGERS.get(call.method) if call.rid == 0 else None
+        merge = mergers.get(call.method) if call.rid == 0 else None
         one = None
         if merge is not None:
             while (j < n and calls[j].rid == 0 and calls[j].method == call.method
@@ -766,7 +757,24 @@ class Hub:
         self._listening = threading.Lock()   # held only while the listener is made
         self._listener: Optional[Listener] = None
         self.pid = os.getpid()
+        # How one-way calls to remote objects of some kinds travel: set by those kinds'
+        # handles when they are first used in this process (see merge_calls, before_send).
+        self.mergers: dict[str, Merger] = {}
+        self._before_send: tuple[Callable[[str], None], ...] = ()
         self.register(_HubService(), "hub")
+
+    def merge_calls(self, method: str, merger: Merger) -> None:
+        """Consecutive one-way calls named ``method`` to one object, sent together on a
+        connection, travel as the one call ``merger(oid, calls)`` returns (None: as they
+        are). A queue's handle declares it for its puts."""
+        self.mergers[method] = merger
+
+    def before_send(self, hook: Callable[[str], None]) -> None:
+        """Run ``hook(address)`` before each call or one-way call to another hub (once
+        per hook). A consumer's queue window declares one: what ``get()`` returned is
+        acknowledged ahead of any other request to that queue's owner."""
+        if hook not in self._before_send:
+            self._before_send += (hook,)
 
     @classmethod
     def from_config(cls, config: Config, secret: bytes, *, host: Optional[str] = None,
@@ -934,7 +942,7 @@ class Hub:
             else:
                 service.dispatch(method, args, LocalReply(handle))
             return handle
-        for hook in BEFORE_SEND:
+        for hook in self._before_send:
             hook(address)
         return self.client(address).call(oid, method, args, inline)
 
@@ -996,7 +1004,7 @@ class Hub:
                 raise object_gone(oid, "this process")
             service.dispatch(method, args, _NO_REPLY)
             return
-        for hook in BEFORE_SEND:
+        for hook in self._before_send:
             hook(address)
         self.client(address).send(oid, method, args, inline)
 

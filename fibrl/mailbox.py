@@ -62,7 +62,7 @@ from collections import deque
 from typing import TYPE_CHECKING, Any, Optional
 
 from .errors import ChannelClosed
-from .hub import BEFORE_SEND, MERGERS, Handle, LocalReply, ReplySink, SharedService, get_hub
+from .hub import Handle, LocalReply, ReplySink, SharedService, get_hub
 from .messages import Call, Reply, blob, pack
 from .serialization import OOB_THRESHOLD, Encoded
 
@@ -597,7 +597,7 @@ class Mailbox(SharedService):
 
     def op_put_run(self, reply: ReplySink, run: "_Run") -> None:
         """Items one process put one after another (one-way ``put`` calls that its
-        connection sent together, see :func:`_merge_puts`), in order."""
+        connection sent together, see :func:`merge_puts`), in order."""
         with self._lock:
             for payload in run.items():
                 self.op_put(reply, payload, None)
@@ -838,6 +838,9 @@ class Window:
                 win = cls._registry.get(key)
                 if win is None:
                     win = cls._registry[key] = cls(address, oid)
+                    # what get() returned is acknowledged ahead of this process's other
+                    # requests, so the owner's empty() and qsize() count it as taken
+                    get_hub().before_send(_acks_ahead)
         return win
 
     @classmethod
@@ -1092,24 +1095,20 @@ class _Run:
                        self.sizes))
 
 
-def _merge_puts(oid: str, calls: list) -> Optional[Call]:
+def merge_puts(oid: str, calls: list) -> Optional[Call]:
     """One ``put_run`` call for one-way puts of small items that follow each other on a
-    connection (their Call and wrapper cost more than a 100 B item); None: as they are."""
+    connection (their Call and wrapper cost more than a 100 B item); None: as they are.
+    A process that puts into a queue or pipe owned elsewhere declares it to its hub
+    (:meth:`~fibrl.hub.Hub.merge_calls`)."""
     if any(not c.args or c.args[1:] not in ((), (None,)) for c in calls):
         return None   # (a put with a timeout: it may wait, it goes alone)
     run = _Run.of([c.args[0] for c in calls])
     return Call(0, oid, "put_run", (run,)) if type(run) is _Run else None
 
 
-MERGERS["put"] = _merge_puts
-
-
 def _acks_ahead(address: str) -> None:
     if Window.unreported:
         Window.sync_to(address)
-
-
-BEFORE_SEND.append(_acks_ahead)
 
 
 def _clamp(size: Any) -> int:

@@ -28,7 +28,7 @@ from typing import Any, Optional
 from . import serialization
 from .hosted import HostedHandle
 from .hub import get_hub
-from .mailbox import EMPTY, Mailbox, Window, take
+from .mailbox import EMPTY, Mailbox, Window, merge_puts, take
 
 __all__ = ["Queue", "JoinableQueue", "SimpleQueue"]
 
@@ -130,7 +130,10 @@ class Queue(HostedHandle):
         return serialization.loads(payload)
 
     def _locate(self) -> None:
-        self._box = get_hub().local_service(self._address, self._oid)
+        hub = get_hub()
+        self._box = hub.local_service(self._address, self._oid)
+        if self._box is None:   # puts travel to the owner: runs of small ones as one call
+            hub.merge_calls("put", merge_puts)
         self._window, self._epoch = None, Window.epoch
 
     def put_nowait(self, obj: Any) -> None:

@@ -450,3 +450,36 @@ def _fail(service, method, *args):
     reply = Reply()
     service.dispatch(method, args, reply)
     return reply.error()
+
+
+def _report_hub_declarations(items, out):
+    from fibrl.hub import get_hub
+
+    before = (sorted(get_hub().mergers), len(get_hub()._before_send))
+    items.put("from the child")
+    items.get(timeout=60)   # opens this process's window on the queue
+    hub = get_hub()
+    out.put((before, (sorted(hub.mergers), len(hub._before_send))))
+
+
+def test_how_calls_travel_is_declared_by_the_handles_that_send_them_not_by_imports():
+    """A hub's merging of one-way calls and its before-send hooks are set where a queue
+    is first used in a process, not filled into a global registry by importing a module:
+    a fresh hub has none with every fibrl module imported."""
+    import fibrl.connection  # noqa: F401  (every module that sends puts or opens windows)
+    import fibrl.queues  # noqa: F401
+    from fibrl.hub import Hub
+
+    fresh = Hub(b"s" * 32)
+    assert fresh.mergers == {} and fresh._before_send == ()
+    items, out = fibrl.Queue(), fibrl.Queue()
+    items.put("for the child")
+    child = fibrl.Process(target=_report_hub_declarations, args=(items, out))
+    child.start()
+    try:
+        before, after = out.get(timeout=120)
+        assert items.get(timeout=60) == "from the child"
+    finally:
+        child.join(60)
+    assert before == ([], 0)
+    assert after == (["put"], 1)
