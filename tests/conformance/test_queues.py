@@ -36,9 +36,9 @@ def echo_back(inq, outq):
 
 
 def take_then_tell(q, count, done):
-    import fibrl.mailbox
+    import fibrl.mailbox.consumer
 
-    fibrl.mailbox.ACK_DELAY = 3600  # what get() returned reaches the owner only ahead of
+    fibrl.mailbox.consumer.ACK_DELAY = 3600  # what get() returned reaches the owner only ahead of
     for _ in range(count):          # this process's next message to it (the Event's set)
         q.get(timeout=TIMEOUT)
     done.set()

@@ -24,7 +24,7 @@ LAYERS = (
     ("wire and backends", ("fibrl.transport", "fibrl.gate", "fibrl.serialization",
                            "fibrl.backends.*")),
     ("runtime", ("fibrl.runtime", "fibrl.messages")),
-    ("hosting", ("fibrl.hub", "fibrl.hosted", "fibrl.mailbox")),
+    ("hosting", ("fibrl.hub", "fibrl.hosted", "fibrl.mailbox", "fibrl.mailbox.*")),
     ("worker start", ("fibrl.popen", "fibrl.bootstrap")),
     ("API", ("fibrl", "fibrl.channel", "fibrl.supervisor", "fibrl.context", "fibrl.process",
              "fibrl.queues", "fibrl.connection", "fibrl.sharedctypes", "fibrl.futures",

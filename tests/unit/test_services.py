@@ -162,23 +162,23 @@ def test_small_items_pushed_in_a_row_travel_as_one_run_and_come_back_in_order():
     import numpy as np
 
     from fibrl import serialization
-    from fibrl.mailbox import _Run
+    from fibrl.mailbox.protocol import Run
 
     small = [serialization.encode(v) for v in (b"x" * 100, "abc", 7, (1, "two"), None)]
     small[3] = serialization.Encoded(memoryview(bytes(small[3].data)))  # a received view
-    run = _Run.of(small)
-    assert type(run) is _Run
+    run = Run.of(small)
+    assert type(run) is Run
     back = pickle.loads(pickle.dumps(run, protocol=5)).items()
     assert [serialization.loads(e) for e in back] == [b"x" * 100, "abc", 7, (1, "two"), None]
     big = serialization.encode(np.arange(1 << 16))   # its buffer goes out of band
-    mixed = _Run.of([small[0], big])
+    mixed = Run.of([small[0], big])
     assert type(mixed) is list and len(mixed) == 2
-    assert _Run.of([small[1]]) is small[1]
+    assert Run.of([small[1]]) is small[1]
     long_pickle = serialization.encode(list(range(40_000)))   # no buffer, over 64 KiB
-    assert type(_Run.of([small[0], long_pickle])) is list
+    assert type(Run.of([small[0], long_pickle])) is list
     # a long run of small items travels out of band, and comes back whole
     many = [serialization.encode(b"%05d" % i * 200) for i in range(100)]
-    frame = serialization.dumps_parts(_Run.of(many))
+    frame = serialization.dumps_parts(Run.of(many))
     assert len(frame) > 1   # the run's bytes are a part of their own
     joined = b"".join(bytes(p) for p in frame)
     assert [serialization.loads(e) for e in serialization.loads(joined).items()] == \
@@ -193,6 +193,7 @@ def test_one_way_puts_in_a_row_merge_into_one_call_and_the_queue_takes_them_in_o
 
     from fibrl import serialization
     from fibrl.hub import _merged
+    from fibrl.mailbox import merge_puts
     from fibrl.messages import Call
 
     def put(oid, value, rid=0):
@@ -201,17 +202,17 @@ def test_one_way_puts_in_a_row_merge_into_one_call_and_the_queue_takes_them_in_o
     big = put("q", np.arange(1 << 16))
     calls = [put("q", 1), put("q", 2), Call(5, "q", "qsize", ()), put("q", 3), put("q", 4),
              put("r", 5), put("q", 6, rid=7), big, put("q", 8)]
-    out = _merged(calls)
+    out = _merged(calls, {"put": merge_puts})
     assert [c.method for c in out] == ["put_run", "qsize", "put_run", "put", "put", "put",
                                        "put"]
     assert out[3:] == calls[5:]
     # a pipe end's put carries the payload alone; a put with a timeout may wait: alone
     sends = [Call(0, "p", "put", (serialization.encode(i),)) for i in range(3)]
-    assert [c.method for c in _merged(sends)] == ["put_run"]
+    assert [c.method for c in _merged(sends, {"put": merge_puts})] == ["put_run"]
     timed = Call(0, "q", "put", (serialization.encode(9), 1.0))
-    assert [c.method for c in _merged([put("q", 1), timed])] == ["put", "put"]
+    assert [c.method for c in _merged([put("q", 1), timed], {"put": merge_puts})] == ["put", "put"]
     box, producer = hosted(Mailbox(), host), Peer()
-    for call in _merged([put("q", i) for i in range(50)]):
+    for call in _merged([put("q", i) for i in range(50)], {"put": merge_puts}):
         answer = Reply(producer, rid=0)
         box.dispatch(call.method, pickle.loads(pickle.dumps(call.args, protocol=5)), answer)
         assert not answer.errors

@@ -1,91 +1,35 @@
-"""The hosted FIFO behind queues and pipe ends.
+"""The owner's side of a mailbox: :class:`Mailbox`, the FIFO a queue is, hosted by
+the hub of the process that created it.
 
-A :class:`Mailbox` lives in the hub of the process that created it and holds
-serialized items (never unpickled here). ``get`` requests that cannot be
-answered are parked in arrival order, so an item goes to whichever consumer
-asked first and no consumer prefetches more than it asked for. Deadlines are
-the mailbox's: when a parked ``get`` times out the mailbox answers ``Empty``
-itself, so an item is never handed to a getter that stopped waiting.
-
-A consumer in another process reads through a *window* (:class:`Window`, one
-per process and queue): the owner pushes items ahead into it, on one stream
-call, while that process calls ``get()``. The window's size adapts on the
-consumer's side: it starts at one item, doubles each time a ``get()`` finds it
-empty, up to ``WINDOW_ITEMS``, and halves when recalled. The owner bounds it in
-bytes (``WINDOW_BYTES``) and, while several consumers share the queue, to twice
-the smallest window (at least ``FAIR_MIN``, at most ``SHARED_ITEMS``). Items
-pushed go to consumers waiting in ``get()`` first, one each in turn, then to
-the windows holding fewest (each an even share of what is stored, as far as it
-has room). The consumer counts the items its ``get()`` returned and sends that
-count (its *acknowledgement*) on its next request to the owner, or within
-``ACK_DELAY`` seconds. A window that holds items while other consumers wait,
-and whose consumer has been silent for ``RECALL_GAPS`` times its usual gap
-between messages (``RECALL_MIN`` to ``RECALL_IDLE`` seconds), is *recalled*:
-the consumer drops what it has not returned, answers with its count, and the
-owner puts those items back in the queue at their place (merged by the order
-they were first pushed, whichever window gives back first). Every window stays
-in queue order too: an item given back is pushed only to a window that holds
-nothing newer, so no consumer reaches a stop sentinel while an item put before
-it is still on its way.
-
-    consumer (Window)                          owner (Mailbox)
-    get(): open(size) ---------------------->  op_window: stream; push items
-           <-------- item, item, ... -------   (up to size items / WINDOW_BYTES held)
-    get(): returned++; want(returned, size) ->  op_want: forget returned ones, push more
-           <----------- "recall" ----------   (others wait, this one is idle)
-    returned(count) ----------------------->  op_returned: the rest -> back in the queue
-           <----------- "resume" ----------   (pushes before it were given back too)
-                                               drop_peer: everything held -> back in the queue
-
-An item handed to another process stays *unacknowledged* until that process
-confirms it was returned by ``get()``. When the process's connection drops
-first (it died, or the answer could not be delivered), its unacknowledged
-items go back to the front of the queue, in order. So no item is ever lost,
-and an item is returned by more than one ``get()`` only when the process
-whose ``get()`` returned it died before its acknowledgement reached the
-owner. A request/reply ``get`` (the owner's own, a pipe's) is acknowledged
-the same way by :func:`take`.
-
-Besides the queue operations it counts the open *writer* handles of a pipe
-end (per peer, so a dead process's handles close with it) to raise
-``EOFError`` like a closed pipe.
+It holds serialized items (never unpickled here), parks the ``get`` requests it
+cannot answer in arrival order and answers ``Empty`` at their deadlines itself,
+pushes items ahead into the windows of consumers in other processes (see the
+package docstring for the conversation), recalls the windows of idle consumers
+while others wait, and puts back, in order, what a window or a dead consumer
+gives back.
 """
 from __future__ import annotations
 
-import os
-import pickle
 import queue
 import threading
 import time
-from array import array
 from collections import deque
 from typing import TYPE_CHECKING, Any, Optional
 
-from .errors import ChannelClosed
-from .hub import Handle, LocalReply, ReplySink, SharedService, get_hub
-from .messages import Call, Reply, blob, pack
-from .serialization import OOB_THRESHOLD, Encoded
+from ..errors import ChannelClosed
+from ..hub import ReplySink, SharedService
+from ..messages import Reply, pack
+from ..serialization import Encoded
+from .protocol import ASKING, EMPTY, IDLE, WINDOW_ITEMS, Run
 
 if TYPE_CHECKING:
-    from .transport import Peer
+    from ..transport import Peer
 
-__all__ = ["Mailbox", "PipeBox", "Window", "EMPTY", "take"]
+__all__ = ["Mailbox"]
 
-EMPTY = object()
-
-#: Most items a consumer's window holds (pushed, not yet acknowledged). It must outlast
-#: an acknowledgement's trip and the push it frees at the consumer's rate, or get() runs
-#: dry: 256 items (1.7 ms at 150k items/s) did not on a busy 2-core machine.
-# What a consumer's window says with each acknowledgement (its ``waiting`` argument):
-IDLE = 0      # no get() of that process waits
-WAITING = 1   # a get() waits: the next item stored goes to it
-ASKING = 2    # a non-blocking get() asks now: push an item stored, then answer it
-WINDOW_ITEMS = 4096
 #: Most bytes a window holds; one item always fits, however large. 4 MiB (four 1 MB items)
 #: ran dry between acknowledgements at 800 MB/s.
 WINDOW_BYTES = 16 << 20
-#: A consumer acknowledges what its get() returned at the latest this late.
-ACK_DELAY = 0.002
 #: A window whose consumer was silent this long is recalled while others wait...
 RECALL_IDLE = 0.05
 #: ...or sooner: after RECALL_GAPS of its consumer's usual silences, but not before this.
@@ -595,7 +539,7 @@ class Mailbox(SharedService):
                 self._park(self._putters, _Parked(reply, payload), timeout,
                            lambda r: r.fail(queue.Full()))
 
-    def op_put_run(self, reply: ReplySink, run: "_Run") -> None:
+    def op_put_run(self, reply: ReplySink, run: "Run") -> None:
         """Items one process put one after another (one-way ``put`` calls that its
         connection sent together, see :func:`merge_puts`), in order."""
         with self._lock:
@@ -744,7 +688,7 @@ class Mailbox(SharedService):
             self._send_outgoing()
 
     def closed(self) -> None:
-        from .errors import object_gone
+        from ..errors import object_gone
 
         err = object_gone(self.oid, "its process", "closed")
         self._retired = True
@@ -770,268 +714,6 @@ class Mailbox(SharedService):
             sink.fail(err)
 
 
-def take(hub: Any, address: Optional[str], oid: str, timeout: Optional[float]) -> Any:
-    """``get`` from the mailbox ``oid`` at ``address`` and acknowledge what arrived.
-
-    The acknowledgement is a one-way message sent before this returns, so the
-    owner re-queues the item only if this process dies in between.
-    """
-    handle = hub.call_async(address, oid, "get", timeout)
-    if not handle.ready() and hub.is_local(address):
-        feeder = getattr(hub.service(oid), "feeder", None)
-        if feeder is not None:   # another process put last: read its frames here
-            hub.wait_reading(handle, feeder)
-    payload = hub.wait(handle, address, None)
-    if handle.rid:
-        hub.send(address, oid, "ack", handle.rid, inline=True)
-    return payload
-
-
-class Window:
-    """This process's window on a queue that another process owns: the items its
-    owner pushed ahead, and what ``get()`` returned of them (see the module doc).
-
-    One per process and queue, shared by the process's handles and threads. The
-    stream that carries the items is opened by the first ``get()``; the owner
-    pushes only while the window has room, and room comes from what ``get()``
-    returned, so a process that stops calling ``get()`` receives at most one
-    window more, which is recalled as soon as another consumer waits for it.
-    """
-
-    _registry: dict = {}
-    _registry_lock = threading.Lock()
-    _hooked = False   # close_all runs at this process's exit
-    epoch = 0         # one more in each forked child: windows found before are not its own
-    #: windows whose owner was not yet told all that get() returned
-    unreported: set = set()
-
-    def __init__(self, address: str, oid: str) -> None:
-        self.address, self.oid = address, oid
-        self.lock = threading.RLock()
-        self.cond = threading.Condition(self.lock)   # (get() takes the lock itself: faster)
-        self.items: deque = deque()
-        self.stream: Optional[object] = None   # the open stream's token; None: closed
-        self.rid = 0
-        self.client: Any = None  # the connection the stream is on (never a new one)
-        self.size = 1          # items this process asks the owner to hold for it
-        self.returned = 0      # items get() returned from this stream
-        self.reported = 0      # the count the owner was last told
-        self.waiters = 0       # threads of this process waiting in get()
-        self.error: Optional[BaseException] = None
-        self.timer: Optional[list] = None   # the timers' entry that acknowledges
-        # "resume" markers still due: the owner pushed before it saw this process
-        # give its items back, so what arrives until then went back too and is dropped
-        self.stale = 0
-
-    @classmethod
-    def of(cls, address: str, oid: str) -> "Window":
-        """This process's window on the queue ``oid`` at ``address`` (made on first use)."""
-        key = (address, oid)
-        win = cls._registry.get(key)
-        if win is None:
-            with cls._registry_lock:
-                if not cls._hooked:
-                    from . import runtime
-
-                    runtime.at_exit(runtime.CONNECTIONS, cls.close_all)
-                    cls._hooked = True
-                win = cls._registry.get(key)
-                if win is None:
-                    win = cls._registry[key] = cls(address, oid)
-                    # what get() returned is acknowledged ahead of this process's other
-                    # requests, so the owner's empty() and qsize() count it as taken
-                    get_hub().before_send(_acks_ahead)
-        return win
-
-    @classmethod
-    def find(cls, address: str, oid: str) -> Optional["Window"]:
-        return cls._registry.get((address, oid))
-
-    @classmethod
-    def _forget_in_child(cls) -> None:
-        """A forked child starts with no window (its parent's streams are not its own)."""
-        cls._registry, cls.unreported, cls._hooked = {}, set(), False
-        cls.epoch += 1
-        cls._registry_lock = threading.Lock()
-
-    @classmethod
-    def sync_to(cls, address: str) -> None:
-        """Acknowledge to the process at ``address`` what get() returned of its queues,
-        ahead of another message to it (so the owner's counts follow what it is told)."""
-        for win in list(cls.unreported):
-            if win.address == address:
-                win.sync()
-
-    @classmethod
-    def close_all(cls) -> None:
-        """At exit: tell each owner what get() returned; the rest goes back."""
-        for win in list(cls._registry.values()):
-            win.close()
-
-    # -- talking to the owner (cond held) ---------------------------------------------
-    def _open(self, hub: Any) -> None:
-        token = object()
-        self.stream, self.returned, self.reported, self.error = token, 0, 0, None
-        self.items.clear()
-        self.stale = 0
-        self.client = hub.client(self.address)
-        rid = self.client.stream(
-            self.oid, "window", (self.size,), lambda ok, value: self._on_reply(token, ok, value))
-        if self.stream is token:
-            self.rid = rid
-
-    def _send(self, method: str, *args: Any) -> None:
-        """A one-way message to the owner on the stream's connection (cond held).
-
-        Sent from this thread when nothing waits to go (else by the connection's
-        feeder, behind what waits): an acknowledgement that ``_pop`` sends leaves
-        before ``get()`` returns, so the item is not delivered again when this
-        process dies right after."""
-        try:
-            self.client.send(self.oid, method, args, inline=True)
-        except Exception as exc:
-            self._lost(exc)
-
-    def _want(self, hub: Any, waiting: int) -> None:
-        self.reported = self.returned
-        Window.unreported.discard(self)
-        if self.stream is None:
-            return
-        if waiting != ASKING:
-            self._send("want", self.returned, self.size, waiting)
-            return
-        handle = self.client.call(self.oid, "want", (self.returned, self.size, ASKING))
-        self.cond.release()
-        try:
-            hub.wait(handle, self.address, None)
-        except Exception as exc:
-            self.cond.acquire()
-            self._lost(exc)
-        else:
-            self.cond.acquire()
-
-    def _lost(self, exc: BaseException) -> None:
-        if self.rid and self.client is not None:
-            self.client.end_stream(self.rid)
-        self.stream, self.rid = None, 0
-        self.error = exc
-        self.cond.notify_all()
-
-    def _on_reply(self, token: object, ok: bool, value: Any) -> None:
-        with self.cond:
-            if token is not self.stream:
-                return  # a stream closed meanwhile
-            if not ok:
-                self._lost(value)
-            elif type(value) is not str:   # an item, or items pushed in a row
-                if not self.stale:
-                    kind = type(value)
-                    batch = (value.items() if kind is _Run else value if kind is list
-                             else (value,))
-                    self.items.extend(batch)
-                    self.cond.notify(len(batch))
-            elif value == "resume":   # what comes from here on is this process's again
-                self.stale = max(0, self.stale - 1)
-            else:   # "recall": others wait for what this one holds
-                self.size = max(1, self.size // 2)  # it did not drain: shrink
-                # a get() that waits stays in line, with a window of one
-                if self.waiters:
-                    self._give_back(1, WAITING)
-                else:
-                    self._give_back(0, IDLE)
-
-    def _flush_acks(self) -> None:
-        with self.cond:
-            self.timer = None
-            self.sync()
-
-    def sync(self) -> None:
-        """Acknowledge what get() returned, ahead of another request to the owner."""
-        with self.cond:   # (reentrant: _flush_acks holds it)
-            if self.stream is not None and self.returned != self.reported:
-                self._want(get_hub(), WAITING if self.waiters and not self.items else IDLE)
-
-    def close(self) -> None:
-        """Give back what get() has not returned (this process closes its handle, or exits)."""
-        with self.cond:
-            if self.stream is None:
-                return
-            self.size = 1
-            self._give_back(0, IDLE)
-
-    def _give_back(self, size: int, waiting: int) -> None:
-        """Drop what get() has not returned; the owner puts it back (cond held)."""
-        self.items.clear()
-        self.stale += 1
-        self.reported = self.returned
-        Window.unreported.discard(self)
-        self._send("returned", self.returned, size, waiting)
-
-    # -- get -----------------------------------------------------------------------------
-    def _pop(self) -> Any:
-        payload = self.items.popleft()
-        self.returned += 1
-        Window.unreported.add(self)
-        if self.returned - self.reported >= max(1, self.size // 4):
-            self._want(get_hub(), IDLE)  # a quarter of the window was returned: room for more
-        elif self.timer is None:
-            hub = get_hub()
-            self.timer = hub.timers.call_at(time.monotonic() + ACK_DELAY, self._flush_acks)
-        return payload
-
-    def get(self, timeout: Optional[float]) -> Any:
-        """Return the next item pushed here; ``queue.Empty`` after ``timeout`` seconds."""
-        with self.lock:
-            if self.items:
-                return self._pop()
-            hub = get_hub()
-            if self.error is not None and self.stream is None:
-                self.error = None  # a new stream: the owner may be back (a reconnect)
-            if self.stream is None:
-                self._open(hub)
-            elif self.size < WINDOW_ITEMS:
-                self.size *= 2  # it ran dry: ask for more ahead
-            if timeout is not None and timeout <= 0:
-                self._want(hub, ASKING)  # the owner pushes an item stored, then answers
-                if self.items:
-                    payload = self._pop()
-                    if self.returned != self.reported:
-                        self._want(hub, IDLE)  # a request went to the owner anyway: ack now
-                    return payload
-                self._raise_error()
-                raise queue.Empty
-            self._want(hub, WAITING)
-            deadline = None if timeout is None else time.monotonic() + timeout
-            self.waiters += 1
-            try:
-                while not self.items:
-                    self._raise_error()
-                    left = None if deadline is None else deadline - time.monotonic()
-                    if left is not None and left <= 0:
-                        if self.waiters == 1:
-                            self._want(hub, IDLE)  # stopped waiting: what comes stays here
-                        raise queue.Empty
-                    step = hub.heartbeat_interval if left is None else min(
-                        left, hub.heartbeat_interval)
-                    if not self.cond.wait(step) and not self.items and (
-                            left is None or left > step):
-                        self.cond.release()
-                        try:  # a vanished owner closes no socket: ping it
-                            hub.ensure_alive(self.address, hub.parent_timeout)
-                        finally:
-                            self.cond.acquire()
-            finally:
-                self.waiters -= 1
-            return self._pop()
-
-    def _raise_error(self) -> None:
-        if self.error is not None and not self.items:
-            raise self.error
-
-
-os.register_at_fork(after_in_child=Window._forget_in_child)
-
-
 def _push(win: _Win, values: list) -> None:
     """Send ``values`` down ``win``'s stream as one frame (by the one sending thread, so
     pushes and recalls to one consumer never overtake each other). A consumer whose
@@ -1044,71 +726,18 @@ def _push(win: _Win, values: list) -> None:
     for value in values:
         if type(value) is str or isinstance(value, ReplySink):   # a marker, an answer
             if run:
-                replies.append(Reply(rid, True, _Run.of(run)))
+                replies.append(Reply(rid, True, Run.of(run)))
                 run = []
             replies.append(Reply(value.rid, True, None) if isinstance(value, ReplySink)
                            else Reply(rid, True, value))
         else:
             run.append(value)
     if run:
-        replies.append(Reply(rid, True, _Run.of(run)))
+        replies.append(Reply(rid, True, Run.of(run)))
     try:
         peer.send(pack(replies[0] if len(replies) == 1 else replies))
     except ChannelClosed:
         pass
-
-
-class _Run:
-    """Small items pushed in a row, as one ``bytes`` and their lengths: pickled one by
-    one, their wrappers cost more than the items (a 100 B item: 1 us of ~8 per item)."""
-
-    __slots__ = ("data", "sizes")
-
-    def __init__(self, data: bytes, sizes: bytes) -> None:
-        self.data = data
-        self.sizes = sizes
-
-    @staticmethod
-    def of(items: list) -> Any:
-        """The value to push for ``items``: a run when every one is a small pickle
-        (no out-of-band buffer, under ``OOB_THRESHOLD``), else the items (a lone one
-        by itself: a large one travels out of band, uncopied)."""
-        if len(items) > 1 and all(type(i) is Encoded and not i.buffers for i in items):
-            data = [i.data for i in items]
-            sizes = [len(d) if type(d) is bytes else memoryview(d).nbytes for d in data]
-            if max(sizes) < OOB_THRESHOLD:
-                return _Run(b"".join(data), array("Q", sizes).tobytes())
-        items = [blob(i) for i in items]
-        return items if len(items) > 1 else items[0]
-
-    def items(self) -> list:
-        """The items again, each an :class:`Encoded` viewing this run's ``data``."""
-        data, out, at = memoryview(self.data), [], 0
-        for size in memoryview(self.sizes).cast("Q"):
-            out.append(Encoded(data[at:at + size]))
-            at += size
-        return out
-
-    def __reduce__(self):
-        data = self.data   # a long run goes out of band, as a large item would
-        return (_Run, (pickle.PickleBuffer(data) if len(data) >= OOB_THRESHOLD else data,
-                       self.sizes))
-
-
-def merge_puts(oid: str, calls: list) -> Optional[Call]:
-    """One ``put_run`` call for one-way puts of small items that follow each other on a
-    connection (their Call and wrapper cost more than a 100 B item); None: as they are.
-    A process that puts into a queue or pipe owned elsewhere declares it to its hub
-    (:meth:`~fibrl.hub.Hub.merge_calls`)."""
-    if any(not c.args or c.args[1:] not in ((), (None,)) for c in calls):
-        return None   # (a put with a timeout: it may wait, it goes alone)
-    run = _Run.of([c.args[0] for c in calls])
-    return Call(0, oid, "put_run", (run,)) if type(run) is _Run else None
-
-
-def _acks_ahead(address: str) -> None:
-    if Window.unreported:
-        Window.sync_to(address)
 
 
 def _clamp(size: Any) -> int:
@@ -1120,234 +749,3 @@ def _owner(reply: ReplySink, key: Any) -> Any:
         return key
     return ("peer", reply.peer.id) if reply.peer is not None else "local"
 
-
-class PipeBox(Mailbox):
-    """One direction of a pipe: a mailbox that pushes to the process reading it.
-
-    The first ``recv``/``poll`` of a reader in another process *subscribes*:
-    from then on every message is pushed to that process as it arrives (one
-    frame per ``send``, no request per ``recv``), after whatever was stored.
-    A reader elsewhere that asks (a ``get``, ``poll`` or its own subscription)
-    *revokes* the subscriber, which gives back what it holds unread; until it
-    has, nothing is handed out, so messages keep their order. Messages pushed
-    to a reader that dies before reading them die with it, as data in a dead
-    reader's OS pipe does.
-
-    It also counts open *reader* handles (like writers): once none is left,
-    ``watch`` answers its writers and their ``send`` raises ``BrokenPipeError``.
-
-    ::
-
-        writer  --put-->  PipeBox  --Reply(rid of subscribe)-->  reader's inbox
-                          revoke  --------------------------->   giveback(items)
-    """
-
-    _ordered = False  # one reader at a time: a giveback goes in front as it is
-
-    def __init__(self) -> None:
-        super().__init__(pipe_end=True)
-        self._sub: Optional[ReplySink] = None     # the subscribed reader's stream
-        self._revoking: set = set()               # peer ids whose giveback is due
-        self._readers: dict = {}
-        self._broken = False
-        self._watchers: list[ReplySink] = []
-
-    # -- pushing ----------------------------------------------------------------------
-    def _deliver(self, payload: Any) -> None:
-        if self._revoking:
-            self._items.append(payload)  # after what the revoked reader gives back
-        elif not self._getters and self._sub is not None:
-            if not self._sub(payload):
-                self._sub = None  # its connection dropped: keep it for another reader
-                super()._deliver(payload)
-        else:
-            super()._deliver(payload)
-
-    def _flush(self) -> None:
-        """Hand stored messages out, in order, once no giveback is due (lock held)."""
-        if self._revoking:
-            return
-        while self._items and self._getters:
-            parked = self._getters.popleft()
-            self._unpark(parked)
-            payload = self._items.popleft()
-            if not self._hand(parked.reply, payload):
-                self._items.appendleft(payload)
-        while self._items and self._sub is not None:
-            if not self._sub(self._items[0]):
-                self._sub = None
-                break
-            self._items.popleft()
-        if self._items:
-            self._wake_pollers(True)
-        if self._eof:
-            self._finish_eof()
-
-    def _finish_eof(self) -> None:
-        if self._sub is not None:
-            self._sub("eof")
-        if not self._items:
-            self._check_eof_now()
-
-    def _revoke_other(self, reply: ReplySink) -> None:
-        """A reader other than the subscriber asks: take the subscription back."""
-        sub = self._sub
-        if sub is not None and (reply.peer is None or sub.peer is not reply.peer):
-            self._sub = None
-            if sub("revoke"):
-                peer = sub.peer
-                assert peer is not None   # (only another process subscribes)
-                self._revoking.add(peer.id)
-
-    def op_subscribe(self, reply: ReplySink) -> None:
-        if reply.peer is None:
-            raise RuntimeError("the process that owns a pipe reads it without subscribing")
-        with self._lock:
-            self._revoke_other(reply)
-            self._sub = reply
-            self._flush()
-            reply("ready")
-
-    def op_giveback(self, reply: ReplySink, items: list) -> None:
-        """A revoked or closing subscriber returns the messages it did not read."""
-        with self._lock:
-            if reply.peer is not None:
-                self._revoking.discard(reply.peer.id)
-                if self._sub is not None and self._sub.peer is reply.peer:
-                    self._sub = None
-            self._items.extendleft(reversed(items))
-            self._flush()
-        reply(None)
-
-    def op_get(self, reply: ReplySink, timeout: Optional[float] = None) -> None:
-        with self._lock:
-            self._revoke_other(reply)
-            if self._revoking:
-                self._park(self._getters, _Parked(reply), timeout,
-                           lambda r: r.fail(queue.Empty()))
-            else:
-                super().op_get(reply, timeout)
-
-    def op_poll(self, reply: ReplySink, timeout: Optional[float] = 0.0, token: Any = None) -> None:
-        with self._lock:
-            self._revoke_other(reply)
-            if self._revoking and (timeout is None or timeout > 0):
-                self._park(self._pollers, _Parked(reply, token=token), timeout,
-                           lambda r: r(False))
-            else:
-                super().op_poll(reply, 0.0 if self._revoking else timeout, token)
-
-    def give(self, payload: Any) -> None:
-        if not self._broken:   # (see op_put)
-            super().give(payload)
-
-    def take_here(self) -> Any:
-        """``recv()`` in the owner process: what is stored, else wait for the next
-        message while reading the connection of the process that sent last (it likely
-        sends the next one too); no call and no dispatch. A reader elsewhere that holds
-        the subscription, or a giveback that is due, takes the general way."""
-        with self._lock:
-            if self._sub is not None or self._revoking or self._eof and not self._items:
-                handle = None
-            elif self._items:
-                return self._popleft()[0]
-            else:
-                handle, feeder = Handle(), self.feeder
-                self._getters.append(_Parked(LocalReply(handle)))
-        if handle is None:
-            return take(self.hub, None, self.oid, None)
-        if feeder is not None:
-            self.hub.wait_reading(handle, feeder)
-        return handle.get()
-
-    def op_put(self, reply: ReplySink, payload: Any, timeout: Optional[float] = None) -> None:
-        if self._broken:
-            # no reader is left: the sender raises BrokenPipeError once its watch is
-            # answered; what it sent meanwhile goes nowhere, as into a widowed OS pipe
-            reply(None)
-            return
-        super().op_put(reply, payload, timeout)
-
-    def _check_eof(self) -> None:
-        if self._writers or self._eof:
-            return
-        self._eof = True
-        if not self._revoking:
-            self._finish_eof()
-
-    def _check_eof_now(self) -> None:
-        """Fail parked getters with EOFError, wake pollers (nothing is left to read)."""
-        getters, self._getters = self._getters, deque()
-        for parked in getters:
-            self._unpark(parked)
-            parked.reply.fail(EOFError("the other end of the pipe was closed"))
-        self._wake_pollers(True)
-
-    # -- readers, and the writers' watch --------------------------------------------------
-    def op_attach_reader(self, reply: ReplySink, key: Any = None) -> None:
-        with self._lock:
-            owner = _owner(reply, key)
-            self._readers[owner] = self._readers.get(owner, 0) + 1
-        reply(None)
-
-    def op_adopt_reader(self, reply: ReplySink) -> None:
-        with self._lock:
-            _take_one(self._readers, "inflight")
-            owner = _owner(reply, None)
-            self._readers[owner] = self._readers.get(owner, 0) + 1
-        reply(None)
-
-    def op_detach_reader(self, reply: ReplySink) -> None:
-        with self._lock:
-            _take_one(self._readers, _owner(reply, None))
-            self._check_broken()
-        reply(None)
-
-    def op_watch(self, reply: ReplySink) -> None:
-        """Answer True once no reader handle is left (the pipe is broken)."""
-        with self._lock:
-            if self._broken:
-                reply(True)
-            else:
-                self._watchers.append(reply)
-
-    def _check_broken(self) -> None:
-        if self._readers or self._broken:
-            return
-        self._broken = True
-        self._items.clear()
-        self._redo.clear()
-        watchers, self._watchers = self._watchers, []
-        for watcher in watchers:
-            watcher(True)
-
-    def drop_peer(self, peer) -> None:
-        with self._lock:
-            self._revoking.discard(peer.id)  # what it held died with it
-            if self._sub is not None and self._sub.peer is peer:
-                self._sub = None
-            self._watchers = [w for w in self._watchers if w.peer is not peer]
-            if self._readers.pop(("peer", peer.id), None):
-                self._check_broken()
-            super().drop_peer(peer)
-            self._flush()
-
-    def closed(self) -> None:
-        with self._lock:
-            watchers, self._watchers = self._watchers, []
-            sub, self._sub = self._sub, None
-        for watcher in watchers:
-            watcher(False)  # retired, not broken: a later send reports the owner's answer
-        if sub is not None:
-            from .errors import object_gone
-
-            sub.fail(object_gone(self.oid, "its process", "closed"))
-        super().closed()
-
-
-def _take_one(counts: dict, owner: Any) -> None:
-    count = counts.get(owner, 0)
-    if count <= 1:
-        counts.pop(owner, None)
-    else:
-        counts[owner] = count - 1

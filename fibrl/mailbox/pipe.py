@@ -1,0 +1,248 @@
+"""One direction of a pipe: :class:`PipeBox`, a mailbox that pushes to the process
+reading it and counts the open writer handles of its end (per peer, so a dead
+process's handles close with it) to raise ``EOFError`` like a closed pipe.
+"""
+from __future__ import annotations
+
+import queue
+from collections import deque
+from typing import Any, Optional
+
+from ..hub import Handle, LocalReply, ReplySink
+from .consumer import take
+from .owner import Mailbox, _owner, _Parked
+
+__all__ = ["PipeBox"]
+
+
+class PipeBox(Mailbox):
+    """One direction of a pipe: a mailbox that pushes to the process reading it.
+
+    The first ``recv``/``poll`` of a reader in another process *subscribes*:
+    from then on every message is pushed to that process as it arrives (one
+    frame per ``send``, no request per ``recv``), after whatever was stored.
+    A reader elsewhere that asks (a ``get``, ``poll`` or its own subscription)
+    *revokes* the subscriber, which gives back what it holds unread; until it
+    has, nothing is handed out, so messages keep their order. Messages pushed
+    to a reader that dies before reading them die with it, as data in a dead
+    reader's OS pipe does.
+
+    It also counts open *reader* handles (like writers): once none is left,
+    ``watch`` answers its writers and their ``send`` raises ``BrokenPipeError``.
+
+    ::
+
+        writer  --put-->  PipeBox  --Reply(rid of subscribe)-->  reader's inbox
+                          revoke  --------------------------->   giveback(items)
+    """
+
+    _ordered = False  # one reader at a time: a giveback goes in front as it is
+
+    def __init__(self) -> None:
+        super().__init__(pipe_end=True)
+        self._sub: Optional[ReplySink] = None     # the subscribed reader's stream
+        self._revoking: set = set()               # peer ids whose giveback is due
+        self._readers: dict = {}
+        self._broken = False
+        self._watchers: list[ReplySink] = []
+
+    # -- pushing ----------------------------------------------------------------------
+    def _deliver(self, payload: Any) -> None:
+        if self._revoking:
+            self._items.append(payload)  # after what the revoked reader gives back
+        elif not self._getters and self._sub is not None:
+            if not self._sub(payload):
+                self._sub = None  # its connection dropped: keep it for another reader
+                super()._deliver(payload)
+        else:
+            super()._deliver(payload)
+
+    def _flush(self) -> None:
+        """Hand stored messages out, in order, once no giveback is due (lock held)."""
+        if self._revoking:
+            return
+        while self._items and self._getters:
+            parked = self._getters.popleft()
+            self._unpark(parked)
+            payload = self._items.popleft()
+            if not self._hand(parked.reply, payload):
+                self._items.appendleft(payload)
+        while self._items and self._sub is not None:
+            if not self._sub(self._items[0]):
+                self._sub = None
+                break
+            self._items.popleft()
+        if self._items:
+            self._wake_pollers(True)
+        if self._eof:
+            self._finish_eof()
+
+    def _finish_eof(self) -> None:
+        if self._sub is not None:
+            self._sub("eof")
+        if not self._items:
+            self._check_eof_now()
+
+    def _revoke_other(self, reply: ReplySink) -> None:
+        """A reader other than the subscriber asks: take the subscription back."""
+        sub = self._sub
+        if sub is not None and (reply.peer is None or sub.peer is not reply.peer):
+            self._sub = None
+            if sub("revoke"):
+                peer = sub.peer
+                assert peer is not None   # (only another process subscribes)
+                self._revoking.add(peer.id)
+
+    def op_subscribe(self, reply: ReplySink) -> None:
+        if reply.peer is None:
+            raise RuntimeError("the process that owns a pipe reads it without subscribing")
+        with self._lock:
+            self._revoke_other(reply)
+            self._sub = reply
+            self._flush()
+            reply("ready")
+
+    def op_giveback(self, reply: ReplySink, items: list) -> None:
+        """A revoked or closing subscriber returns the messages it did not read."""
+        with self._lock:
+            if reply.peer is not None:
+                self._revoking.discard(reply.peer.id)
+                if self._sub is not None and self._sub.peer is reply.peer:
+                    self._sub = None
+            self._items.extendleft(reversed(items))
+            self._flush()
+        reply(None)
+
+    def op_get(self, reply: ReplySink, timeout: Optional[float] = None) -> None:
+        with self._lock:
+            self._revoke_other(reply)
+            if self._revoking:
+                self._park(self._getters, _Parked(reply), timeout,
+                           lambda r: r.fail(queue.Empty()))
+            else:
+                super().op_get(reply, timeout)
+
+    def op_poll(self, reply: ReplySink, timeout: Optional[float] = 0.0, token: Any = None) -> None:
+        with self._lock:
+            self._revoke_other(reply)
+            if self._revoking and (timeout is None or timeout > 0):
+                self._park(self._pollers, _Parked(reply, token=token), timeout,
+                           lambda r: r(False))
+            else:
+                super().op_poll(reply, 0.0 if self._revoking else timeout, token)
+
+    def give(self, payload: Any) -> None:
+        if not self._broken:   # (see op_put)
+            super().give(payload)
+
+    def take_here(self) -> Any:
+        """``recv()`` in the owner process: what is stored, else wait for the next
+        message while reading the connection of the process that sent last (it likely
+        sends the next one too); no call and no dispatch. A reader elsewhere that holds
+        the subscription, or a giveback that is due, takes the general way."""
+        with self._lock:
+            if self._sub is not None or self._revoking or self._eof and not self._items:
+                handle = None
+            elif self._items:
+                return self._popleft()[0]
+            else:
+                handle, feeder = Handle(), self.feeder
+                self._getters.append(_Parked(LocalReply(handle)))
+        if handle is None:
+            return take(self.hub, None, self.oid, None)
+        if feeder is not None:
+            self.hub.wait_reading(handle, feeder)
+        return handle.get()
+
+    def op_put(self, reply: ReplySink, payload: Any, timeout: Optional[float] = None) -> None:
+        if self._broken:
+            # no reader is left: the sender raises BrokenPipeError once its watch is
+            # answered; what it sent meanwhile goes nowhere, as into a widowed OS pipe
+            reply(None)
+            return
+        super().op_put(reply, payload, timeout)
+
+    def _check_eof(self) -> None:
+        if self._writers or self._eof:
+            return
+        self._eof = True
+        if not self._revoking:
+            self._finish_eof()
+
+    def _check_eof_now(self) -> None:
+        """Fail parked getters with EOFError, wake pollers (nothing is left to read)."""
+        getters, self._getters = self._getters, deque()
+        for parked in getters:
+            self._unpark(parked)
+            parked.reply.fail(EOFError("the other end of the pipe was closed"))
+        self._wake_pollers(True)
+
+    # -- readers, and the writers' watch --------------------------------------------------
+    def op_attach_reader(self, reply: ReplySink, key: Any = None) -> None:
+        with self._lock:
+            owner = _owner(reply, key)
+            self._readers[owner] = self._readers.get(owner, 0) + 1
+        reply(None)
+
+    def op_adopt_reader(self, reply: ReplySink) -> None:
+        with self._lock:
+            _take_one(self._readers, "inflight")
+            owner = _owner(reply, None)
+            self._readers[owner] = self._readers.get(owner, 0) + 1
+        reply(None)
+
+    def op_detach_reader(self, reply: ReplySink) -> None:
+        with self._lock:
+            _take_one(self._readers, _owner(reply, None))
+            self._check_broken()
+        reply(None)
+
+    def op_watch(self, reply: ReplySink) -> None:
+        """Answer True once no reader handle is left (the pipe is broken)."""
+        with self._lock:
+            if self._broken:
+                reply(True)
+            else:
+                self._watchers.append(reply)
+
+    def _check_broken(self) -> None:
+        if self._readers or self._broken:
+            return
+        self._broken = True
+        self._items.clear()
+        self._redo.clear()
+        watchers, self._watchers = self._watchers, []
+        for watcher in watchers:
+            watcher(True)
+
+    def drop_peer(self, peer) -> None:
+        with self._lock:
+            self._revoking.discard(peer.id)  # what it held died with it
+            if self._sub is not None and self._sub.peer is peer:
+                self._sub = None
+            self._watchers = [w for w in self._watchers if w.peer is not peer]
+            if self._readers.pop(("peer", peer.id), None):
+                self._check_broken()
+            super().drop_peer(peer)
+            self._flush()
+
+    def closed(self) -> None:
+        with self._lock:
+            watchers, self._watchers = self._watchers, []
+            sub, self._sub = self._sub, None
+        for watcher in watchers:
+            watcher(False)  # retired, not broken: a later send reports the owner's answer
+        if sub is not None:
+            from ..errors import object_gone
+
+            sub.fail(object_gone(self.oid, "its process", "closed"))
+        super().closed()
+
+
+def _take_one(counts: dict, owner: Any) -> None:
+    count = counts.get(owner, 0)
+    if count <= 1:
+        counts.pop(owner, None)
+    else:
+        counts[owner] = count - 1
+
