@@ -104,8 +104,8 @@ def _sync_rows(make_manager, target: float, repeats: int) -> dict:
 
 def echo_server(ready, stop) -> None:
     """Child side of the floor measurement: echo every frame of one channel."""
-    from fibrl.hub import get_hub
-    from fibrl.transport import Listener
+    from fibrl.hosting.hub import get_hub
+    from fibrl.wire.transport import Listener
 
     listener = Listener("127.0.0.1", get_hub().secret, on_frame=lambda peer, data: peer.send(data))
     ready.put(listener.address)
@@ -126,8 +126,8 @@ def _floor(target: float, repeats: int) -> tuple:
     import multiprocessing
 
     import fibrl
-    from fibrl.hub import get_hub
-    from fibrl.transport import Channel
+    from fibrl.hosting.hub import get_hub
+    from fibrl.wire.transport import Channel
 
     ready, stop = fibrl.Queue(), fibrl.Event()
     proc = fibrl.Process(target=echo_server, args=(ready, stop))

@@ -198,7 +198,7 @@ def _visible_main(preparation: dict) -> tuple:
     one (a launcher such as the ``pytest`` script, too big a file), as for an
     interactive parent, __main__ is not rebuilt.
     """
-    from .messages import MAIN_SOURCE
+    from .wire.messages import MAIN_SOURCE
 
     preparation = dict(preparation)
     source = preparation.pop(MAIN_SOURCE, None)
@@ -237,7 +237,7 @@ def _become(start, hub, client, exiting, oid):
     from multiprocessing import process as mp_process
     from multiprocessing import spawn as mp_spawn
 
-    from . import runtime
+    from .hosting import runtime
 
     config = _own_listen_host(start.config)
     hub.use_settings(config)   # before it listens: what this worker hosts obeys them too
@@ -281,7 +281,7 @@ class _LoadError(Exception):
 def _load(frame: bytes, client, oid: str, timeout: float):
     """Unpickle the process; if that fails, ask the parent for a copy by value
     (cloudpickle), which carries the main script's functions and classes along."""
-    from . import serialization
+    from .wire import serialization
     from .errors import SerializationError
 
     try:
@@ -347,7 +347,7 @@ def _report_load_failure(client, oid: str, start, exc: BaseException) -> bool:
     """Tell the parent why this worker cannot run its process; True if it heard."""
     import traceback
 
-    from .messages import MISSING_MAIN_GUARD
+    from .wire.messages import MISSING_MAIN_GUARD
 
     kind, text = "", "".join(traceback.format_exception(exc)).rstrip()
     if _starts_at_import(exc):
@@ -376,10 +376,10 @@ def main(argv: list[str]) -> int:
 
     from multiprocessing import process as mp_process
 
-    from . import runtime
+    from .hosting import runtime
     from .config import Config
-    from .hub import Hub
-    from .transport import WORKER_NNG_THREADS, set_nng_threads
+    from .hosting.hub import Hub
+    from .wire.transport import WORKER_NNG_THREADS, set_nng_threads
 
     set_nng_threads(WORKER_NNG_THREADS)   # before the first socket: a light worker
     secret = bytes.fromhex(secret_hex)

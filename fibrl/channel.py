@@ -37,9 +37,9 @@ from __future__ import annotations
 from typing import Any, Callable, Optional
 
 from .errors import ChannelClosed
-from .hub import get_hub
-from . import serialization
-from .transport import Channel, Listener, Peer
+from .hosting.hub import get_hub
+from .wire import serialization
+from .wire.transport import Channel, Listener, Peer
 
 __all__ = ["listen", "connect", "dumps", "loads", "Channel", "Listener", "Peer",
            "ChannelClosed"]

@@ -8,7 +8,7 @@ from text sources are parsed to the field's type (``FIBRL_DEBUG=false`` is
 ``False``).
 
 This module owns parsing and validation only. The config in force is kept by
-``fibrl.runtime`` (set through ``fibrl.init`` or the default context); the
+``fibrl.hosting.runtime`` (set through ``fibrl.init`` or the default context); the
 parent hands its config to every worker it starts. The backend names are
 ``fibrl.backends.base``'s.
 """
@@ -188,7 +188,7 @@ def _from_env(environ: Mapping[str, str]) -> dict[str, str]:
 _ENV_NOT_CONFIG = frozenset({"FIBRL_SECRET", "FIBRL_SECRET_FD", "FIBRL_SECRET_STDIN",
                              "FIBRL_RUN_ID", "FIBRL_TOKEN", "FIBRL_PARENT", "FIBRL_POD_NAME",
                              "FIBRL_POD_NAMESPACE", "FIBRL_POD_UID",
-                             # read by fibrl.transport before nng starts, in any process
+                             # read by fibrl.wire.transport before nng starts, in any process
                              "FIBRL_NNG_THREADS"})
 # Switches of fibrl's own test suite (FIBRL_TEST_KUBECONFIG ...), not config keys.
 _ENV_TEST_PREFIX = "FIBRL_TEST_"

@@ -1,6 +1,6 @@
 """``Pipe()``, ``Connection`` and ``wait()`` that work between any processes.
 
-A pipe is two :class:`~fibrl.mailbox.PipeBox` objects hosted by the process
+A pipe is two :class:`~fibrl.hosting.mailbox.PipeBox` objects hosted by the process
 that called ``Pipe()``: one per direction. A :class:`Connection` is a handle
 on them (address, the direction it reads, the one it writes) and pickles to any
 process of the run. Each process holding the write side of a direction counts
@@ -44,12 +44,12 @@ from collections import deque
 from multiprocessing import BufferTooShort
 from typing import Any, Iterable, Optional
 
-from . import serialization
-from .hub import QuietCondition, drop_owner, get_hub, mark_pickled
+from .wire import serialization
+from .hosting.hub import QuietCondition, drop_owner, get_hub, mark_pickled
 from .janitor import Finalizer
-from .mailbox import PipeBox, merge_puts, take
-from .messages import blob
-from .serialization import Encoded
+from .hosting.mailbox import PipeBox, merge_puts, take
+from .wire.messages import blob
+from .wire.serialization import Encoded
 
 __all__ = ["Connection", "Pipe", "wait"]
 

@@ -17,11 +17,12 @@ import multiprocessing
 import os
 from typing import Any, Optional
 
-from . import process, runtime
+from . import process
+from .hosting import runtime
 from .backends.base import BACKENDS
 from .config import Config, resolve
 from .errors import AuthenticationError
-from .runtime import current_config, install_config
+from .hosting.runtime import current_config, install_config
 
 __all__ = ["BaseContext", "DefaultContext", "default_context", "current_config", "install_config",
            "init"]

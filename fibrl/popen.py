@@ -30,13 +30,14 @@ from multiprocessing import context as mp_context
 from multiprocessing import spawn as mp_spawn
 from typing import Any, Optional
 
-from . import runtime, serialization
+from .hosting import runtime
+from .wire import serialization
 from .backends import Job, JobSpec
 from .backends.base import LABEL_ROLE, job_labels, run_id
 from .config import Config
 from .errors import BackendError
-from .hub import ReplySink, Service, get_hub
-from .messages import MAIN_SOURCE, MISSING_MAIN_GUARD, WorkerStart
+from .hosting.hub import ReplySink, Service, get_hub
+from .wire.messages import MAIN_SOURCE, MISSING_MAIN_GUARD, WorkerStart
 
 __all__ = ["Popen", "WorkerStart", "run_id"]
 
@@ -436,7 +437,7 @@ def _log_missing_guard_once(error: str) -> None:
 # What a worker imports before it connects (a fork server imports it once; importing
 # transport loads pynng but starts no nng thread, so forking afterwards is safe). Not
 # bootstrap itself: it runs as __main__, as with `python -m`.
-WORKER_PRELOAD = ("fibrl.hub", "fibrl.messages", "fibrl.transport")
+WORKER_PRELOAD = ("fibrl.hosting.hub", "fibrl.wire.messages", "fibrl.wire.transport")
 
 def _preparation(process_obj: Any, elsewhere: bool) -> dict:
     """What spawn needs to rebuild this process's state in the worker.

@@ -49,7 +49,7 @@ class Process(BaseProcess):
     @staticmethod
     def _Popen(process_obj: "Process"):
         from .popen import Popen
-        from .runtime import current_config
+        from .hosting.runtime import current_config
 
         config = current_config()
         backend = getattr(process_obj, "_fibrl_backend", None) or process_obj._context_backend

@@ -1,8 +1,8 @@
 """``Queue``, ``JoinableQueue`` and ``SimpleQueue`` that work between any processes.
 
-A queue is a :class:`~fibrl.mailbox.Mailbox` hosted by the hub of the process
+A queue is a :class:`~fibrl.hosting.mailbox.Mailbox` hosted by the hub of the process
 that created it; the queue object is a small handle (a
-:class:`~fibrl.hosted.HostedHandle`: address + object id) that pickles to any
+:class:`~fibrl.hosting.hosted.HostedHandle`: address + object id) that pickles to any
 process of the run, including processes on other machines.
 
 Data flow::
@@ -25,10 +25,10 @@ from __future__ import annotations
 import queue
 from typing import Any, Optional
 
-from . import serialization
-from .hosted import HostedHandle
-from .hub import get_hub
-from .mailbox import EMPTY, Mailbox, Window, merge_puts, take
+from .wire import serialization
+from .hosting.hosted import HostedHandle
+from .hosting.hub import get_hub
+from .hosting.mailbox import EMPTY, Mailbox, Window, merge_puts, take
 
 __all__ = ["Queue", "JoinableQueue", "SimpleQueue"]
 

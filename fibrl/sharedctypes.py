@@ -38,8 +38,8 @@ import threading
 from multiprocessing.sharedctypes import typecode_to_type  # type: ignore[attr-defined]
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-from .hosted import HostedHandle, HostedService
-from .hub import ReplySink, get_hub
+from .hosting.hosted import HostedHandle, HostedService
+from .hosting.hub import ReplySink, get_hub
 from .synchronize import LockHandle, RLock
 from .synchronize.services import LockService, owner_of
 

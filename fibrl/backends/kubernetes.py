@@ -52,8 +52,8 @@ from .kube.creator import Creator
 from .kube.job import LOG_TAIL_LINES, KubernetesJob
 from .kube.manifests import owner_reference, secret_manifest, worker_pod
 from .kube.settings import (CONTAINER, LABEL_BACKEND, LABEL_OWNER, LABEL_PARENT, LABEL_ROLE,
-                            LABEL_RUN, KubeSettings, PodIdentity, choose_port, pod_image,
-                            pod_name, port_range)
+                            LABEL_RUN, KubeSettings, PodIdentity, choose_port, pod_image, pod_name,
+                            port_range)
 from .kube.watch import PodWatcher
 
 __all__ = ["KubernetesBackend", "KubernetesJob"]

@@ -26,13 +26,11 @@ within ``parent_timeout`` when its machine vanishes); a wrong authkey raises
 """
 from __future__ import annotations
 
-from .manager import (Array, AsyncManager, BaseManager, Namespace, State, SyncManager,
-                      Value)
+from .manager import Array, AsyncManager, BaseManager, Namespace, State, SyncManager, Value
 from .proxies import (AcquirerProxy, ArrayProxy, AsyncAutoProxy, AsyncProxy, AutoProxy,
                       BarrierProxy, BaseListProxy, BasePoolProxy, BaseProxy, ConditionProxy,
-                      DictProxy, EventProxy, HandleTimeout, IteratorProxy, ListProxy,
-                      MakeProxyType, NamespaceProxy, PoolProxy, ProxyHandle, RebuildProxy,
-                      ValueProxy)
+                      DictProxy, EventProxy, HandleTimeout, IteratorProxy, ListProxy, MakeProxyType,
+                      NamespaceProxy, PoolProxy, ProxyHandle, RebuildProxy, ValueProxy)
 from .server import Server, Token, public_methods
 
 __all__ = [

@@ -35,11 +35,12 @@ import weakref
 from collections import deque
 from typing import Any, Optional
 
-from .. import runtime, serialization
+from ..hosting import runtime
+from ..wire import serialization
 from ..errors import ChannelClosed, RemoteObjectError, TransportError, owner_gone
-from ..hub import Hub, get_hub
+from ..hosting.hub import Hub, get_hub
 from ..janitor import Finalizer
-from ..messages import Call, pack, unpack, wrap_args
+from ..wire.messages import Call, pack, unpack, wrap_args
 
 __all__ = ["Line", "PipelinedLine", "ReplyTimeout", "line_for", "hub_for", "close_lines",
            "note_decref", "take_decrefs", "lost_error", "MANAGER_OID"]

@@ -32,11 +32,11 @@ from multiprocessing import ProcessError, process, util
 from multiprocessing.connection import wait as wait_fds
 from typing import Any, Callable, Optional
 
-from .. import serialization
+from ..wire import serialization
 from ..errors import BackendError, describe_exitcode
-from ..hub import ReplySink, Service, get_hub
+from ..hosting.hub import ReplySink, Service, get_hub
 from ..janitor import Finalizer
-from ..messages import RemoteError
+from ..wire.messages import RemoteError
 from .lines import MANAGER_OID, close_lines, hub_for, line_for, take_decrefs
 from .proxies import (AcquirerProxy, ArrayProxy, AsyncAutoProxy, AutoProxy, BarrierProxy,
                       ConditionProxy, DictProxy, EventProxy, IteratorProxy, ListProxy,

@@ -28,9 +28,9 @@ from multiprocessing import process
 from multiprocessing.context import get_spawning_popen
 from typing import Any, Callable, ClassVar, Optional, cast
 
-from .. import serialization
+from ..wire import serialization
 from ..errors import TransportError
-from ..hub import Handle
+from ..hosting.hub import Handle
 from .lines import (MANAGER_OID, PipelinedLine, ReplyTimeout, decref_queue, hub_for, line_for,
                     lost_error, note_decref, take_decrefs)
 from .server import ProxyRef, Token

@@ -40,11 +40,11 @@ from dataclasses import dataclass
 from multiprocessing import process
 from typing import Any, Callable, Optional
 
-from .. import serialization
+from ..wire import serialization
 from ..errors import RemoteObjectError
-from ..hub import Hub, ReplySink, Service
-from ..runtime import current_config
-from ..hosted import answer
+from ..hosting.hub import Hub, ReplySink, Service
+from ..hosting.runtime import current_config
+from ..hosting.hosted import answer
 from .lines import MANAGER_OID
 
 __all__ = ["Server", "ManagerService", "Token", "ProxyRef", "Created", "Registration",
@@ -172,7 +172,7 @@ INLINE_S = 0.005
 class _Overtime:
     """Watches the calls running inline in peer threads, and hands a connection to a
     new reader thread when its call outlasts ``INLINE_S`` (see
-    :meth:`fibrl.transport.Peer.offload`). One timer for all of them: it fires every
+    :meth:`fibrl.wire.transport.Peer.offload`). One timer for all of them: it fires every
     ``INLINE_S`` while calls come (arming it per call would wake the timer thread per
     call) and stops ``IDLE_S`` after the last one."""
 
@@ -218,7 +218,7 @@ class _Lane:
     """Calls to one object from async proxies: run in arrival order, one at a time.
 
     While more calls wait behind the one running, its reply is held to share a frame
-    with theirs (:class:`~fibrl.hub.HeldReplies`, at most ``hub.HOLD_S``): a pipelined
+    with theirs (:class:`~fibrl.hosting.hub.HeldReplies`, at most ``hub.HOLD_S``): a pipelined
     burst costs a few frames, a lone call is answered at once.
     """
 

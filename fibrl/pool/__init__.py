@@ -36,8 +36,7 @@ from typing import Any, Callable, Collection, Iterable, Iterator, Optional, Sequ
 from ..janitor import Finalizer
 from .engine import Engine, worker_meta
 from .protocol import CLOSE, INIT, RUN, TERMINATE, Kind, pack
-from .results import (ApplyResult, AsyncResult, IMapIterator, IMapUnorderedIterator,
-                      MapResult)
+from .results import ApplyResult, AsyncResult, IMapIterator, IMapUnorderedIterator, MapResult
 
 __all__ = ["Pool", "ApplyResult", "AsyncResult", "MapResult", "IMapIterator",
            "IMapUnorderedIterator"]

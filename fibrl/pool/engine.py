@@ -17,9 +17,9 @@ import logging
 import threading
 from typing import Any, Callable, Iterable, Mapping, Optional
 
-from .. import serialization
+from ..wire import serialization
 from ..errors import WorkerLostError
-from ..hub import get_hub
+from ..hosting.hub import get_hub
 from ..meta import KEYS as META_KEYS
 from ..meta import resources
 from ..supervisor import Supervisor

@@ -33,8 +33,8 @@ from dataclasses import dataclass, fields
 from operator import attrgetter
 from typing import TYPE_CHECKING, Any, Optional, TypeVar, cast
 
-from .. import serialization
-from ..messages import RemoteError
+from ..wire import serialization
+from ..wire.messages import RemoteError
 
 if TYPE_CHECKING:  # (typing has it from 3.11 on; fibrl needs no typing_extensions to run)
     from _typeshed import DataclassInstance
@@ -84,7 +84,7 @@ def pack(obj: Any) -> bytes:
 
     Thousands of these are made per second, and a plain pickle is several
     times cheaper than a fibrl frame; what plain pickle refuses (lambdas,
-    closures, an interactive ``__main__``) takes :func:`fibrl.serialization.dumps`,
+    closures, an interactive ``__main__``) takes :func:`fibrl.wire.serialization.dumps`,
     whose :class:`~fibrl.errors.SerializationError` names the culprit.
     """
     if not serialization.main_is_interactive():
@@ -191,7 +191,7 @@ class Report:
 class Raised:
     """An item's outcome when the call raised (or its result could not be pickled).
 
-    The worker builds it with a :class:`~fibrl.messages.RemoteError`; the parent
+    The worker builds it with a :class:`~fibrl.wire.messages.RemoteError`; the parent
     unpickles the exception itself, its traceback chained as ``__cause__``.
     """
 

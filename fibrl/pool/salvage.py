@@ -18,7 +18,7 @@ import io
 import pickle
 from typing import Any
 
-from .. import serialization
+from ..wire import serialization
 from ..errors import SerializationError
 from .results import Failure
 

@@ -54,12 +54,12 @@ import time
 from collections import OrderedDict, deque
 from typing import Any, Optional, Protocol
 
-from .. import serialization
-from ..errors import (BackendUnavailableError, SerializationError, TaskFailedError,
-                      WorkerLostError, describe_exitcode)
+from ..wire import serialization
+from ..errors import (BackendUnavailableError, SerializationError, TaskFailedError, WorkerLostError,
+                      describe_exitcode)
 from ..backends.base import Backend
-from ..gate import descriptor_shortage
-from ..hub import ReplySink, Service
+from ..wire.gate import descriptor_shortage
+from ..hosting.hub import ReplySink, Service
 from .protocol import (CLOSE, LOADING, RUN, STOP, TERMINATE, Batch, Kind, Report, TaskSpec,
                        describe, unpack)
 from .results import Failure

@@ -26,10 +26,10 @@ from collections import OrderedDict, deque
 from itertools import starmap
 from typing import Any, Callable
 
-from .. import serialization
+from ..wire import serialization
 from ..errors import SerializationError
-from ..hub import get_hub
-from ..messages import RemoteError
+from ..hosting.hub import get_hub
+from ..wire.messages import RemoteError
 from .protocol import LOADING, STOP, Kind, Raised, Report, TaskSpec, WorkerArgs, pack, unpack
 
 __all__ = ["run_worker", "FLUSH_S"]

@@ -34,10 +34,10 @@ import threading
 import time
 from typing import Any, Callable, Optional
 
-from ..hosted import HostedHandle, call_owner
-from ..hub import get_hub
-from .services import (SEM_VALUE_MAX, BarrierService, ConditionService, EventService,
-                       LockService, LockState)
+from ..hosting.hosted import HostedHandle, call_owner
+from ..hosting.hub import get_hub
+from .services import (SEM_VALUE_MAX, BarrierService, ConditionService, EventService, LockService,
+                       LockState)
 
 __all__ = ["Lock", "RLock", "Semaphore", "BoundedSemaphore", "Condition", "Event", "Barrier",
            "LockHandle", "wait_for"]

@@ -9,7 +9,7 @@ A holder or waiter is an :class:`Owner`, ``(connection, thread id)``: RLock
 ownership and Condition checks work per thread, and when a connection drops
 (process killed, node lost) ``peer_lost`` releases the Lock or RLock it held
 and drops what it parked. The handles users hold are in ``fibrl.synchronize``
-(on ``fibrl.hosted.HostedHandle``, whose waits ping the owner between slices,
+(on ``fibrl.hosting.hosted.HostedHandle``, whose waits ping the owner between slices,
 so a lost owner raises instead of hanging); ``sharedctypes`` builds
 ``Value``/``Array`` on :class:`LockService`.
 """
@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from ..errors import object_gone
-from ..hosted import HostedService, answer
-from ..hub import ReplySink
+from ..hosting.hosted import HostedService, answer
+from ..hosting.hub import ReplySink
 
 __all__ = ["Owner", "owner_of", "LockState", "LockService",
            "ConditionService", "EventService", "BarrierTurn", "BarrierService",

@@ -6,7 +6,7 @@ import pytest
 
 import fibrl.channel as channel
 from fibrl.errors import AuthenticationError, ChannelClosed, TransportError
-from fibrl.transport import Channel
+from fibrl.wire.transport import Channel
 
 from conftest import join_all, run_process
 

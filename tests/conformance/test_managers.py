@@ -535,7 +535,7 @@ def test_pipelined_calls_keep_each_reply_for_its_caller(calcs):
 def test_a_sync_proxy_call_is_one_request_and_one_reply(monkeypatch):
     """Nothing else rides on a sync call's path: one frame out and one back, on the
     caller's own line (no acknowledgement, no ping, no separate decref message)."""
-    from fibrl import transport
+    from fibrl.wire import transport
 
     counts = {"send": 0, "recv": 0}
     with fibrl.Manager() as manager:

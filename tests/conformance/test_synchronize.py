@@ -344,7 +344,7 @@ def test_barrier_failing_action_breaks_it(ctx):
 
 
 def test_interrupted_acquire_is_withdrawn(ctx, monkeypatch):
-    import fibrl.hosted as hosted
+    import fibrl.hosting.hosted as hosted
 
     lock, holding, release = ctx.Lock(), ctx.Event(), ctx.Event()
     p = run_process(ctx, W.hold, lock, holding, release)

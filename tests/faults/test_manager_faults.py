@@ -169,7 +169,7 @@ def test_dead_barrier_party_breaks_the_barrier(ctx):
 
 
 def test_wrong_authkey_is_refused_before_unpickling(ctx):
-    from fibrl.transport import Channel
+    from fibrl.wire.transport import Channel
 
     with fibrl.managers.SyncManager(authkey=b"right", ctx=ctx) as m:
         with pytest.raises(AuthenticationError):

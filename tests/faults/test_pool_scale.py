@@ -70,7 +70,7 @@ def test_pool_short_of_descriptors_says_so_once_and_completes(tmp_path):
 def test_bad_nng_thread_counts_are_refused_with_the_fix():
     env = dict(os.environ, PYTHONPATH=REPO, FIBRL_NNG_THREADS="2,1")
     done = subprocess.run(
-        [sys.executable, "-c", "import fibrl.transport as t; t.set_nng_threads()"],
+        [sys.executable, "-c", "import fibrl.wire.transport as t; t.set_nng_threads()"],
         env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode != 0
     assert "FIBRL_NNG_THREADS='2,1' is not four positive counts" in done.stderr
@@ -107,7 +107,7 @@ def test_nng_thread_counts_from_the_environment_reach_parent_and_workers():
 
 def test_nng_thread_counts_are_too_late_once_nng_started():
     code = textwrap.dedent("""
-        import fibrl.transport as t
+        import fibrl.wire.transport as t
         assert t.set_nng_threads({"task": 2}) is True
         import pynng  # nng starts with the first socket
         t._make(pynng.Pair1, b"k" * 32, False, True).close()

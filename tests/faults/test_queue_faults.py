@@ -17,7 +17,7 @@ import time
 import pytest
 from conftest import wait_until
 
-import fibrl.hub
+import fibrl.hosting.hub
 
 TIMEOUT = 60
 
@@ -117,7 +117,7 @@ def _victim_reports(ctx, q, results, target, total, taken):
 
 
 def _mailbox(q):
-    return fibrl.hub.get_hub().service(q._oid)
+    return fibrl.hosting.hub.get_hub().service(q._oid)
 
 
 def _parked_getters(q) -> int:

@@ -10,7 +10,7 @@ import os
 import sys
 import threading
 
-from fibrl.transport import Channel, ChannelClosed, Listener, TransportError
+from fibrl.wire.transport import Channel, ChannelClosed, Listener, TransportError
 
 SECRET = b"race secret".ljust(32, b".")
 removing = threading.Event()   # the reaper is inside the accept socket's pipe callback

@@ -10,7 +10,7 @@ import pynng
 import pytest
 
 import fibrl
-from fibrl.hub import get_hub
+from fibrl.hosting.hub import get_hub
 
 OLD_HELLO = b"FBHELLO1"
 

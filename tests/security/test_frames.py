@@ -6,8 +6,8 @@ import threading
 import pytest
 
 from fibrl.errors import RemoteObjectError
-from fibrl.hub import Hub, Service
-from fibrl.messages import COMPACT, LONE_CALL, LONE_REPLY
+from fibrl.hosting.hub import Hub, Service
+from fibrl.wire.messages import COMPACT, LONE_CALL, LONE_REPLY
 
 SECRET = b"f" * 32
 RID = (1).to_bytes(8, "little")

@@ -12,9 +12,9 @@ import pytest
 
 from attacker import PROTOCOLS, frame, listening_ports, poke, sp_header
 from conftest import PickleCanary
-from fibrl import serialization
+from fibrl.wire import serialization
 from fibrl.errors import AuthenticationError
-from fibrl.transport import HELLO, Channel, Listener
+from fibrl.wire.transport import HELLO, Channel, Listener
 
 SECRET = b"s" * 32
 
@@ -100,7 +100,7 @@ def test_refused_peers_are_logged_with_address_and_reason_rate_limited(echo, cap
             req.send(b"garbage %d" % i)
             assert req.recv().startswith(b"FBNO")
 
-    with caplog.at_level(logging.WARNING, logger="fibrl.transport"):
+    with caplog.at_level(logging.WARNING, logger="fibrl.wire.transport"):
         for i in range(60):
             garbage(i)
         Channel.connect(listener.address, SECRET, timeout=10).close()

@@ -19,7 +19,7 @@ import pynng
 
 import fibrl
 from attacker import churn, in_threads
-from fibrl.transport import TransportError, _authenticate
+from fibrl.wire.transport import TransportError, _authenticate
 from victims import victim_factory  # noqa: F401 (a fixture)
 
 SECRET = b"victim secret".ljust(32, b".")   # victim.py's

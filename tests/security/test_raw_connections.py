@@ -11,7 +11,7 @@ import time
 from attacker import connect, in_threads, sp_header
 from victims import victim_factory  # noqa: F401 (a fixture)
 
-from fibrl.transport import MAX_PENDING
+from fibrl.wire.transport import MAX_PENDING
 
 
 def _hub_port(victim) -> int:

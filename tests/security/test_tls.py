@@ -2,7 +2,7 @@
 import pytest
 
 from fibrl.errors import AuthenticationError, TransportError
-from fibrl.transport import Channel, Listener
+from fibrl.wire.transport import Channel, Listener
 
 SECRET = b"t" * 32
 

@@ -22,7 +22,7 @@ import psutil
 import pytest
 
 import fibrl
-from fibrl.transport import HELLO
+from fibrl.wire.transport import HELLO
 
 from attacker import frame, sp_header
 

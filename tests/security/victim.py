@@ -12,8 +12,8 @@ import resource
 import sys
 
 import fibrl
-from fibrl.hub import get_hub
-from fibrl.transport import Channel, Listener
+from fibrl.hosting.hub import get_hub
+from fibrl.wire.transport import Channel, Listener
 
 SECRET = b"victim secret".ljust(32, b".")
 

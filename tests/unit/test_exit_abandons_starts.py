@@ -12,7 +12,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 PROGRAM = """
     import threading, time
     from concurrent.futures import ThreadPoolExecutor
-    from fibrl import runtime
+    from fibrl.hosting import runtime
 
     backend = runtime.backend(runtime.current_config())   # the local backend
     told = threading.Event()

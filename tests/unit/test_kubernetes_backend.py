@@ -527,7 +527,7 @@ def test_a_parent_listening_outside_the_port_range_is_refused(kube_init):
 
 LISTEN_PORTS_SCRIPT = """
 import sys, fibrl
-from fibrl.runtime import installed_hub
+from fibrl.hosting.runtime import installed_hub
 
 def echo(q):
     q.put("hello")

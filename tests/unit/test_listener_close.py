@@ -3,7 +3,7 @@ data socket says nothing of a dropped peer (it closed that socket itself); a pee
 that never connects it within auth_timeout is still reported."""
 import logging
 
-from fibrl.transport import Listener
+from fibrl.wire.transport import Listener
 
 SECRET = b"k" * 32
 
@@ -19,7 +19,7 @@ def _opening_peer(listener):
 def test_closing_with_a_peer_still_opening_logs_no_dropped_peer(caplog):
     listener = Listener("127.0.0.1", SECRET, on_frame=lambda peer, data: None)
     peer = _opening_peer(listener)
-    with caplog.at_level(logging.WARNING, logger="fibrl.transport"):
+    with caplog.at_level(logging.WARNING, logger="fibrl.wire.transport"):
         listener.close(join=10.0)
         assert not peer.thread.is_alive()
     assert "dropped peer" not in caplog.text
@@ -29,7 +29,7 @@ def test_a_peer_that_never_connects_its_data_socket_is_still_reported(caplog):
     listener = Listener("127.0.0.1", SECRET, on_frame=lambda peer, data: None,
                         auth_timeout=0.5)
     try:
-        with caplog.at_level(logging.WARNING, logger="fibrl.transport"):
+        with caplog.at_level(logging.WARNING, logger="fibrl.wire.transport"):
             peer = _opening_peer(listener)
             peer.thread.join(10.0)
             assert not peer.thread.is_alive()

@@ -4,11 +4,11 @@ import pickle
 import numpy as np
 import pytest
 
-from fibrl import serialization
+from fibrl.wire import serialization
 from fibrl.errors import FrameError, RemoteObjectError
-from fibrl.messages import (COMPACT, LONE_CALL, LONE_REPLY, Call, RemoteError, Reply, pack,
+from fibrl.wire.messages import (COMPACT, LONE_CALL, LONE_REPLY, Call, RemoteError, Reply, pack,
                             unpack)
-from fibrl.serialization import Encoded, encode
+from fibrl.wire.serialization import Encoded, encode
 
 
 def _frame(message):

@@ -7,10 +7,10 @@ import threading
 
 import pytest
 
-from fibrl import serialization
+from fibrl.wire import serialization
 from fibrl.errors import RemoteObjectError, RemoteTraceback, object_gone, owner_gone
-from fibrl.hub import Hub, Service
-from fibrl.messages import RemoteError
+from fibrl.hosting.hub import Hub, Service
+from fibrl.wire.messages import RemoteError
 
 
 def _raise(exc: BaseException) -> BaseException:

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from conftest import require_module
-from fibrl import serialization
+from fibrl.wire import serialization
 from fibrl.errors import FrameError, SerializationError
 
 

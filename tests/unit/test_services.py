@@ -16,8 +16,8 @@ from types import SimpleNamespace
 import pytest
 
 import fibrl.pool
-from fibrl.hub import ReplySink
-from fibrl.mailbox import EMPTY, Mailbox
+from fibrl.hosting.hub import ReplySink
+from fibrl.hosting.mailbox import EMPTY, Mailbox
 from fibrl.pool.protocol import Kind, Report, ResultSink, pack, unpack
 from fibrl.pool.service import PoolService
 from fibrl.synchronize.services import BarrierService, BarrierTurn, LockService
@@ -161,8 +161,8 @@ def test_small_items_pushed_in_a_row_travel_as_one_run_and_come_back_in_order():
     buffer makes the items travel one by one, as before."""
     import numpy as np
 
-    from fibrl import serialization
-    from fibrl.mailbox.protocol import Run
+    from fibrl.wire import serialization
+    from fibrl.hosting.mailbox.protocol import Run
 
     small = [serialization.encode(v) for v in (b"x" * 100, "abc", 7, (1, "two"), None)]
     small[3] = serialization.Encoded(memoryview(bytes(small[3].data)))  # a received view
@@ -191,10 +191,10 @@ def test_one_way_puts_in_a_row_merge_into_one_call_and_the_queue_takes_them_in_o
     with an out-of-band buffer keeps calls apart. The owner stores the run in order."""
     import numpy as np
 
-    from fibrl import serialization
-    from fibrl.hub import _merged
-    from fibrl.mailbox import merge_puts
-    from fibrl.messages import Call
+    from fibrl.wire import serialization
+    from fibrl.hosting.hub import _merged
+    from fibrl.hosting.mailbox import merge_puts
+    from fibrl.wire.messages import Call
 
     def put(oid, value, rid=0):
         return Call(rid, oid, "put", (serialization.encode(value), None))
@@ -454,7 +454,7 @@ def _fail(service, method, *args):
 
 
 def _report_hub_declarations(items, out):
-    from fibrl.hub import get_hub
+    from fibrl.hosting.hub import get_hub
 
     before = (sorted(get_hub().mergers), len(get_hub()._before_send))
     items.put("from the child")
@@ -469,7 +469,7 @@ def test_how_calls_travel_is_declared_by_the_handles_that_send_them_not_by_impor
     a fresh hub has none with every fibrl module imported."""
     import fibrl.connection  # noqa: F401  (every module that sends puts or opens windows)
     import fibrl.queues  # noqa: F401
-    from fibrl.hub import Hub
+    from fibrl.hosting.hub import Hub
 
     fresh = Hub(b"s" * 32)
     assert fresh.mergers == {} and fresh._before_send == ()

@@ -10,10 +10,10 @@ import pynng
 import pytest
 
 from conftest import PickleCanary
-from fibrl import serialization
+from fibrl.wire import serialization
 from fibrl.errors import AuthenticationError, TransportError
-from fibrl.hub import Hub
-from fibrl.transport import HELLO, Channel, Listener
+from fibrl.hosting.hub import Hub
+from fibrl.wire.transport import HELLO, Channel, Listener
 
 SECRET = b"s" * 32
 
@@ -134,7 +134,7 @@ def test_a_waiting_thread_reads_a_peers_frames_in_order_with_the_reader_thread()
     frames itself until it has what it waits for, then the reader thread goes on; every
     frame is handled once, in order. It gives way at once while another thread reads,
     and stops when what it waits for happens elsewhere (wake_reader)."""
-    from fibrl.transport import wake_reader
+    from fibrl.wire.transport import wake_reader
 
     handled, threads, peers = [], [], []
     first, all_in = threading.Event(), threading.Event()
@@ -182,7 +182,7 @@ def test_frames_of_parts_arrive_whole_small_large_and_in_pieces(echo, size):
     writable view, and frames around a pieced one keep their order."""
     import numpy as np
 
-    from fibrl.transport import PIECE
+    from fibrl.wire.transport import PIECE
 
     listener, _, _ = echo
     channel = Channel.connect(listener.address, SECRET, timeout=5)
@@ -414,7 +414,7 @@ def test_connections_the_gate_hands_to_nng_do_not_wait_for_delayed_acks():
     """nng sets TCP_NODELAY only on connections it makes; the gate accepts the server
     side itself. Without the option, the second of two replies sent back to back waits
     for the client's delayed ACK (Nagle): ~40 ms for every pipelined call."""
-    from fibrl.gate import Gate, sp_header
+    from fibrl.wire.gate import Gate, sp_header
 
     handed = []
     gate = Gate("test", refused=lambda address, reason: None, max_pending=4)
@@ -441,7 +441,7 @@ def test_a_one_way_call_to_a_closed_object_is_dropped_quietly_and_a_call_fails(c
 
     hub, other = Hub(SECRET), Hub(SECRET)
     try:
-        with caplog.at_level("DEBUG", logger="fibrl.hub"):
+        with caplog.at_level("DEBUG", logger="fibrl.hosting.hub"):
             other.send(hub.address, "gone-object", "release", 1, inline=True)
             other.flush(10)
         assert not [r for r in caplog.records if r.levelname in ("ERROR", "WARNING")]

@@ -26,8 +26,8 @@ containers whose parent process is gone.
 from __future__ import annotations
 
 from .backend import DockerBackend
-from .engine import (LABEL_HOST, LABEL_PIDNS, LOG_TAIL_LINES, connect, container_name,
-                     exit_code, in_worker_container, sdk, sdk_errors)
+from .engine import (LABEL_HOST, LABEL_PIDNS, LOG_TAIL_LINES, connect, container_name, exit_code,
+                     in_worker_container, sdk, sdk_errors)
 from .housekeeping import (collect_orphans, label_filters, list_containers, pid_namespace,
                            remove_containers, remove_when_stopped)
 from .job import DockerJob

@@ -28,8 +28,8 @@ from ...config import Config
 from ...errors import BackendError, describe_exitcode
 from .. import base
 from ..base import LABEL_BACKEND, LABEL_ROLE, Backend, Job, JobSpec
-from .engine import (LABEL_HOST, LABEL_PIDNS, LOG_TAIL_LINES, _engine_address, sdk,
-                     sdk_errors, connect, container_name, exit_code, in_worker_container)
+from .engine import (LABEL_HOST, LABEL_PIDNS, LOG_TAIL_LINES, _engine_address, sdk, sdk_errors,
+                     connect, container_name, exit_code, in_worker_container)
 from .housekeeping import _remove_quietly, collect_orphans, pid_namespace, remove_containers
 from .job import DockerJob
 from .reaper import start_reaper

@@ -26,10 +26,9 @@ import base64
 from typing import Any, Mapping, Optional, Sequence
 
 from ..base import JobSpec
-from .settings import (ANNOTATION_NAME, CONTAINER, ENV_LISTEN_HOST, ENV_POD_NAME,
-                       ENV_POD_NAMESPACE, ENV_POD_UID, LABEL_BACKEND, LABEL_ROLE, LABEL_RUN,
-                       SECRET_KEY, KubeSettings, PodIdentity, cpu_quantity, label_value,
-                       memory_quantity)
+from .settings import (ANNOTATION_NAME, CONTAINER, ENV_LISTEN_HOST, ENV_POD_NAME, ENV_POD_NAMESPACE,
+                       ENV_POD_UID, LABEL_BACKEND, LABEL_ROLE, LABEL_RUN, SECRET_KEY, KubeSettings,
+                       PodIdentity, cpu_quantity, label_value, memory_quantity)
 
 __all__ = ["secret_manifest", "worker_pod", "launcher_job", "owner_reference", "resources",
            "launcher_labels", "GPU_RESOURCE", "TERMINATION_GRACE", "LAUNCHER_CONTAINER"]

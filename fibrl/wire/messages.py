@@ -7,7 +7,7 @@ bytes is ``transport``; acting on messages is ``hub``.
 The envelope: a :class:`Call` or :class:`Reply` (or a list of them) whose fields
 are plain values (``None``, ``bool``, ``int``, ``float``, ``str``, small ``bytes``,
 tuples of those) and small payloads already pickled (an
-:class:`~fibrl.serialization.Encoded` without out-of-band buffers) travels as a
+:class:`~fibrl.wire.serialization.Encoded` without out-of-band buffers) travels as a
 *compact* frame: ``b"FB\x02"`` and one plain pickle of tuples, with each payload's
 bytes in it as they are. A message alone in its frame that carries one small
 payload and nothing else (a ``put``, a message pushed to a pipe's reader, a
@@ -31,8 +31,8 @@ import traceback
 from dataclasses import dataclass
 from typing import Any, cast
 
-from .config import Config
-from .errors import FrameError, RemoteObjectError, chain_remote
+from ..config import Config
+from ..errors import FrameError, RemoteObjectError, chain_remote
 from .serialization import OOB_THRESHOLD, Encoded, dumps, dumps_parts, loads
 
 __all__ = ["Call", "Reply", "pack", "unpack", "COMPACT", "LONE_REPLY", "LONE_CALL",
@@ -156,7 +156,7 @@ RAW_TYPES = (bytes, bytearray, memoryview)
 
 def blob(data: "bytes | bytearray | memoryview | Encoded") -> Any:
     """Wrap an already serialized payload so a large one travels out of band (an
-    :class:`~fibrl.serialization.Encoded` does so by itself)."""
+    :class:`~fibrl.wire.serialization.Encoded` does so by itself)."""
     if type(data) is Encoded:
         return data
     if memoryview(data).nbytes >= OOB_THRESHOLD:

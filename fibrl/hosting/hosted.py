@@ -1,6 +1,6 @@
 """Handles to hosted objects: the one client-side base, and the generic helpers.
 
-A *hosted object* is a :class:`~fibrl.hub.SharedService` in the hub of the
+A *hosted object* is a :class:`~fibrl.hosting.hub.SharedService` in the hub of the
 process that created it; users hold a small *handle* (the owner's address and
 the object id) that pickles to any process of the run. This module owns what
 every such handle does the same way::
@@ -27,7 +27,7 @@ import itertools
 import threading
 from typing import Any, Callable, Optional
 
-from .errors import TransportError, owner_gone
+from ..errors import TransportError, owner_gone
 from .hub import Handle, Hub, ReplySink, SharedService, get_hub, mark_pickled, own
 
 __all__ = ["HostedHandle", "HostedService", "answer", "call_owner", "rebuild", "wait_reply"]
@@ -50,7 +50,7 @@ def call_owner(address: Optional[str], oid: str, method: str, *args: Any) -> Any
 
     A lost owner (even a vanished node, which closes no socket) raises
     :class:`~fibrl.errors.RemoteObjectError` within ``parent_timeout`` (see
-    :meth:`fibrl.hub.Hub.wait`).
+    :meth:`fibrl.hosting.hub.Hub.wait`).
     """
     hub = get_hub()
     try:
@@ -62,7 +62,7 @@ def call_owner(address: Optional[str], oid: str, method: str, *args: Any) -> Any
 
 def wait_reply(handle: Handle, address: Optional[str], hub: Hub) -> Any:
     """``handle.get()`` for a call whose deadline its owner enforces, pinging the owner
-    between slices (:meth:`fibrl.hub.Hub.wait`): the one wait of every hosted handle."""
+    between slices (:meth:`fibrl.hosting.hub.Hub.wait`): the one wait of every hosted handle."""
     return hub.wait(handle, address)
 
 

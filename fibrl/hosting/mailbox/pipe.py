@@ -233,7 +233,7 @@ class PipeBox(Mailbox):
         for watcher in watchers:
             watcher(False)  # retired, not broken: a later send reports the owner's answer
         if sub is not None:
-            from ..errors import object_gone
+            from ...errors import object_gone
 
             sub.fail(object_gone(self.oid, "its process", "closed"))
         super().closed()

@@ -18,7 +18,7 @@ the nng socket behind it speaks. What a stranger can hold is then bounded at eve
   listening as soon as it has handed one connection on.
 
 This module knows nothing of nng or of what the header's bytes after the protocol mean:
-:mod:`fibrl.transport` builds the gate, says which protocol each port expects, and turns
+:mod:`fibrl.wire.transport` builds the gate, says which protocol each port expects, and turns
 a handed descriptor into an nng connection.
 """
 from __future__ import annotations

@@ -26,7 +26,7 @@ from collections.abc import Iterable
 from multiprocessing import process as mp_process
 from typing import Any, Callable, SupportsIndex, final
 
-from .errors import FrameError, SerializationError
+from ..errors import FrameError, SerializationError
 
 __all__ = ["dumps", "loads", "dumps_parts", "encode", "Encoded", "as_bytes", "MAGIC",
            "OOB_THRESHOLD", "stdlib_advice", "unpickle_error", "guarded_main_name",

@@ -41,11 +41,11 @@ import os
 import threading
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-from . import janitor
-from .config import Config, resolve
+from .. import janitor
+from ..config import Config, resolve
 
 if TYPE_CHECKING:
-    from .backends.base import Backend
+    from ..backends.base import Backend
 
 __all__ = ["current_config", "install_config", "reset_config", "config_is_set",
            "installed_hub", "install_hub", "at_exit", "backend", "CHILDREN", "CONNECTIONS",
@@ -122,7 +122,7 @@ def _apply_debug(config: Config) -> Config:
 
 # -- the hub slot --------------------------------------------------------------------
 
-_hub: Any = None        # a fibrl.hub.Hub; typed loosely: this layer does not import it
+_hub: Any = None        # a fibrl.hosting.hub.Hub; typed loosely: this layer does not import it
 hub_lock = threading.Lock()   # held while a hub is built and installed
 
 
@@ -156,7 +156,7 @@ def _listen_within_range(hub: Any) -> None:
     """A hub that will listen on any port gets a free one of its backend's range instead
     (the kubernetes backend may have one: a NetworkPolicy admits only those). Its
     listener starts on first use, after this."""
-    from .backends import backend_class
+    from ..backends import backend_class
 
     config = current_config()
     if hub.port:
@@ -188,7 +188,7 @@ def at_exit(step: str, fn: Callable[[], Any]) -> None:
 def backend(config: Config) -> Any:
     """The backend for ``config`` (``backends.get_backend``), whose ``close_at_exit``
     joins the exit sequence (step BACKENDS) the first time it is used here."""
-    from .backends import get_backend
+    from ..backends import get_backend
 
     found = get_backend(config)
     with _exit_lock:
@@ -232,7 +232,7 @@ def _register_exit() -> None:
             return
         import atexit
 
-        from . import transport  # noqa: F401  (pynng registers its exit handler first)
+        from ..wire import transport  # noqa: F401  (pynng registers its exit handler first)
 
         atexit.register(_run_exit_sequence)
         _exit_registered = True

@@ -25,7 +25,7 @@ be replayed. Nothing a peer sends is unpickled here, and a peer's frames reach
 ``on_frame`` only after it proved it knows the secret (HMAC-SHA256 over fresh
 nonces, in both directions, as ``multiprocessing.connection`` does).
 
-Limits on strangers: without TLS a :class:`~fibrl.gate.Gate` owns the TCP ports
+Limits on strangers: without TLS a :class:`~fibrl.wire.gate.Gate` owns the TCP ports
 and hands nng (through its ``socket://`` transport) only connections whose 8-byte
 nng header arrived within ``HEADER_TIMEOUT`` and names the protocol of the socket
 behind the port; those still waiting count against ``max_pending`` with the accept
@@ -67,7 +67,7 @@ import pynng
 from pynng import _nng
 from pynng.exceptions import check_err
 
-from .errors import AuthenticationError, ChannelClosed, TransportError
+from ..errors import AuthenticationError, ChannelClosed, TransportError
 from .gate import Gate, Port, sp_header
 
 __all__ = ["Settings", "Listener", "Peer", "Channel", "HELLO", "run_certificate", "tcp_address"]
@@ -458,7 +458,7 @@ def _remote(pipe: Optional[pynng.Pipe]) -> str:
 
 
 class _Door:
-    """Turns the TCP connections a :class:`~fibrl.gate.Gate` hands on into connections of
+    """Turns the TCP connections a :class:`~fibrl.wire.gate.Gate` hands on into connections of
     one nng socket (through nng's ``socket://`` transport, which takes a connected
     descriptor), remembering each one's remote address for the log.
 

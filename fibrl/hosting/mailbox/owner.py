@@ -16,14 +16,14 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING, Any, Optional
 
-from ..errors import ChannelClosed
+from ...errors import ChannelClosed
 from ..hub import ReplySink, SharedService
-from ..messages import Reply, pack
-from ..serialization import Encoded
+from ...wire.messages import Reply, pack
+from ...wire.serialization import Encoded
 from .protocol import ASKING, EMPTY, IDLE, WINDOW_ITEMS, Run
 
 if TYPE_CHECKING:
-    from ..transport import Peer
+    from ...wire.transport import Peer
 
 __all__ = ["Mailbox"]
 
@@ -688,7 +688,7 @@ class Mailbox(SharedService):
             self._send_outgoing()
 
     def closed(self) -> None:
-        from ..errors import object_gone
+        from ...errors import object_gone
 
         err = object_gone(self.oid, "its process", "closed")
         self._retired = True

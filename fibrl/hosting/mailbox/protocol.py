@@ -9,8 +9,8 @@ import pickle
 from array import array
 from typing import Any, Optional
 
-from ..messages import Call, blob
-from ..serialization import OOB_THRESHOLD, Encoded
+from ...wire.messages import Call, blob
+from ...wire.serialization import OOB_THRESHOLD, Encoded
 
 __all__ = ["EMPTY", "IDLE", "WAITING", "ASKING", "WINDOW_ITEMS", "Run", "merge_puts"]
 
@@ -69,7 +69,7 @@ def merge_puts(oid: str, calls: list) -> Optional[Call]:
     """One ``put_run`` call for one-way puts of small items that follow each other on a
     connection (their Call and wrapper cost more than a 100 B item); None: as they are.
     A process that puts into a queue or pipe owned elsewhere declares it to its hub
-    (:meth:`~fibrl.hub.Hub.merge_calls`)."""
+    (:meth:`~fibrl.hosting.hub.Hub.merge_calls`)."""
     if any(not c.args or c.args[1:] not in ((), (None,)) for c in calls):
         return None   # (a put with a timeout: it may wait, it goes alone)
     run = Run.of([c.args[0] for c in calls])

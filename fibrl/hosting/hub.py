@@ -54,17 +54,17 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from multiprocessing.process import current_process
 
-from . import runtime, serialization
-from .config import Config
-from .errors import (ChannelClosed, RemoteObjectError, TransportError, object_gone,
-                     owner_gone)
-from .janitor import Finalizer
-from .messages import RAW_TYPES, Call, RemoteError, Reply, blob, pack, unpack, wrap_args
-from .serialization import Encoded
-from .timers import Timers
+from . import runtime
+from ..wire import serialization
+from ..config import Config
+from ..errors import ChannelClosed, RemoteObjectError, TransportError, object_gone, owner_gone
+from ..janitor import Finalizer
+from ..wire.messages import RAW_TYPES, Call, RemoteError, Reply, blob, pack, unpack, wrap_args
+from ..wire.serialization import Encoded
+from ..timers import Timers
 
 if TYPE_CHECKING:   # (imported when the hub is built: transport loads pynng)
-    from .transport import Listener, Peer
+    from ..wire.transport import Listener, Peer
 
 __all__ = ["Hub", "Handle", "Service", "SharedService", "Client", "HeldReplies",
            "get_hub", "drop_owner", "mark_pickled", "own", "QuietCondition"]
@@ -743,7 +743,7 @@ class Hub:
                  connect_timeout: float = 30.0, port: int = 0, *,
                  heartbeat_interval: float = Config.heartbeat_interval,
                  parent_timeout: float = Config.parent_timeout, tls: bool = False) -> None:
-        from .transport import Settings
+        from ..wire.transport import Settings
 
         self.secret = secret
         self.settings = Settings(host, tls, auth_timeout, connect_timeout)
@@ -790,7 +790,7 @@ class Hub:
         """Take the transport settings of ``config`` (listening on ``host``, default
         ``config.listen_host``) for every listener and channel this hub opens from now on
         (a worker adopts its parent's before it listens)."""
-        from .transport import Settings
+        from ..wire.transport import Settings
 
         self.settings = Settings.from_config(config, host)
 
