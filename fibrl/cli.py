@@ -30,7 +30,7 @@ import secrets
 import sys
 from typing import Optional
 
-from .backends.base import CLUSTER_BACKENDS as BACKENDS
+from .config import CLUSTER_BACKENDS as BACKENDS
 from .config import Config, resolve
 from .errors import BackendUnavailableError, ConfigError, FibrlError
 

@@ -21,10 +21,14 @@ import typing
 from pathlib import Path
 from typing import Any, Mapping
 
-from .backends.base import BACKENDS
 from .errors import ConfigError
 
-__all__ = ["Config", "resolve", "BACKENDS"]
+__all__ = ["Config", "resolve", "BACKENDS", "CLUSTER_BACKENDS"]
+
+#: The backends a config may name (``fibrl.backends`` has one implementation of each).
+BACKENDS = ("local", "docker", "kubernetes")
+#: What ``fibrl run``, ``ps`` and ``stop`` act on.
+CLUSTER_BACKENDS = ("kubernetes", "docker")
 
 CONFIG_FILE = ".fibrlconfig"
 ENV_PREFIX = "FIBRL_"

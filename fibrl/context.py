@@ -19,7 +19,7 @@ from typing import Any, Optional
 
 from . import process
 from .hosting import runtime
-from .backends.base import BACKENDS
+from .config import BACKENDS
 from .config import Config, resolve
 from .errors import AuthenticationError
 from .hosting.runtime import current_config, install_config

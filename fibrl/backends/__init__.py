@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 __all__ = ["Backend", "Job", "JobSpec", "JobStatus", "backend_class", "get_backend",
            "REGISTRY"]
 
-REGISTRY = {  # one entry per name of base.BACKENDS
+REGISTRY = {  # one entry per name of config.BACKENDS
     "local": "fibrl.backends.local:LocalBackend",
     "docker": "fibrl.backends.docker:DockerBackend",
     "kubernetes": "fibrl.backends.kubernetes:KubernetesBackend",

@@ -6,9 +6,9 @@ backends talks to workers over ``transport``; backends only start, watch,
 stop and log.
 
 It also owns the facts every backend and the tools around them share: the
-backend names (:data:`BACKENDS`), the labels that mark a job as fibrl's
-(:data:`LABEL_RUN` ...), and this program run's id (:func:`run_id`). It
-imports nothing else from fibrl at run time, so ``config`` may import it.
+labels that mark a job as fibrl's (:data:`LABEL_RUN` ...) and this program
+run's id (:func:`run_id`). The backend names belong to the config
+(:data:`fibrl.config.BACKENDS`), which validates them; they are re-exported here.
 """
 from __future__ import annotations
 
@@ -19,14 +19,13 @@ import secrets
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Mapping, Optional
 
+from ..config import BACKENDS, CLUSTER_BACKENDS
+
 if TYPE_CHECKING:
     from ..config import Config
 
 __all__ = ["Backend", "Job", "JobSpec", "JobStatus", "BACKENDS", "CLUSTER_BACKENDS",
            "LABEL_RUN", "LABEL_PARENT", "LABEL_ROLE", "LABEL_BACKEND", "job_labels", "run_id"]
-
-BACKENDS = ("local", "docker", "kubernetes")
-CLUSTER_BACKENDS = ("kubernetes", "docker")   # what `fibrl run/ps/stop` act on
 
 # Labels of every job fibrl starts (containers and pods carry them; local jobs keep them
 # in their spec). A backend may add its own (docker: host, PID namespace; kubernetes: owner).

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import fibrl
 from fibrl.backends import REGISTRY
-from fibrl.backends.base import BACKENDS
+from fibrl.config import BACKENDS
 
 ROOT = Path(fibrl.__file__).parent
 
