@@ -19,8 +19,7 @@ from typing import Any, Optional
 
 from . import process
 from .hosting import runtime
-from .config import BACKENDS
-from .config import Config, resolve
+from .config import BACKENDS, Config, resolve
 from .errors import AuthenticationError
 from .hosting.runtime import current_config, install_config
 
