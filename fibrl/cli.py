@@ -253,7 +253,7 @@ def _ended(config: Config, backend: str, run_id: str, ended) -> str:
 
 def _no_cluster(args: argparse.Namespace, command: tuple,
                 exc: BackendUnavailableError) -> BackendUnavailableError:
-    from .backends.kube.api import IN_CLUSTER_ADVICE
+    from .backends.kubernetes.api import IN_CLUSTER_ADVICE
 
     chose = ("kubernetes (given with --backend)" if args.backend else
              "kubernetes (the default: the config's backend is not docker)")

@@ -31,12 +31,12 @@ import time
 from collections import Counter
 from typing import Any, BinaryIO, Callable, Optional
 
-from ..backends.kube.api import Api, KubeApiError, admission_denial, api_error, connect
-from ..backends.kube.job import (autoscaler_refusal, ended_code, fatal_waiting, pod_failure,
-                                 progress_marks, stuck_pending)
-from ..backends.kube.manifests import LAUNCHER_CONTAINER, launcher_job
-from ..backends.kube.settings import (LABEL_BACKEND, LABEL_ROLE, LABEL_RUN, KubeSettings,
-                                      PodIdentity, pod_image)
+from ..backends.kubernetes.api import Api, KubeApiError, admission_denial, api_error, connect
+from ..backends.kubernetes.job import (autoscaler_refusal, ended_code, fatal_waiting, pod_failure,
+                                       progress_marks, stuck_pending)
+from ..backends.kubernetes.manifests import LAUNCHER_CONTAINER, launcher_job
+from ..backends.kubernetes.settings import (LABEL_BACKEND, LABEL_ROLE, LABEL_RUN, KubeSettings,
+                                            PodIdentity, pod_image)
 from ..errors import BackendError
 from . import Ended, Launcher, RunInfo, RunRequest, age
 

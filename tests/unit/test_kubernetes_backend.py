@@ -23,8 +23,9 @@ from conftest import require_module, wait_until
 import fibrl
 from fibrl import backends
 from fibrl.backends.base import JobStatus
-from fibrl.backends.kube.settings import (KubeSettings, PodIdentity, cpu_quantity, label_value,
-                                          memory_quantity, pod_image, pod_name)
+from fibrl.backends.kubernetes.settings import (KubeSettings, PodIdentity, cpu_quantity,
+                                                label_value, memory_quantity, pod_image,
+                                                pod_name)
 from fibrl.config import Config
 from fibrl.errors import BackendError, BackendUnavailableError, ConfigError
 
@@ -190,7 +191,7 @@ def test_pod_identity_from_fibrl_env_and_service_account(tmp_path):
 
 
 def test_a_pod_without_the_parents_kubeconfig_uses_its_service_account(tmp_path):
-    from fibrl.backends.kube.api import connect
+    from fibrl.backends.kubernetes.api import connect
 
     settings = KubeSettings.from_config(Config(kubernetes_kubeconfig=str(tmp_path / "laptop")))
     with pytest.raises(BackendError, match="does not exist"):
@@ -357,7 +358,7 @@ def _waiting_pod(reason):
     ("ContainerCreating", False, False),    # pulling or creating: waited for
 ])
 def test_waiting_reasons_that_end_or_bound_a_start(reason, stuck, fatal):
-    from fibrl.backends.kube.job import fatal_waiting, stuck_pending
+    from fibrl.backends.kubernetes.job import fatal_waiting, stuck_pending
 
     assert bool(stuck_pending(_waiting_pod(reason))) is stuck
     assert bool(fatal_waiting(_waiting_pod(reason))) is fatal
@@ -494,7 +495,7 @@ def test_an_image_pull_in_progress_extends_the_start_limit(kube_init, fake, kube
 
 
 def test_listen_ports_are_validated():
-    from fibrl.backends.kube.settings import port_range
+    from fibrl.backends.kubernetes.settings import port_range
 
     assert port_range("30000-30099") == (30000, 30099) and port_range("") is None
     for bad in ("30099-30000", "80", "30000-70000", "a-b", "30000,30001"):
@@ -504,7 +505,7 @@ def test_listen_ports_are_validated():
 
 def test_choose_port_takes_a_free_port_of_the_range_or_says_none_is_left():
     import socket as socket_
-    from fibrl.backends.kube.settings import choose_port
+    from fibrl.backends.kubernetes.settings import choose_port
 
     with socket_.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -653,8 +654,8 @@ def test_watch_recovers_from_410_and_from_failed_lists(kube_cluster):
     if kube_cluster.fake is None:
         pytest.skip("needs a fake API server with a tiny watch history")
     from tests.kube.fake_apiserver import FakeApiServer
-    from fibrl.backends.kube.api import Api, connect
-    from fibrl.backends.kube.watch import PodWatcher
+    from fibrl.backends.kubernetes.api import Api, connect
+    from fibrl.backends.kubernetes.watch import PodWatcher
 
     with FakeApiServer(history_limit=3) as server:   # its own: a tiny watch history
         settings = KubeSettings.from_config(Config(kubernetes_kubeconfig=server.write_kubeconfig()))
@@ -760,7 +761,7 @@ def test_a_service_mesh_sidecar_does_not_hide_the_workers_exit(kube_init, core, 
 
 
 def test_pod_security_denial_is_not_reported_as_missing_rbac():
-    from fibrl.backends.kube.api import api_error
+    from fibrl.backends.kubernetes.api import api_error
 
     class Denied:
         status, reason = 403, "Forbidden"
@@ -863,8 +864,8 @@ def test_a_slow_delete_does_not_hold_up_the_watch(kube_init, fake, kube_settings
 
 
 def test_the_watch_waits_as_long_as_the_server_asks(kube_cluster, fake):
-    from fibrl.backends.kube.api import Api, connect
-    from fibrl.backends.kube.watch import PodWatcher
+    from fibrl.backends.kubernetes.api import Api, connect
+    from fibrl.backends.kubernetes.watch import PodWatcher
 
     settings = KubeSettings.from_config(Config(kubernetes_kubeconfig=kube_cluster.kubeconfig))
     # a namespace of its own: the backend's watchers of other tests' pods neither take

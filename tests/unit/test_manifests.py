@@ -12,10 +12,11 @@ import pytest
 from conftest import require_module
 
 from fibrl.backends import JobSpec
-from fibrl.backends.kube.api import OPTIONAL_PERMISSIONS, REQUIRED_PERMISSIONS
-from fibrl.backends.kube.manifests import launcher_job, owner_reference, secret_manifest, worker_pod
-from fibrl.backends.kube.settings import (NEWEST_KUBERNETES, OLDEST_KUBERNETES, KubeSettings,
-                                          PodIdentity, pod_name)
+from fibrl.backends.kubernetes.api import OPTIONAL_PERMISSIONS, REQUIRED_PERMISSIONS
+from fibrl.backends.kubernetes.manifests import (launcher_job, owner_reference,
+                                                 secret_manifest, worker_pod)
+from fibrl.backends.kubernetes.settings import (NEWEST_KUBERNETES, OLDEST_KUBERNETES,
+                                                KubeSettings, PodIdentity, pod_name)
 from fibrl.config import Config
 from fibrl.errors import ConfigError
 
@@ -199,7 +200,7 @@ def test_pods_of_the_stock_image_run_a_versioned_tag_and_are_not_pulled_again():
     """``:latest`` would make kubernetes' default pull policy Always: an image loaded into
     the nodes (kind load) would be pulled again from a registry that lacks it."""
     import fibrl
-    from fibrl.backends.kube.settings import KubeSettings, pod_image
+    from fibrl.backends.kubernetes.settings import KubeSettings, pod_image
     from fibrl.config import Config
 
     config = Config()

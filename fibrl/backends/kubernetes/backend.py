@@ -1,11 +1,11 @@
-"""The kubernetes backend: each worker is a pod.
+""":class:`KubernetesBackend`: each worker is a pod.
 
 Owns turning a :class:`~fibrl.backends.base.JobSpec` into a worker pod of the
 run, following every pod with one watch, and removing what the run created.
 It does not own what runs inside the pod (``fibrl.bootstrap``), how the
-parent talks to it (``transport``), nor the ``fibrl run`` launcher
+parent talks to it (``fibrl.wire.transport``), nor the ``fibrl run`` launcher
 (``fibrl.launch``). The ``kubernetes`` package is imported only when the
-backend first talks to a cluster. Its pieces live in :mod:`fibrl.backends.kube`.
+backend first talks to a cluster. Its pieces are the package's other modules.
 
 Data flow::
 
@@ -43,18 +43,17 @@ import time
 from typing import Any, Callable, Optional
 from urllib.parse import urlsplit
 
-from ..config import Config
-from ..errors import BackendError, BackendUnavailableError
-from ..timers import Timers
-from .base import Backend, Job, JobSpec
-from .kube.api import Api, KubeApiError, connect
-from .kube.creator import Creator
-from .kube.job import LOG_TAIL_LINES, KubernetesJob
-from .kube.manifests import owner_reference, secret_manifest, worker_pod
-from .kube.settings import (CONTAINER, LABEL_BACKEND, LABEL_OWNER, LABEL_PARENT, LABEL_ROLE,
-                            LABEL_RUN, KubeSettings, PodIdentity, choose_port, pod_image, pod_name,
-                            port_range)
-from .kube.watch import PodWatcher
+from ...config import Config
+from ...errors import BackendError, BackendUnavailableError
+from ...timers import Timers
+from ..base import Backend, Job, JobSpec
+from .api import Api, KubeApiError, connect
+from .creator import Creator
+from .job import LOG_TAIL_LINES, KubernetesJob
+from .manifests import owner_reference, secret_manifest, worker_pod
+from .settings import (CONTAINER, LABEL_BACKEND, LABEL_OWNER, LABEL_PARENT, LABEL_ROLE, LABEL_RUN,
+                       KubeSettings, PodIdentity, choose_port, pod_image, pod_name, port_range)
+from .watch import PodWatcher
 
 __all__ = ["KubernetesBackend", "KubernetesJob"]
 

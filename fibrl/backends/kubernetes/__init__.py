@@ -1,7 +1,8 @@
-"""The kubernetes backend's pieces; :mod:`fibrl.backends.kubernetes` assembles them.
+"""The kubernetes backend: each worker is a pod. Its modules, split along the
+policy/mechanism line:
 
-Split along the policy/mechanism line:
-
+* ``backend``   -- :class:`KubernetesBackend`: creates the run's worker pods,
+  follows them with one watch, removes what the run created;
 * ``settings``  -- config keys parsed into one frozen object; names, labels,
   quantities; where this process runs (a pod or not);
 * ``manifests`` -- the Secret, worker Pod and launcher Job fibrl sends (pure dicts);
@@ -12,6 +13,13 @@ Split along the policy/mechanism line:
   failure reason) and its state machine;
 * ``creator``   -- pod creation in bounded waves.
 
-None of these modules is imported by ``import fibrl``; they import the
-``kubernetes`` package themselves, inside functions, when first used.
+The ``docker`` backend has the same shape. ``import fibrl`` imports none of
+these modules, and they import the ``kubernetes`` package themselves, inside
+functions, when first used.
 """
+from __future__ import annotations
+
+from .backend import KubernetesBackend
+from .job import KubernetesJob
+
+__all__ = ["KubernetesBackend", "KubernetesJob"]
