@@ -165,14 +165,12 @@ class RemoteVectorEnv(VectorEnv):
             raise ValueError(f"envs_per_worker must be >= 1, got {envs_per_worker}")
         self.autoreset_mode = AutoresetMode(autoreset_mode)
         self._backend, self._step_timeout = backend, step_timeout
-        self._max_restarts, self._window = max_restarts, restart_window
+        self._budget = _RestartBudget(self.num_envs, max_restarts, restart_window)
         self._split, self._start_timeout = (split if split >= 2 else 0), start_timeout
         self._direct = (backend or get_context().config.backend) == "local"
         # a SeedSequence made without entropy draws an int (typed int | Sequence[int] | None)
         self._root = int(seed if seed is not None
                          else cast(int, np.random.SeedSequence().entropy) % 2**63)
-        self._restart_counts = [0] * self.num_envs
-        self._restart_times: collections.deque = collections.deque()
         self._seeds: list = [None] * self.num_envs
         self._seq = 0
         self._state = AsyncState.DEFAULT
@@ -228,7 +226,7 @@ class RemoteVectorEnv(VectorEnv):
         listener and says Hello."""
         gen = worker.gen + 1
         fns = [self._fns[i] for i in worker.env_ids]
-        counts = [self._restart_counts[i] for i in worker.env_ids]
+        counts = [self._budget.counts[i] for i in worker.env_ids]
         spec = {"target": serve, "name": f"fibrl-env-worker-{worker.index}",
                 "backend": self._backend,
                 "args": (worker.index, gen, fns, worker.env_ids, counts,
@@ -405,23 +403,12 @@ class RemoteVectorEnv(VectorEnv):
 
     def _charge(self, env_id: int, why: str, env_ids: Sequence[int] = ()) -> None:
         """Count one restart against the budget; past it, fail for good."""
-        now = time.monotonic()
-        self._restart_times.append(now)
-        while self._restart_times and self._restart_times[0] < now - self._window:
-            self._restart_times.popleft()
-        for i in env_ids or (env_id,):
-            self._restart_counts[i] += 1
         log.warning("RemoteVectorEnv: env %d restarted: %s", env_id, why.strip()[-300:])
-        if len(self._restart_times) > self._max_restarts:
-            self._error = EnvCrashError(
-                f"env {env_id} crashed and the restart budget is spent: "
-                f"{len(self._restart_times)} restarts within {self._window:g} s "
-                f"(max_restarts={self._max_restarts}). Likely cause: the env fails every "
-                f"time (a bug in its step/reset, a missing dependency on the worker's "
-                f"backend, or too little memory). Last failure of env {env_id}:\n"
-                f"{why.rstrip()}\nFix the env, or raise max_restarts/restart_window if "
-                f"these crashes are expected.")
-            raise self._error
+        try:
+            self._budget.charge(env_id, why, env_ids)
+        except EnvCrashError as exc:
+            self._error = exc
+            raise
 
     def _replace(self, worker: _WorkerSlot) -> None:
         """Start a new incarnation of ``worker`` and send it the requests it held."""
@@ -738,6 +725,36 @@ class RemoteVectorEnv(VectorEnv):
     def __repr__(self) -> str:
         return (f"RemoteVectorEnv(num_envs={self.num_envs}, workers={len(self._workers)}, "
                 f"autoreset_mode={self.autoreset_mode.value})")
+
+
+class _RestartBudget:
+    """How often the envs restarted: per env (a restarted env's seed depends on it) and
+    all together within the last ``window`` seconds, where more than ``limit`` restarts
+    end the vector env."""
+
+    def __init__(self, num_envs: int, limit: int, window: float) -> None:
+        self.counts = [0] * num_envs
+        self.limit, self.window = limit, window
+        self._times: collections.deque = collections.deque()
+
+    def charge(self, env_id: int, why: str, env_ids: Sequence[int] = ()) -> None:
+        """Count one restart of ``env_ids`` (default: ``env_id``); :class:`EnvCrashError`
+        once the budget is spent."""
+        now = time.monotonic()
+        self._times.append(now)
+        while self._times and self._times[0] < now - self.window:
+            self._times.popleft()
+        for i in env_ids or (env_id,):
+            self.counts[i] += 1
+        if len(self._times) > self.limit:
+            raise EnvCrashError(
+                f"env {env_id} crashed and the restart budget is spent: "
+                f"{len(self._times)} restarts within {self.window:g} s "
+                f"(max_restarts={self.limit}). Likely cause: the env fails every "
+                f"time (a bug in its step/reset, a missing dependency on the worker's "
+                f"backend, or too little memory). Last failure of env {env_id}:\n"
+                f"{why.rstrip()}\nFix the env, or raise max_restarts/restart_window if "
+                f"these crashes are expected.")
 
 
 class _Starts(Policy):
