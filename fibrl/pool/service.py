@@ -211,6 +211,14 @@ def _decode(payload: bytes, skip: int, count: int) -> tuple[list, bool]:
 class PoolService(Service, Policy):
     """Task state and dispatch of one pool (hosted on the parent's hub).
 
+    Why one class of this size: every decision (which worker gets which chunk, what a
+    lost worker's chunks cost, when a job is done) reads and changes the same state
+    under one lock, and each operation is answered without waiting. Split across
+    objects, that state would need several locks taken in a fixed order. What does not
+    need the lock lives elsewhere: results and their delivery (``results``), decoding a
+    failed block (``salvage``), processes (:mod:`fibrl.supervisor`), lazy inputs
+    (``feeder``).
+
     Args:
         processes: how many workers the pool keeps.
         max_retries: times an item may be charged with a lost worker before it fails.

@@ -70,6 +70,11 @@ _IMAGE_FAILURES = ("ImagePullBackOff", "ErrImagePull", "ErrImageNeverPull", "Inv
 class KubernetesBackend(Backend):
     """Runs each job as a pod in ``kubernetes_namespace``.
 
+    Why one class of this size: it is the ``Backend`` interface (create, watch, stop,
+    logs, clean up at exit) over one connection, one watch and one set of pods; the
+    manifests, the API client, the watch, pod creation and the job's state machine are
+    the package's other modules.
+
     Example:
         >>> import fibrl
         >>> fibrl.init(backend="kubernetes", image="registry.example/me/train:1")  # doctest: +SKIP

@@ -113,7 +113,13 @@ class _Win:
 
 
 class Mailbox(SharedService):
-    """A FIFO of serialized items with parked getters, putters, joiners and pollers."""
+    """A FIFO of serialized items with parked getters, putters, joiners and pollers.
+
+    Why one class of this size: the items, the parked requests and the consumers'
+    windows change together under one lock (an item goes to a parked getter, or into a
+    window, or stays; a recalled window's items go back in order among the stored
+    ones). The consumer's side (:mod:`.consumer`), the pipe's writer counts
+    (:mod:`.pipe`) and the vocabulary (:mod:`.protocol`) are elsewhere."""
 
     _ordered = True   # give-backs are merged by push number (see _requeue)
 

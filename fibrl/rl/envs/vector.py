@@ -122,6 +122,13 @@ class _WorkerSlot:
 class RemoteVectorEnv(VectorEnv):
     """A ``gymnasium.vector.VectorEnv`` stepping its envs in fibrl workers, batched.
 
+    Why one class of this size: gymnasium's ``VectorEnv`` API (``reset``, ``step``, their
+    async halves, ``call``, ``get_attr``, ``set_attr``, ``close``) and envpool's partial
+    batches (``send``/``recv``) share one state machine and one set of open requests,
+    which the receiving side (replies, deaths, replacements) also updates. Starting and
+    watching workers is :mod:`fibrl.supervisor`'s; the worker loop, the messages and the
+    restart budget are elsewhere.
+
     Args:
         env_fns: a gymnasium env id, or a sequence of callables returning envs.
         num_envs: number of envs (only with an env id; else ``len(env_fns)``).

@@ -112,7 +112,12 @@ class _Counters(TypedDict):
 
 
 class ReplayTable:
-    """One shard's items; its public methods are what the proxy calls."""
+    """One shard's items; its public methods are what the proxy calls.
+
+    Why one class of this size: inserts, samples, removals, priority updates, the rate
+    limiter's accounting and the write-ahead log change one shard's state under one
+    condition; the samplers, removers, limiters, n-step assembly and snapshots are
+    their own classes, called from here."""
 
     #: how :meth:`snapshot` makes its point-in-time view: "fork" where the OS can
     #: fork, else "chunked" (:class:`PointInTimeCopy`)
