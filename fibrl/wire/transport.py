@@ -574,6 +574,7 @@ class _Reading:
     _sock: pynng.Socket
     closed: bool
     _poll: select.poll   # made by _watch(), before any wait_readable()
+    _send_lock: threading.Lock
     wake = staticmethod(wake_reader)   # (for a caller that imports no transport)
 
     def _readable_init(self) -> None:
@@ -621,6 +622,19 @@ class _Reading:
             del _waiting[me]
             self.lead.release()
         return True
+
+    def send(self, frame) -> None:
+        """Send one frame: a bytes-like object, or a list of them sent as one frame
+        (each copied once, never joined first). Raises :class:`ChannelClosed` when the
+        other end is gone."""
+        try:
+            with self._send_lock:
+                _send_frame(self._sock, frame)
+        except pynng.NNGException as exc:
+            raise ChannelClosed(self._gone(exc)) from exc
+
+    def _gone(self, exc: Exception) -> str:
+        raise NotImplementedError
 
     def close(self) -> None:
         """Close this end of the connection; the other end sees it as lost."""
@@ -685,15 +699,8 @@ class Peer(_Reading):
                 self._busy = None
             return self._reader == generation
 
-    def send(self, frame) -> None:
-        """Send one frame: a bytes-like object, or a list of them sent as one frame
-        (each copied once, never joined first). Raises :class:`ChannelClosed` when the
-        peer is gone."""
-        try:
-            with self._send_lock:
-                _send_frame(self._sock, frame)
-        except pynng.NNGException as exc:
-            raise ChannelClosed(f"peer {self.id} is gone ({exc})") from exc
+    def _gone(self, exc: Exception) -> str:
+        return f"peer {self.id} is gone ({exc})"
 
     def __repr__(self) -> str:
         return f"<Peer {self.id}>"
@@ -1107,17 +1114,9 @@ class Channel(_Reading):
         else:
             self._lost_once.release()  # let a callback registered later run
 
-    def send(self, frame) -> None:
-        """Send one frame: a bytes-like object, or a list of them sent as one frame
-        (each copied once, never joined first). Raises :class:`ChannelClosed` when the
-        connection is gone."""
-        try:
-            with self._send_lock:
-                _send_frame(self._sock, frame)
-        except pynng.NNGException as exc:
-            raise ChannelClosed(
-                f"connection to {self.address} is closed ({exc}); the process at the "
-                f"other end exited or was killed.") from exc
+    def _gone(self, exc: Exception) -> str:
+        return (f"connection to {self.address} is closed ({exc}); the process at the "
+                f"other end exited or was killed.")
 
     def recv(self, timeout: Optional[float] = None):
         """Receive one frame, waiting at most ``timeout`` seconds (None: forever): ``bytes``,
