@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import signal
 import time
@@ -40,6 +41,26 @@ def test_env_that_raises_at_step_50_is_recreated_and_reseeded():
         for _ in range(20):  # still usable, env 1 included
             obs, *_ = envs.step(np.zeros(3, dtype=np.int64))
         assert obs.shape == (3, 4)
+    finally:
+        envs.close()
+
+
+def test_restarts_are_counted_per_env_and_a_failure_is_logged_whole_once(caplog):
+    fns = [envs_helpers.Pid, functools.partial(envs_helpers.CrashAt, 3)]
+    envs = RemoteVectorEnv(fns, envs_per_worker=1, seed=1, autoreset_mode="SameStep")
+    try:
+        with caplog.at_level(logging.WARNING, logger="fibrl.rl.envs.vector"):
+            envs.reset(seed=0)
+            assert envs.restart_counts == (0, 0)
+            for _ in range(12):   # each new instance of env 1 raises on its third step
+                envs.step(np.zeros(2, dtype=np.int64))
+        assert envs.restart_counts == (0, 4)
+        told = [r.getMessage() for r in caplog.records if "restarted" in r.getMessage()]
+        # the first time: the whole traceback, its last line intact; the repeats within
+        # the next 10 s: not one line each
+        assert "Traceback" in told[0], told[0]
+        assert told[0].rstrip().endswith("RuntimeError: boom at step 3"), told[0][-200:]
+        assert len(told) <= 2, told
     finally:
         envs.close()
 

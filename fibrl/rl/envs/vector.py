@@ -69,6 +69,7 @@ log = logging.getLogger(__name__)
 get_context = default_context.get_context  # what ``fibrl.get_context`` is
 
 _SLICE = 0.25  # seconds a direct receive waits before looking at deaths and Hellos
+_RESTART_LOG_S = 10.0   # restarts of a failure already logged: one summary line this often
 
 
 class EnvCrashError(RuntimeError):
@@ -173,6 +174,7 @@ class RemoteVectorEnv(VectorEnv):
         self.autoreset_mode = AutoresetMode(autoreset_mode)
         self._backend, self._step_timeout = backend, step_timeout
         self._budget = _RestartBudget(self.num_envs, max_restarts, restart_window)
+        self._restart_log = _RestartLog()
         self._split, self._start_timeout = (split if split >= 2 else 0), start_timeout
         self._direct = (backend or get_context().config.backend) == "local"
         # a SeedSequence made without entropy draws an int (typed int | Sequence[int] | None)
@@ -215,6 +217,12 @@ class RemoteVectorEnv(VectorEnv):
         ``i // envs_per_worker``). A worker that dies is replaced by a new process."""
         with self._lock:
             return [w.proc for w in self._workers]
+
+    @property
+    def restart_counts(self) -> tuple:
+        """How many times each env was restarted (a crash of its own, or of a neighbour in
+        its worker: a worker's envs start over together)."""
+        return tuple(self._budget.counts)
 
     # -- set-up ---------------------------------------------------------------------------
     def _setup_spaces(self, meta: dict) -> None:
@@ -410,7 +418,7 @@ class RemoteVectorEnv(VectorEnv):
 
     def _charge(self, env_id: int, why: str, env_ids: Sequence[int] = ()) -> None:
         """Count one restart against the budget; past it, fail for good."""
-        log.warning("RemoteVectorEnv: env %d restarted: %s", env_id, why.strip()[-300:])
+        self._restart_log.tell(env_id, why)
         try:
             self._budget.charge(env_id, why, env_ids)
         except EnvCrashError as exc:
@@ -762,6 +770,32 @@ class _RestartBudget:
                 f"backend, or too little memory). Last failure of env {env_id}:\n"
                 f"{why.rstrip()}\nFix the env, or raise max_restarts/restart_window if "
                 f"these crashes are expected.")
+
+
+class _RestartLog:
+    """Tells restarts without flooding the log: a failure seen for the first time (by
+    its last line, the exception) with its whole traceback, repeats of it in one line at
+    most every ``_RESTART_LOG_S`` seconds, with how many there were meanwhile."""
+
+    def __init__(self) -> None:
+        self._seen: set = set()
+        self._quiet = 0          # repeats not logged since the last line
+        self._next = 0.0         # when a repeat may be logged again
+
+    def tell(self, env_id: int, why: str) -> None:
+        text = why.rstrip()
+        last = text.splitlines()[-1].strip() if text else "(no reason given)"
+        if last not in self._seen and len(self._seen) < 100:
+            self._seen.add(last)
+            log.warning("RemoteVectorEnv: env %d restarted: %s", env_id, text)
+            return
+        now = time.monotonic()
+        if now < self._next:
+            self._quiet += 1
+            return
+        more = f" ({self._quiet} more restarts not logged)" if self._quiet else ""
+        log.warning("RemoteVectorEnv: env %d restarted again: %s%s", env_id, last, more)
+        self._quiet, self._next = 0, now + _RESTART_LOG_S
 
 
 class _Starts(Policy):
