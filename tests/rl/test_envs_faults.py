@@ -65,6 +65,28 @@ def test_restarts_are_counted_per_env_and_a_failure_is_logged_whole_once(caplog)
         envs.close()
 
 
+def test_a_restarted_env_keeps_what_set_attr_set():
+    fns = [envs_helpers.Pid, functools.partial(envs_helpers.CrashAt, 3)]
+    envs = RemoteVectorEnv(fns, envs_per_worker=1, seed=1, autoreset_mode="SameStep")
+    try:
+        envs.reset(seed=0)
+        envs.set_attr("tag", ["zero", "one"])
+        for _ in range(3):   # env 1 raises on its third step: its worker makes it anew
+            *_, infos = envs.step(np.zeros(2, dtype=np.int64))
+        assert infos["_fibrl_restarted"].tolist() == [False, True]
+        assert envs.get_attr("tag") == ("zero", "one")
+        envs.processes[0].kill()   # worker 0 dies: a new worker makes env 0 anew
+        restarted, deadline = False, time.monotonic() + 120
+        while not restarted and time.monotonic() < deadline:
+            *_, infos = envs.step(np.zeros(2, dtype=np.int64))
+            restarted = bool(infos.get("_fibrl_restarted", [False])[0])
+        assert restarted
+        assert envs.restart_counts[0] == 1
+        assert envs.get_attr("tag") == ("zero", "one")
+    finally:
+        envs.close()
+
+
 def test_sigkilled_worker_mid_step_is_replaced():
     fns = [functools.partial(envs_helpers.Slow, 0.3)] * 2 + [envs_helpers.Pid] * 2
     envs = RemoteVectorEnv(fns, envs_per_worker=2)

@@ -175,6 +175,7 @@ class RemoteVectorEnv(VectorEnv):
         self._backend, self._step_timeout = backend, step_timeout
         self._budget = _RestartBudget(self.num_envs, max_restarts, restart_window)
         self._restart_log = _RestartLog()
+        self._attrs: list[dict] = [{} for _ in range(self.num_envs)]   # set_attr's, per env
         self._split, self._start_timeout = (split if split >= 2 else 0), start_timeout
         self._direct = (backend or get_context().config.backend) == "local"
         # a SeedSequence made without entropy draws an int (typed int | Sequence[int] | None)
@@ -246,7 +247,8 @@ class RemoteVectorEnv(VectorEnv):
                 "backend": self._backend,
                 "args": (worker.index, gen, fns, worker.env_ids, counts,
                          _MODES[self.autoreset_mode], self._root, self._split,
-                         self._listener.address, self._direct)}
+                         self._listener.address, self._direct,
+                         [self._attrs[i] for i in worker.env_ids])}
         if worker.chan is not None:
             worker.chan.close()
         # The generation changes before the process exists: its Hello (which may come
@@ -671,6 +673,8 @@ class RemoteVectorEnv(VectorEnv):
             worker_values = tuple(values[i] for i in worker.env_ids)
             self._call_one(worker, Call(self._next_seq(), name, values=worker_values))
         self._gather("set_attr")
+        for i, value in enumerate(values):   # a worker that replaces a dead one sets them
+            self._attrs[i][name] = value
 
     def _call_all(self, template: Call) -> tuple:
         for worker in self._workers:

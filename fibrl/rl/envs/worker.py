@@ -65,10 +65,15 @@ def restart_seed(root: int, env_id: int, restarts: int) -> int:
 class _Slot:
     """One env of this worker and what the next step must do with it."""
 
-    __slots__ = ("fn", "env_id", "env", "obs", "needs_reset", "restarted", "restarts")
+    __slots__ = ("fn", "env_id", "env", "obs", "needs_reset", "restarted", "restarts",
+                 "attrs")
 
-    def __init__(self, fn: Callable[[], Any], env_id: int, restarts: int) -> None:
+    def __init__(self, fn: Callable[[], Any], env_id: int, restarts: int,
+                 attrs: Optional[dict] = None) -> None:
         self.fn, self.env_id, self.restarts = fn, env_id, restarts
+        # what set_attr set on this env since the vector env was made: set again on an
+        # env made anew (a restart), before its reset
+        self.attrs: dict = dict(attrs or {})
         self.env: Any = None   # the gymnasium env fn made (any Env-like object), once made
         self.obs: Any = None   # its latest observation
         self.needs_reset = False
@@ -79,17 +84,19 @@ class Worker:
     """Steps its envs for one vector env; see the module docstring."""
 
     def __init__(self, index: int, gen: int, fns: list, env_ids: list, restarts: list,
-                 mode: str, root_seed: int, split: int, outbox: Any) -> None:
+                 mode: str, root_seed: int, split: int, outbox: Any,
+                 attrs: Optional[list] = None) -> None:
         self.index, self.gen, self.mode, self.root = index, gen, mode, root_seed
         self.split, self.outbox = split, outbox
-        self.slots = [_Slot(fn, i, r) for fn, i, r in zip(fns, env_ids, restarts)]
+        attrs = attrs or [None] * len(fns)
+        self.slots = [_Slot(fn, i, r, a) for fn, i, r, a in zip(fns, env_ids, restarts, attrs)]
         self.obs_rows: Any = None   # reused batch of observations, when the space allows
 
     # -- lifecycle ----------------------------------------------------------------------
     def start(self) -> bool:
         for j, slot in enumerate(self.slots):
             try:
-                slot.env = slot.fn()
+                slot.env = _made(slot)
             except Exception:
                 self.outbox.send(Broken(self.index, self.gen, j, traceback.format_exc()))
                 return False
@@ -124,7 +131,7 @@ class Worker:
                     slot.env.close()
                 except Exception:
                     pass  # the env is broken already; its replacement matters
-                slot.env = slot.fn()
+                slot.env = _made(slot)
             slot.obs, _ = slot.env.reset(seed=seed)
         except Exception:
             self.outbox.send(Broken(self.index, self.gen, self.slots.index(slot),
@@ -239,6 +246,7 @@ class Worker:
             for k, slot in enumerate(self.slots):
                 if msg.values is not None:
                     setattr(slot.env, msg.name, msg.values[k])
+                    slot.attrs[msg.name] = msg.values[k]
                     values.append(None)
                     continue
                 attr = slot.env.get_wrapper_attr(msg.name)
@@ -277,8 +285,17 @@ def _obs_rows(space: Any, n: int) -> Optional[np.ndarray]:
     return rows if type(rows) is np.ndarray and rows.dtype.kind in "biuf" else None
 
 
+def _made(slot: _Slot) -> Any:
+    """A new env for ``slot``, with what set_attr set on its predecessors."""
+    env = slot.fn()
+    for name, value in slot.attrs.items():
+        setattr(env, name, value)
+    return env
+
+
 def serve(index: int, gen: int, fns: list, env_ids: list, restarts: list, mode: str,
-          root_seed: int, split: int, address: str, direct: bool = False) -> None:
+          root_seed: int, split: int, address: str, direct: bool = False,
+          attrs: Optional[list] = None) -> None:
     """Entry point of a worker process: start the envs, then answer requests until Close."""
     # (the run's secret and this worker's transport settings: tls, limits)
     conn = channel.connect(address)
@@ -305,7 +322,7 @@ def serve(index: int, gen: int, fns: list, env_ids: list, restarts: list, mode: 
     listener = None
     if direct:
         listener = channel.listen(on_direct)
-    worker = Worker(index, gen, fns, env_ids, restarts, mode, root_seed, split, outbox)
+    worker = Worker(index, gen, fns, env_ids, restarts, mode, root_seed, split, outbox, attrs)
     outbox.send(Hello(index, gen, listener.address if listener is not None else ""))
     try:
         if not worker.start():
