@@ -112,18 +112,22 @@ class Supervisor:
         meta: resource requests (``@fibrl.meta``) given to every worker process.
         new_process: makes a worker process (default: ``ctx.Process``).
         max_starters: starts in flight at most.
+        close_ended: ``close()`` a worker's process once its end was reported (frees its
+            resources at once); False when the owner hands its processes out (a
+            ``RemoteVectorEnv``'s ``processes``), whose holders may still ``join()`` them.
     """
 
     def __init__(self, ctx: Any, policy: Policy, spec: Callable[[int], dict], name: str,
                  role: str = "worker", on_done: Callable[[], None] = lambda: None,
                  meta: Optional[dict] = None, new_process: Optional[Callable] = None,
-                 max_starters: int = _MAX_STARTERS) -> None:
+                 max_starters: int = _MAX_STARTERS, close_ended: bool = True) -> None:
         self._new_process = new_process or ctx.Process
         self._meta = dict(meta or {})
         self._on_done = on_done
         self._policy = policy
         self._spec = spec
         self._role = role
+        self._close_ended = close_ended
         self._lock = threading.Lock()
         self._procs: dict[int, Any] = {}      # wid -> started process
         self._starting: set[int] = set()
@@ -245,7 +249,7 @@ class Supervisor:
         if getattr(proc._popen, "missing_main_guard", False):
             self._policy.missing_main_guard()   # before lose(): no replacement starts
         self._policy.lose(wid, code, detail, getattr(proc._popen, "load_error", ""))
-        if code is not None:
+        if code is not None and self._close_ended:
             proc.close()
 
     def _reap_all(self) -> None:
@@ -301,7 +305,7 @@ class Supervisor:
         _kill(proc)
         proc.join(_SELECT_S)
         self._policy.lose(wid, proc.exitcode)
-        if proc.exitcode is not None:
+        if proc.exitcode is not None and self._close_ended:
             proc.close()
         else:
             log.warning("worker %s, started after terminate(), did not end within "

@@ -117,12 +117,16 @@ def test_pool_and_remote_vector_env_share_the_supervisor():
         envs.reset(seed=0)
         # a worker killed through its process: the supervisor reports it, the env's
         # policy replaces it, and the step that follows says so
-        envs.processes[1].kill()
+        victim = envs.processes[1]
+        victim.kill()
         deadline = time.monotonic() + 60
         restarted = False
         while not restarted and time.monotonic() < deadline:
             *_, infos = envs.step(envs.action_space.sample())
             restarted = bool(infos.get("fibrl_restarted", [False, False])[1])
         assert restarted
+        # the process handed out stays usable after its end was handled
+        victim.join(10)
+        assert victim.exitcode == -9 and envs.processes[1] is not victim
     finally:
         envs.close()

@@ -201,7 +201,7 @@ class RemoteVectorEnv(VectorEnv):
         self._starts = _Starts(self._inbox, self._on_started)
         self._supervisor = Supervisor(get_context(), self._starts, self._starts.spec,
                                       "fibrl-envs", role="env-worker",
-                                      max_starters=len(self._workers))
+                                      max_starters=len(self._workers), close_ended=False)
         self._supervisor.start()
         try:
             for worker in self._workers:
