@@ -274,6 +274,38 @@ def test_api_calls_are_retried_on_5xx(kube_init, fake):
     assert p.exitcode == 3
 
 
+class _Answers:
+    """A stand-in for a client call: each call takes the next answer (an exception to
+    raise, or a body to return)."""
+
+    def __init__(self, *answers):
+        self.answers, self.calls = list(answers), 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        answer = self.answers.pop(0)
+        if isinstance(answer, BaseException):
+            raise answer
+        return type("Response", (), {"data": answer, "release_conn": lambda self: None})()
+
+
+def test_a_403_right_after_the_api_server_was_unreachable_is_retried():
+    """A restarted kube-apiserver 1.20 answered 403 to a create for a moment, before its
+    authorizer had read the roles; the same 403 long after an outage is final."""
+    from fibrl.backends.kubernetes.api import Api, KubeApiError
+
+    nowhere = kubernetes.client.Configuration(host="http://127.0.0.1:9")   # refuses
+    api = Api(kubernetes.client.ApiClient(nowhere), retry_for=20)
+    forbidden = kubernetes.client.exceptions.ApiException(status=403, reason="Forbidden")
+    refused = ConnectionRefusedError(111, "Connection refused")
+    fn = _Answers(refused, forbidden, forbidden, b'{"kind": "Pod"}')
+    assert api.call("create", "pods", fn, namespace="ns") == {"kind": "Pod"}
+    assert fn.calls == 4
+    api._unreachable_at -= 60   # the outage is long past: a 403 is an answer
+    with pytest.raises(KubeApiError, match="forbidden"):
+        api.call("create", "pods", _Answers(forbidden), namespace="ns")
+
+
 @pytest.mark.parametrize("verb,resource", [("create", "pods"), ("watch", "pods"),
                                            ("create", "secrets")])
 def test_forbidden_names_the_missing_permission_and_the_fix(kube_init, fake, verb, resource):

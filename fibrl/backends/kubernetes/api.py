@@ -35,6 +35,10 @@ __all__ = ["Api", "KubeApiError", "connect", "sdk", "RBAC_HINT", "REQUIRED_PERMI
 log = logging.getLogger(__name__)
 
 RETRYABLE = frozenset({429, 500, 502, 503, 504})
+# An API server that was just unreachable (restarted) may answer 403 for a while, before
+# its authorizer has read the cluster's roles (seen on kube-apiserver 1.20): a 403 this
+# soon after a failed connection is retried like a 503, until this much time has passed.
+WARMUP_S = 30.0
 RBAC_HINT = ("kubectl apply -f deploy/rbac.yaml (from the fibrl source tree; it creates the "
              "service account 'fibrl' and a Role with exactly what fibrl needs)")
 # What a parent needs in its namespace: (verb, resource) as RBAC names them. No get or
@@ -156,6 +160,7 @@ class Api:
         self.retry_for = retry_for
         self.closed = threading.Event()
         self.throttled = 0                   # 429 answers seen (the creator slows down on them)
+        self._unreachable_at = -WARMUP_S     # when a connection to the server last failed
         self._slots = threading.BoundedSemaphore(max_inflight)
         self.ApiException = kubernetes.client.exceptions.ApiException
 
@@ -173,9 +178,11 @@ class Api:
             try:
                 return self._once(fn, args, kwargs, raw)
             except self.ApiException as exc:
-                if exc.status not in RETRYABLE or not self._backoff(attempt, deadline, exc):
+                retry = exc.status in RETRYABLE or self._warming_up(exc)
+                if not retry or not self._backoff(attempt, deadline, exc):
                     raise api_error(exc, verb, resource, namespace, self) from exc
             except (OSError, _urllib3_errors()) as exc:
+                self._unreachable_at = time.monotonic()
                 if not self._backoff(attempt, deadline, exc):
                     raise unreachable(self.host, exc) from exc
             attempt += 1
@@ -191,6 +198,10 @@ class Api:
         if raw:
             return text
         return json.loads(text) if text.strip() else {}
+
+    def _warming_up(self, exc: Any) -> bool:
+        """A 403 from a server that was unreachable less than ``WARMUP_S`` ago."""
+        return exc.status == 403 and time.monotonic() - self._unreachable_at < WARMUP_S
 
     def _backoff(self, attempt: int, deadline: float, exc: Exception) -> bool:
         """Wait before the next attempt; False when there is no time (or we are closing)."""
