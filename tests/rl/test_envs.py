@@ -192,3 +192,24 @@ def test_import_fibrl_rl_imports_neither_gymnasium_nor_numpy():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=60, check=True).stdout.strip()
     assert out == "[]"
+
+
+def test_a_batch_of_the_wrong_size_raises_and_the_vector_env_goes_on():
+    """A user's mistake is raised in the caller, as gymnasium's vector envs do; it used to
+    reach the workers and come back as a "restarted" env (3 actions for 4 envs) or be
+    ignored (5 actions)."""
+    envs = RemoteVectorEnv("CartPole-v1", 4, envs_per_worker=2, seed=0)
+    try:
+        envs.reset(seed=0)
+        for bad, got in ((np.zeros(3, np.int64), 3), (np.zeros(5, np.int64), 5),
+                         ([0, 1, 0], 3)):
+            with pytest.raises(ValueError, match=f"{got} actions for 4 envs"):
+                envs.step(bad)
+        with pytest.raises(TypeError, match="one action per env"):
+            envs.step(np.int64(1))
+        with pytest.raises(ValueError, match="1 actions for 2 envs"):
+            envs.send(np.zeros(1, np.int64), [0, 2])
+        obs, *_ = envs.step([0, 1, 0, 1])   # still usable, nothing restarted
+        assert obs.shape == (4, 4) and envs.restart_counts == (0, 0, 0, 0)
+    finally:
+        envs.close()

@@ -489,6 +489,9 @@ class RemoteVectorEnv(VectorEnv):
     # -- sending and collecting --------------------------------------------------------
     def _send_steps(self, actions: Any, env_ids: Optional[np.ndarray]) -> None:
         """One Step per worker concerned; ``env_ids`` None: every env (the common case)."""
+        n = self.num_envs if env_ids is None else len(env_ids)
+        if type(actions) is not np.ndarray or actions.shape[:1] != (n,):
+            _check_count(actions, n)
         posts = []
         if env_ids is None:
             plain = type(actions) is np.ndarray
@@ -744,6 +747,21 @@ class RemoteVectorEnv(VectorEnv):
     def __repr__(self) -> str:
         return (f"RemoteVectorEnv(num_envs={self.num_envs}, workers={len(self._workers)}, "
                 f"autoreset_mode={self.autoreset_mode.value})")
+
+
+def _check_count(actions: Any, n: int) -> None:
+    """Raise, as gymnasium's vector envs do, unless ``actions`` is a batch of ``n`` actions
+    (an array, a sequence, or dicts/tuples of them, with ``n`` rows)."""
+    leaf = actions
+    while isinstance(leaf, (dict, tuple)) and len(leaf):
+        leaf = next(iter(leaf.values())) if isinstance(leaf, dict) else leaf[0]
+    if isinstance(leaf, (str, bytes)) or np.ndim(leaf) == 0:
+        raise TypeError(f"RemoteVectorEnv: actions must be a batch with one action per env "
+                        f"({n} rows), got {type(actions).__name__} {actions!r:.80}")
+    got = len(leaf)
+    if got != n:
+        raise ValueError(f"RemoteVectorEnv: {got} actions for {n} envs; pass one action per "
+                         f"env (a batch of {n} rows, as the action_space samples)")
 
 
 class _RestartBudget:
