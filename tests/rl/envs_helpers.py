@@ -129,3 +129,28 @@ class Counter(gymnasium.Env):
     def step(self, action):
         self.t = (self.t + int(action)) % 10
         return self.t, float(self.t), self.t == 9, False, {}
+
+
+class Frames(gymnasium.Wrapper):
+    """CartPole whose ``render()`` is a small frame holding its observation's first value
+    (no display or pygame needed)."""
+
+    def __init__(self) -> None:
+        super().__init__(gymnasium.make("CartPole-v1"))
+        self.last = None
+
+    @property
+    def render_mode(self):
+        return "rgb_array"
+
+    def reset(self, **kwargs):
+        self.last, info = self.env.reset(**kwargs)
+        return self.last, info
+
+    def step(self, action):
+        out = self.env.step(action)
+        self.last = out[0]
+        return out
+
+    def render(self):
+        return np.full((2, 2, 3), self.last[0], dtype=np.float32)

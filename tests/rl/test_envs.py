@@ -213,3 +213,28 @@ def test_a_batch_of_the_wrong_size_raises_and_the_vector_env_goes_on():
         assert obs.shape == (4, 4) and envs.restart_counts == (0, 0, 0, 0)
     finally:
         envs.close()
+
+
+def test_np_random_seed_render_and_reset_mask_errors_as_gymnasium_has_them():
+    import envs_helpers
+
+    sync = SyncVectorEnv([lambda: gymnasium.make("CartPole-v1")] * 3)
+    envs = RemoteVectorEnv([envs_helpers.Frames] * 3, envs_per_worker=2, seed=0)
+    try:
+        sync.reset(seed=3)
+        obs, _ = envs.reset(seed=3)
+        assert envs.np_random_seed == sync.np_random_seed == (3, 4, 5)
+        assert [type(g).__name__ for g in envs.np_random] == ["Generator"] * 3
+        frames = envs.render()
+        assert len(frames) == 3 and [f[0, 0, 0] for f in frames] == obs[:, 0].tolist()
+        for mask, error in (([True, False, True], TypeError),
+                            (np.ones(2, np.bool_), ValueError),
+                            (np.ones(3, np.int64), TypeError),
+                            (np.zeros(3, np.bool_), ValueError)):
+            with pytest.raises(error):
+                sync.reset(options={"reset_mask": mask})
+            with pytest.raises(error):
+                envs.reset(options={"reset_mask": mask})
+    finally:
+        envs.close()
+        sync.close()

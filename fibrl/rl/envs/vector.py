@@ -219,6 +219,22 @@ class RemoteVectorEnv(VectorEnv):
         with self._lock:
             return [w.proc for w in self._workers]
 
+    # gymnasium's vector envs answer these from their envs (the vector env's own seed and
+    # generator of VectorEnv do not apply: nothing is drawn here)
+    @property
+    def np_random_seed(self) -> tuple:  # type: ignore[override]
+        """Each env's ``np_random_seed``, as gymnasium's vector envs report it."""
+        return self.get_attr("np_random_seed")
+
+    @property  # type: ignore[misc]
+    def np_random(self) -> tuple:  # type: ignore[override]
+        """Each env's ``np_random`` generator (copies: the envs keep drawing from theirs)."""
+        return self.get_attr("np_random")
+
+    def render(self) -> tuple:
+        """Each env's ``render()`` (its ``render_mode`` decides what that is)."""
+        return self.call("render")
+
     @property
     def restart_counts(self) -> tuple:
         """How many times each env was restarted (a crash of its own, or of a neighbour in
@@ -911,10 +927,14 @@ def _seeds(seed: Any, n: int) -> list:
 
 
 def _mask_ids(mask: Any, n: int) -> np.ndarray:
-    if not isinstance(mask, np.ndarray) or mask.dtype != np.bool_ or mask.shape != (n,):
-        raise TypeError(f"options['reset_mask'] must be a numpy bool array of shape ({n},), "
-                        f"got {type(mask).__name__} {getattr(mask, 'dtype', '')} "
-                        f"{getattr(mask, 'shape', '')}")
+    """The env ids of a reset mask, refused as gymnasium's vector envs refuse it."""
+    if not isinstance(mask, np.ndarray):
+        raise TypeError(f"options['reset_mask'] must be a numpy array, got "
+                        f"{type(mask).__name__}")
+    if mask.shape != (n,):
+        raise ValueError(f"options['reset_mask'] must have shape ({n},), got {mask.shape}")
+    if mask.dtype != np.bool_:
+        raise TypeError(f"options['reset_mask'] must have dtype bool, got {mask.dtype}")
     if not mask.any():
         raise ValueError("options['reset_mask'] must contain at least one True value")
     return np.flatnonzero(mask)
