@@ -238,3 +238,12 @@ def test_np_random_seed_render_and_reset_mask_errors_as_gymnasium_has_them():
     finally:
         envs.close()
         sync.close()
+
+
+def test_closing_with_a_step_pending_warns_as_gymnasium_does():
+    envs = RemoteVectorEnv("CartPole-v1", 2, seed=0)
+    envs.reset(seed=0)
+    envs.step_async(np.zeros(2, np.int64))
+    with pytest.warns(UserWarning, match="pending call to `step` to complete"):
+        envs.close()
+    assert envs.closed

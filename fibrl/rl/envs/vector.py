@@ -49,6 +49,7 @@ from multiprocessing import TimeoutError as MpTimeoutError
 from typing import Any, Callable, ClassVar, Iterable, Optional, Sequence, Union, cast
 
 import numpy as np
+from gymnasium import logger
 from gymnasium.error import AlreadyPendingCallError, ClosedEnvironmentError, NoAsyncCallError
 from gymnasium.vector import AutoresetMode, VectorEnv
 from gymnasium.vector.utils import batch_space, create_empty_array
@@ -733,7 +734,18 @@ class RemoteVectorEnv(VectorEnv):
     # -- closing -----------------------------------------------------------------------
     def close_extras(self, timeout: Optional[float] = None, terminate: bool = False,
                      **kwargs: Any) -> None:
-        self._shutdown(0.0 if terminate else (5.0 if timeout is None else timeout))
+        grace = 0.0 if terminate else (5.0 if timeout is None else timeout)
+        if self._state != AsyncState.DEFAULT and self._error is None and not self.closed:
+            logger.warn(f"Calling `close` while waiting for a pending call to "
+                        f"`{self._state}` to complete.")   # (gymnasium's words)
+            finish = {AsyncState.WAITING_STEP: self.step_wait,
+                      AsyncState.WAITING_RESET: self.reset_wait}.get(self._state)
+            if finish is not None and grace > 0:
+                try:
+                    finish(grace)
+                except Exception:
+                    pass   # closing anyway: the workers are stopped next
+        self._shutdown(grace)
 
     def _shutdown(self, grace: float) -> None:
         self.closed = True
