@@ -124,8 +124,6 @@ class Mailbox(SharedService):
     _ordered = True   # give-backs are merged by push number (see _requeue)
 
     def __init__(self, maxsize: int = 0, joinable: bool = False, pipe_end: bool = False) -> None:
-        import threading
-
         self.maxsize = maxsize if maxsize > 0 else 0
         self._items: deque = deque()
         self._getters: deque[_Parked] = deque()

@@ -133,18 +133,15 @@ def _optional_array(value: Any) -> Optional[np.ndarray]:
     return None if value is None else _as_array(value)
 
 
-def _as_update(update: Any) -> Optional[tuple[np.ndarray, np.ndarray]]:
-    if update is None:
-        return None
-    ids, priorities = update
-    return (_as_array(ids).astype(np.int64).reshape(-1),
-            _as_array(priorities).astype(np.float64).reshape(-1))
-
-
 def _update_arrays(ids: Any, priorities: Any) -> tuple[np.ndarray, np.ndarray]:
-    """The arrays of a priority update: :func:`_as_update` of an update known to be one."""
+    """The arrays of a priority update: ids as int64, priorities as float64, flat."""
     return (_as_array(ids).astype(np.int64).reshape(-1),
             _as_array(priorities).astype(np.float64).reshape(-1))
+
+
+def _as_update(update: Any) -> Optional[tuple[np.ndarray, np.ndarray]]:
+    """:func:`_update_arrays` of an ``(ids, priorities)`` update, or None."""
+    return None if update is None else _update_arrays(*update)
 
 
 def _finish(raw: dict, as_torch: bool) -> SampleBatch:
