@@ -33,13 +33,17 @@ from typing import Any, Callable, Optional, TypeVar
 
 import numpy as np
 
-from fibrl.errors import RemoteObjectError
-from fibrl.managers import BaseManager, BaseProxy
+from multiprocessing import process
+
+from fibrl.errors import AuthenticationError, ChannelClosed, RemoteObjectError, TransportError
+from fibrl.managers import BaseManager, BaseProxy, Token
+from fibrl.managers.lines import line_for
 
 from .errors import ReplayStoreLost
 from .limiters import LimiterSpec
 from .selectors import as_selector
-from .table import TABLE_METHODS, NStep, ReplayTable, TableConfig, check_batch_size
+from .table import (TABLE_METHODS, NStep, ReplayTable, TableConfig, check_batch_size,
+                    check_beta)
 
 __all__ = ["ReplayStore", "ReplayManager", "ReplayTableProxy", "SampleBatch", "PendingSample",
            "register_replay_store"]
@@ -144,13 +148,25 @@ def _as_update(update: Any) -> Optional[tuple[np.ndarray, np.ndarray]]:
     return None if update is None else _update_arrays(*update)
 
 
+def importance_weights(probabilities: np.ndarray, size: int, beta: float,
+                       min_probability: Optional[float]) -> np.ndarray:
+    """``w_i = (N * P(i)) ** -beta``, divided by ``(N * P_min) ** -beta`` (the largest
+    weight any held item could get: PER's normalisation) when ``min_probability`` is
+    given, else by the batch's largest; float32."""
+    if min_probability is None:
+        weights = (size * probabilities) ** (-beta)
+        return (weights / weights.max()).astype(np.float32)
+    # (N P_min / N P_i) ** beta: N cancels, and the ratio is never above 1
+    return ((min_probability / probabilities) ** beta).astype(np.float32)
+
+
 def _finish(raw: dict, as_torch: bool) -> SampleBatch:
-    """Importance weights ``(N * P) ** -beta / max`` and the requested array type."""
+    """Importance weights (see :func:`importance_weights`) and the requested array type."""
     probs, beta = raw["probabilities"], raw["beta"]
     weights = None
     if beta is not None and probs is not None and len(probs):
-        weights = (raw["size"] * probs) ** (-beta)
-        weights = (weights / weights.max()).astype(np.float32)
+        low = raw["min_probability"] if raw["weights"] == "buffer" else None
+        weights = importance_weights(probs, raw["size"], beta, low)
     batch = SampleBatch(raw["data"], raw["ids"], weights, probs, raw["priorities"])
     if as_torch:
         import torch  # requested by the caller, so it is installed
@@ -216,22 +232,29 @@ class ReplayTableProxy(BaseProxy):
         """Insert a batch; returns the item ids (int64)."""
         return self._call("insert", _as_batch(batch), _optional_array(priorities), timeout)
 
-    def append(self, steps: dict, env_ids: Any, *, timeout: Optional[float] = None) -> np.ndarray:
-        """Add environment steps (n-step stores); returns the ids of the items completed."""
-        return self._call("append", _as_batch(steps), _as_array(env_ids), timeout)
+    def append(self, steps: dict, env_ids: Any, priorities: Any = None, *,
+               timeout: Optional[float] = None) -> np.ndarray:
+        """Add environment steps (n-step stores); returns the ids of the items completed.
+        ``priorities[row]``: the priority of the item starting at step ``row``."""
+        return self._call("append", _as_batch(steps), _as_array(env_ids),
+                          _optional_array(priorities), timeout)
 
     def sample(self, batch_size: int, *, timeout: Optional[float] = None,
-               as_torch: bool = False, update: Any = None) -> SampleBatch:
+               as_torch: bool = False, update: Any = None,
+               beta: Optional[float] = None) -> SampleBatch:
         """Draw ``batch_size`` items (waits for the rate limiter up to ``timeout``);
-        ``update=(ids, priorities)`` sends a priority update in the same call."""
-        return _finish(self._call("sample", int(batch_size), timeout, _as_update(update)),
-                       as_torch)
+        ``update=(ids, priorities)`` sends a priority update in the same call; ``beta``
+        overrides the sampler's for this batch's importance weights."""
+        return _finish(self._call("sample", int(batch_size), timeout, _as_update(update),
+                                  _optional_beta(beta)), as_torch)
 
     def sample_async(self, batch_size: int, *, timeout: Optional[float] = None,
-                     as_torch: bool = False, update: Any = None) -> PendingSample:
+                     as_torch: bool = False, update: Any = None,
+                     beta: Optional[float] = None) -> PendingSample:
         """Like :meth:`sample`, returning at once; see :meth:`ReplayStore.sample_async`."""
         check_batch_size(batch_size)
-        handle = self._on_line("sample", int(batch_size), timeout, _as_update(update))
+        handle = self._on_line("sample", int(batch_size), timeout, _as_update(update),
+                               _optional_beta(beta))
         return PendingSample([(self, handle)], _only, as_torch)
 
     def update_priorities(self, ids: Any, priorities: Any) -> int:
@@ -254,6 +277,88 @@ class ReplayTableProxy(BaseProxy):
 
     def server_pid(self) -> int:
         return self._call("server_pid")
+
+    def describe(self) -> dict:
+        """This shard's index, the store's shard count, the capacity and the sampler."""
+        return self._call("describe")
+
+    @property
+    def address(self) -> str:
+        """Where this shard is: its server's URL and the table's object id, as
+        ``tcp://host:port/<id>`` (what :meth:`connect` takes)."""
+        return f"{self._token.address}/{self._token.id}"
+
+    @classmethod
+    def connect(cls, address: str, authkey: Optional[bytes] = None) -> "ReplayTableProxy":
+        """A proxy for the shard at ``address`` (a :attr:`address`), authenticated with
+        ``authkey`` (default: this process's authkey).
+
+        Raises:
+            fibrl.AuthenticationError: the server does not accept ``authkey``.
+            ReplayStoreLost: nothing answers at ``address``.
+            ValueError: ``address`` is not a replay shard's address.
+        """
+        server, ident = _split_address(address)
+        key = bytes(process.current_process().authkey if authkey is None else authkey)
+        try:
+            line_for(server, key).call("dummy")   # authenticates; a manager server answers
+        except AuthenticationError as exc:
+            raise AuthenticationError(
+                f"the replay store at {server} did not accept this authkey ({exc}). Pass "
+                f"ReplayStore.connect(address, authkey=key) the key of the process that "
+                f"made the store (its fibrl.current_process().authkey, or the authkey= "
+                f"it gave ReplayStore).") from exc
+        except RemoteObjectError as exc:
+            if isinstance(exc.__cause__, (TransportError, ChannelClosed)):   # no answer
+                raise ReplayStoreLost(
+                    f"no replay store answers at {server}: {exc} The store was closed, "
+                    f"its process ended, or the address is mistyped; pass store.address "
+                    f"as the process that made the store read it.") from exc
+            raise ValueError(  # a fibrl process answered, and it is no manager server
+                f"{server} is a fibrl process but not a replay store's server ({exc}); "
+                f"pass store.address as the process that made the store read it") from exc
+        try:
+            proxy = cls(Token("ReplayShard", server, ident), authkey=key)
+            proxy.describe()
+        except (RemoteObjectError, AttributeError) as exc:
+            raise ValueError(
+                f"the manager server at {server} holds no replay store {ident!r} ({exc}); "
+                f"pass store.address as its owner printed it, while that store is "
+                f"open") from exc
+        return proxy
+
+
+def _split_address(address: str) -> tuple[str, str]:
+    """``(server URL, object id)`` of one shard's address, ``tcp://host:port/<id>``."""
+    server, _, ident = address.strip().rpartition("/")
+    scheme, sep, where = server.partition("://")
+    if not (sep and scheme in ("tcp", "tls+tcp") and ":" in where and "/" not in where
+            and ident):
+        raise ValueError(
+            f"{address!r} is not a replay store address: each shard's is "
+            f"'tcp://host:port/<id>' (or 'tls+tcp://...'), and a store's is its shards' "
+            f"joined by commas. Pass store.address as the process that made the store "
+            f"printed it.")
+    return server, ident
+
+
+def _shard_addresses(address: Any) -> list:
+    """The shard addresses of a store address (a comma-joined string or a sequence)."""
+    if isinstance(address, str):
+        parts = address.split(",")
+    elif isinstance(address, (list, tuple)) and all(isinstance(a, str) for a in address):
+        parts = list(address)
+    else:
+        raise TypeError(f"a replay store address is a string (store.address), got "
+                        f"{type(address).__name__}")
+    parts = [part.strip() for part in parts if part.strip()]
+    if not parts:
+        raise ValueError("an empty replay store address; pass store.address")
+    return parts
+
+
+def _optional_beta(beta: Optional[float]) -> Optional[float]:
+    return None if beta is None else check_beta(beta)
 
 
 def make_table(capacity: int, **options: Any) -> ReplayTable:
@@ -339,6 +444,10 @@ class ReplayStore:
             sharded): where ``snapshot()`` without a path and periodic snapshots write.
         snapshot_every: seconds between periodic snapshots (``None``: none; needs
             ``snapshot_path``).
+        authkey: the key the servers accept (default: this process's authkey, the run's
+            secret). A key of its own lets processes that fibrl did not start join with
+            :meth:`connect` without holding the run's secret; fibrl processes given the
+            store when they start get it with the store, others join with ``connect``.
         ctx: the fibrl context whose backend runs the servers (default: current).
         start_timeout: seconds to wait for each server to start.
 
@@ -347,6 +456,11 @@ class ReplayStore:
         >>> ids = store.insert({"obs": obs, "action": act}, priorities=td_error)
         >>> batch = store.sample(256)       # batch["obs"], batch.ids, batch.weights
         >>> store.update_priorities(batch.ids, new_td_error)
+
+        A process that fibrl did not start (a ``torchrun`` rank) joins by address:
+
+        >>> address, key = store.address, fibrl.current_process().authkey   # the owner
+        >>> store = ReplayStore.connect(address, authkey=key)               # the joiner
     """
 
     def __init__(self, capacity: int, *, sampler: Any = "uniform", remover: Any = "fifo",
@@ -355,7 +469,8 @@ class ReplayStore:
                  num_shards: int = 1, seed: Optional[int] = None,
                  wal_path: Optional[str] = None, wal_fsync: bool = False,
                  snapshot_path: Optional[str] = None, snapshot_every: Optional[float] = None,
-                 ctx: Any = None, start_timeout: Optional[float] = None) -> None:
+                 authkey: Optional[bytes] = None, ctx: Any = None,
+                 start_timeout: Optional[float] = None) -> None:
         if not isinstance(num_shards, int) or num_shards < 1:
             raise ValueError(f"num_shards must be a positive int, got {num_shards!r}")
         if capacity < num_shards:
@@ -368,7 +483,8 @@ class ReplayStore:
                            snapshot_path=_shard_path(snapshot_path, i, num_shards),
                            snapshot_every=snapshot_every)
                    for i in range(num_shards)]
-        self._start(ctx, start_timeout, [("ReplayShard", (c,)) for c in configs], seed)
+        self._start(ctx, start_timeout, [("ReplayShard", (c,)) for c in configs], seed,
+                    authkey)
 
     @classmethod
     def queue(cls, size: int, **options: Any) -> "ReplayStore":
@@ -387,8 +503,8 @@ class ReplayStore:
     @classmethod
     def restore(cls, path: str, *, num_shards: int = 1, wal_path: Optional[str] = None,
                 wal_fsync: bool = False, snapshot_path: Optional[str] = None,
-                snapshot_every: Optional[float] = None, ctx: Any = None,
-                start_timeout: Optional[float] = None) -> "ReplayStore":
+                snapshot_every: Optional[float] = None, authkey: Optional[bytes] = None,
+                ctx: Any = None, start_timeout: Optional[float] = None) -> "ReplayStore":
         """A new store holding what :meth:`snapshot` wrote to ``path`` (with the same
         configuration), plus the records of ``wal_path`` written after that snapshot."""
         store = cls.__new__(cls)
@@ -398,16 +514,55 @@ class ReplayStore:
                              snapshot_path=_shard_path(snapshot_path, i, num_shards),
                              snapshot_every=snapshot_every)
             calls.append(("ReplayRestore", (_shard_path(path, i, num_shards), overrides)))
-        store._start(ctx, start_timeout, calls, None)
+        store._start(ctx, start_timeout, calls, None, authkey)
+        return store
+
+    @classmethod
+    def connect(cls, address: Any, authkey: Optional[bytes] = None) -> "ReplayStore":
+        """A client of the store at ``address`` (a store's :attr:`address`), for a process
+        that fibrl did not start: a ``torchrun`` or ``torch.multiprocessing`` rank, a
+        script started by hand or by another launcher.
+
+        The client is the one fibrl processes hold (insert, append, sample,
+        sample_async, update_priorities, len, stats, snapshot, ...). Its connections
+        authenticate with ``authkey`` (the same handshake, and TLS where the store's
+        address is ``tls+tcp://``, as every fibrl connection).
+
+        Args:
+            address: ``store.address`` as the owner read it: the shards' addresses
+                joined by commas (a list of them works too), in shard order.
+            authkey: the key the store's servers accept: the owner's
+                ``fibrl.current_process().authkey``, or the ``authkey=`` it gave
+                ``ReplayStore``. Default: this process's authkey (right in a process
+                that inherited it, e.g. one started by the owner with
+                ``multiprocessing``).
+
+        Raises:
+            fibrl.AuthenticationError: the store does not accept ``authkey``.
+            ReplayStoreLost: nothing answers at an address (the store was closed).
+            ValueError: ``address`` is not a replay store's (malformed, another kind of
+                server, the shards of another store, or missing some shards).
+
+        Example:
+            >>> store = ReplayStore.connect(address, authkey=key)   # doctest: +SKIP
+            >>> store.insert({"obs": obs}); batch = store.sample(256)  # doctest: +SKIP
+        """
+        shards = [ReplayTableProxy.connect(part, authkey)
+                  for part in _shard_addresses(address)]
+        _check_layout(shards)
+        store = cls.__new__(cls)
+        store._shards = shards
+        store._managers = None
+        store._setup_client()
         return store
 
     def _start(self, ctx: Any, start_timeout: Optional[float], calls: list,
-               seed: Optional[int]) -> None:
+               seed: Optional[int], authkey: Optional[bytes] = None) -> None:
         self._managers: Optional[list] = []
         self._shards: list = []
         try:
             for typeid, args in calls:
-                manager = ReplayManager(ctx=ctx)
+                manager = ReplayManager(ctx=ctx, authkey=authkey)
                 manager.start(timeout=start_timeout)
                 self._managers.append(manager)
                 self._shards.append(getattr(manager, typeid)(*args))
@@ -435,6 +590,13 @@ class ReplayStore:
     def num_shards(self) -> int:
         return len(self._shards)
 
+    @property
+    def address(self) -> str:
+        """Where the store is, for :meth:`connect`: each shard's server URL and table id
+        (``tcp://host:port/<id>``, or ``tls+tcp://`` with TLS), joined by commas in shard
+        order. Not a secret: joining also needs the authkey."""
+        return ",".join(shard.address for shard in self._shards)
+
     # -- the API ------------------------------------------------------------------------------
     def insert(self, batch: dict, priorities: Any = None, *,
                timeout: Optional[float] = None) -> np.ndarray:
@@ -446,35 +608,57 @@ class ReplayStore:
         """
         return self._shards[next(self._turn)].insert(batch, priorities, timeout=timeout)
 
-    def append(self, steps: dict, env_ids: Any, *, timeout: Optional[float] = None) -> np.ndarray:
+    def append(self, steps: dict, env_ids: Any, priorities: Any = None, *,
+               timeout: Optional[float] = None) -> np.ndarray:
         """Add one step per row for environment ``env_ids[row]``; the server assembles
-        n-step items (see :class:`NStep`). An environment's steps always go to one shard."""
+        n-step items (see :class:`NStep`). An environment's steps always go to one shard.
+
+        ``priorities[row]`` is the priority of the n-step item that starts at step
+        ``row`` (stored once its steps are in); without it an item gets the largest
+        priority seen when it is stored. Returns the ids of the items stored.
+        """
         env_ids = _as_array(env_ids).reshape(-1)
         if self.num_shards == 1:
-            return self._shards[0].append(steps, env_ids, timeout=timeout)
+            return self._shards[0].append(steps, env_ids, priorities, timeout=timeout)
         steps = _as_batch(steps)
+        prios = _optional_array(priorities)
+        if prios is not None:
+            prios = prios.reshape(-1)
+            if len(prios) != len(env_ids):
+                raise ValueError(f"append() got {len(prios)} priorities for "
+                                 f"{len(env_ids)} steps; give one per step (row)")
         owner = np.asarray([hash(int(e)) % self.num_shards for e in env_ids.tolist()])
         out = [self._shards[s].append({k: v[owner == s] for k, v in steps.items()},
-                                      env_ids[owner == s], timeout=timeout)
+                                      env_ids[owner == s],
+                                      None if prios is None else prios[owner == s],
+                                      timeout=timeout)
                for s in np.unique(owner).tolist()]
         return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
 
     def sample(self, batch_size: int, *, timeout: Optional[float] = None,
-               as_torch: bool = False, update: Any = None) -> SampleBatch:
+               as_torch: bool = False, update: Any = None,
+               beta: Optional[float] = None) -> SampleBatch:
         """Draw ``batch_size`` items: :class:`SampleBatch` with data, ids and (prioritized)
         importance weights; ``as_torch=True`` returns torch tensors.
 
         ``update=(ids, priorities)`` applies a priority update first; with one shard it
         travels in the same call (one round trip for a learner's update + sample).
+        ``beta`` sets this batch's importance-weight exponent (prioritized stores; the
+        sampler's ``beta`` by default), for a schedule that anneals it toward 1.
+
+        Example:
+            >>> beta = 0.4 + 0.6 * min(1.0, step / total_steps)   # doctest: +SKIP
+            >>> batch = store.sample(256, beta=beta)               # doctest: +SKIP
         """
         if self.num_shards == 1:
             return self._shards[0].sample(batch_size, timeout=timeout, as_torch=as_torch,
-                                          update=update)
+                                          update=update, beta=beta)
         return self.sample_async(batch_size, timeout=timeout, as_torch=as_torch,
-                                 update=update).get()
+                                 update=update, beta=beta).get()
 
     def sample_async(self, batch_size: int, *, timeout: Optional[float] = None,
-                     as_torch: bool = False, update: Any = None) -> PendingSample:
+                     as_torch: bool = False, update: Any = None,
+                     beta: Optional[float] = None) -> PendingSample:
         """Request a batch and return at once: a :class:`PendingSample` whose ``get()``
         gives what :meth:`sample` would have.
 
@@ -498,23 +682,25 @@ class ReplayStore:
             ...     update = (batch.ids, abs(td_error))
         """
         check_batch_size(batch_size)
+        beta = _optional_beta(beta)
         if self.num_shards == 1:
             return self._shards[0].sample_async(batch_size, timeout=timeout,
-                                                as_torch=as_torch, update=update)
+                                                as_torch=as_torch, update=update, beta=beta)
         # each shard's part of the update rides on the call that asks for its mass, on
         # the line that carries its samples: it lands after the batches asked before
         shards = self._shards
         updates = self._split_update(update)
         masses = [s._wait(h) for s, h in
                   zip(shards, [s._on_line("mass", u) for s, u in zip(shards, updates)])]
-        mass = np.asarray([m for m, _n, _r in masses], dtype=np.float64)
-        size = sum(n for _m, n, _r in masses)
+        mass = np.asarray([m[0] for m in masses], dtype=np.float64)
+        size = sum(m[1] for m in masses)
+        low = min((m[3] for m in masses if m[3] is not None), default=np.inf)
         if mass.sum() <= 0:  # empty: let the shards' rate limiters decide how to wait
             mass = np.ones(len(shards))
         counts = _split(int(batch_size), mass / mass.sum(), self._rng, masses[0][2])
-        parts = [(shards[s], shards[s]._on_line("sample", int(c), timeout, None))
+        parts = [(shards[s], shards[s]._on_line("sample", int(c), timeout, None, beta))
                  for s, c in enumerate(counts.tolist()) if c]
-        merge = functools.partial(_merge, total_mass=float(mass.sum()), size=size)
+        merge = functools.partial(_merge, total_mass=float(mass.sum()), size=size, low=low)
         return PendingSample(parts, merge, as_torch)
 
     def update_priorities(self, ids: Any, priorities: Any) -> int:
@@ -596,6 +782,16 @@ class ReplayStore:
         return f"<ReplayStore {self.num_shards} shard(s)>"
 
 
+def _check_layout(shards: list) -> None:
+    """Raise ``ValueError`` unless ``shards`` are every shard of one store, in order."""
+    infos = [shard.describe() for shard in shards]
+    found = [(info["shard"], info["num_shards"]) for info in infos]
+    if found != [(i, len(shards)) for i in range(len(shards))]:
+        raise ValueError(
+            f"these addresses name shards {[f'{i} of {n}' for i, n in found]}, not every "
+            f"shard of one store in order; pass store.address whole, as its owner read it")
+
+
 def _split(k: int, shares: np.ndarray, rng: np.random.Generator, random: bool) -> np.ndarray:
     """How many of ``k`` items each shard gives: a multinomial draw for random samplers
     (exact probabilities), the largest-remainder rounding of ``k * shares`` for ordered ones."""
@@ -607,12 +803,22 @@ def _split(k: int, shares: np.ndarray, rng: np.random.Generator, random: bool) -
     return counts
 
 
-def _merge(raws: list, total_mass: float, size: int) -> dict:
-    """One raw sample from several shards' raws, probabilities over the global mass."""
+def _merge(raws: list, total_mass: float, size: int, low: float) -> dict:
+    """One raw sample from several shards' raws, probabilities over the global mass.
+
+    ``low`` is the smallest positive sampler weight the shards reported with their
+    masses; the smallest probability is the least of it and of the weights the sampled
+    shards held when they drew (an item stored between the two rounds counts too), over
+    the global mass."""
     data = {name: np.concatenate([raw["data"][name] for raw in raws]) for name in raws[0]["data"]}
     probs = None
     if all(raw["probabilities"] is not None for raw in raws):
         probs = np.concatenate([raw["probabilities"] * (raw["mass"] / total_mass) for raw in raws])
+    min_probability = None
+    if raws[0]["weights"] == "buffer":
+        lows = [low] + [raw["min_probability"] * raw["mass"] for raw in raws]
+        min_probability = min(lows) / total_mass
     return dict(data=data, ids=np.concatenate([raw["ids"] for raw in raws]),
                 priorities=np.concatenate([raw["priorities"] for raw in raws]),
-                probabilities=probs, size=size, beta=raws[0]["beta"])
+                probabilities=probs, size=size, beta=raws[0]["beta"],
+                weights=raws[0]["weights"], min_probability=min_probability)

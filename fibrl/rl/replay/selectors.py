@@ -20,7 +20,7 @@ from typing import Any, Optional, Union
 import numpy as np
 
 __all__ = ["Uniform", "Prioritized", "Fifo", "Lifo", "MinHeap", "MaxHeap", "SelectorSpec",
-           "as_selector", "SumTree"]
+           "as_selector", "SumTree", "MinTree", "WEIGHT_NORMALIZATIONS"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,20 +28,41 @@ class Uniform:
     """Every live item equally likely (with replacement within a batch)."""
 
 
+#: how importance weights are normalised (see :class:`Prioritized`)
+WEIGHT_NORMALIZATIONS = ("buffer", "batch")
+
+
 @dataclasses.dataclass(frozen=True)
 class Prioritized:
-    """Item ``i`` drawn with probability ``(p_i + eps) ** alpha / sum_j (p_j + eps) ** alpha``.
+    """Item ``i`` drawn with probability ``P(i) = (p_i + eps)**alpha / sum_j (p_j + eps)**alpha``.
 
-    Importance weights are ``(N * P(i)) ** -beta`` divided by the batch's largest.
+    Importance weights are ``w_i = (N * P(i)) ** -beta`` (``N`` items held), divided by
+    the largest weight any held item could get, ``(N * P_min) ** -beta`` with ``P_min``
+    the smallest nonzero probability in the whole store (over every shard), as in
+    Schaul et al. (2016), cpprb and torchrl: ``weights="buffer"``, the default. With
+    ``weights="batch"`` they are divided by the batch's largest weight instead (every
+    batch then has a weight of exactly 1). ``beta`` is the default of
+    ``sample(..., beta=...)``, which anneals it per call.
+
+    Example:
+        >>> Prioritized(alpha=0.6, beta=0.4)                  # PER's normalisation
+        Prioritized(alpha=0.6, beta=0.4, eps=1e-06, weights='buffer')
+        >>> Prioritized(weights="batch").weights               # the batch's largest
+        'batch'
     """
 
     alpha: float = 0.6
     beta: float = 0.4
     eps: float = 1e-6
+    weights: str = "buffer"
 
     def __post_init__(self) -> None:
         if not (self.alpha >= 0 and self.beta >= 0 and self.eps >= 0):
             raise ValueError(f"Prioritized needs alpha, beta, eps >= 0, got {self!r}")
+        if self.weights not in WEIGHT_NORMALIZATIONS:
+            raise ValueError(f"Prioritized(weights={self.weights!r}): choose \"buffer\" "
+                             f"(divide by the largest weight over the store, as PER does) "
+                             f"or \"batch\" (divide by the batch's largest)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,30 +177,75 @@ class SumTree:
         return leaves, total
 
 
+class MinTree:
+    """The smallest positive per-slot weight, kept as slots change.
+
+    Laid out like :class:`SumTree` (heap layout, only the levels below a top level of
+    at most :attr:`SumTree.ROOTS` nodes kept): a change walks those few levels, and
+    :meth:`min` reads the top level. An empty slot, or one of weight 0 (never drawn),
+    holds ``inf``.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.depth = max(1, int(capacity - 1).bit_length())
+        self.size = 1 << self.depth
+        self.walk = max(0, self.depth - (SumTree.ROOTS.bit_length() - 1))
+        self.width = self.size >> self.walk
+        self.tree = np.full(2 * self.size, np.inf, dtype=np.float64)
+        self.top = self.tree[self.width:2 * self.width]
+
+    def set(self, leaves: np.ndarray, values: np.ndarray) -> None:
+        idx = np.asarray(leaves, dtype=np.int64) + self.size
+        tree = self.tree
+        children = tree.reshape(-1, 2)
+        tree[idx] = np.where(np.asarray(values) > 0, values, np.inf)
+        for _level in range(self.walk):
+            idx >>= 1
+            both = children.take(idx, axis=0)
+            tree[idx] = both.min(axis=1)
+
+    def min(self) -> float:
+        """The smallest positive weight held (``inf`` when none is)."""
+        return float(self.top.min())
+
+
 class TreeIndex:
-    """Uniform and prioritized selection: a sum tree of each slot's weight."""
+    """Uniform and prioritized selection: a sum tree of each slot's weight (and, for
+    PER's weight normalisation, a :class:`MinTree` of them)."""
 
     def __init__(self, spec: SelectorSpec, capacity: int, slot_ids: np.ndarray) -> None:
         self.spec = spec
         self.tree = SumTree(capacity)
         self.slot_ids = slot_ids
+        buffer_wide = isinstance(spec, Prioritized) and spec.weights == "buffer"
+        self.low: Optional[MinTree] = MinTree(capacity) if buffer_wide else None
 
     def _weights(self, priorities: np.ndarray) -> np.ndarray:
         if isinstance(self.spec, Prioritized):
             return (np.abs(priorities) + self.spec.eps) ** self.spec.alpha
         return np.ones(len(priorities))
 
+    def _set(self, slots: np.ndarray, weights: np.ndarray) -> None:
+        self.tree.set(slots, weights)
+        if self.low is not None:
+            self.low.set(slots, weights)
+
     def add(self, slots: np.ndarray, ids: np.ndarray, priorities: np.ndarray) -> None:
-        self.tree.set(slots, self._weights(priorities))
+        self._set(slots, self._weights(priorities))
 
     def update(self, slots: np.ndarray, priorities: np.ndarray) -> None:
-        self.tree.set(slots, self._weights(priorities))
+        self._set(slots, self._weights(priorities))
 
     def remove(self, slots: np.ndarray) -> None:
-        self.tree.set(slots, np.zeros(len(slots)))
+        self._set(slots, np.zeros(len(slots)))
 
     def mass(self) -> float:
         return self.tree.total()
+
+    def min_weight(self) -> Optional[float]:
+        """The smallest positive weight held, for PER's weight normalisation (None when
+        this index does not keep it: uniform, or ``weights="batch"``)."""
+        return None if self.low is None else self.low.min()
 
     def select(self, k: int, rng: np.random.Generator, distinct: bool = False):
         """``k`` slots and their probabilities (distinct ones without replacement)."""
@@ -217,6 +283,9 @@ class OrderIndex:
 
     def mass(self) -> float:
         return float(np.count_nonzero(self.slot_ids >= 0))
+
+    def min_weight(self) -> None:
+        return None
 
     def _live(self, newest_first: bool):
         order, ids = self.order, self.slot_ids
@@ -260,6 +329,9 @@ class HeapIndex:
 
     def mass(self) -> float:
         return float(np.count_nonzero(self.slot_ids >= 0))
+
+    def min_weight(self) -> None:
+        return None
 
     def _valid(self, entry: tuple) -> bool:
         key, item_id, slot = entry

@@ -39,12 +39,13 @@ from .limiters import Limiter, LimiterSpec
 from .persist import WriteAheadLog, read_log, read_snapshot, write_snapshot
 from .selectors import Fifo, Prioritized, SelectorSpec, Uniform, index_key, make_index
 
-__all__ = ["NStep", "TableConfig", "ReplayTable", "TABLE_METHODS", "check_batch_size"]
+__all__ = ["NStep", "TableConfig", "ReplayTable", "TABLE_METHODS", "check_batch_size",
+           "check_beta"]
 
 log = logging.getLogger(__name__)
 
 TABLE_METHODS = ("insert", "append", "sample", "update_priorities", "size", "clear", "stats",
-                 "mass", "snapshot", "server_pid")
+                 "mass", "snapshot", "server_pid", "describe")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,8 +186,14 @@ class ReplayTable:
             self.cond.notify_all()
         return ids
 
-    def append(self, steps: dict, env_ids: Any, timeout: Optional[float] = None) -> np.ndarray:
-        """Add per-environment steps; stores the n-step items they complete (their ids)."""
+    def append(self, steps: dict, env_ids: Any, priorities: Optional[ArrayLike] = None,
+               timeout: Optional[float] = None) -> np.ndarray:
+        """Add per-environment steps; stores the n-step items they complete (their ids).
+
+        ``priorities[row]`` is the priority of the item that starts at step ``row``
+        (stored once its ``n`` steps are in); without it an item gets the largest
+        priority seen when it is stored.
+        """
         spec = self.config.n_step
         if spec is None:
             raise ValueError("append() assembles n-step items; create the store with "
@@ -199,12 +206,21 @@ class ReplayTable:
         if missing:
             raise ValueError(f"append() steps lack {sorted(missing)}; each step needs obs, "
                              f"action, reward, next_obs, done (and optionally truncated)")
+        prios = self._priorities(priorities, n)
         with self.cond:
-            items = self._assemble(steps, env_ids, spec)
+            items, item_prios = self._assemble(steps, env_ids, prios, spec)
         if not items:
             return np.zeros(0, dtype=np.int64)
         batch = {key: np.stack([item[key] for item in items]) for key in items[0]}
-        return self.insert(batch, None, timeout)  # new items get the largest priority seen
+        return self.insert(batch, self._fill_priorities(item_prios), timeout)
+
+    def _fill_priorities(self, prios: list) -> Optional[np.ndarray]:
+        """The priorities of assembled items: None if no step carried one (the insert
+        gives each the largest seen), else the given ones with the largest seen for
+        steps appended without."""
+        if all(p is None for p in prios):
+            return None
+        return np.asarray([self.max_priority if p is None else p for p in prios])
 
     def update_priorities(self, ids: Any, priorities: ArrayLike) -> int:
         """Set the priorities of the items still held; returns how many were."""
@@ -225,12 +241,17 @@ class ReplayTable:
             self.cond.notify_all()
 
     # -- reads -------------------------------------------------------------------------------
-    def sample(self, k: int, timeout: Optional[float] = None, update: Any = None) -> dict:
-        """``k`` items: columns stacked, ids, probabilities, the size they were drawn from.
+    def sample(self, k: int, timeout: Optional[float] = None, update: Any = None,
+               beta: Optional[float] = None) -> dict:
+        """``k`` items: columns stacked, ids, probabilities, the size they were drawn from,
+        and what the client turns into importance weights (``beta``, ``min_probability``:
+        the smallest nonzero probability held, None unless ``weights="buffer"``).
 
         ``update=(ids, priorities)`` applies a priority update first, in the same call.
+        ``beta`` overrides the sampler's for this batch's weights (prioritized only).
         """
         check_batch_size(k)
+        beta = self._beta(beta)
         if update is not None:
             self.update_priorities(*update)
         with self.cond:
@@ -239,21 +260,38 @@ class ReplayTable:
             size = self.size()
             slots, probs = self.sampler_index.select(int(k), self.rng)
             # take() gathers rows two to three times faster than fancy indexing
+            mass = self.sampler_index.mass()
+            low = self.sampler_index.min_weight()
             out = dict(data={name: col.take(slots, axis=0) for name, col in self.columns.items()},
                        ids=self.slot_ids.take(slots), priorities=self.priorities.take(slots),
-                       probabilities=probs, size=size, mass=self.sampler_index.mass(),
-                       beta=getattr(self.config.sampler, "beta", None))
+                       probabilities=probs, size=size, mass=mass, beta=beta,
+                       min_probability=None if low is None else low / mass,
+                       weights=getattr(self.config.sampler, "weights", None))
             self.counters["samples"] += len(slots)
             self._count_samples(slots)
             self.cond.notify_all()
         return out
 
+    def _beta(self, beta: Optional[float]) -> Optional[float]:
+        """The beta of a sample's importance weights: the call's, else the sampler's."""
+        sampler = self.config.sampler
+        if beta is None:
+            return getattr(sampler, "beta", None)
+        if not isinstance(sampler, Prioritized):
+            raise ValueError(f"sample(beta={beta!r}): importance weights come with "
+                             f"prioritized sampling, and this store samples with "
+                             f"{sampler!r}; drop beta= or create the store with "
+                             f"sampler=Prioritized(...)")
+        return check_beta(beta)
+
     def size(self) -> int:
         return self.config.capacity - len(self.free)
 
     def mass(self, update: Any = None) -> tuple:
-        """``(sampler mass, size, random)``: what a sharded client splits a batch by
-        (at random for uniform/prioritized samplers, in proportion for ordered ones).
+        """``(sampler mass, size, random, min weight)``: what a sharded client splits a
+        batch by (at random for uniform/prioritized samplers, in proportion for ordered
+        ones) and normalises importance weights by (the smallest positive sampler weight
+        held; None unless ``weights="buffer"``).
 
         ``update=(ids, priorities)`` applies a priority update first, in the same call.
         """
@@ -261,7 +299,8 @@ class ReplayTable:
             self.update_priorities(*update)
         with self.cond:
             return (self.sampler_index.mass(), self.size(),
-                    isinstance(self.config.sampler, (Uniform, Prioritized)))
+                    isinstance(self.config.sampler, (Uniform, Prioritized)),
+                    self.sampler_index.min_weight())
 
     def stats(self) -> dict:
         with self.cond:
@@ -273,6 +312,13 @@ class ReplayTable:
     def server_pid(self) -> int:
         """The store server's process id (as its own machine or container sees it)."""
         return os.getpid()
+
+    def describe(self) -> dict:
+        """What a client joining by address checks: this table's shard, the store's
+        shard count, the capacity and the sampler."""
+        cfg = self.config
+        return dict(shard=cfg.shard, num_shards=cfg.num_shards, capacity=cfg.capacity,
+                    sampler=cfg.sampler)
 
     # -- persistence -------------------------------------------------------------------------
     def snapshot(self, path: Optional[str] = None) -> dict:
@@ -562,21 +608,28 @@ class ReplayTable:
         if limit is not None:
             self._remove(np.unique(slots[self.times_sampled[slots] >= limit]))
 
-    def _assemble(self, steps: dict, env_ids: np.ndarray, spec: NStep) -> list[dict]:
+    def _assemble(self, steps: dict, env_ids: np.ndarray, prios: Optional[np.ndarray],
+                  spec: NStep) -> tuple[list[dict], list]:
+        """The items these steps complete, and each one's priority (None: not given)."""
         items: list[dict] = []
+        item_prios: list = []
         truncated = steps.get("truncated")
         for row, env in enumerate(env_ids.tolist()):
             pending = self.pending_steps.setdefault(env, [])
-            pending.append({key: np.asarray(value[row]) for key, value in steps.items()
-                            if key != "truncated"})
+            pending.append(({key: np.asarray(value[row]) for key, value in steps.items()
+                             if key != "truncated"},
+                            None if prios is None else float(prios[row])))
             ended = bool(steps["done"][row]) or (truncated is not None and bool(truncated[row]))
             if ended:
-                items.extend(_nstep_item(pending[j:], spec.gamma) for j in range(len(pending)))
+                for j in range(len(pending)):
+                    items.append(_nstep_item([step for step, _p in pending[j:]], spec.gamma))
+                    item_prios.append(pending[j][1])
                 pending.clear()
             elif len(pending) == spec.n:
-                items.append(_nstep_item(pending, spec.gamma))
+                items.append(_nstep_item([step for step, _p in pending], spec.gamma))
+                item_prios.append(pending[0][1])
                 pending.pop(0)
-        return items
+        return items, item_prios
 
 
 class PointInTimeCopy:
@@ -697,6 +750,17 @@ def _nstep_item(window: list, gamma: float) -> dict:
     item["done"] = last["done"]
     item["discount"] = np.float32(0.0 if done else gamma ** len(window))
     return item
+
+
+def check_beta(beta: Any) -> float:
+    """``beta`` as a float; ``ValueError`` unless it is a finite number >= 0."""
+    try:
+        value = float(beta)
+    except (TypeError, ValueError):
+        raise ValueError(f"beta must be a number >= 0, got {beta!r}") from None
+    if not 0 <= value < float("inf"):
+        raise ValueError(f"beta must be a finite number >= 0, got {beta!r}")
+    return value
 
 
 def check_batch_size(k: Any) -> None:
