@@ -117,9 +117,10 @@ class Supervisor:
             ``RemoteVectorEnv``'s ``processes``), whose holders may still ``join()`` them.
     """
 
-    def __init__(self, ctx: Any, policy: Policy, spec: Callable[[int], dict], name: str,
-                 role: str = "worker", on_done: Callable[[], None] = lambda: None,
-                 meta: Optional[dict] = None, new_process: Optional[Callable] = None,
+    def __init__(self, ctx: Any, policy: Policy, spec: Callable[[int], dict[str, Any]],
+                 name: str, role: str = "worker", on_done: Callable[[], None] = lambda: None,
+                 meta: Optional[dict[str, Any]] = None,
+                 new_process: Optional[Callable[..., Any]] = None,
                  max_starters: int = _MAX_STARTERS, close_ended: bool = True) -> None:
         self._new_process = new_process or ctx.Process
         self._meta = dict(meta or {})
@@ -186,7 +187,7 @@ class Supervisor:
         self._thread.join(timeout)
         return not self._thread.is_alive()
 
-    def processes(self) -> list:
+    def processes(self) -> list[Any]:
         """The worker processes currently started."""
         with self._lock:
             return list(self._procs.values())
@@ -321,6 +322,7 @@ def _kill(proc: Any) -> None:
 
 def _failure_reason(proc: Any) -> str:
     try:
-        return proc._popen.job.failure_reason()
+        reason: str = proc._popen.job.failure_reason()
+        return reason
     except Exception:  # the backend could not say; the exit code is evidence enough
         return ""

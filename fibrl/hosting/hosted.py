@@ -25,10 +25,13 @@ from __future__ import annotations
 
 import itertools
 import threading
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from ..errors import TransportError, owner_gone
 from .hub import Handle, Hub, ReplySink, SharedService, get_hub, mark_pickled, own
+
+if TYPE_CHECKING:
+    from ..wire.transport import Peer
 
 __all__ = ["HostedHandle", "HostedService", "answer", "call_owner", "rebuild", "wait_reply"]
 
@@ -72,7 +75,7 @@ class HostedService(SharedService):
     def __init__(self) -> None:
         self.mutex = threading.RLock()
 
-    def peer_lost(self, peer) -> None:
+    def peer_lost(self, peer: Peer) -> None:
         with self.mutex:
             super().peer_lost(peer)
 
@@ -94,11 +97,12 @@ class HostedHandle:
         self._address = hub.address
         own(self, self._oid)  # a pickled handle keeps the service while in use
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Callable[..., HostedHandle],
+                                  tuple[type[HostedHandle], str, str, dict[str, Any]]]:
         mark_pickled(self._address, self._oid)
         return (rebuild, (type(self), self._address, self._oid, self._state()))
 
-    def _state(self) -> dict:
+    def _state(self) -> dict[str, Any]:
         return {}
 
     def _call(self, method: str, *args: Any) -> Any:
@@ -134,7 +138,8 @@ class HostedHandle:
         """Give back what an interrupted call obtained after all."""
 
 
-def rebuild(cls: type[HostedHandle], address: str, oid: str, state: dict) -> HostedHandle:
+def rebuild(cls: type[HostedHandle], address: str, oid: str,
+            state: dict[str, Any]) -> HostedHandle:
     """Unpickle a :class:`HostedHandle` (no service is created: it exists at its owner)."""
     obj = cls.__new__(cls)
     obj._address, obj._oid = address, oid

@@ -60,11 +60,11 @@ from ..config import Config
 from ..errors import ChannelClosed, RemoteObjectError, TransportError, object_gone, owner_gone
 from ..janitor import Finalizer
 from ..wire.messages import RAW_TYPES, Call, RemoteError, Reply, blob, pack, unpack, wrap_args
-from ..wire.serialization import Encoded
+from ..wire.serialization import Encoded, FramePart
 from ..timers import Timers
 
 if TYPE_CHECKING:   # (imported when the hub is built: transport loads pynng)
-    from ..wire.transport import Listener, Peer
+    from ..wire.transport import Channel, Frame, FrameHandler, Listener, LossHandler, Peer
 
 __all__ = ["Hub", "Handle", "Service", "SharedService", "Client", "HeldReplies",
            "get_hub", "drop_owner", "mark_pickled", "own", "QuietCondition"]
@@ -105,7 +105,7 @@ class Handle:
         self._done = False
         self._ok = True
         self._value: Any = None
-        self._callbacks: Optional[list] = None
+        self._callbacks: Optional[list[Callable[[Handle], None]]] = None
 
     def _resolve(self, ok: bool, value: Any) -> None:
         with _callback_lock:
@@ -236,13 +236,13 @@ class HeldReplies:
         self.peer = peer
         self._timers = timers
         self._lock = threading.Lock()
-        self._replies: list = []
-        self._timer: Optional[list] = None   # the timers' entry that sends what is held
+        self._replies: list[Reply] = []
+        self._timer: Optional[list[Any]] = None   # the timers' entry that sends what is held
 
     @classmethod
     def of(cls, peer: Peer, timers: Timers) -> "HeldReplies":
         """The one holder of ``peer`` (made on first use)."""
-        held = peer.context.get(cls)
+        held: Optional[HeldReplies] = peer.context.get(cls)
         if held is None:
             held = peer.context.setdefault(cls, cls(peer, timers))
         return held
@@ -267,7 +267,7 @@ class HeldReplies:
                 pass  # the caller is gone: its calls fail on its side
 
 
-def _frame(messages: list) -> list:
+def _frame(messages: list[Call] | list[Reply]) -> list[FramePart]:
     """One frame for a batch of messages (a lone one travels unwrapped)."""
     return pack(messages[0] if len(messages) == 1 else messages)
 
@@ -328,17 +328,19 @@ class _PeerReply(ReplySink):
         return self._send(Reply(self.rid, False, RemoteError.capture(exc)))
 
 
-_operations: dict = {}   # (service class, method name) -> its op_ function, or None
+# (service class, method name) -> its op_ function, or None
+_operations: dict[tuple[type, str], Optional[Callable[..., None]]] = {}
 
 
-def _operation(cls: type, method: str) -> Optional[Callable]:
+def _operation(cls: type, method: str) -> Optional[Callable[..., None]]:
     """The ``op_<method>`` function of the service class ``cls`` (found once per pair:
     a name built and looked up through the class's bases on every call is measurable)."""
     try:
         return _operations[cls, method]
     except KeyError:
         pass
-    op = getattr(cls, "op_" + method, None) if type(method) is str else None
+    op: Optional[Callable[..., None]] = (getattr(cls, "op_" + method, None)
+                                         if type(method) is str else None)
     if len(_operations) < 10_000:   # (method names come from peers: keep the cache bounded)
         _operations[cls, method] = op
     return op
@@ -355,7 +357,7 @@ class Service:
     oid: str = ""
     hub: "Hub"
 
-    def dispatch(self, method: str, args: tuple, reply: ReplySink) -> None:
+    def dispatch(self, method: str, args: tuple[Any, ...], reply: ReplySink) -> None:
         op = _operation(type(self), method)
         if op is None:
             reply.fail(RemoteObjectError(
@@ -366,7 +368,7 @@ class Service:
         except BaseException as exc:  # the caller gets it, with its traceback
             reply.fail(exc)
 
-    def peer_lost(self, peer) -> None:
+    def peer_lost(self, peer: Peer) -> None:
         """A connected process went away; drop replies parked for it."""
 
     def closed(self) -> None:
@@ -386,9 +388,9 @@ class SharedService(Service):
     pickled = False
     _orphan = False
     _had_users = False
-    _users: Optional[set] = None
+    _users: Optional[set[int]] = None   # ids of the peers that used it
 
-    def dispatch(self, method: str, args: tuple, reply: ReplySink) -> None:
+    def dispatch(self, method: str, args: tuple[Any, ...], reply: ReplySink) -> None:
         peer = reply.peer
         if peer is not None:
             if self._users is None:
@@ -398,13 +400,13 @@ class SharedService(Service):
                 self._had_users = True
         super().dispatch(method, args, reply)
 
-    def peer_lost(self, peer) -> None:
+    def peer_lost(self, peer: Peer) -> None:
         if self._users is not None:
             self._users.discard(peer.id)
         self.drop_peer(peer)
         self._maybe_retire()
 
-    def drop_peer(self, peer) -> None:
+    def drop_peer(self, peer: Peer) -> None:
         """Forget what ``peer`` parked or held."""
 
     def owner_dropped(self) -> None:
@@ -458,7 +460,7 @@ class Client:
         self._streams: dict[int, Callable[[bool, Any], None]] = {}
         self._rids = itertools.count(1)
         self._lock = threading.Lock()
-        self._outbox: deque = deque()
+        self._outbox: deque[Call] = deque()
         self._sending = False
         self._idle = QuietCondition(self._lock)
         self._feeder: Optional[threading.Thread] = None
@@ -475,7 +477,7 @@ class Client:
         self._channel.on_lost(self._on_lost)
 
     # -- sending -------------------------------------------------------------
-    def call(self, oid: str, method: str, args: tuple, inline: bool = True) -> Handle:
+    def call(self, oid: str, method: str, args: tuple[Any, ...], inline: bool = True) -> Handle:
         """Send a call whose reply resolves the returned :class:`Handle`.
 
         ``inline=False`` queues it for the feeder thread like a one-way call,
@@ -491,7 +493,7 @@ class Client:
         self._submit(Call(rid, oid, method, wrap_args(args)), inline=inline)
         return handle
 
-    def stream(self, oid: str, method: str, args: tuple,
+    def stream(self, oid: str, method: str, args: tuple[Any, ...],
                on_reply: Callable[[bool, Any], None]) -> int:
         """Send a call whose service answers many times: each reply runs
         ``on_reply(ok, value)`` on the reader thread (keep it short) until
@@ -516,7 +518,7 @@ class Client:
         with self._lock:
             self._streams.pop(rid, None)
 
-    def send(self, oid: str, method: str, args: tuple, inline: bool = False) -> None:
+    def send(self, oid: str, method: str, args: tuple[Any, ...], inline: bool = False) -> None:
         """Send a one-way call (no reply).
 
         By default it is queued for the feeder thread, which batches calls
@@ -587,7 +589,7 @@ class Client:
             finally:
                 self._done_sending()
 
-    def _transmit(self, calls: list) -> None:
+    def _transmit(self, calls: list[Call]) -> None:
         try:
             self._channel.send(_frame(calls))
         except ChannelClosed:
@@ -644,7 +646,7 @@ class Client:
         self.read_until(handle.ready, timeout)
         return handle.wait(max(0.0, timeout - (time.monotonic() - start)))
 
-    def _received(self, data: Any) -> None:
+    def _received(self, data: Frame) -> None:
         try:
             msg = unpack(data)
         except Exception:
@@ -701,12 +703,12 @@ class Client:
 _PLAIN = frozenset({bool, int, float, str})
 
 
-Merger = Callable[[str, list], Optional[Call]]
+Merger = Callable[[str, list[Call]], Optional[Call]]
 
 
-def _merged(calls: list, mergers: dict[str, Merger]) -> list:
+def _merged(calls: list[Call], mergers: dict[str, Merger]) -> list[Call]:
     """``calls`` with each run that a merger takes replaced by its one call."""
-    out: list = []
+    out: list[Call] = []
     i, n = 0, len(calls)
     while i < n:
         call = calls[i]
@@ -727,7 +729,7 @@ def _merged(calls: list, mergers: dict[str, Merger]) -> list:
     return out
 
 
-def _decode(reply: Reply) -> tuple:
+def _decode(reply: Reply) -> tuple[bool, Any]:
     if not reply.encoded:
         return reply.ok, reply.value
     try:
@@ -800,12 +802,13 @@ class Hub:
     auth_timeout = property(lambda self: self.settings.auth_timeout)
     connect_timeout = property(lambda self: self.settings.connect_timeout)
 
-    def open_listener(self, on_frame: Callable, on_lost: Optional[Callable] = None):
+    def open_listener(self, on_frame: FrameHandler,
+                      on_lost: Optional[LossHandler] = None) -> Listener:
         """A listener of its own (not the hub's: its frames go to ``on_frame``, in its
         peers' reader threads), with this hub's secret and transport settings."""
         return self.settings.listener(self.secret, on_frame=on_frame, on_lost=on_lost)
 
-    def open_channel(self, address: str, timeout: Optional[float] = None):
+    def open_channel(self, address: str, timeout: Optional[float] = None) -> Channel:
         """A dedicated channel to ``address`` (not the shared :meth:`client`), with this
         hub's secret and transport settings."""
         return self.settings.connect(address, self.secret, timeout)
@@ -861,7 +864,7 @@ class Hub:
             return self._services.get(oid)
         return None
 
-    def _on_frame(self, peer: Peer, data: bytes) -> None:
+    def _on_frame(self, peer: Peer, data: Frame) -> None:
         try:
             msg = unpack(data)
         except Exception as exc:  # an authenticated peer that sends garbage is broken
@@ -1085,7 +1088,7 @@ class _HubService(Service):
 def get_hub() -> Hub:
     """This process's hub (see ``runtime``), built on first use from the config in force,
     with the process's authkey as secret."""
-    hub = runtime.installed_hub()
+    hub: Optional[Hub] = runtime.installed_hub()   # (the runtime layer keeps it untyped)
     if hub is None:
         with runtime.hub_lock:
             hub = runtime.installed_hub()

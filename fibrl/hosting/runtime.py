@@ -200,7 +200,7 @@ def backend(config: Config) -> Any:
     return found
 
 
-_backends_seen: set = set()
+_backends_seen: set[int] = set()   # ids of the backends whose exit is arranged
 
 
 def _abandon_at_shutdown(found: Any) -> None:

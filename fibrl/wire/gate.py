@@ -31,7 +31,7 @@ import selectors
 import socket
 import threading
 import time
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 __all__ = ["Gate", "Port", "sp_header"]
 
@@ -63,7 +63,7 @@ def _free_descriptors() -> Optional[int]:
         return None
 
 
-_last_shortage: Optional[tuple] = None   # (monotonic time, reserve) of the last refusal
+_last_shortage: Optional[tuple[float, int]] = None   # (monotonic time, reserve) of the last refusal
 
 
 def descriptor_shortage(within: float = 60.0) -> Optional[str]:
@@ -145,7 +145,8 @@ class Gate:
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
         self._selector.register(self._wake_r, selectors.EVENT_READ, None)
-        self._ops: collections.deque = collections.deque()
+        self._ops: collections.deque[tuple[Callable[..., None], tuple[Any, ...]]]
+        self._ops = collections.deque()   # (op, args) to run in the gate's thread
         self._waiting: dict[socket.socket, _Waiting] = {}   # oldest first
         self._ports: set[Port] = set()
         self._closed = False
@@ -190,7 +191,7 @@ class Gate:
         if threading.current_thread() is not self._thread:
             self._thread.join(join)
 
-    def _call(self, op: Callable, *args) -> None:
+    def _call(self, op: Callable[..., None], *args: Any) -> None:
         self._ops.append((op, args))
         self._wake()
 
@@ -378,6 +379,6 @@ class Gate:
         self._wake_w.close()
 
 
-def _address(peer) -> str:
+def _address(peer: tuple[str, int] | tuple[str, int, int, int]) -> str:
     host, port = peer[:2]
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

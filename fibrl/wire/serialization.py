@@ -24,13 +24,13 @@ import sys
 from collections import ChainMap
 from collections.abc import Iterable
 from multiprocessing import process as mp_process
-from typing import Any, Callable, SupportsIndex, final
+from typing import Any, Callable, SupportsIndex, Union, final
 
 from ..errors import FrameError, SerializationError
 
 __all__ = ["dumps", "loads", "dumps_parts", "encode", "Encoded", "as_bytes", "MAGIC",
            "OOB_THRESHOLD", "stdlib_advice", "unpickle_error", "guarded_main_name",
-           "held_authkey"]
+           "held_authkey", "FramePart"]
 
 MAGIC = b"FB\x01"
 OOB_THRESHOLD = 64 * 1024  # smaller buffers are cheaper inline than out of band
@@ -38,8 +38,15 @@ _HEAD = struct.Struct("<3sI")
 _LEN = struct.Struct("<Q")
 _SMALL_HEAD = _HEAD.pack(MAGIC, 0)
 
+#: One byte-like piece of a frame (see :meth:`Encoded.parts`).
+FramePart = Union[bytes, bytearray, memoryview]
+# What a reducer returns (as ``__reduce__`` does): a callable, its arguments, and maybe
+# state and items; its length and members vary.
+_Reduction = tuple[Any, ...]
 
-def _pickle(obj: Any, buffers: list, by_value: bool, spawning: bool = False) -> bytes:
+
+def _pickle(obj: Any, buffers: list[pickle.PickleBuffer], by_value: bool,
+            spawning: bool = False) -> bytes:
     def keep(buf: pickle.PickleBuffer) -> bool:
         if buf.raw().nbytes < OOB_THRESHOLD:
             return True  # serialize in band
@@ -66,7 +73,7 @@ def _pickle(obj: Any, buffers: list, by_value: bool, spawning: bool = False) -> 
         raise _unpicklable(obj, exc) from exc
 
 
-def _dump(pickler_class: type, obj: Any, keep) -> bytes:
+def _dump(pickler_class: type, obj: Any, keep: Callable[[pickle.PickleBuffer], bool]) -> bytes:
     torch = sys.modules.get("torch")  # never imported here: only if the program uses it
     if torch is not None and hasattr(torch, "Tensor"):
         pickler_class = _tensor_pickler(pickler_class, torch.Tensor)
@@ -77,7 +84,7 @@ def _dump(pickler_class: type, obj: Any, keep) -> bytes:
     return out.getvalue()
 
 
-_tensor_picklers: dict = {}
+_tensor_picklers: dict[type, type] = {}   # base pickler -> its tensor pickler
 
 
 def _tensor_pickler(base: type, tensor_type: type) -> type:
@@ -92,7 +99,7 @@ def _tensor_pickler(base: type, tensor_type: type) -> type:
     return cls
 
 
-def _reduce_tensor(tensor: Any) -> tuple:
+def _reduce_tensor(tensor: Any) -> _Reduction:
     """Pickle a large dense CPU tensor as one out-of-band buffer (torch's own
     reduction copies the storage into the pickle stream through torch.save)."""
     import torch
@@ -101,14 +108,15 @@ def _reduce_tensor(tensor: Any) -> tuple:
             or tensor.is_quantized or any(getattr(tensor, "names", ()))
             or (tensor.requires_grad and not tensor.is_leaf)
             or tensor.nbytes < OOB_THRESHOLD):
-        return tensor.__reduce_ex__(5)
+        own: _Reduction = tensor.__reduce_ex__(5)
+        return own
     data = tensor.detach().resolve_conj().resolve_neg().contiguous()
     raw = data.reshape(-1).view(torch.uint8).numpy()
     return (_rebuild_tensor, (pickle.PickleBuffer(raw), data.dtype, tuple(data.shape),
                               tensor.requires_grad))
 
 
-def _rebuild_tensor(buf: Any, dtype: Any, shape: tuple, requires_grad: bool) -> Any:
+def _rebuild_tensor(buf: Any, dtype: Any, shape: tuple[int, ...], requires_grad: bool) -> Any:
     import torch
 
     flat = torch.frombuffer(buf, dtype=torch.uint8)
@@ -153,7 +161,7 @@ def stdlib_advice(kind: str, replacement: str) -> str:
             f"works from any process of the run.")
 
 
-def _refuse(obj: Any) -> tuple:
+def _refuse(obj: Any) -> _Reduction:
     cls = type(obj)
     replacement = _STDLIB_SHARED[(cls.__module__, cls.__qualname__)]
     raise SerializationError(stdlib_advice(f"{cls.__module__}.{cls.__qualname__}",
@@ -170,7 +178,7 @@ def held_authkey() -> bytes:
     return _AuthenticationString(mp_process.current_process().authkey)
 
 
-def _reduce_authkey(key: bytes) -> tuple:
+def _reduce_authkey(key: bytes) -> _Reduction:
     # The process's own key (a Process's authkey, a Manager's default one) is never
     # written: the worker fills it in. A key of the user's choosing (a Manager given
     # its own authkey) travels, as multiprocessing's spawn sends it: the worker has no
@@ -180,11 +188,11 @@ def _reduce_authkey(key: bytes) -> tuple:
     return (_AuthenticationString, (bytes(key),))
 
 
-def _stdlib_table() -> dict:
+def _stdlib_table() -> dict[type, Callable[[Any], _Reduction]]:
     """``type -> reducer`` for a process start: ``_refuse`` for the stdlib classes
     above whose module is loaded (a program that never imported one cannot hold its
     objects), and authkeys written without the run's secret."""
-    table: dict[type, Callable[[Any], tuple]] = {_AuthenticationString: _reduce_authkey}
+    table: dict[type, Callable[[Any], _Reduction]] = {_AuthenticationString: _reduce_authkey}
     for (module, name) in _STDLIB_SHARED:
         cls = getattr(sys.modules.get(module), name, None)
         if isinstance(cls, type):
@@ -204,8 +212,10 @@ class _SpawnPickler(pickle.Pickler):
     while a start is in progress (they take it for a spawn), then fail in the worker,
     so they are refused here with the fibrl object to use instead."""
 
+    # (a property, not the attribute pickle.Pickler declares: the table is made when a
+    # pickler is, from the stdlib modules loaded then)
     @property
-    def dispatch_table(self):
+    def dispatch_table(self) -> ChainMap[type, Callable[[Any], Any]]:  # type: ignore[override]
         return ChainMap(_stdlib_table(), copyreg.dispatch_table)
 
 
@@ -236,10 +246,11 @@ def _unpicklable(obj: Any, exc: Exception) -> SerializationError:
     message = (f"cannot pickle {text} ({type(exc).__name__}: {exc}). Objects sent to "
                f"another process (targets, arguments, queue items, results) must be "
                f"picklable.{_advice(exc)}")
-    return _error_class(type(exc))(message)
+    error: SerializationError = _error_class(type(exc))(message)
+    return error
 
 
-_error_classes: dict = {}
+_error_classes: dict[type, type] = {}   # kind -> its SerializationError
 
 
 def _error_class(kind: type) -> type:
@@ -294,7 +305,7 @@ class Encoded:
             self.borrowed = False
         return self
 
-    def parts(self) -> list:
+    def parts(self) -> list[FramePart]:
         """The frame (see :func:`dumps`) as parts that concatenate to it."""
         head = [_HEAD.pack(MAGIC, len(self.buffers)), _LEN.pack(len(self.data))]
         head += [_LEN.pack(memoryview(b).nbytes) for b in self.buffers]
@@ -313,7 +324,7 @@ class Encoded:
         # those whose original was read-only, so arrays come back as writable as they left.
         return _unpickle(self.data, list(self.buffers))
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[type[Encoded], tuple[Any, tuple[pickle.PickleBuffer, ...]]]:
         data = self.data
         if len(data) >= OOB_THRESHOLD:
             data = pickle.PickleBuffer(data)
@@ -356,7 +367,8 @@ class _LargeBytes:
     def __init__(self, data: bytes) -> None:
         self.data = data
 
-    def __reduce_ex__(self, protocol: SupportsIndex):
+    def __reduce_ex__(self, protocol: SupportsIndex) -> tuple[type[bytes],
+                                                               tuple[pickle.PickleBuffer]]:
         return (bytes, (pickle.PickleBuffer(self.data),))
 
 
@@ -365,7 +377,8 @@ def as_bytes(payload: Any) -> Any:
     return bytes(payload) if type(payload) is Encoded else payload
 
 
-def dumps_parts(obj: Any, *, by_value: bool = False, spawning: bool = False) -> list:
+def dumps_parts(obj: Any, *, by_value: bool = False,
+                spawning: bool = False) -> list[FramePart]:
     """Serialize ``obj`` into a list of byte-like parts that concatenate to one frame.
 
     ``spawning``: ``obj`` is a process object being started; multiprocessing objects

@@ -61,7 +61,8 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 import pynng
 from pynng import _nng
@@ -69,6 +70,9 @@ from pynng.exceptions import check_err
 
 from ..errors import AuthenticationError, ChannelClosed, TransportError
 from .gate import Gate, Port, sp_header
+
+if TYPE_CHECKING:
+    from .serialization import FramePart
 
 __all__ = ["Settings", "Listener", "Peer", "Channel", "HELLO", "run_certificate", "tcp_address"]
 
@@ -107,8 +111,11 @@ PIECE = 4 << 20
 _LARGE = struct.Struct("<8sQ")
 _LARGE_TAG = b"FB\x00LARGE"[:8]
 
+#: A received frame: ``bytes``, or a writable ``memoryview`` of a large one (no copy).
+Frame = Union[bytes, memoryview]
 
-def _send_frame(sock: pynng.Socket, frame) -> None:
+
+def _send_frame(sock: pynng.Socket, frame: FramePart | list[FramePart]) -> None:
     """Send ``frame``: bytes, or a list of byte-like parts sent as one frame.
 
     Parts are copied once, straight into nng's messages; they are never joined into
@@ -117,7 +124,8 @@ def _send_frame(sock: pynng.Socket, frame) -> None:
     not interleave.
     """
     if type(frame) is not list:
-        frame = [frame]
+        # (one part: mypy narrows on ``type(x) is list`` only where it holds)
+        frame = [frame]  # type: ignore[list-item]
     if len(frame) == 1 and type(frame[0]) is bytes and len(frame[0]) <= PIECE:
         check_err(_lib.nng_send(sock.socket, frame[0], len(frame[0]), 0))
         return
@@ -130,7 +138,7 @@ def _send_frame(sock: pynng.Socket, frame) -> None:
         _send_msg(sock, parts, total)
         return
     sock.send(_LARGE.pack(_LARGE_TAG, total))
-    piece: list = []
+    piece: list[memoryview] = []
     size = 0
     for part in parts:
         view = part if type(part) is memoryview else memoryview(part)
@@ -146,7 +154,7 @@ def _send_frame(sock: pynng.Socket, frame) -> None:
         _send_msg(sock, piece, size)
 
 
-def _send_msg(sock: pynng.Socket, parts: list, total: int) -> None:
+def _send_msg(sock: pynng.Socket, parts: Sequence[bytes | memoryview], total: int) -> None:
     holder = _ffi.new("nng_msg **")
     check_err(_lib.nng_msg_alloc(holder, total))
     msg = holder[0]
@@ -162,25 +170,25 @@ def _send_msg(sock: pynng.Socket, parts: list, total: int) -> None:
         check_err(err)
 
 
-def _recv_msg(sock: pynng.Socket):
+def _recv_msg(sock: pynng.Socket) -> tuple[Any, int]:   # (nng's message, its length)
     holder = _ffi.new("nng_msg **")
     check_err(_lib.nng_recvmsg(sock.socket, holder, 0))
     msg = holder[0]
     return msg, _lib.nng_msg_len(msg)
 
 
-def _recv_frame(sock: pynng.Socket):
+def _recv_frame(sock: pynng.Socket) -> Frame:
     """Receive one frame: ``bytes`` when small, else a writable memoryview (of nng's
     message itself, or of the one buffer a frame sent in pieces was gathered in)."""
     msg, size = _recv_msg(sock)
     return _frame_of(sock, msg, size)
 
 
-def _frame_of(sock: pynng.Socket, msg, size: int):
+def _frame_of(sock: pynng.Socket, msg: Any, size: int) -> Frame:
     """The frame that starts with the received message ``msg`` (``_recv_frame``)."""
     body = _ffi.cast("char *", _lib.nng_msg_body(msg))
     if size < ZERO_COPY_MIN:
-        data = _ffi.unpack(body, size)
+        data: bytes = _ffi.unpack(body, size)
         _lib.nng_msg_free(msg)
         if size == _LARGE.size and data.startswith(_LARGE_TAG):
             return _gather(sock, _LARGE.unpack(data)[1])
@@ -196,7 +204,7 @@ _POLL_MS = 5000
 _AIO_TIMEOUT = {_lib.NNG_ETIMEDOUT, _lib.NNG_ECANCELED}
 
 
-def _recv_frame_nowait(sock: pynng.Socket):
+def _recv_frame_nowait(sock: pynng.Socket) -> Optional[Frame]:
     """The next frame if one is already here, else None."""
     holder = _ffi.new("nng_msg **")
     err = _lib.nng_recvmsg(sock.socket, holder, _NONBLOCK)
@@ -220,7 +228,7 @@ class _Aio:
         self.aio = holder[0]
 
     def recv(self, sock: pynng.Socket, timeout: Optional[float],
-             ready: Optional[Callable[[], bool]] = None):
+             ready: Optional[Callable[[], bool]] = None) -> Optional[Frame]:
         """The next frame, or None when none came within ``timeout`` seconds, or when
         :meth:`cancel` was called (or ``ready()`` was true once the receive was posted:
         a ``cancel`` just before it would have been missed)."""
@@ -241,7 +249,8 @@ class _Aio:
         """End the receive this aio waits for now, if any (from any thread)."""
         _lib.nng_aio_cancel(self.aio)
 
-    def __del__(self, _free=_lib.nng_aio_free, _finalizing=sys.is_finalizing) -> None:
+    def __del__(self, _free: Callable[[Any], None] = _lib.nng_aio_free,
+                _finalizing: Callable[[], bool] = sys.is_finalizing) -> None:
         if not _finalizing():   # at exit a daemon thread may still be waiting on it
             _free(self.aio)
 
@@ -366,7 +375,7 @@ WORKER_NNG_THREADS = {"task": 2, "expire": 1, "poller": 1, "resolver": 1}
 _nng_started = False
 
 
-def _threads_from_env() -> Optional[dict]:
+def _threads_from_env() -> Optional[dict[str, int]]:
     text = os.environ.get("FIBRL_NNG_THREADS", "").strip()
     if not text:
         return None
@@ -380,7 +389,7 @@ def _threads_from_env() -> Optional[dict]:
     return dict(zip((name for name, _, _ in _NNG_PARAMS), counts))
 
 
-def set_nng_threads(counts: Optional[dict] = None) -> bool:
+def set_nng_threads(counts: Optional[dict[str, int]] = None) -> bool:
     """Size nng's thread pools for this process; False once nng has started (too late).
 
     ``counts`` maps task/expire/poller/resolver to a thread count; FIBRL_NNG_THREADS wins.
@@ -403,7 +412,8 @@ def set_nng_threads(counts: Optional[dict] = None) -> bool:
     return True
 
 
-def _make(kind: type, secret: bytes, tls: bool, server: bool, **options) -> pynng.Socket:
+def _make(kind: type, secret: bytes, tls: bool, server: bool,
+          **options: Any) -> pynng.Socket:
     global _nng_started
     if not _nng_started:
         set_nng_threads()   # FIBRL_NNG_THREADS, if set, before nng starts
@@ -472,7 +482,7 @@ class _Door:
     def __init__(self, sock: pynng.Socket) -> None:
         self._sock = sock
         self._lock = threading.Lock()
-        self._idle: list = []
+        self._idle: list[pynng.Listener] = []
         self._busy: dict[int, tuple[Any, str, float]] = {}   # listener id -> (l, addr, since)
         self._made = 0
         # registered before the owner's callbacks, so they can already name the peer
@@ -551,7 +561,7 @@ class _OnePipe:
 
 
 # The aio of each thread that reads a socket's frames itself (read_here), by thread id.
-_waiting: dict = {}
+_waiting: dict[int, _Aio] = {}
 
 
 def wake_reader(ident: int) -> None:
@@ -594,7 +604,7 @@ class _Reading:
         return not self.closed and not any(event & _GONE for _, event in events)
 
     def read_here(self, ready: Callable[[], bool], timeout: Optional[float],
-                  on_frame: Callable[[bytes], None]) -> bool:
+                  on_frame: Callable[[Frame], None]) -> bool:
         """Read frames in the calling thread, handing each to ``on_frame`` as the reader
         thread would, until ``ready()`` (whichever thread makes it true elsewhere calls
         :func:`wake_reader`) or ``timeout`` seconds. Returns False at once when another
@@ -623,7 +633,7 @@ class _Reading:
             self.lead.release()
         return True
 
-    def send(self, frame) -> None:
+    def send(self, frame: FramePart | list[FramePart]) -> None:
         """Send one frame: a bytes-like object, or a list of them sent as one frame
         (each copied once, never joined first). Raises :class:`ChannelClosed` when the
         other end is gone."""
@@ -662,7 +672,7 @@ class Peer(_Reading):
         self._send_lock = threading.Lock()
         self.id = peer_id
         self.closed = False
-        self.context: dict = {}  # per-connection state kept by the frame handler
+        self.context: dict[Any, Any] = {}  # per-connection state kept by the frame handler
         self.thread: Optional[threading.Thread] = None   # the reader now
         self.port: Optional[Port] = None   # its data port at the gate, until connected
         self._reader = 0                   # generation of the reader thread now
@@ -706,7 +716,7 @@ class Peer(_Reading):
         return f"<Peer {self.id}>"
 
 
-FrameHandler = Callable[[Peer, bytes], None]
+FrameHandler = Callable[[Peer, Frame], None]
 LossHandler = Callable[[Peer], None]
 
 
@@ -1118,7 +1128,7 @@ class Channel(_Reading):
         return (f"connection to {self.address} is closed ({exc}); the process at the "
                 f"other end exited or was killed.")
 
-    def recv(self, timeout: Optional[float] = None):
+    def recv(self, timeout: Optional[float] = None) -> Frame:
         """Receive one frame, waiting at most ``timeout`` seconds (None: forever): ``bytes``,
         or for a large one a writable ``memoryview`` of the message (no copy)."""
         if timeout != self._timeout:
@@ -1144,7 +1154,7 @@ class Channel(_Reading):
                                  f"if this process ran out of file descriptors, raise "
                                  f"ulimit -n") from exc
 
-    def recv_nowait(self):
+    def recv_nowait(self) -> Optional[Frame]:
         """The next frame if one is here already, else None; :class:`ChannelClosed` once
         the connection is gone."""
         try:
@@ -1152,7 +1162,7 @@ class Channel(_Reading):
         except pynng.NNGException as exc:
             raise ChannelClosed(f"connection to {self.address} is closed ({exc})") from exc
 
-    def recv_here(self, timeout: Optional[float]):
+    def recv_here(self, timeout: Optional[float]) -> Optional[Frame]:
         """The next frame, received in this thread, or None after ``timeout`` seconds."""
         try:
             return _thread_aio().recv(self._sock, timeout)
@@ -1163,7 +1173,7 @@ class Channel(_Reading):
         return f"<Channel to {self.address}>"
 
 
-_soon: set = set()   # the threads _call_soon started that still run
+_soon: set[threading.Thread] = set()   # the threads _call_soon started that still run
 _soon_lock = threading.Lock()
 
 

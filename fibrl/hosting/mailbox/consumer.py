@@ -15,7 +15,7 @@ import time
 from collections import deque
 from typing import Any, Optional
 
-from ..hub import get_hub
+from ..hub import Hub, get_hub
 from .protocol import ASKING, IDLE, WAITING, WINDOW_ITEMS, Run
 
 __all__ = ["Window", "take"]
@@ -24,7 +24,7 @@ __all__ = ["Window", "take"]
 ACK_DELAY = 0.002
 
 
-def take(hub: Any, address: Optional[str], oid: str, timeout: Optional[float]) -> Any:
+def take(hub: Hub, address: Optional[str], oid: str, timeout: Optional[float]) -> Any:
     """``get`` from the mailbox ``oid`` at ``address`` and acknowledge what arrived.
 
     The acknowledgement is a one-way message sent before this returns, so the
@@ -52,18 +52,18 @@ class Window:
     window more, which is recalled as soon as another consumer waits for it.
     """
 
-    _registry: dict = {}
+    _registry: dict[tuple[str, str], Window] = {}   # (address, oid) -> its window
     _registry_lock = threading.Lock()
     _hooked = False   # close_all runs at this process's exit
     epoch = 0         # one more in each forked child: windows found before are not its own
     #: windows whose owner was not yet told all that get() returned
-    unreported: set = set()
+    unreported: set[Window] = set()
 
     def __init__(self, address: str, oid: str) -> None:
         self.address, self.oid = address, oid
         self.lock = threading.RLock()
         self.cond = threading.Condition(self.lock)   # (get() takes the lock itself: faster)
-        self.items: deque = deque()
+        self.items: deque[Any] = deque()   # pushed items that get() has not returned
         self.stream: Optional[object] = None   # the open stream's token; None: closed
         self.rid = 0
         self.client: Any = None  # the connection the stream is on (never a new one)
@@ -72,7 +72,7 @@ class Window:
         self.reported = 0      # the count the owner was last told
         self.waiters = 0       # threads of this process waiting in get()
         self.error: Optional[BaseException] = None
-        self.timer: Optional[list] = None   # the timers' entry that acknowledges
+        self.timer: Optional[list[Any]] = None   # the timers' entry that acknowledges
         # "resume" markers still due: the owner pushed before it saw this process
         # give its items back, so what arrives until then went back too and is dropped
         self.stale = 0
@@ -123,7 +123,7 @@ class Window:
             win.close()
 
     # -- talking to the owner (cond held) ---------------------------------------------
-    def _open(self, hub: Any) -> None:
+    def _open(self, hub: Hub) -> None:
         token = object()
         self.stream, self.returned, self.reported, self.error = token, 0, 0, None
         self.items.clear()
@@ -146,7 +146,7 @@ class Window:
         except Exception as exc:
             self._lost(exc)
 
-    def _want(self, hub: Any, waiting: int) -> None:
+    def _want(self, hub: Hub, waiting: int) -> None:
         self.reported = self.returned
         Window.unreported.discard(self)
         if self.stream is None:

@@ -14,7 +14,8 @@ import queue
 import threading
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Any, Optional
+from collections.abc import Hashable, MutableSequence
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from ...errors import ChannelClosed
 from ..hub import ReplySink, SharedService
@@ -56,7 +57,7 @@ class _Parked:
     def __init__(self, reply: ReplySink, payload: Any = None, token: Any = None) -> None:
         self.reply = reply
         self.payload = payload
-        self.timer: Optional[list] = None   # the timers' entry of its deadline
+        self.timer: Optional[list[Any]] = None   # the timers' entry of its deadline
         self.token = token
 
 
@@ -71,7 +72,7 @@ class _Win:
         self.sink = sink
         self.peer = peer         # sink's: a window's consumer is another process
         self.size = size
-        self.held: deque = deque()   # (push number, item), oldest first
+        self.held: deque[tuple[int, Any]] = deque()   # (push number, item), oldest first
         self.nbytes = 0
         self.base = 0            # how many items of this stream were acknowledged
         self.waiting = True      # its consumer is inside get() with nothing to return
@@ -87,7 +88,7 @@ class _Win:
     def recall_due(self) -> float:
         return self.heard + min(RECALL_IDLE, max(RECALL_MIN, RECALL_GAPS * self.gap))
 
-    def take_held(self) -> list:
+    def take_held(self) -> list[tuple[int, Any]]:
         """Forget everything held (it goes back to the queue); (push number, item) pairs."""
         held, self.held = list(self.held), deque()
         self.nbytes = 0
@@ -125,7 +126,7 @@ class Mailbox(SharedService):
 
     def __init__(self, maxsize: int = 0, joinable: bool = False, pipe_end: bool = False) -> None:
         self.maxsize = maxsize if maxsize > 0 else 0
-        self._items: deque = deque()
+        self._items: deque[Any] = deque()   # serialized items, as they came
         self._getters: deque[_Parked] = deque()
         self._putters: deque[_Parked] = deque()
         self._pollers: list[_Parked] = []
@@ -134,8 +135,8 @@ class Mailbox(SharedService):
         self._lock = threading.RLock()
         # the process that put last (None: this one): a getter in this process reads
         # that process's frames itself while it waits (see take)
-        self.feeder: Any = None
-        self._writers: Optional[dict] = {} if pipe_end else None  # peer key -> count
+        self.feeder: Optional[Peer] = None
+        self._writers: Optional[dict[Hashable, int]] = {} if pipe_end else None  # owner -> count
         self._eof = False
         self._unacked: dict[int, dict[int, Any]] = {}  # peer id -> {rid: item}, in order
         self._windows: dict[int, _Win] = {}  # peer id -> its consumer window
@@ -144,11 +145,12 @@ class Mailbox(SharedService):
         # push numbers of the items at the front of _items that went back from a
         # window (the first len(_redo) items): a give-back is merged in by them, so
         # the queue keeps its order whichever window gives back first
-        self._redo: deque = deque()
+        self._redo: deque[int] = deque()
         self._turn = 0                       # where the next push starts looking
-        self._recall_timer: Optional[list] = None   # the timers' entry of the next check
+        self._recall_timer: Optional[list[Any]] = None   # the timers' entry of the next check
         self._recall_at = 0.0
-        self._outgoing: dict = {}            # window -> what to push to it, in order
+        # window -> what to push to it, in order: items, "recall"/"resume", answers (a sink)
+        self._outgoing: dict[_Win, list[Any]] = {}
         self._send_lock = threading.Lock()   # one thread sends what is outgoing
         self._last_push = 0.0
         self._sender: Optional[threading.Thread] = None
@@ -156,14 +158,16 @@ class Mailbox(SharedService):
         self._retired = False
 
     # -- helpers ---------------------------------------------------------------
-    def _park(self, where, parked: _Parked, timeout: Optional[float], on_timeout) -> None:
+    def _park(self, where: MutableSequence[_Parked], parked: _Parked, timeout: Optional[float],
+              on_timeout: Callable[[ReplySink], object]) -> None:
         where.append(parked)
         if timeout is not None:
             parked.timer = self.hub.timers.call_at(
                 time.monotonic() + max(timeout, 0.0), lambda: self._expire(where, parked,
                                                                             on_timeout))
 
-    def _expire(self, where, parked: _Parked, on_timeout) -> None:
+    def _expire(self, where: MutableSequence[_Parked], parked: _Parked,
+                on_timeout: Callable[[ReplySink], object]) -> None:
         with self._lock:
             try:
                 where.remove(parked)
@@ -206,7 +210,7 @@ class Mailbox(SharedService):
             self._wake_pollers(True)
 
     # -- windows ---------------------------------------------------------------------
-    def _fair_cap(self, wins: list) -> int:
+    def _fair_cap(self, wins: list[_Win]) -> int:
         """Most items any of ``wins`` may hold: no window grows past twice the smallest
         open one (a consumer that drains slowly keeps the others' lead over it small),
         nor past ``SHARED_ITEMS`` when several consumers share the queue."""
@@ -215,7 +219,7 @@ class Mailbox(SharedService):
             return WINDOW_ITEMS
         return min(SHARED_ITEMS, max(FAIR_MIN, 2 * min(sizes)))
 
-    def _pick(self, wins: list, cap: int, number: Optional[int] = None) -> Optional[_Win]:
+    def _pick(self, wins: list[_Win], cap: int, number: Optional[int] = None) -> Optional[_Win]:
         """The window of ``wins`` the next item (push number ``number``; None: never
         pushed) goes to: a waiting consumer's, in turn, else the one with room that
         holds fewest, among those it may go behind (lock held)."""
@@ -239,7 +243,7 @@ class Mailbox(SharedService):
         if len(self._windows) == 1 and not self._redo:
             self._fill_one()
             return
-        pushed: dict = {}
+        pushed: dict[_Win, list[Any]] = {}
         wins = list(self._windows.values())   # (neither they nor their sizes change here)
         cap = self._fair_cap(wins)
         while self._items:
@@ -378,7 +382,7 @@ class Mailbox(SharedService):
             time.sleep(0)  # let a producer that is putting add more to this frame
             self._send_outgoing()
 
-    def dispatch(self, method: str, args: tuple, reply: ReplySink) -> None:
+    def dispatch(self, method: str, args: tuple[Any, ...], reply: ReplySink) -> None:
         super().dispatch(method, args, reply)
         if self._outgoing:
             self._kick()
@@ -450,7 +454,7 @@ class Mailbox(SharedService):
             if self._putters:
                 self._admit_putters()
 
-    def _requeue(self, held: list) -> None:
+    def _requeue(self, held: list[tuple[int, Any]]) -> None:
         """Put items handed out and never acknowledged back, in order (lock held).
 
         ``held``: (push number, item) pairs, oldest first; -1 for an item that
@@ -482,7 +486,7 @@ class Mailbox(SharedService):
         if self._items:
             self._wake_pollers(True)
 
-    def _popleft(self) -> tuple:
+    def _popleft(self) -> tuple[Any, Optional[int]]:
         """The first item stored, and its push number (None: never pushed) (lock held)."""
         return self._items.popleft(), (self._redo.popleft() if self._redo else None)
 
@@ -653,7 +657,7 @@ class Mailbox(SharedService):
             self._check_eof()
         reply(None)
 
-    def _take(self, owner: Any) -> None:
+    def _take(self, owner: Hashable) -> None:
         writers = self._writers
         assert writers is not None   # (a pipe end's operation)
         count = writers.get(owner, 0)
@@ -673,7 +677,7 @@ class Mailbox(SharedService):
         self._wake_pollers(True)
 
     # -- lifecycle -------------------------------------------------------------------
-    def drop_peer(self, peer) -> None:
+    def drop_peer(self, peer: Peer) -> None:
         with self._lock:
             held = self._unacked.pop(peer.id, None)
             win = self._windows.get(peer.id)
@@ -686,7 +690,8 @@ class Mailbox(SharedService):
             self._joiners = [j for j in self._joiners if j.peer is not peer]
             if held:
                 self._requeue([(-1, payload) for payload in held.values()])
-            if self._writers is not None and self._writers.pop(("peer", peer.id), None):
+            # (mypy takes pop's default for a bool here, from the ``and``: a false alarm)
+            if self._writers is not None and self._writers.pop(("peer", peer.id), None):  # type: ignore[arg-type]
                 self._check_eof()
         if self._outgoing:
             self._send_outgoing()
@@ -718,15 +723,15 @@ class Mailbox(SharedService):
             sink.fail(err)
 
 
-def _push(win: _Win, values: list) -> None:
+def _push(win: _Win, values: list[Any]) -> None:
     """Send ``values`` down ``win``'s stream as one frame (by the one sending thread, so
     pushes and recalls to one consumer never overtake each other). A consumer whose
     connection dropped gets nothing: ``drop_peer`` puts back what it held."""
     peer, rid = win.peer, win.sink.rid
     if peer.closed:
         return
-    replies: list = []
-    run: list = []   # items in a row travel as one reply: the consumer takes them at once
+    replies: list[Reply] = []
+    run: list[Any] = []   # items in a row travel as one reply: the consumer takes them at once
     for value in values:
         if type(value) is str or isinstance(value, ReplySink):   # a marker, an answer
             if run:
@@ -748,7 +753,7 @@ def _clamp(size: Any) -> int:
     return max(1, min(int(size), WINDOW_ITEMS))
 
 
-def _owner(reply: ReplySink, key: Any) -> Any:
+def _owner(reply: ReplySink, key: Optional[Hashable]) -> Hashable:
     if key is not None and key != "peer":
         return key
     return ("peer", reply.peer.id) if reply.peer is not None else "local"

@@ -6,11 +6,15 @@ from __future__ import annotations
 
 import queue
 from collections import deque
-from typing import Any, Optional
+from collections.abc import Hashable
+from typing import TYPE_CHECKING, Any, Optional
 
 from ..hub import Handle, LocalReply, ReplySink
 from .consumer import take
 from .owner import Mailbox, _owner, _Parked
+
+if TYPE_CHECKING:
+    from ...wire.transport import Peer
 
 __all__ = ["PipeBox"]
 
@@ -41,8 +45,8 @@ class PipeBox(Mailbox):
     def __init__(self) -> None:
         super().__init__(pipe_end=True)
         self._sub: Optional[ReplySink] = None     # the subscribed reader's stream
-        self._revoking: set = set()               # peer ids whose giveback is due
-        self._readers: dict = {}
+        self._revoking: set[int] = set()          # peer ids whose giveback is due
+        self._readers: dict[Hashable, int] = {}   # owner -> open reader handles
         self._broken = False
         self._watchers: list[ReplySink] = []
 
@@ -102,7 +106,7 @@ class PipeBox(Mailbox):
             self._flush()
             reply("ready")
 
-    def op_giveback(self, reply: ReplySink, items: list) -> None:
+    def op_giveback(self, reply: ReplySink, items: list[Any]) -> None:
         """A revoked or closing subscriber returns the messages it did not read."""
         with self._lock:
             if reply.peer is not None:
@@ -215,7 +219,7 @@ class PipeBox(Mailbox):
         for watcher in watchers:
             watcher(True)
 
-    def drop_peer(self, peer) -> None:
+    def drop_peer(self, peer: Peer) -> None:
         with self._lock:
             self._revoking.discard(peer.id)  # what it held died with it
             if self._sub is not None and self._sub.peer is peer:
@@ -239,7 +243,7 @@ class PipeBox(Mailbox):
         super().closed()
 
 
-def _take_one(counts: dict, owner: Any) -> None:
+def _take_one(counts: dict[Hashable, int], owner: Hashable) -> None:
     count = counts.get(owner, 0)
     if count <= 1:
         counts.pop(owner, None)

@@ -39,7 +39,7 @@ class Run:
         self.sizes = sizes
 
     @staticmethod
-    def of(items: list) -> Any:
+    def of(items: list[Any]) -> Any:
         """The value to push for ``items``: a run when every one is a small pickle
         (no out-of-band buffer, under ``OOB_THRESHOLD``), else the items (a lone one
         by itself: a large one travels out of band, uncopied)."""
@@ -51,21 +51,22 @@ class Run:
         items = [blob(i) for i in items]
         return items if len(items) > 1 else items[0]
 
-    def items(self) -> list:
+    def items(self) -> list[Encoded]:
         """The items again, each an :class:`Encoded` viewing this run's ``data``."""
+        out: list[Encoded]
         data, out, at = memoryview(self.data), [], 0
         for size in memoryview(self.sizes).cast("Q"):
             out.append(Encoded(data[at:at + size]))
             at += size
         return out
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[type[Run], tuple[bytes | pickle.PickleBuffer, bytes]]:
         data = self.data   # a long run goes out of band, as a large item would
         return (Run, (pickle.PickleBuffer(data) if len(data) >= OOB_THRESHOLD else data,
                        self.sizes))
 
 
-def merge_puts(oid: str, calls: list) -> Optional[Call]:
+def merge_puts(oid: str, calls: list[Call]) -> Optional[Call]:
     """One ``put_run`` call for one-way puts of small items that follow each other on a
     connection (their Call and wrapper cost more than a 100 B item); None: as they are.
     A process that puts into a queue or pipe owned elsewhere declares it to its hub
