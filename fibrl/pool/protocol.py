@@ -214,4 +214,9 @@ def describe(value: Any, limit: int = 120) -> str:
         text = repr(value)
     except Exception as exc:  # a broken __repr__ must not hide the real error
         text = f"<unprintable {type(value).__name__}: {exc}>"
+    return shorten(text, limit)
+
+
+def shorten(text: str, limit: int = 120) -> str:
+    """``text``, cut to ``limit`` characters with an ellipsis if it is longer."""
     return text if len(text) <= limit else text[:limit - 3] + "..."

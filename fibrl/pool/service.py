@@ -61,7 +61,7 @@ from ..backends.base import Backend
 from ..wire.gate import descriptor_shortage
 from ..hosting.hub import ReplySink, Service
 from .protocol import (CLOSE, LOADING, RUN, STOP, TERMINATE, Batch, Kind, Report, TaskSpec,
-                       describe, unpack)
+                       describe, shorten, unpack)
 from .results import Failure
 from ..supervisor import Policy
 from .salvage import salvage
@@ -771,7 +771,7 @@ class PoolService(Service, Policy):
             args, kwds = items
             parts = [describe(a, 60) for a in args] + [f"{k}={describe(v, 60)}"
                                                        for k, v in kwds.items()]
-            return describe(", ".join(parts)) if parts else ""
+            return shorten(", ".join(parts))   # each part is a repr already
         return describe(items[task.lo])
 
     def _failed_start(self, evidence: str, exc: Optional[BaseException], load_error: str,

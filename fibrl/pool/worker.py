@@ -69,6 +69,13 @@ class _Broken:
         raise self.exc
 
 
+def _not_loaded(what: str, exc: Exception) -> SerializationError:
+    """The error every item of a task gets when its ``what`` cannot be unpickled here."""
+    error = SerializationError(f"the task's {what} could not be unpickled in the worker: {exc}")
+    error.__cause__ = exc
+    return error
+
+
 class _Loop:
     def __init__(self, hub: Any, args: WorkerArgs) -> None:
         self._hub = hub
@@ -161,7 +168,7 @@ class _Loop:
             try:
                 func = self._unpack_func(fid, func)
             except Exception as exc:  # each call of the task raises why
-                func = _Broken(exc)
+                func = _Broken(_not_loaded("callable", exc))
             self._funcs[fid] = func
         return func
 
@@ -184,7 +191,7 @@ class _Loop:
             return func, unpack(task.payload)
         except Exception as exc:  # every item fails with the reason
             items: Any = ((), {}) if task.kind == Kind.APPLY else [()] * task.n
-            return _Broken(exc), items
+            return _Broken(_not_loaded("arguments", exc)), items
 
     # -- running tasks ------------------------------------------------------------------
     def _execute(self, task: TaskSpec) -> None:
