@@ -67,7 +67,8 @@ def listen(on_message: Callable[[Peer, Any], None],
     return get_hub().open_listener(on_message, on_lost)
 
 
-def connect(address: str, timeout: Optional[float] = None) -> Channel:
+def connect(address: str, timeout: Optional[float] = None, *,
+            authkey: Optional[bytes] = None) -> Channel:
     """Connect to a listener of this run (see :func:`listen`) and authenticate.
 
     Args:
@@ -75,17 +76,31 @@ def connect(address: str, timeout: Optional[float] = None) -> Channel:
             TLS on).
         timeout: seconds to connect and authenticate (default: the config's
             ``start_timeout``).
+        authkey: the secret to prove, for a process that fibrl did not start (a
+            script of its own, a service) connecting to a listener of a fibrl run:
+            that run's ``fibrl.current_process().authkey``, handed over out of band.
+            Default: this process's authkey (the run's secret in any fibrl process).
+            The ``tls`` setting still comes from this process's config; with TLS on,
+            the certificate is derived from this key too.
 
     Returns:
         A :class:`Channel`: ``send(frame)``, ``recv(timeout=None)``, ``on_lost(fn)``,
         ``close()``.
 
     Raises:
-        AuthenticationError: the listener does not know this run's secret.
+        AuthenticationError: the listener does not know this run's secret (or
+            ``authkey``).
         TransportError: nothing listens at ``address``, it did not answer in time, or
             it is a plaintext address while ``tls`` is on.
+        TypeError: ``authkey`` is not bytes.
     """
-    return get_hub().open_channel(address, timeout)
+    hub = get_hub()
+    if authkey is None:
+        return hub.open_channel(address, timeout)
+    if not isinstance(authkey, (bytes, bytearray)) or not authkey:
+        raise TypeError(f"authkey must be non-empty bytes (the run's "
+                        f"fibrl.current_process().authkey), got {type(authkey).__name__}")
+    return hub.settings.connect(address, bytes(authkey), timeout)
 
 
 def dumps(obj: Any) -> bytes:

@@ -5,6 +5,8 @@
   crash.
 - :class:`ReplayStore` (``fibrl.rl.replay``): one replay buffer served by a
   fibrl process, shared by any number of writers and learners.
+- :class:`PolicyStore`, :class:`PolicyFollower` (``fibrl.rl.policy``): versioned
+  policy parameters, published by a learner, followed by rollout workers.
 
 ``import fibrl`` does not import this package, and importing this package
 imports neither gymnasium nor numpy: each name loads its module on first use
@@ -19,6 +21,8 @@ _HOMES = {
     "RemoteEnvManager": "fibrl.rl.envs",
     "RemoteVectorEnv": "fibrl.rl.envs",
     "ReplayStore": "fibrl.rl.replay",
+    "PolicyStore": "fibrl.rl.policy",
+    "PolicyFollower": "fibrl.rl.policy",
 }
 
 __all__ = sorted(_HOMES)
