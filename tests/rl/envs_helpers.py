@@ -1,6 +1,7 @@
 """Environments for the RemoteVectorEnv tests: importable by the workers (by reference)."""
 from __future__ import annotations
 
+import copy
 import os
 import time
 
@@ -154,3 +155,119 @@ class Frames(gymnasium.Wrapper):
 
     def render(self):
         return np.full((2, 2, 3), self.last[0], dtype=np.float32)
+
+
+class SpaceEnv(gymnasium.Env):
+    """Observations sampled from ``obs`` (seeded by reset); its step asserts that the action
+    is in ``act`` (default: ``obs``), as gymnasium's own envs do."""
+
+    def __init__(self, obs, act=None) -> None:
+        # its own copies: envs made in one process must not share a space's generator
+        self.observation_space = copy.deepcopy(obs)
+        self.action_space = copy.deepcopy(obs if act is None else act)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.observation_space.seed(int(self.np_random.integers(2**31)))
+        return self.observation_space.sample(), {}
+
+    def step(self, action):
+        assert self.action_space.contains(action), f"{action!r} not in {self.action_space}"
+        return self.observation_space.sample(), 1.0, False, False, {}
+
+
+class CustomSpace(spaces.Space):
+    """A space gymnasium knows nothing about: integers 0..10."""
+
+    def sample(self, mask=None, probability=None):
+        return int(self.np_random.integers(0, 11))
+
+    def contains(self, x):
+        return isinstance(x, int) and 0 <= x <= 10
+
+    def __eq__(self, other):
+        return isinstance(other, CustomSpace)
+
+
+class CustomSpaceEnv(gymnasium.Env):
+    """Custom observation and action spaces; observations are strings naming the action."""
+
+    observation_space = CustomSpace()
+    action_space = CustomSpace()
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        return "reset", {}
+
+    def step(self, action):
+        return f"step({action})", 0.0, False, False, {}
+
+
+class Tiny(gymnasium.Env):
+    """The cheapest env: a step counter; its observation is ``(steps, level)``, the level
+    given in reset's options (0 without)."""
+
+    observation_space = spaces.Box(0, np.inf, (2,), np.float64)
+    action_space = spaces.Discrete(2)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.t, self.level = 0, (options or {}).get("level", 0)
+        return np.array([self.t, self.level], dtype=np.float64), {}
+
+    def step(self, action):
+        self.t += 1
+        return np.array([self.t, self.level], dtype=np.float64), 1.0, False, False, {}
+
+
+class Flaky(Tiny):
+    """Raises on every ``every``-th step of each instance (a new instance counts afresh)."""
+
+    def __init__(self, every: int = 500) -> None:
+        self.every = every
+
+    def step(self, action):
+        if self.t + 1 == self.every:
+            raise ConnectionResetError(f"simulator dropped the connection at step {self.t + 1}")
+        return super().step(action)
+
+
+class ExitAt(Tiny):
+    """Ends its whole process (``os._exit``, no exception, no reply) on step ``at``."""
+
+    def __init__(self, at: int = 3) -> None:
+        self.at = at
+
+    def step(self, action):
+        if self.t + 1 == self.at:
+            os._exit(3)
+        return super().step(action)
+
+
+class SeedFails(Tiny):
+    """Its reset raises ``ValueError`` for seed 1; its step raises for action 1."""
+
+    def reset(self, *, seed=None, options=None):
+        if seed == 1:
+            raise ValueError("Error in reset with seed 1")
+        return super().reset(seed=seed, options=options)
+
+    def step(self, action):
+        if action == 1:
+            raise ValueError(f"Error in step with {action}")
+        return super().step(action)
+
+
+class Unpicklable(Exception):
+    """An exception that cannot travel by pickle (its argument is a lock)."""
+
+    def __init__(self, lock) -> None:
+        super().__init__("unpicklable failure")
+        self.lock = lock
+
+
+class RaisesUnpicklable(Tiny):
+    def step(self, action):
+        import threading
+
+        raise Unpicklable(threading.Lock())

@@ -6,6 +6,8 @@ Importing this package imports gymnasium and numpy (the ``rl`` extra).
 from __future__ import annotations
 
 from .manager import RemoteEnvManager
+from .spaces import InvalidActionError
 from .vector import AsyncState, EnvCrashError, RemoteVectorEnv
 
-__all__ = ["AsyncState", "EnvCrashError", "RemoteEnvManager", "RemoteVectorEnv"]
+__all__ = ["AsyncState", "EnvCrashError", "InvalidActionError", "RemoteEnvManager",
+           "RemoteVectorEnv"]

@@ -21,7 +21,8 @@ and restarts are pickled. Everything else is a fibrl frame
 
 The row helpers work on batches of any gymnasium space whose batch is a
 numpy array or a dict/tuple of them (Box, Discrete, MultiDiscrete,
-MultiBinary, Dict, Tuple).
+MultiBinary, Dict, Tuple), and on the 1-D object arrays that carry the
+elements of every other space (see :mod:`.spaces`).
 """
 from __future__ import annotations
 
@@ -34,7 +35,8 @@ import numpy as np
 from ...channel import dumps, loads
 
 __all__ = ["Hello", "Step", "Reset", "Call", "Close", "Result", "Called", "Broken", "Died",
-           "rows", "row", "write_rows", "stack", "encode", "encode_result", "decode"]
+           "Failure", "rows", "row", "write_rows", "stack", "encode", "encode_result",
+           "decode"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -90,8 +92,10 @@ class Close:
 class Result:
     """What a Step or Reset produced for ``slots`` of worker ``worker`` (incarnation ``gen``).
 
-    ``restarts`` lists ``(slot, traceback)`` for each env that raised and was
-    recreated during this request; those envs report ``truncated=True``.
+    ``restarts`` lists a :class:`Failure` for each env that raised during this
+    request: recreated (``restarted``; those envs report ``truncated=True``), or
+    left for the caller to see (``on_error="raise"``, or a reset that failed again
+    on a fresh env with the same seed).
     """
 
     worker: int
@@ -111,14 +115,50 @@ class Result:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class Failure:
+    """An exception an env's own code raised in slot ``slot`` (``step``, ``reset`` or a
+    call): its type and message, its formatted traceback, and the exception itself when
+    it pickles (``None`` otherwise). ``restarted``: the worker recreated the env."""
+
+    slot: int
+    traceback: str
+    error_type: str
+    message: str
+    error: Optional[BaseException] = None
+    restarted: bool = True
+
+    @classmethod
+    def capture(cls, slot: int, exc: BaseException, restarted: bool = True) -> "Failure":
+        """The failure of ``exc``, being handled now (its traceback is formatted here)."""
+        import traceback
+
+        text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        error: Optional[BaseException] = exc
+        try:
+            loads(dumps(exc))
+        except Exception:
+            error = None   # rebuilt from its type and message by the vector env
+        if error is not None:
+            error.__traceback__ = None
+            error.__context__ = error.__cause__ = None
+        return cls(slot, text, type(exc).__name__, str(exc), error, restarted)
+
+    @property
+    def summary(self) -> str:
+        """``"Type: message"``, as the traceback's last line says it."""
+        return f"{self.error_type}: {self.message}" if self.message else self.error_type
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class Called:
-    """The per-env results of a Call, in slot order (an exception instead, when one raised)."""
+    """The per-env results of a Call, in slot order (a :class:`Failure` instead, when one
+    raised)."""
 
     worker: int
     gen: int
     seq: int
     values: list
-    error: Optional[BaseException] = None
+    error: Optional[Failure] = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -161,7 +201,7 @@ class StartFailed:
 
 # -- batches ------------------------------------------------------------------------------
 def row(batch: Any, i: int) -> Any:
-    """Element ``i`` of a batch (a numpy array, or a dict/tuple of batches)."""
+    """Element ``i`` of a batch (a numpy array, a list, or a dict/tuple of batches)."""
     if isinstance(batch, dict):
         return {k: row(v, i) for k, v in batch.items()}
     if isinstance(batch, tuple):
@@ -175,6 +215,8 @@ def rows(batch: Any, idx: Any) -> Any:
         return {k: rows(v, idx) for k, v in batch.items()}
     if isinstance(batch, tuple):
         return tuple(rows(v, idx) for v in batch)
+    if isinstance(batch, list):
+        return [batch[i] for i in np.arange(len(batch))[idx]]
     part = np.asarray(batch)[idx]
     return part.copy() if isinstance(idx, slice) else part   # a slice is a view
 

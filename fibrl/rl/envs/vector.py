@@ -33,12 +33,19 @@ listener path, which returns whichever worker finishes first.
 A dead worker (killed, OOM, container or pod gone, or past its step deadline)
 is replaced: its envs are recreated and reset with their restart seeds, the
 requests it held are sent again, and each of its envs reports its next result
-with ``truncated=True`` and ``info["fibrl_restarted"]``. Restarts past
-``max_restarts`` within ``restart_window`` seconds raise :class:`EnvCrashError`.
+with ``truncated=True`` and ``info["fibrl_restarted"]``. The envs whose results
+had not come back are the suspects, charged to the restart budget: more than
+``max_restarts`` restarts of one env within ``restart_window`` of its steps raise
+:class:`EnvCrashError`. With ``on_error="raise"``, what an env's own code raises
+is raised in the caller instead of restarting that env.
+
+Spaces (how a batch travels, whether the envs' spaces agree, whether actions
+are in the action space) are :mod:`.spaces`' decisions.
 """
 from __future__ import annotations
 
 import collections
+import copy
 import functools
 import itertools
 import logging
@@ -50,20 +57,24 @@ from typing import Any, Callable, ClassVar, Iterable, Optional, Sequence, Union,
 
 import numpy as np
 from gymnasium import logger
-from gymnasium.error import AlreadyPendingCallError, ClosedEnvironmentError, NoAsyncCallError
+from gymnasium.error import (AlreadyPendingCallError, ClosedEnvironmentError, NoAsyncCallError,
+                             ResetNeeded)
 from gymnasium.vector import AutoresetMode, VectorEnv
-from gymnasium.vector.utils import batch_space, create_empty_array
+from gymnasium.vector.utils import batch_space, concatenate, create_empty_array, iterate
 
 from ... import channel
 from ...context import default_context
-from ...errors import ChannelClosed, TransportError, describe_exitcode
+from ...errors import ChannelClosed, TransportError, chain_remote, describe_exitcode
 from ...supervisor import Policy, Supervisor
+from . import fastpath
 from .manager import make_gym_env
-from .protocol import (Broken, Call, Called, Close, Died, Hello, Reset, Result, Started,
-                       StartFailed, Step, decode, encode, rows, write_rows)
-from .worker import serve
+from .protocol import (Broken, Call, Called, Close, Died, Failure, Hello, Reset, Result,
+                       Started, StartFailed, Step, decode, encode, rows, write_rows)
+from .spaces import (ActionCheck, InvalidActionError, check_mode, check_spaces, is_fixed,
+                     objects)
+from .worker import RAISE, RESTART, serve
 
-__all__ = ["RemoteVectorEnv", "EnvCrashError", "AsyncState"]
+__all__ = ["RemoteVectorEnv", "EnvCrashError", "AsyncState", "InvalidActionError"]
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +85,7 @@ _RESTART_LOG_S = 10.0   # restarts of a failure already logged: one summary line
 
 
 class EnvCrashError(RuntimeError):
-    """Envs crashed more often than the restart budget allows."""
+    """An env crashed more often than its restart budget allows."""
 
 
 class AsyncState:
@@ -143,9 +154,25 @@ class RemoteVectorEnv(VectorEnv):
         wrappers: callables applied to each env made from an env id.
         step_timeout: seconds one request may take before its worker is
             declared hung, killed and replaced (``None``: no deadline).
-        max_restarts: more than this many restarts (all envs together)
-            within ``restart_window`` seconds raise :class:`EnvCrashError`.
-        restart_window: seconds over which ``max_restarts`` counts.
+        max_restarts: more than this many restarts of one env within
+            ``restart_window`` of its own steps raise :class:`EnvCrashError`
+            (an env that crashes now and then goes on; one that crashes in a
+            loop is stopped).
+        restart_window: how many of an env's steps ``max_restarts`` counts over.
+        on_error: ``"restart"`` (recreate an env whose ``step``/``reset``
+            raises, and go on) or ``"raise"`` (raise its exception in the
+            caller, with the remote traceback as ``__cause__``; the envs that
+            raised must be reset before they step again). A dead or hung worker
+            is replaced either way.
+        observation_mode: as gymnasium's ``AsyncVectorEnv``: ``"same"`` (every
+            env has the same observation space), ``"different"`` (spaces of
+            one shape and dtype, batched with ``batch_differing_spaces``), or a
+            tuple ``(observation_space, single_observation_space)``.
+        check_actions: refuse actions outside the action space with
+            :class:`InvalidActionError` before sending them (``False``: send
+            them as they are, as gymnasium's vector envs do).
+        isolate_envs: one process per env (``envs_per_worker=1``), so a hard
+            crash names its env and takes no other env with it.
         split: when >= 2, a request for at least this many envs of one worker
             comes back in two halves, so the first half travels (and ``recv``
             can return it) while the second is stepped. Off by default: each
@@ -166,17 +193,30 @@ class RemoteVectorEnv(VectorEnv):
                  autoreset_mode: Union[str, AutoresetMode] = AutoresetMode.NEXT_STEP,
                  backend: Optional[str] = None, env_kwargs: Optional[dict] = None,
                  wrappers: Iterable[Callable] = (), step_timeout: Optional[float] = None,
-                 max_restarts: int = 10, restart_window: float = 60.0, split: int = 0,
-                 start_timeout: float = 300.0, seed: Optional[int] = None) -> None:
+                 max_restarts: int = 10, restart_window: int = 100, split: int = 0,
+                 start_timeout: float = 300.0, seed: Optional[int] = None,
+                 on_error: str = RESTART, observation_mode: Any = "same",
+                 check_actions: bool = True, isolate_envs: bool = False) -> None:
         self._fns = _env_fns(env_fns, num_envs, env_kwargs, tuple(wrappers))
         self.num_envs = len(self._fns)
-        if envs_per_worker < 1:
-            raise ValueError(f"envs_per_worker must be >= 1, got {envs_per_worker}")
+        envs_per_worker = _per_worker(envs_per_worker, isolate_envs)
+        if on_error not in (RESTART, RAISE):
+            raise ValueError(f"on_error must be {RESTART!r} or {RAISE!r}, got {on_error!r}")
+        self.on_error, self.observation_mode = on_error, check_mode(observation_mode)
+        self._check_actions_on = check_actions
         self.autoreset_mode = AutoresetMode(autoreset_mode)
         self._backend, self._step_timeout = backend, step_timeout
         self._budget = _RestartBudget(self.num_envs, max_restarts, restart_window)
         self._restart_log = _RestartLog()
         self._attrs: list[dict] = [{} for _ in range(self.num_envs)]   # set_attr's, per env
+        self._options: list = [None] * self.num_envs   # each episode's reset options
+        self._any_options = False
+        self._why: list = [("", "")] * self.num_envs   # why each env last restarted
+        self._failures: list = []      # (env_id, Failure) to raise once the call is done
+        self._broken: set = set()      # envs that raised (on_error="raise"): reset first
+        self._tick = 0                 # step() calls: every env stepped once each
+        self._sent = np.zeros(self.num_envs, dtype=np.int64)   # send() steps, per env
+        self._built = False
         self._split, self._start_timeout = (split if split >= 2 else 0), start_timeout
         self._direct = (backend or get_context().config.backend) == "local"
         # a SeedSequence made without entropy draws an int (typed int | Sequence[int] | None)
@@ -211,7 +251,12 @@ class RemoteVectorEnv(VectorEnv):
         except BaseException:
             self._shutdown(0.0)
             raise
-        self._setup_spaces(meta)
+        try:
+            self._setup_spaces(meta)
+        except BaseException:
+            self._shutdown(0.0)
+            raise
+        self._built = True
 
     @property
     def processes(self) -> list:
@@ -243,16 +288,27 @@ class RemoteVectorEnv(VectorEnv):
         return tuple(self._budget.counts)
 
     # -- set-up ---------------------------------------------------------------------------
-    def _setup_spaces(self, meta: dict) -> None:
-        self.single_observation_space = meta["observation_space"]
+    def _setup_spaces(self, metas: list) -> None:
+        """Batch the spaces the workers reported (every env's), as ``observation_mode`` says;
+        ``RuntimeError`` when they cannot be batched together."""
+        meta = metas[0]
+        single, batched = check_spaces(
+            [s for m in metas for s in m["observation_spaces"]],
+            [s for m in metas for s in m["action_spaces"]], self.observation_mode,
+            self.num_envs)
+        self.single_observation_space, self.observation_space = single, batched
         self.single_action_space = meta["action_space"]
-        self.observation_space = batch_space(self.single_observation_space, self.num_envs)
         self.action_space = batch_space(self.single_action_space, self.num_envs)
         self.metadata = dict(meta["metadata"] or {})
         self.metadata["autoreset_mode"] = self.autoreset_mode
         self.render_mode = meta["render_mode"]
         self.spec = meta["spec"]
-        self._obs = create_empty_array(self.single_observation_space, self.num_envs, fn=np.zeros)
+        # spaces whose batch is not numpy arrays: rows of an object array, batched on return
+        self._dynamic = not is_fixed(single)
+        self._obs = (objects([None] * self.num_envs) if self._dynamic else
+                     create_empty_array(single, self.num_envs, fn=np.zeros))
+        self._check_actions = ActionCheck(self.single_action_space, self._check_actions_on)
+        self._action_spaces: dict = {}   # n -> the batched action space of n envs
 
     def _spawn(self, worker: _WorkerSlot) -> None:
         """Have the supervisor start (or replace) the process of ``worker``; it dials our
@@ -265,7 +321,9 @@ class RemoteVectorEnv(VectorEnv):
                 "args": (worker.index, gen, fns, worker.env_ids, counts,
                          _MODES[self.autoreset_mode], self._root, self._split,
                          self._listener.address, self._direct,
-                         [self._attrs[i] for i in worker.env_ids])}
+                         [self._attrs[i] for i in worker.env_ids], self.on_error,
+                         [self._options[i] for i in worker.env_ids],
+                         [self._why[i] for i in worker.env_ids])}
         if worker.chan is not None:
             worker.chan.close()
         # The generation changes before the process exists: its Hello (which may come
@@ -287,10 +345,11 @@ class RemoteVectorEnv(VectorEnv):
     def _up(self, worker: _WorkerSlot) -> bool:
         return worker.ready and worker.proc is not None
 
-    def _await_ready(self, deadline: float) -> dict:
+    def _await_ready(self, deadline: float) -> list:
+        """Wait for every worker; what each reported of its envs (spaces, metadata)."""
         while not all(self._up(w) for w in self._workers):
             self._pump(deadline, "the workers to start")
-        return self._called.pop((0, 0))[0]
+        return [self._called.pop((0, w.index))[0] for w in self._workers]
 
     # -- the receiving engine ----------------------------------------------------------
     def _pump(self, deadline: Optional[float], what: str) -> None:
@@ -393,22 +452,28 @@ class RemoteVectorEnv(VectorEnv):
             self._on_called(worker, msg)
         elif isinstance(msg, Broken):
             # the worker exits: all its envs start over in the next one
-            self._charge(worker.env_ids[msg.slot], msg.traceback, worker.env_ids)
-            self._replace(worker)
+            culprit = worker.env_ids[msg.slot]
+            self._restart_worker(worker, msg.traceback, [culprit], _last_line(msg.traceback))
         elif isinstance(msg, Died):
             detail = f"; {msg.detail}" if msg.detail else ""
             reason = worker.killed_for or (f"its worker process ended "
                                            f"({describe_exitcode(msg.exitcode)}{detail})")
-            reason = f"worker {worker.index} (envs {worker.env_ids}): {reason}"
-            self._charge(worker.env_ids[0], reason, worker.env_ids)
-            self._replace(worker)
+            suspects = self._suspects(worker)
+            blame = _blame(suspects) if worker.ready else "while starting its envs"
+            reason = f"worker {worker.index} (envs {worker.env_ids}): {reason}, {blame}"
+            kind = "StepTimeout" if worker.killed_for else "WorkerDied"
+            self._restart_worker(worker, reason, suspects or worker.env_ids, (kind, reason))
         elif isinstance(msg, StartFailed):
             raise msg.error
         # (Started: only wakes a thread waiting for the worker to be up)
 
     def _on_result(self, worker: _WorkerSlot, msg: Result) -> None:
-        for slot, tb in msg.restarts:
-            self._charge(worker.env_ids[slot], tb)
+        for failure in msg.restarts:
+            env_id = worker.env_ids[failure.slot]
+            if failure.restarted:
+                self._charge([env_id], failure.traceback)
+            else:   # raised in the caller once the call is complete
+                self._failures.append((env_id, failure))
         if msg.slots == worker.slots:  # all its envs (the common case): rows by slice
             self._chunks.append((worker.ids, msg, worker.span))
         else:
@@ -429,20 +494,40 @@ class RemoteVectorEnv(VectorEnv):
     def _on_called(self, worker: _WorkerSlot, msg: Called) -> None:
         if msg.seq == 0:
             worker.ready = True
-            self._called.setdefault((0, 0), msg.values)
+            if not self._built:   # the vector env is being built: its envs' spaces
+                self._called[(0, worker.index)] = msg.values
             return
         worker.open = [(r, t) for r, t in worker.open if r.seq != msg.seq]
         worker.direct = worker.direct and bool(worker.open)
         self._called[(msg.seq, worker.index)] = msg
 
-    def _charge(self, env_id: int, why: str, env_ids: Sequence[int] = ()) -> None:
-        """Count one restart against the budget; past it, fail for good."""
-        self._restart_log.tell(env_id, why)
+    def _charge(self, env_ids: Sequence[int], why: str, culprits: Sequence[int] = ()) -> None:
+        """Count a restart of ``env_ids``, charged to ``culprits`` (default: all of them)
+        against their budgets; past one, fail for good."""
+        culprits = culprits or env_ids
+        self._restart_log.tell(culprits[0], why)
+        self._budget.restarted(env_ids)
         try:
-            self._budget.charge(env_id, why, env_ids)
+            for i in culprits:
+                self._budget.charge(i, why, self._tick + int(self._sent[i]))
         except EnvCrashError as exc:
             self._error = exc
             raise
+
+    def _suspects(self, worker: _WorkerSlot) -> list:
+        """The envs of ``worker`` whose step or reset had not come back: one of them made it
+        die (a hard crash leaves no trace of which); none when it died idle."""
+        slots = {s for req, _ in worker.open if not isinstance(req, Call) for s in req.slots}
+        return [worker.env_ids[s] for s in sorted(slots)]
+
+    def _restart_worker(self, worker: _WorkerSlot, why: str, culprits: list,
+                        kind: tuple) -> None:
+        """Charge a lost worker's restart to ``culprits`` and replace it; every env of it
+        reports ``kind`` (type, message) in its restart's infos."""
+        for i in worker.env_ids:
+            self._why[i] = kind
+        self._charge(worker.env_ids, why, culprits)
+        self._replace(worker)
 
     def _replace(self, worker: _WorkerSlot) -> None:
         """Start a new incarnation of ``worker`` and send it the requests it held."""
@@ -508,9 +593,13 @@ class RemoteVectorEnv(VectorEnv):
         """One Step per worker concerned; ``env_ids`` None: every env (the common case)."""
         n = self.num_envs if env_ids is None else len(env_ids)
         if type(actions) is not np.ndarray or actions.shape[:1] != (n,):
-            _check_count(actions, n)
+            actions = self._action_batch(actions, n)
+        self._check_actions(actions)
+        if self._broken:
+            self._refuse_broken(env_ids)
         posts = []
         if env_ids is None:
+            self._tick += 1
             plain = type(actions) is np.ndarray
             if plain:   # a request may be sent again later: not a view of the caller's array
                 actions = actions.copy()
@@ -528,7 +617,36 @@ class RemoteVectorEnv(VectorEnv):
                 acts = rows(actions, np.array([k for _, k in pairs]))
                 posts.append((self._workers[w], Step(self._next_seq(), slots, acts)))
             self._pending.update(env_ids.tolist())
+            self._sent[env_ids] += 1
         self._post_all(posts, direct=env_ids is None)
+
+    def _action_batch(self, actions: Any, n: int) -> Any:
+        """``actions`` checked to be a batch of ``n``; for an action space whose batch is not
+        numpy arrays, made an object array of the single actions (gymnasium's ``iterate``)."""
+        if self._check_actions.fixed:
+            _check_count(actions, n)
+            return actions
+        space = self._action_spaces.get(n)
+        if space is None:
+            space = self._action_spaces[n] = batch_space(self.single_action_space, n)
+        try:
+            items = list(iterate(space, actions))
+        except Exception as exc:
+            raise TypeError(f"RemoteVectorEnv: actions must be a batch of {n} actions of "
+                            f"{self.single_action_space} (as action_space.sample() gives), "
+                            f"got {type(actions).__name__} {actions!r:.80}") from exc
+        if len(items) != n:
+            raise ValueError(f"RemoteVectorEnv: {len(items)} actions for {n} envs; pass one "
+                             f"action per env")
+        return objects(items)
+
+    def _refuse_broken(self, env_ids: Optional[np.ndarray]) -> None:
+        ids = range(self.num_envs) if env_ids is None else env_ids.tolist()
+        broken = sorted(self._broken.intersection(ids))
+        if broken:
+            raise ResetNeeded(f"RemoteVectorEnv: envs {broken} raised (on_error='raise') and "
+                              f"must be reset before they step again: call reset() (or reset "
+                              f"with options={{'reset_mask': mask}} covering them)")
 
     def _collect(self, num: int, deadline: Optional[float], what: str) -> list:
         """The first ``num`` finished envs, as a list of (env_ids, Result, rows) pieces;
@@ -556,8 +674,7 @@ class RemoteVectorEnv(VectorEnv):
 
         Every piece also updates the latest observations (``self._obs``), which a masked
         reset returns for the envs it does not reset."""
-        obs = None if by_id else create_empty_array(self.single_observation_space, n,
-                                                     fn=np.zeros)
+        obs = None if by_id else self._empty_batch(n)
         rewards = np.zeros(n, dtype=np.float64)
         terms, truncs = np.zeros(n, dtype=np.bool_), np.zeros(n, dtype=np.bool_)
         infos: dict[str, Any] = {}
@@ -580,7 +697,49 @@ class RemoteVectorEnv(VectorEnv):
             batch = _InfoBatch(n)
             for i, info in sorted(order, key=lambda p: p[0]):
                 infos = batch._add_info(infos, info, i)
-        return (_copy(self._obs) if by_id else obs), rewards, terms, truncs, infos
+        out = _copy(self._obs) if by_id else obs
+        if self._dynamic:
+            out = self._concatenated(out)
+        return out, rewards, terms, truncs, infos
+
+    def _empty_batch(self, n: int) -> Any:
+        if self._dynamic:
+            return objects([None] * n)
+        return create_empty_array(self.single_observation_space, n, fn=np.zeros)
+
+    def _concatenated(self, items: Any) -> Any:
+        """The batch of single observations ``items`` as ``SyncVectorEnv`` returns it (its
+        own copies: the vector env keeps ``items`` for masked resets)."""
+        space = self.single_observation_space
+        out: Any = create_empty_array(space, len(items), fn=np.zeros)
+        return copy.deepcopy(concatenate(space, list(items), out))
+
+    def _raise_failures(self, what: str) -> None:
+        """Raise what an env's own code raised during the call just completed (the first env
+        that raised; the others are named in a note). Those envs need a reset."""
+        if not self._failures:
+            return
+        failures = sorted(self._failures, key=lambda p: p[0])
+        self._failures = []
+        self._broken.update(i for i, _ in failures)
+        env_id, failure = failures[0]
+        others = "".join(f"\n  env {i}: {f.summary}" for i, f in failures[1:])
+        exc = _rebuilt(failure, f"env {env_id} raised in {what}")
+        add_note = getattr(exc, "add_note", None)   # Python 3.11+
+        if add_note is not None:
+            add_note(f"(raised by env {env_id} of a RemoteVectorEnv in {what}"
+                     f"{'; the other envs that raised:' + others if others else ''}; reset "
+                     f"envs {sorted(self._broken)} before they step again)")
+        raise exc
+
+    def _forget_options(self, ended: np.ndarray, env_ids: Optional[np.ndarray]) -> None:
+        """Envs whose episode ended begin the next without reset options (as an autoreset
+        does); a restart of them passes none."""
+        if self.autoreset_mode == AutoresetMode.DISABLED or not ended.any():
+            return
+        for i in (np.flatnonzero(ended) if env_ids is None else env_ids[ended]).tolist():
+            self._options[i] = None
+        self._any_options = any(o is not None for o in self._options)
 
     # -- gymnasium's API ---------------------------------------------------------------
     def reset(self, *, seed: Union[int, Sequence[Optional[int]], None] = None,
@@ -600,6 +759,9 @@ class RemoteVectorEnv(VectorEnv):
         for i in ids.tolist():
             if seeds[i] is not None:
                 self._seeds[i] = seeds[i]
+            self._options[i] = options   # what a restart in this episode resets with
+        self._any_options = any(o is not None for o in self._options)
+        self._broken.difference_update(ids.tolist())   # their workers make them anew
         for worker in self._workers:
             slots = tuple(j for j, i in enumerate(worker.env_ids) if i in set(ids.tolist()))
             if slots:
@@ -616,6 +778,7 @@ class RemoteVectorEnv(VectorEnv):
         got = self._collect(len(self._pending), deadline, "reset")
         self._state = AsyncState.DEFAULT
         obs, _, _, _, infos = self._assemble(got, self.num_envs, True)
+        self._raise_failures("reset")
         return obs, infos
 
     def step(self, actions: Any) -> tuple:
@@ -634,9 +797,16 @@ class RemoteVectorEnv(VectorEnv):
         after ``timeout`` seconds (the step stays pending: call ``step_wait`` again)."""
         self._expect(AsyncState.WAITING_STEP, "step_wait", "step_async")
         deadline = None if timeout is None else time.monotonic() + timeout
-        got = self._collect(len(self._pending), deadline, "step")
+        out = fastpath.step_replies(self, deadline, _SLICE)
+        if out is None:
+            got = self._collect(len(self._pending), deadline, "step")
+            out = self._assemble(got, self.num_envs, True)
         self._state = AsyncState.DEFAULT
-        return self._assemble(got, self.num_envs, True)
+        if self._failures:
+            self._raise_failures("step")
+        if self._any_options:
+            self._forget_options(out[2] | out[3], None)
+        return out
 
     # -- partial batches ---------------------------------------------------------------
     def send(self, actions: Any, env_ids: Optional[Sequence[int]] = None) -> None:
@@ -672,6 +842,9 @@ class RemoteVectorEnv(VectorEnv):
             self._state = AsyncState.DEFAULT
         obs, rewards, terms, truncs, infos = self._assemble(got, num, False)
         infos["env_id"] = np.concatenate([ids for ids, _, _ in got])
+        self._raise_failures("step")
+        if self._any_options:
+            self._forget_options(terms | truncs, infos["env_id"])
         return obs, rewards, terms, truncs, infos
 
     # -- call, get_attr, set_attr ------------------------------------------------------
@@ -715,7 +888,8 @@ class RemoteVectorEnv(VectorEnv):
         results = [self._called.pop(key) for key in sorted(wanted, key=lambda k: k[1])]
         for called in results:
             if called.error is not None:
-                raise called.error
+                env_id = self._workers[called.worker].env_ids[called.error.slot]
+                raise _rebuilt(called.error, f"env {env_id} raised in {what}")
         return results
 
     # -- state machine -----------------------------------------------------------------
@@ -793,31 +967,38 @@ def _check_count(actions: Any, n: int) -> None:
 
 
 class _RestartBudget:
-    """How often the envs restarted: per env (a restarted env's seed depends on it) and
-    all together within the last ``window`` seconds, where more than ``limit`` restarts
-    end the vector env."""
+    """How often each env restarted: in all (a restarted env's seed depends on it), and
+    within its last ``window`` steps, where more than ``limit`` restarts end the vector
+    env. Counted in the env's own steps, not in seconds, so the budget tells an env
+    that crashes in a loop from one that crashes now and then, however fast it steps."""
 
-    def __init__(self, num_envs: int, limit: int, window: float) -> None:
+    def __init__(self, num_envs: int, limit: int, window: int) -> None:
+        if limit < 0 or window < 1:
+            raise ValueError(f"max_restarts must be >= 0 and restart_window >= 1 (steps), "
+                             f"got {limit} and {window}")
         self.counts = [0] * num_envs
         self.limit, self.window = limit, window
-        self._times: collections.deque = collections.deque()
+        self._at: list[collections.deque] = [collections.deque() for _ in range(num_envs)]
 
-    def charge(self, env_id: int, why: str, env_ids: Sequence[int] = ()) -> None:
-        """Count one restart of ``env_ids`` (default: ``env_id``); :class:`EnvCrashError`
-        once the budget is spent."""
-        now = time.monotonic()
-        self._times.append(now)
-        while self._times and self._times[0] < now - self.window:
-            self._times.popleft()
-        for i in env_ids or (env_id,):
+    def restarted(self, env_ids: Sequence[int]) -> None:
+        """Count a restart of each of ``env_ids``."""
+        for i in env_ids:
             self.counts[i] += 1
-        if len(self._times) > self.limit:
+
+    def charge(self, env_id: int, why: str, step: int) -> None:
+        """Charge a restart to ``env_id``, at its ``step``-th step; :class:`EnvCrashError`
+        once its budget is spent."""
+        at = self._at[env_id]
+        at.append(step)
+        while at[0] <= step - self.window:
+            at.popleft()
+        if len(at) > self.limit:
             raise EnvCrashError(
-                f"env {env_id} crashed and the restart budget is spent: "
-                f"{len(self._times)} restarts within {self.window:g} s "
-                f"(max_restarts={self.limit}). Likely cause: the env fails every "
-                f"time (a bug in its step/reset, a missing dependency on the worker's "
-                f"backend, or too little memory). Last failure of env {env_id}:\n"
+                f"env {env_id} crashed and its restart budget is spent: {len(at)} "
+                f"restarts within its last {self.window} steps (max_restarts="
+                f"{self.limit}, restart_window={self.window}). Likely cause: the env fails "
+                f"every time (a bug in its step/reset, a missing dependency on the "
+                f"worker's backend, or too little memory). Last failure of env {env_id}:\n"
                 f"{why.rstrip()}\nFix the env, or raise max_restarts/restart_window if "
                 f"these crashes are expected.")
 
@@ -939,17 +1120,54 @@ def _seeds(seed: Any, n: int) -> list:
 
 
 def _mask_ids(mask: Any, n: int) -> np.ndarray:
-    """The env ids of a reset mask, refused as gymnasium's vector envs refuse it."""
+    """The env ids of a reset mask, refused as gymnasium's vector envs refuse it (in
+    their words)."""
     if not isinstance(mask, np.ndarray):
-        raise TypeError(f"options['reset_mask'] must be a numpy array, got "
-                        f"{type(mask).__name__}")
+        raise TypeError(f"`options['reset_mask']` must be a numpy array, got {type(mask)}")
     if mask.shape != (n,):
-        raise ValueError(f"options['reset_mask'] must have shape ({n},), got {mask.shape}")
+        raise ValueError(f"`options['reset_mask']` must have shape `({n},)`, got {mask.shape}")
     if mask.dtype != np.bool_:
-        raise TypeError(f"options['reset_mask'] must have dtype bool, got {mask.dtype}")
+        raise TypeError(f"`options['reset_mask']` must have `dtype=np.bool_`, got {mask.dtype}")
     if not mask.any():
-        raise ValueError("options['reset_mask'] must contain at least one True value")
+        raise ValueError(f"`options['reset_mask']` must contain a boolean array with at least "
+                         f"one True value, got reset_mask={mask}")
     return np.flatnonzero(mask)
+
+
+def _per_worker(envs_per_worker: int, isolate_envs: bool) -> int:
+    if envs_per_worker < 1:
+        raise ValueError(f"envs_per_worker must be >= 1, got {envs_per_worker}")
+    if isolate_envs and envs_per_worker != 1:
+        raise ValueError(f"isolate_envs=True runs one env per process; it cannot go with "
+                         f"envs_per_worker={envs_per_worker}")
+    return envs_per_worker
+
+
+def _last_line(tb: str) -> tuple:
+    """``(type, message)`` of a formatted traceback's last line."""
+    text = tb.rstrip()
+    last = text.splitlines()[-1].strip() if text else "RuntimeError"
+    kind, _, message = last.partition(": ")
+    return kind.rsplit(".", 1)[-1], message
+
+
+def _blame(suspects: list) -> str:
+    if not suspects:
+        return "while idle (killed from outside, or out of memory): no env was stepping"
+    if len(suspects) == 1:
+        return f"while stepping env {suspects[0]}: that env caused it"
+    return (f"while stepping envs {suspects}: one of them caused it (a hard crash leaves no "
+            f"trace of which; isolate_envs=True names it)")
+
+
+def _rebuilt(failure: Failure, what: str) -> BaseException:
+    """The exception of ``failure`` with its remote traceback as ``__cause__`` (a
+    ``RuntimeError`` naming its type when it could not be pickled)."""
+    exc = failure.error
+    if exc is None:
+        exc = RuntimeError(f"{what}: {failure.summary} (the exception itself could not be "
+                           f"pickled)")
+    return chain_remote(exc, failure.traceback)
 
 
 def _narrow(req: Any, slots: tuple) -> Any:

@@ -32,12 +32,22 @@ copied from it into the reply frame; observations that do not fit it (Dict and
 Tuple spaces, or an env whose observations disagree with its space) are
 stacked instead.
 
-Autoreset follows gymnasium's ``SyncVectorEnv`` exactly, env by env. An env
-that raises is recreated here and reset with its restart seed; that env's
-current result is the fresh reset observation with ``truncated=True`` and
-``info["fibrl_restarted"]``, and the traceback travels back so the vector env
-can charge its restart budget. A worker started to replace a dead one resets
-every env that way before serving requests.
+Observations of spaces whose batch is not numpy arrays (Text, Graph,
+Sequence, OneOf, custom spaces: see :mod:`.spaces`) travel as a 1-D object
+array of single observations, which the vector env batches with gymnasium's
+``concatenate``.
+
+Autoreset follows gymnasium's ``SyncVectorEnv`` exactly, env by env. With
+``on_error="restart"``, an env that raises is recreated here and reset with its
+restart seed and the options its episode began with; that env's current result
+is the fresh reset observation with ``truncated=True``,
+``info["fibrl_restarted"]`` and the exception's type and message, and the
+:class:`~.protocol.Failure` travels back so the vector env can charge its
+restart budget. A reset that raises is retried once on a fresh env with the
+same seed and options (never another seed); if that fails too, or with
+``on_error="raise"``, the failure goes back to be raised in the caller, and the
+env is made anew at its next reset. A worker started to replace a dead one
+resets every env with its restart seed before serving requests.
 """
 from __future__ import annotations
 
@@ -48,13 +58,18 @@ import numpy as np
 
 from ... import channel
 from ...channel import Peer
-from .protocol import (Broken, Call, Called, Hello, Reset, Result, Step, decode, encode,
-                       encode_result, row, stack)
+from .protocol import (Broken, Call, Called, Failure, Hello, Reset, Result, Step, decode,
+                       encode, encode_result, row, stack)
+from .spaces import is_fixed, objects
 
 __all__ = ["serve", "restart_seed"]
 
 NEXT_STEP, SAME_STEP, DISABLED = "next_step", "same_step", "disabled"
+RESTART, RAISE = "restart", "raise"
 RESTARTED = "fibrl_restarted"
+ERROR_TYPE, ERROR = "fibrl_error_type", "fibrl_error"   # a restart's exception, in infos
+#: names ``call`` refuses, as gymnasium's AsyncVectorEnv does: use the methods themselves
+NOT_CALLABLE = ("reset", "step", "close")
 
 
 def restart_seed(root: int, env_id: int, restarts: int) -> int:
@@ -66,11 +81,14 @@ class _Slot:
     """One env of this worker and what the next step must do with it."""
 
     __slots__ = ("fn", "env_id", "env", "obs", "needs_reset", "restarted", "restarts",
-                 "attrs")
+                 "attrs", "options", "why", "broken")
 
     def __init__(self, fn: Callable[[], Any], env_id: int, restarts: int,
                  attrs: Optional[dict] = None) -> None:
         self.fn, self.env_id, self.restarts = fn, env_id, restarts
+        self.options: Optional[dict] = None   # of the reset that began the current episode
+        self.why: tuple = ("", "")           # (type, message) of the latest restart's cause
+        self.broken = False                  # raised (on_error="raise"): made anew at reset
         # what set_attr set on this env since the vector env was made: set again on an
         # env made anew (a restart), before its reset
         self.attrs: dict = dict(attrs or {})
@@ -85,12 +103,18 @@ class Worker:
 
     def __init__(self, index: int, gen: int, fns: list, env_ids: list, restarts: list,
                  mode: str, root_seed: int, split: int, outbox: Any,
-                 attrs: Optional[list] = None) -> None:
+                 attrs: Optional[list] = None, on_error: str = RESTART,
+                 options: Optional[list] = None, reasons: Optional[list] = None) -> None:
         self.index, self.gen, self.mode, self.root = index, gen, mode, root_seed
-        self.split, self.outbox = split, outbox
+        self.split, self.outbox, self.on_error = split, outbox, on_error
         attrs = attrs or [None] * len(fns)
         self.slots = [_Slot(fn, i, r, a) for fn, i, r, a in zip(fns, env_ids, restarts, attrs)]
+        for slot, opts, why in zip(self.slots, options or [None] * len(fns),
+                                   reasons or [("", "")] * len(fns)):
+            slot.options, slot.why = opts, why
         self.obs_rows: Any = None   # reused batch of observations, when the space allows
+        self.dynamic = False        # observations travel as an object array (see .spaces)
+        self.blank: Any = None      # an observation standing in for an env that raised
 
     # -- lifecycle ----------------------------------------------------------------------
     def start(self) -> bool:
@@ -107,8 +131,12 @@ class Worker:
                     return False
         env = self.slots[0].env
         self.obs_rows = _obs_rows(env.observation_space, len(self.slots))
+        self.dynamic = not is_fixed(env.observation_space)
+        self.blank = None if self.dynamic else _blank(env.observation_space)
         self.outbox.send(Called(self.index, self.gen, 0, [{
             "observation_space": env.observation_space, "action_space": env.action_space,
+            "observation_spaces": [s.env.observation_space for s in self.slots],
+            "action_spaces": [s.env.action_space for s in self.slots],
             "metadata": getattr(env, "metadata", {}), "render_mode": env.render_mode,
             "spec": getattr(env, "spec", None)}]))
         return True
@@ -121,18 +149,18 @@ class Worker:
             except Exception:
                 pass  # closing at exit: nothing to report to
 
-    def _recreate(self, slot: _Slot, fresh: bool = True) -> bool:
-        """Recreate (when ``fresh``) and reset one env with its next restart seed."""
+    def _recreate(self, slot: _Slot, fresh: bool = True,
+                  failure: Optional[Failure] = None) -> bool:
+        """Recreate (when ``fresh``) and reset one env with its next restart seed and the
+        options its episode began with."""
         slot.restarts += 1
+        if failure is not None:
+            slot.why = (failure.error_type, failure.message)
         seed = restart_seed(self.root, slot.env_id, slot.restarts)
         try:
             if fresh:
-                try:
-                    slot.env.close()
-                except Exception:
-                    pass  # the env is broken already; its replacement matters
-                slot.env = _made(slot)
-            slot.obs, _ = slot.env.reset(seed=seed)
+                _remake(slot)
+            slot.obs, _ = slot.env.reset(seed=seed, options=slot.options)
         except Exception:
             self.outbox.send(Broken(self.index, self.gen, self.slots.index(slot),
                                     traceback.format_exc()))
@@ -156,22 +184,55 @@ class Worker:
         return False  # Close
 
     def _reset(self, msg: Reset) -> bool:
-        obs, infos, restarts = [], [], []
+        obs, infos, failures = [], [], []
         for j, seed in zip(msg.slots, msg.seeds):
             slot = self.slots[j]
+            info = None
             try:
-                slot.obs, info = slot.env.reset(seed=seed, options=msg.options)
-                slot.restarted = slot.needs_reset = False
-            except Exception:
-                restarts.append((j, traceback.format_exc()))
-                if not self._recreate(slot):
-                    return False
-                info, slot.restarted = {RESTARTED: True}, False
-            obs.append(slot.obs)
+                if slot.broken:   # it raised before (on_error="raise"): start afresh
+                    slot.broken = False
+                    _remake(slot)
+                info = self._reset_one(slot, seed, msg.options)
+            except Exception as exc:
+                failure = Failure.capture(j, exc, restarted=self.on_error == RESTART)
+                failures.append(failure)
+                if failure.restarted:   # once more on a fresh env, with the same seed
+                    info = self._retry_reset(slot, seed, msg.options, failure, failures)
+                    if info is False:
+                        return False
+                else:
+                    slot.broken = True
+            obs.append(slot.obs if slot.obs is not None else self.blank)
             infos.append(info or None)
-        self.outbox.send(Result(self.index, self.gen, msg.seq, msg.slots, stack(obs), None,
-                                None, None, infos, tuple(restarts)))
+        self.outbox.send(Result(self.index, self.gen, msg.seq, msg.slots, self._stack(obs),
+                                None, None, None, infos, tuple(failures)))
         return True
+
+    def _reset_one(self, slot: _Slot, seed: Any, options: Optional[dict]) -> Any:
+        slot.obs, info = slot.env.reset(seed=seed, options=options)
+        slot.options = options
+        slot.restarted = slot.needs_reset = False
+        return info
+
+    def _retry_reset(self, slot: _Slot, seed: Any, options: Optional[dict],
+                     failure: Failure, failures: list) -> Any:
+        """The info of a reset retried on a fresh env; None if it raised again (then the
+        caller sees that failure), False if the env cannot even be made."""
+        try:
+            _remake(slot)
+        except Exception:
+            self.outbox.send(Broken(self.index, self.gen, self.slots.index(slot),
+                                    traceback.format_exc()))
+            return False
+        slot.restarts += 1
+        slot.why = (failure.error_type, failure.message)
+        try:
+            info = self._reset_one(slot, seed, options)
+        except Exception as exc:
+            failures.append(Failure.capture(failure.slot, exc, restarted=False))
+            slot.broken = True
+            return None
+        return {**(info or {}), RESTARTED: True, ERROR_TYPE: slot.why[0], ERROR: slot.why[1]}
 
     def _step(self, msg: Step) -> bool:
         n = len(msg.slots)
@@ -183,7 +244,8 @@ class Worker:
 
     def _step_part(self, msg: Step, lo: int, hi: int) -> bool:
         m = hi - lo
-        obs, infos, restarts = [], [], []
+        obs, infos = [], []
+        restarts: list[Failure] = []
         rewards = np.empty(m, dtype=np.float64)
         terms, truncs = np.empty(m, dtype=np.bool_), np.empty(m, dtype=np.bool_)
         actions = msg.actions
@@ -194,17 +256,27 @@ class Worker:
             try:
                 action = actions[lo + k] if plain else row(actions, lo + k)
                 info, rewards[k], terms[k], truncs[k] = self._step_one(slot, action)
-            except Exception:
-                restarts.append((j, traceback.format_exc()))
-                if not self._recreate(slot):
+            except Exception as exc:
+                if not self._failed(slot, j, exc, restarts):
                     return False
-                info, rewards[k], terms[k], truncs[k] = self._step_one(slot, None)
+                info, rewards[k], terms[k], truncs[k] = (
+                    self._step_one(slot, None) if slot.restarted else (None, 0.0, False, False))
             obs.append(slot.obs)
             infos.append(info or None)
         self.outbox.send_frame(encode_result(self.index, self.gen, msg.seq, msg.slots[lo:hi],
                                              self._batch(obs), rewards, terms, truncs, infos,
                                              tuple(restarts)))
         return True
+
+    def _failed(self, slot: _Slot, j: int, exc: Exception, failures: list) -> bool:
+        """Handle an exception of env ``j``'s step: recreate it (``on_error="restart"``) or
+        keep it for the caller; False when the env cannot even be made anew."""
+        failure = Failure.capture(j, exc, restarted=self.on_error == RESTART)
+        failures.append(failure)
+        if not failure.restarted:
+            slot.broken = True
+            return True
+        return self._recreate(slot, failure=failure)
 
     def _batch(self, obs: list) -> Any:
         """The observations as one batch: rows of the reused array when they fit it (sent,
@@ -217,19 +289,25 @@ class Worker:
                 return out[:len(obs)]
             except (ValueError, TypeError):
                 self.obs_rows = None  # an observation that does not fit its space
-        return stack(obs)
+        return self._stack(obs)
+
+    def _stack(self, obs: list) -> Any:
+        """A fresh batch: stacked arrays, or the observations themselves in an object
+        array for the spaces whose batch is not arrays."""
+        return objects(obs) if self.dynamic else stack(obs)
 
     def _step_one(self, slot: _Slot, action: Any) -> tuple:
         if slot.restarted:  # report the restart in place of this step
             slot.restarted = False
             slot.needs_reset = self.mode == NEXT_STEP
-            info: dict[str, Any] = {RESTARTED: True}
+            info: dict[str, Any] = {RESTARTED: True, ERROR_TYPE: slot.why[0], ERROR: slot.why[1]}
             if self.mode == SAME_STEP:
-                info = {"final_obs": slot.obs, "final_info": {RESTARTED: True}, RESTARTED: True}
+                info = {"final_obs": slot.obs, "final_info": dict(info), **info}
             return info, 0.0, False, True
         if self.mode == NEXT_STEP and slot.needs_reset:
             slot.obs, info = slot.env.reset()
             slot.needs_reset = False
+            slot.options = None   # an autoreset episode begins without options
             return info, 0.0, False, False
         slot.obs, reward, term, trunc, info = slot.env.step(action)
         if self.mode == NEXT_STEP:
@@ -237,24 +315,29 @@ class Worker:
         elif self.mode == SAME_STEP and (term or trunc):
             final = {"final_obs": slot.obs, "final_info": info}
             slot.obs, info = slot.env.reset()
+            slot.options = None
             info = {**final, **info}
         return info, reward, term, trunc
 
     def _call(self, msg: Call) -> Called:
         values: list[Any] = []
+        k = 0
         try:
             for k, slot in enumerate(self.slots):
                 if msg.values is not None:
-                    setattr(slot.env, msg.name, msg.values[k])
+                    _set_attr(slot.env, msg.name, msg.values[k])
                     slot.attrs[msg.name] = msg.values[k]
                     values.append(None)
                     continue
+                if msg.kwargs is not None and msg.name in NOT_CALLABLE:
+                    raise ValueError(f"Trying to call function `{msg.name}` with `call`, use "
+                                     f"`{msg.name}` directly instead.")
                 attr = slot.env.get_wrapper_attr(msg.name)
                 if msg.kwargs is not None and callable(attr):
                     attr = attr(*msg.args, **msg.kwargs)
                 values.append(attr)
         except Exception as exc:
-            return Called(self.index, self.gen, msg.seq, [], exc)
+            return Called(self.index, self.gen, msg.seq, [], Failure.capture(k, exc, False))
         return Called(self.index, self.gen, msg.seq, values)
 
 
@@ -285,17 +368,45 @@ def _obs_rows(space: Any, n: int) -> Optional[np.ndarray]:
     return rows if type(rows) is np.ndarray and rows.dtype.kind in "biuf" else None
 
 
+def _blank(space: Any) -> Any:
+    """An all-zero observation of ``space`` (for an env that raised before its first)."""
+    from gymnasium.vector.utils import create_empty_array
+
+    return row(create_empty_array(space, 1, fn=np.zeros), 0)
+
+
+def _set_attr(env: Any, name: str, value: Any) -> None:
+    """Set ``name`` where gymnasium's vector envs set it: on the wrapper or env that has
+    it (``set_wrapper_attr``), else on the outer env."""
+    setter = getattr(env, "set_wrapper_attr", None)
+    if setter is not None:
+        setter(name, value)
+    else:
+        setattr(env, name, value)
+
+
 def _made(slot: _Slot) -> Any:
     """A new env for ``slot``, with what set_attr set on its predecessors."""
     env = slot.fn()
     for name, value in slot.attrs.items():
-        setattr(env, name, value)
+        _set_attr(env, name, value)
     return env
+
+
+def _remake(slot: _Slot) -> None:
+    """Close ``slot``'s env (it may be broken: errors are ignored) and make a new one."""
+    try:
+        if slot.env is not None:
+            slot.env.close()
+    except Exception:
+        pass  # the env is broken already; its replacement matters
+    slot.env = _made(slot)
 
 
 def serve(index: int, gen: int, fns: list, env_ids: list, restarts: list, mode: str,
           root_seed: int, split: int, address: str, direct: bool = False,
-          attrs: Optional[list] = None) -> None:
+          attrs: Optional[list] = None, on_error: str = RESTART,
+          options: Optional[list] = None, reasons: Optional[list] = None) -> None:
     """Entry point of a worker process: start the envs, then answer requests until Close."""
     # (the run's secret and this worker's transport settings: tls, limits)
     conn = channel.connect(address)
@@ -322,7 +433,8 @@ def serve(index: int, gen: int, fns: list, env_ids: list, restarts: list, mode: 
     listener = None
     if direct:
         listener = channel.listen(on_direct)
-    worker = Worker(index, gen, fns, env_ids, restarts, mode, root_seed, split, outbox, attrs)
+    worker = Worker(index, gen, fns, env_ids, restarts, mode, root_seed, split, outbox, attrs,
+                    on_error, options, reasons)
     outbox.send(Hello(index, gen, listener.address if listener is not None else ""))
     try:
         if not worker.start():
