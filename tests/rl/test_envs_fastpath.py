@@ -1,0 +1,106 @@
+"""The full-batch step's fast receive path gives the same batches as the general path.
+
+``RemoteVectorEnv.step_wait`` first tries ``fibrl.rl.envs.fastpath`` (one compact reply
+per worker, written straight into the batch); anything unusual hands the replies
+received so far to the general path. Each way through is driven here against
+gymnasium's SyncVectorEnv, batch for batch, infos included.
+"""
+from __future__ import annotations
+
+import functools
+import multiprocessing
+
+import pytest
+
+from conftest import require_module
+
+gymnasium = require_module("gymnasium", "CI_REQUIRE_DOCKER")
+np = require_module("numpy", "CI_REQUIRE_DOCKER")
+
+from gymnasium.vector import AutoresetMode, SyncVectorEnv  # noqa: E402
+
+from fibrl.rl import RemoteVectorEnv  # noqa: E402
+from fibrl.rl.envs import fastpath  # noqa: E402
+
+import envs_helpers  # noqa: E402
+from test_envs import run_both  # noqa: E402
+
+STEPS = 40
+
+
+def _count_fast(monkeypatch) -> list:
+    used = [0]
+    assemble = fastpath._assemble
+
+    def counting(env, parts):
+        used[0] += 1
+        return assemble(env, parts)
+
+    monkeypatch.setattr(fastpath, "_assemble", counting)
+    return used
+
+
+@pytest.mark.parametrize("path", ["fast", "handed over", "general"])
+@pytest.mark.parametrize("mode", [AutoresetMode.SAME_STEP, AutoresetMode.NEXT_STEP],
+                         ids=lambda m: m.value)
+def test_every_path_gives_sync_vector_envs_batches(mode, path, monkeypatch):
+    """12-step episodes, so that episodes end (and SAME_STEP's final_obs/final_info
+    infos arrive) within the run; 3 workers of 2 envs."""
+    used = _count_fast(monkeypatch)
+    if path == "handed over":   # every reply received, then the second one refused
+        read = fastpath._read
+        monkeypatch.setattr(fastpath, "_read",
+                            lambda frame, w: None if w.index == 1 else read(frame, w))
+    elif path == "general":
+        monkeypatch.setattr(fastpath, "_ready", lambda env: False)
+    fn = functools.partial(gymnasium.make, "CartPole-v1", max_episode_steps=12)
+    sync = SyncVectorEnv([fn] * 6, autoreset_mode=mode)
+    remote = RemoteVectorEnv("CartPole-v1", 6, envs_per_worker=2, autoreset_mode=mode,
+                             env_kwargs={"max_episode_steps": 12})
+    try:
+        ended = run_both(remote, sync, STEPS)
+    finally:
+        remote.close()
+        sync.close()
+    assert ended >= 6
+    assert used[0] == (STEPS if path == "fast" else 0)
+
+
+def test_a_restart_in_one_reply_hands_the_step_to_the_general_path(monkeypatch):
+    """Env 3 raises on its 5th step: that step's replies go to the general path (which
+    counts the restart); every other step takes the fast path."""
+    used = _count_fast(monkeypatch)
+    fns = [functools.partial(gymnasium.make, "CartPole-v1")] * 4
+    fns[3] = functools.partial(envs_helpers.CrashAt, crash_at=5)
+    envs = RemoteVectorEnv(fns, envs_per_worker=2)
+    try:
+        envs.reset(seed=3)
+        truncated_at = []
+        for t in range(10):
+            _, _, _, truncs, _ = envs.step(np.zeros(4, dtype=np.int64))
+            if truncs[3]:
+                truncated_at.append(t)
+        assert envs.restart_counts == (0, 0, 0, 1)
+    finally:
+        envs.close()
+    assert truncated_at == [4]
+    assert used[0] == 9
+
+
+def test_a_step_wait_timeout_leaves_the_step_pending(monkeypatch):
+    """The fast path gives up at the caller's deadline and the general path raises the
+    timeout; the next step_wait returns that same step's batch."""
+    used = _count_fast(monkeypatch)
+    slow = functools.partial(envs_helpers.Slow, 0.5)
+    envs = RemoteVectorEnv([slow] * 2, envs_per_worker=1)
+    try:
+        envs.reset(seed=0)
+        envs.step_async(np.zeros(2, dtype=np.int64))
+        with pytest.raises(multiprocessing.TimeoutError):
+            envs.step_wait(timeout=0.05)
+        obs, *_ = envs.step_wait(timeout=60)
+        assert obs.shape == (2, 4)
+        envs.step(np.zeros(2, dtype=np.int64))
+    finally:
+        envs.close()
+    assert used[0] >= 1
