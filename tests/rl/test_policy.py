@@ -221,8 +221,12 @@ def test_readers_are_told_when_the_learner_process_exits():
     assert store.latest(timeout=30)[1]["w"].tolist() == [0, 1, 2, 3, 4]
     learner.join(60)
     with pytest.raises(PolicyStoreLost, match="closed it, exited or was killed"):
-        store.latest()
+        store.latest()                      # its connection broke
+    fresh = pickle.loads(pickle.dumps(store))
+    with pytest.raises(PolicyStoreLost, match="closed it, exited or was killed"):
+        fresh.latest()                      # nothing listens at the address
     store.close()
+    fresh.close()
 
 
 # -- snapshot and restore -----------------------------------------------------------------------

@@ -9,6 +9,8 @@
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from fibrl.errors import ChannelClosed
 
 __all__ = ["PolicyStoreLost", "VersionNotKept"]
@@ -22,7 +24,7 @@ class VersionNotKept(KeyError):
     """A version that the store does not hold: older than the last ``keep``, or newer
     than the latest. ``kept`` lists the versions it holds (oldest first)."""
 
-    def __init__(self, message: str, kept: tuple = ()) -> None:
+    def __init__(self, message: str, kept: Iterable[int] = ()) -> None:
         super().__init__(message)
         self.kept = tuple(kept)
 

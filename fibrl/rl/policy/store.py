@@ -29,6 +29,8 @@ from .reader import Reader
 
 __all__ = ["PolicyStore", "PolicyFollower"]
 
+# multiprocessing's bytes subclass for keys (typeshed does not declare it)
+_AuthenticationString: type[bytes] = mp_process.AuthenticationString  # type: ignore[attr-defined]
 # Seconds close() gives the snapshot thread to write the last version published.
 SNAPSHOT_CLOSE_TIMEOUT = 120.0
 
@@ -81,7 +83,7 @@ class PolicyStore:
         self._reader: Optional[Reader] = None
         self._authkey: Optional[bytes] = None
         self._address = self._host.address
-        self._finalizer = weakref.finalize(self, _shut, self._host, self._snapshots)
+        self._finalizer: Any = weakref.finalize(self, _shut, self._host, self._snapshots)
 
     @classmethod
     def restore(cls, path: str, *, keep: int = 1) -> "PolicyStore":
@@ -118,8 +120,7 @@ class PolicyStore:
             own = bytes(mp_process.current_process().authkey)
             # multiprocessing's key type: pickled only to start a process, never
             # into a queue item or a file
-            authkey = None if bytes(authkey) == own else mp_process.AuthenticationString(
-                bytes(authkey))
+            authkey = None if bytes(authkey) == own else _AuthenticationString(bytes(authkey))
         return _reader(address, authkey)
 
     # -- pickling: the versions stay with the publisher; a reader travels -------------
