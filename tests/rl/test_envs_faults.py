@@ -170,3 +170,128 @@ def test_requests_kept_for_resending_hold_their_own_actions():
         assert (part["a"] == 0).all()
     finally:
         envs.close()
+
+
+def test_on_error_raise_raises_the_envs_exception_and_goes_on_after_reset():
+    from gymnasium.error import ResetNeeded
+
+    envs = RemoteVectorEnv([envs_helpers.SeedFails] * 3, envs_per_worker=2, on_error="raise")
+    try:
+        envs.reset(seed=10)
+        with pytest.raises(ValueError, match="Error in step with 1") as info:
+            envs.step(np.array([0, 1, 1]))
+        cause = info.value.__cause__
+        assert type(cause).__name__ == "RemoteTraceback" and "in step" in str(cause)
+        assert "env 1" in "".join(getattr(info.value, "__notes__", []))   # the first of 1, 2
+        with pytest.raises(ResetNeeded, match=r"envs \[1, 2\]"):
+            envs.step(np.zeros(3, np.int64))
+        envs.send(np.zeros(1, np.int64), env_ids=[0])   # env 0 did not raise
+        envs.recv(timeout=60)
+        obs, _ = envs.reset(seed=5)
+        obs, rewards, *_ = envs.step(np.zeros(3, np.int64))
+        assert rewards.tolist() == [1.0, 1.0, 1.0] and envs.restart_counts == (0, 0, 0)
+    finally:
+        envs.close()
+
+
+def test_an_exception_that_does_not_pickle_still_reaches_the_caller():
+    envs = RemoteVectorEnv([envs_helpers.RaisesUnpicklable], on_error="raise")
+    try:
+        envs.reset(seed=0)
+        with pytest.raises(RuntimeError, match="Unpicklable: unpicklable failure") as info:
+            envs.step(np.zeros(1, np.int64))
+        assert "threading" in str(info.value.__cause__) or "raise Unpicklable" in str(
+            info.value.__cause__)
+    finally:
+        envs.close()
+
+
+def test_a_restart_resets_with_the_episodes_options_and_infos_say_why():
+    envs = RemoteVectorEnv([functools.partial(envs_helpers.Flaky, 3)] * 2, envs_per_worker=2,
+                           autoreset_mode="SameStep")
+    try:
+        obs, _ = envs.reset(seed=0, options={"level": 7})
+        assert obs[:, 1].tolist() == [7.0, 7.0]
+        envs.step(np.zeros(2, np.int64))
+        envs.step(np.zeros(2, np.int64))
+        obs, _, _, truncs, infos = envs.step(np.zeros(2, np.int64))   # both raise at step 3
+        assert truncs.tolist() == [True, True]
+        assert obs[:, 1].tolist() == [7.0, 7.0]   # reset again with {"level": 7}
+        assert infos["fibrl_error_type"].tolist() == ["ConnectionResetError"] * 2
+        assert "dropped the connection at step 3" in infos["fibrl_error"][0]
+        assert infos["final_info"]["fibrl_error_type"][1] == "ConnectionResetError"
+    finally:
+        envs.close()
+
+
+def test_the_restart_budget_is_per_env_and_counted_in_its_steps():
+    fns = [functools.partial(envs_helpers.Flaky, 2), functools.partial(envs_helpers.Flaky, 1)]
+    envs = RemoteVectorEnv(fns, envs_per_worker=2, max_restarts=4, restart_window=10,
+                           autoreset_mode="SameStep")
+    try:
+        envs.reset(seed=0)
+        with pytest.raises(EnvCrashError) as info:
+            for _ in range(30):
+                envs.step(np.zeros(2, np.int64))
+        # env 0 restarts every 2nd step (5 within 10 steps would spend it) but env 1, every
+        # step, spends its own first
+        assert "env 1 crashed and its restart budget is spent: 5 restarts within its last " \
+               "10 steps" in str(info.value)
+        assert envs.restart_counts[1] == 5 and envs.restart_counts[0] == 2
+    finally:
+        envs.close()
+
+
+def test_an_env_that_crashes_once_per_500_steps_survives_50000_steps_by_default():
+    """An env that crashes now and then is not stopped by the default budget (the old one,
+    10 restarts of all envs within 60 s, ended this run after about 6 s)."""
+    envs = RemoteVectorEnv([functools.partial(envs_helpers.Flaky, 500)] * 10,
+                           envs_per_worker=10, autoreset_mode="SameStep")
+    try:
+        envs.reset(seed=0)
+        actions = np.zeros(10, np.int64)
+        for _ in range(5000):   # 50,000 env steps, each env restarting every 500
+            envs.step(actions)
+        assert envs.restart_counts == (10,) * 10
+    finally:
+        envs.close()
+
+
+def test_a_hard_crash_in_a_worker_of_several_envs_names_the_suspects(caplog):
+    fns = [envs_helpers.Tiny, functools.partial(envs_helpers.ExitAt, 2), envs_helpers.Tiny]
+    envs = RemoteVectorEnv(fns, envs_per_worker=3, seed=0, autoreset_mode="SameStep")
+    try:
+        envs.reset(seed=0)
+        with caplog.at_level(logging.WARNING, logger="fibrl.rl.envs.vector"):
+            envs.step(np.zeros(3, np.int64))
+            envs.send(np.zeros(1, np.int64), env_ids=[0])   # only env 0 and 1 step now:
+            envs.recv(timeout=60)
+            envs.send(np.zeros(1, np.int64), env_ids=[1])   # env 1's second step exits
+            _, _, _, truncs, infos = envs.recv(timeout=120)
+        assert truncs.tolist() == [True] and infos["fibrl_error_type"].tolist() == [
+            "WorkerDied"]
+        told = " ".join(r.getMessage() for r in caplog.records)
+        assert "exit code 3" in told and "while stepping env 1: that env caused it" in told
+        assert envs.restart_counts == (1, 1, 1)   # its neighbours started over with it
+        *_, infos = envs.step(np.zeros(3, np.int64))   # the others report their restart
+        assert infos["_fibrl_restarted"].tolist() == [True, False, True]
+        assert "while stepping env 1" in infos["fibrl_error"][0]
+    finally:
+        envs.close()
+
+
+def test_isolate_envs_runs_one_process_per_env_and_a_crash_takes_only_its_env():
+    fns = [envs_helpers.Tiny, functools.partial(envs_helpers.ExitAt, 2), envs_helpers.Tiny]
+    with pytest.raises(ValueError, match="isolate_envs"):
+        RemoteVectorEnv(fns, envs_per_worker=3, isolate_envs=True)
+    envs = RemoteVectorEnv(fns, isolate_envs=True)
+    try:
+        assert len({p.pid for p in envs.processes}) == 3
+        envs.reset(seed=0)
+        envs.step(np.zeros(3, np.int64))
+        *_, truncs, infos = envs.step(np.zeros(3, np.int64))   # env 1 exits its process
+        assert truncs.tolist() == [False, True, False]
+        assert "while stepping env 1: that env caused it" in infos["fibrl_error"][1]
+        assert envs.restart_counts == (0, 1, 0)
+    finally:
+        envs.close()
