@@ -638,6 +638,12 @@ class _Reading:
         (each copied once, never joined first). Raises :class:`ChannelClosed` when the
         other end is gone."""
         try:
+            if type(frame) is bytes and len(frame) <= PIECE:  # the common case, inline
+                with self._send_lock:
+                    err = _lib.nng_send(self._sock.socket, frame, len(frame), 0)
+                if err:
+                    check_err(err)
+                return
             with self._send_lock:
                 _send_frame(self._sock, frame)
         except pynng.NNGException as exc:
