@@ -5,7 +5,8 @@ environment, assemble n-step transitions, compute initial priorities with
 their copy of the Q-network, and insert batches into one prioritized
 ``ReplayStore``. The learner samples prioritized batches, trains a double DQN
 with importance weights, writes new priorities back, and publishes its weights
-through a fibrl Manager dict; actors pick them up every few hundred steps.
+to a ``PolicyStore``; actors check for a newer version every few hundred steps
+(one small round trip when there is none).
 
     python examples/apex_dqn.py                      # learns to a greedy mean return >= 475
     python examples/apex_dqn.py --num-actors 1 --max-updates 50 --min-replay 200   # smoke size
@@ -24,7 +25,7 @@ from typing import Optional
 import numpy as np
 
 import fibrl
-from fibrl.rl import ReplayStore
+from fibrl.rl import PolicyStore, ReplayStore
 from fibrl.rl.replay import Prioritized, RateLimiterTimeout, SampleToInsertRatio
 
 
@@ -39,7 +40,7 @@ class Args:
     lr: float = 5e-4
     target_every: int = 250         # learner updates between target-network copies
     publish_every: int = 50         # learner updates between weight publications
-    sync_every: int = 200           # actor steps between weight pulls
+    sync_every: int = 200           # actor steps between checks for newer weights
     min_replay: int = 2_000
     samples_per_insert: float = 8.0  # rate limiter: actors wait when they run this far ahead
     eval_every: int = 500           # learner updates between greedy evaluations
@@ -67,12 +68,8 @@ def q_network(hidden: int):
                          nn.Linear(hidden, 2))
 
 
-def load_weights(net, weights: dict) -> None:
-    import torch
-    net.load_state_dict({k: torch.from_numpy(v) for k, v in weights.items()})
-
-
-def actor(index: int, args: Args, store: ReplayStore, shared, returns) -> None:
+def actor(index: int, args: Args, store: ReplayStore, policy: PolicyStore, stop,
+          returns) -> None:
     """Step one CartPole with epsilon-greedy on the latest weights; insert n-step items."""
     import gymnasium as gym
     import torch
@@ -80,19 +77,20 @@ def actor(index: int, args: Args, store: ReplayStore, shared, returns) -> None:
     epsilon = 0.4 ** (1 + 7 * index / max(1, args.num_actors - 1))  # Ape-X's schedule
     rng = np.random.default_rng(args.seed + 1000 + index)
     env = gym.make("CartPole-v1")
-    net, version = q_network(args.hidden), -1
+    net, weights = q_network(args.hidden), policy.follow(as_torch=True)
+    if not weights.refresh(timeout=120):
+        raise TimeoutError("the learner published no weights within 120 s")
+    net.load_state_dict(weights.params)
     obs, _ = env.reset(seed=args.seed + index)
     window: list = []
     out: list = []
     episode_return, steps = 0.0, 0
     while True:
-        if steps % args.sync_every == 0:  # one manager call per sync, not per step
-            state = shared.copy()
-            if state["stop"]:
+        if steps % args.sync_every == 0:  # one small round trip per check, not per step
+            if stop.is_set():
                 return
-            if state["version"] != version:
-                version = state["version"]
-                load_weights(net, state["weights"])
+            if weights.refresh():
+                net.load_state_dict(weights.params)
         with torch.no_grad():
             q = net(torch.from_numpy(obs).float().unsqueeze(0))[0].numpy()
         action = int(rng.integers(2)) if rng.random() < epsilon else int(q.argmax())
@@ -119,7 +117,7 @@ def actor(index: int, args: Args, store: ReplayStore, shared, returns) -> None:
                     store.insert(batch, priorities=priorities, timeout=2)
                     break
                 except RateLimiterTimeout:
-                    if shared["stop"]:
+                    if stop.is_set():
                         return
 
 
@@ -162,19 +160,14 @@ def evaluate(net, episodes: int, seed: int) -> float:
     return total / episodes
 
 
-def publish(net, shared, version: int) -> None:
-    shared["weights"] = {k: v.detach().numpy().copy() for k, v in net.state_dict().items()}
-    shared["version"] = version
-
-
-def learn(args: Args, store: ReplayStore, shared, returns) -> list:
+def learn(args: Args, store: ReplayStore, policy: PolicyStore, returns) -> list:
     import torch
     import torch.nn.functional as F
     torch.manual_seed(args.seed)
     net, target = q_network(args.hidden), q_network(args.hidden)
     target.load_state_dict(net.state_dict())
     optimizer = torch.optim.Adam(net.parameters(), lr=args.lr)
-    publish(net, shared, 0)
+    policy.publish(net.state_dict())
     curve, actor_returns = [], []
     start = time.monotonic()
     new_priorities = None  # sent with the next sample: one round trip per step
@@ -195,7 +188,7 @@ def learn(args: Args, store: ReplayStore, shared, returns) -> list:
         if update % args.target_every == 0:
             target.load_state_dict(net.state_dict())
         if update % args.publish_every == 0:
-            publish(net, shared, update)
+            policy.publish(net.state_dict())
         while True:
             try:
                 actor_returns.append(returns.get_nowait()[1])
@@ -204,7 +197,8 @@ def learn(args: Args, store: ReplayStore, shared, returns) -> list:
         if update % args.eval_every == 0 or update == args.max_updates:
             score = evaluate(net, args.eval_episodes, args.seed + 10_000)
             row = dict(update=update, seconds=round(time.monotonic() - start, 1),
-                       inserts=store.stats()["inserts"], eval_return=score,
+                       inserts=store.stats()["inserts"], policy_version=policy.version,
+                       eval_return=score,
                        actor_return=float(np.mean(actor_returns[-20:])) if actor_returns else 0.0)
             curve.append(row)
             print(row, flush=True)
@@ -224,17 +218,16 @@ def main(argv=None) -> list:
     args = parse_args(argv)
     store = ReplayStore(args.capacity, sampler=Prioritized(alpha=0.6, beta=0.4),
                         rate_limiter=limiter(args), seed=args.seed)
-    with store, fibrl.Manager() as manager:
-        shared = manager.dict(stop=False, version=-1)
-        returns = fibrl.Queue()
-        actors = [fibrl.Process(target=actor, args=(i, args, store, shared, returns))
+    with store, PolicyStore() as policy:
+        stop, returns = fibrl.Event(), fibrl.Queue()
+        actors = [fibrl.Process(target=actor, args=(i, args, store, policy, stop, returns))
                   for i in range(args.num_actors)]
         for proc in actors:
             proc.start()
         try:
-            curve = learn(args, store, shared, returns)
+            curve = learn(args, store, policy, returns)
         finally:
-            shared["stop"] = True
+            stop.set()
             for proc in actors:
                 proc.join(60)
                 if proc.is_alive():
