@@ -229,16 +229,22 @@ def _binary(shape: tuple) -> Check:
     return check
 
 
+_UNSIGNED = {np.dtype(f"i{n}"): np.dtype(f"u{n}") for n in (1, 2, 4, 8)}
+
+
 def _integers(low: Union[int, np.ndarray], high: Union[int, np.ndarray], shape: tuple) -> Check:
-    scalar = np.ndim(low) == 0
-    if scalar:
-        lo, hi = int(low), int(high)
+    if np.ndim(low) == 0:
+        lo, span = int(low), int(high) - int(low)
 
         def check(a: Any) -> bool:
             if type(a) is not np.ndarray:
                 a = np.asarray(a)
-            return (a.dtype.kind in "iu" and a.ndim == 1 and a.size > 0
-                    and lo <= a.min() and a.max() < hi)
+            kind = a.dtype.kind
+            if kind not in "iu" or a.ndim != 1 or not a.size:
+                return False
+            if lo == 0:   # one pass: negative numbers read as unsigned are too large
+                return a.view(_UNSIGNED.get(a.dtype, a.dtype)).max() < span
+            return lo <= a.min() and a.max() < lo + span
         return check
 
     def check_each(a: Any) -> bool:
@@ -252,10 +258,15 @@ def _bounds(space: spaces.Box) -> Check:
     shape = tuple(space.shape)
     low = None if np.all(np.isneginf(space.low)) else np.asarray(space.low)
     high = None if np.all(np.isposinf(space.high)) else np.asarray(space.high)
+    # the same bound for every element (the common case): compare the extremes only
+    lo = low.flat[0] if low is not None and (low == low.flat[0]).all() else None
+    hi = high.flat[0] if high is not None and (high == high.flat[0]).all() else None
 
     def check(a: Any) -> bool:
         a = _shaped(a, shape)
-        if a is None or a.dtype.kind not in "biuf":
+        if a is None or a.dtype.kind not in "biuf" or not a.size:
+            return a is not None and a.dtype.kind in "biuf"
+        if low is not None and not (a.min() >= lo if lo is not None else (a >= low).all()):
             return False
-        return bool((low is None or (a >= low).all()) and (high is None or (a <= high).all()))
+        return high is None or bool(a.max() <= hi if hi is not None else (a <= high).all())
     return check
