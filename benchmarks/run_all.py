@@ -73,6 +73,7 @@ BENCHES = (
           ("--quick", "--rounds", "1", "--demo-steps", "500"), (),
           needs=("gymnasium",)),
     Bench("replay", "bench_replay.py", "Replay store", ("--quick",), (), needs=("numpy",)),
+    Bench("policy", "bench_policy.py", "Policy store", ("--quick",), (), needs=("numpy",)),
 )
 
 

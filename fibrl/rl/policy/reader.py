@@ -64,13 +64,13 @@ class Reader:
                 raise self._lost(exc) from exc
 
     def _answer(self, conn: channel.Channel, seq: int, wait: float) -> tuple:
-        deadline = time.monotonic() + (wait if math.isfinite(wait) else 0) + ANSWER_TIMEOUT
-        while True:
-            left = None if not math.isfinite(wait) else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                break
+        # the same timeout for every receive of a wait (the channel sets it on its
+        # socket only when it changes); the deadline bounds a run of late answers
+        limit = wait + ANSWER_TIMEOUT if math.isfinite(wait) else None
+        deadline = None if limit is None else time.monotonic() + limit
+        while deadline is None or time.monotonic() < deadline:
             try:
-                frame = conn.recv(timeout=left)
+                frame = conn.recv(timeout=limit)
             except TimeoutError:
                 break
             answer = Answer.unpack(frame)
