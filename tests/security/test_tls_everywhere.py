@@ -126,6 +126,9 @@ def _check_listeners(proc, lines) -> None:
     channel_port = int(lines["channel"][0])
     assert any(port == channel_port and pid == proc.pid for (_, port), pid in sockets.items()), \
         f"the fibrl.channel listener (port {channel_port}) was not found: {sockets}"
+    policy_port = int(lines["policy"][0])
+    assert any(port == policy_port and pid == proc.pid for (_, port), pid in sockets.items()), \
+        f"the PolicyStore listener (port {policy_port}) was not found: {sockets}"
     answered = []
     for (ip, port), pid in sorted(sockets.items()):
         received, closed = _probe(ip, port)

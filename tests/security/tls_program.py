@@ -1,10 +1,12 @@
 """A fibrl program with TLS on, for the test that every listener it opens refuses
 plaintext: it holds a Pool, a Manager, a Queue (with a producer process), a
-RemoteVectorEnv with local workers and a ``fibrl.channel`` listener, all in use.
+RemoteVectorEnv with local workers, a ``fibrl.channel`` listener and a
+``fibrl.rl.PolicyStore``, all in use.
 
 Usage: python tls_program.py [envs] (``envs``: the RemoteVectorEnv only). Prints
 "stepped <n>" once the vector env has reset and stepped with TLS, "envs <pid> ..." (the
-env workers), "channel <port>" (the channel listener, once a worker used it), then
+env workers), "channel <port>" (the channel listener, once a worker used it), "policy
+<port>" (the policy store's listener, once a worker read a version), then
 "ready <pid> ..." (the manager's server and the pool's workers), so that the test can check
 it found them all, and waits for "quit" on stdin.
 """
@@ -15,6 +17,7 @@ import numpy as np
 
 import fibrl
 import fibrl.channel
+from fibrl.rl import PolicyStore
 from fibrl.rl.envs import RemoteVectorEnv
 
 
@@ -31,6 +34,10 @@ def ask(address):
     conn.send(fibrl.channel.dumps(("asked by", os.getpid())))
     assert fibrl.channel.loads(conn.recv(timeout=60))[0] == "asked by"
     conn.close()
+
+
+def read_policy(policy):
+    assert policy.latest(timeout=60)[1]["w"].sum() == 1000
 
 
 def main(everything: bool) -> None:
@@ -55,13 +62,21 @@ def main(everything: bool) -> None:
     asker.start()
     asker.join(60)
     assert asker.exitcode == 0, asker.exitcode
+    policy = PolicyStore()
+    policy.publish({"w": np.ones(1000)})
+    reader = fibrl.Process(target=read_policy, args=(policy,))
+    reader.start()
+    reader.join(60)
+    assert reader.exitcode == 0, reader.exitcode
     envs = step_envs()
     print("envs", *[p.pid for p in envs.processes], flush=True)
     print("channel", echo.address.rsplit(":", 1)[1], flush=True)
+    print("policy", policy.address.rsplit(":", 1)[1], flush=True)
     print("ready", manager._process.pid, *sorted(pool_pids), flush=True)
     sys.stdin.readline()   # "quit", or EOF when the test is gone
     envs.close()
     echo.close()
+    policy.close()
     producer.join(30)
     manager.shutdown()
     pool.terminate()
