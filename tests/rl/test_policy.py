@@ -434,3 +434,15 @@ def test_a_reader_that_waits_without_limit_is_answered_by_a_publish():
         assert got and got[0][0] == 1
         reader.close()
         wait_until(lambda: not thread.is_alive(), "the waiting thread to end", 10)
+
+
+def test_a_state_dict_on_the_gpu_is_published_from_the_cpu():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    net = torch.nn.Linear(64, 32).cuda()
+    with PolicyStore() as store:
+        store.publish(net.state_dict())
+        params = store.latest(as_torch=True)[1]
+        assert params["weight"].device.type == "cpu"
+        assert torch.equal(params["weight"], net.weight.detach().cpu())
