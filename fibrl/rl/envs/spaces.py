@@ -91,9 +91,9 @@ def _observations(obs_spaces: list, mode: Any, num_envs: int) -> tuple:
         if odd:
             raise RuntimeError(
                 f"RemoteVectorEnv(..., observation_mode='same') however the "
-                f"sub-environments observation spaces are not equivalent (env 0: "
-                f"{single}, env {odd[0]}: {obs_spaces[odd[0]]}). If this is intentional, "
-                f"use `observation_mode='different'` instead.")
+                f"sub-environments observation spaces are not equivalent. Env 0 has "
+                f"{single}, env {odd[0]} {obs_spaces[odd[0]]}. If this is intentional, use "
+                f"`observation_mode='different'` instead.")
         return single, batch_space(single, num_envs)
     _require_equiv(single, obs_spaces, "'different'")
     return single, batch_differing_spaces(obs_spaces)

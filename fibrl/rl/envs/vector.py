@@ -895,14 +895,15 @@ class RemoteVectorEnv(VectorEnv):
     # -- state machine -----------------------------------------------------------------
     def _expect_idle(self, what: str) -> None:
         if self._state != AsyncState.DEFAULT:
-            raise AlreadyPendingCallError(
-                f"RemoteVectorEnv.{what} while a {self._state} call is pending; call its "
-                f"wait method (or recv) first", self._state)
+            raise AlreadyPendingCallError(   # gymnasium's words, then how to go on
+                f"Calling `{what}` while waiting for a pending call to `{self._state}` to "
+                f"complete (RemoteVectorEnv: call its wait method, or recv, first)",
+                self._state)
 
     def _expect(self, state: str, what: str, before: str) -> None:
         self._check_alive()
         if self._state != state:
-            raise NoAsyncCallError(f"RemoteVectorEnv.{what} without a pending {before}",
+            raise NoAsyncCallError(f"Calling `{what}` without any prior call to `{before}`.",
                                    state)
 
     # -- closing -----------------------------------------------------------------------
