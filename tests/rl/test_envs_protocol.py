@@ -6,7 +6,8 @@ from conftest import require_module
 np = require_module("numpy", "CI_REQUIRE_DOCKER")
 require_module("gymnasium", "CI_REQUIRE_DOCKER")
 
-from fibrl.rl.envs.protocol import Call, Reset, Result, Step, decode, encode  # noqa: E402
+from fibrl.rl.envs.protocol import (Call, Failure, Reset, Result, Step, decode,  # noqa: E402
+                                     encode)
 
 
 def frame_bytes(frame):
@@ -65,9 +66,36 @@ def test_result_frame_round_trips_with_and_without_infos():
     frame = encode(plain)
     assert type(frame) is bytes and frame[:2] == b"FR"
     check_result(decode(frame), plain)
+    try:
+        raise RuntimeError("boom")
+    except RuntimeError as exc:
+        failure = Failure.capture(1, exc)
     rich = result(obs, infos=[None, {"final_obs": np.ones(4), "x": 1}, None],
-                  restarts=((1, "Traceback ... RuntimeError: boom"),))
-    check_result(decode(encode(rich)), rich)
+                  restarts=(failure,))
+    got = decode(encode(rich))
+    check_result(got, rich)
+    (back,) = got.restarts
+    assert back.summary == "RuntimeError: boom" and back.restarted
+    assert back.traceback.rstrip().endswith("RuntimeError: boom")
+    assert type(back.error) is RuntimeError and back.error.args == ("boom",)
+
+
+def test_a_failure_whose_exception_does_not_pickle_keeps_its_type_and_message():
+    import threading
+
+    class Odd(Exception):
+        def __init__(self, lock):
+            super().__init__("odd")
+            self.lock = lock
+
+    try:
+        raise Odd(threading.Lock())
+    except Odd as exc:
+        failure = Failure.capture(0, exc, restarted=False)
+    back = decode(encode(Result(1, 0, 5, (0,), np.zeros((1, 2)), np.zeros(1),
+                                np.zeros(1, bool), np.zeros(1, bool), [None], (failure,))))
+    (got,) = back.restarts
+    assert got.error is None and got.summary == "Odd: odd" and not got.restarted
 
 
 def test_large_observations_travel_as_their_own_part():

@@ -124,7 +124,7 @@ class Failure:
     traceback: str
     error_type: str
     message: str
-    error: Optional[BaseException] = None
+    error: Optional[BaseException] = dataclasses.field(default=None, compare=False)
     restarted: bool = True
 
     @classmethod
