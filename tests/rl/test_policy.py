@@ -82,6 +82,33 @@ def test_a_reader_never_sees_a_torn_version():
 
 
 # -- versions, waiting, keep ----------------------------------------------------------------
+def test_with_keep_1_publish_reuses_the_buffer_nobody_reads():
+    """The publisher holds one copy of the params: the next version is written into the
+    current one's buffer, unless a reader is receiving it (then that buffer stays as it
+    is until the reader is done, and a new one is made)."""
+    params = {"w": np.zeros(1 << 18, np.float32)}
+    with PolicyStore() as store:
+        versions = store._versions
+        store.publish(params)
+        first = versions.get(1)
+        buffer = first.blob.obj
+        versions.release(first)
+        params["w"][:] = 2
+        store.publish(params)
+        second = versions.get(2)
+        assert second.blob.obj is buffer           # reused: nobody held version 2's
+        params["w"][:] = 3
+        before = bytes(second.blob)                # version 2 is lent (being "sent")
+        store.publish(params)
+        assert bytes(second.blob) == before        # left alone while lent
+        third = versions.get(3)
+        assert third.blob.obj is not buffer
+        versions.release(third)
+        versions.release(second)
+        assert store.latest()[1]["w"][0] == 3
+        assert store.get(3)["w"][0] == 3
+
+
 def test_versions_increase_and_latest_waits_for_a_newer_one():
     with PolicyStore() as store:
         reader = pickle.loads(pickle.dumps(store))   # a reader, as a worker gets it

@@ -29,7 +29,7 @@ import os
 import struct
 import threading
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import fibrl.channel as channel
 
@@ -54,16 +54,55 @@ class StoreClosed(Exception):
 
 
 class Versions:
-    """The last ``keep`` versions, and the waits for a newer one (one condition)."""
+    """The last ``keep`` versions, and the waits for a newer one (one condition).
+
+    A version handed out by :meth:`newer` or :meth:`get` is *lent* until
+    :meth:`release`: its blob is being sent or copied. With ``keep=1``, ``publish``
+    builds the next version in the buffer of the current one when nobody holds it
+    (:meth:`reclaim`), so that a publisher holds one blob, not two, while it
+    publishes; readers that ask meanwhile wait for the new version.
+    """
 
     def __init__(self, keep: int, start: Optional[Version] = None) -> None:
         self._kept: collections.deque = collections.deque(maxlen=keep)
         self._changed = threading.Condition()
         self.closed = False
         self._latest = 0
+        self._lent: collections.Counter = collections.Counter()   # number -> holders
+        self._rebuilding = False     # the latest's buffer is being overwritten
         if start is not None:
             self._kept.append(start)
             self._latest = start.number
+
+    def _lend(self, version: Version) -> Version:
+        self._lent[version.number] += 1
+        return version
+
+    def release(self, version: Version) -> None:
+        """The blob of ``version`` (from newer/get) is no longer read."""
+        with self._changed:
+            self._lent[version.number] -= 1
+            if self._lent[version.number] <= 0:
+                del self._lent[version.number]
+
+    def reclaim(self, size: int) -> Optional[bytearray]:
+        """The latest version's buffer, to build the next version in, if ``keep`` is 1,
+        it is ``size`` bytes and nobody holds it; None otherwise. Until :meth:`add` (or
+        :meth:`abandon`), readers wait."""
+        with self._changed:
+            if (self._kept.maxlen != 1 or not self._kept or self._rebuilding
+                    or self._lent[self._kept[-1].number]):
+                return None
+            buffer = self._kept[-1].blob.obj
+            if not isinstance(buffer, bytearray) or len(buffer) != size:
+                return None
+            self._kept.pop()
+            self._rebuilding = True
+            return buffer
+
+    def _settled(self) -> None:
+        """Wait (holding the condition) while a version is being rebuilt."""
+        self._changed.wait_for(lambda: not self._rebuilding or self.closed)
 
     @property
     def latest(self) -> int:
@@ -71,18 +110,28 @@ class Versions:
         return self._latest
 
     def kept(self) -> list:
-        return [v.number for v in list(self._kept)]
-
-    def add(self, blob: memoryview) -> Version:
-        """Make ``blob`` the next version."""
         with self._changed:
+            self._settled()
+            return [v.number for v in list(self._kept)]
+
+    def add(self, blob: memoryview, lend: bool = False) -> Version:
+        """Make ``blob`` the next version (lent to the caller if ``lend``)."""
+        with self._changed:
+            self._rebuilding = False
             if self.closed:
+                self._changed.notify_all()
                 raise ValueError("publish on a closed PolicyStore; make a new store")
             self._latest += 1
             version = Version(self._latest, blob)
             self._kept.append(version)
             self._changed.notify_all()
-            return version
+            return self._lend(version) if lend else version
+
+    def abandon(self) -> None:
+        """A rebuild failed: the version it replaced is gone; readers wait for the next."""
+        with self._changed:
+            self._rebuilding = False
+            self._changed.notify_all()
 
     def newer(self, than: int, wait: float) -> Optional[Version]:
         """The newest version if newer than ``than``, waiting up to ``wait`` seconds
@@ -94,8 +143,8 @@ class Versions:
         deadline = time.monotonic() + wait if math.isfinite(wait) else None
         with self._changed:
             while not self.closed:
-                if self._latest > than:
-                    return self._kept[-1]
+                if self._latest > than and not self._rebuilding and self._kept:
+                    return self._lend(self._kept[-1])
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     return None
@@ -103,9 +152,11 @@ class Versions:
         raise StoreClosed()
 
     def get(self, number: int) -> Optional[Version]:
-        for version in list(self._kept):
-            if version.number == number:
-                return version
+        with self._changed:
+            self._settled()
+            for version in self._kept:
+                if version.number == number:
+                    return self._lend(version)
         return None
 
     def close(self) -> None:
@@ -134,15 +185,19 @@ class Host:
             peer.close()
             return
         try:
-            answer = self._answer(request)
+            answer, lent = self._answer(request)
         except StoreClosed:
             return   # close() ends the connection: the reader is told it is lost
         try:
             peer.send(answer)
         except channel.ChannelClosed:
             pass     # the reader went away meanwhile: nobody to tell
+        finally:
+            if lent is not None:
+                self.versions.release(lent)
 
-    def _answer(self, request: Request) -> list:
+    def _answer(self, request: Request) -> tuple[list, Optional[Version]]:
+        """The answer's parts, and the version lent for it (released once sent)."""
         versions = self.versions
         if request.op is Op.LATEST:
             found = versions.newer(request.version, max(0.0, request.wait))
@@ -150,13 +205,13 @@ class Host:
             found = versions.get(request.version)
             if found is None:
                 return [Answer(Kind.MISSING, request.seq, versions.latest).pack(),
-                        pack_kept(versions.kept())]
+                        pack_kept(versions.kept())], None
         else:
             return [Answer(Kind.INFO, request.seq, versions.latest).pack(),
-                    pack_kept(versions.kept())]
+                    pack_kept(versions.kept())], None
         if found is None:
-            return [Answer(Kind.NOTHING, request.seq, versions.latest).pack()]
-        return [Answer(Kind.PARAMS, request.seq, found.number).pack(), found.blob]
+            return [Answer(Kind.NOTHING, request.seq, versions.latest).pack()], None
+        return [Answer(Kind.PARAMS, request.seq, found.number).pack(), found.blob], found
 
     def close(self) -> None:
         """Wake the waiting readers' threads, then end every connection."""
@@ -217,8 +272,9 @@ class SnapshotWriter:
     ``publish`` does not wait for the disk. Versions that come faster than the disk
     takes them are skipped: the file always ends up holding the newest one."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, release: Callable[[Version], None]) -> None:
         self.path = path
+        self._release = release      # of a version handed over (lent), once written
         self._pending: Optional[Version] = None
         self._changed = threading.Condition()
         self.written = 0                        # the version in the file
@@ -227,10 +283,14 @@ class SnapshotWriter:
         self._thread: Optional[threading.Thread] = None
 
     def submit(self, version: Version) -> None:
+        """Write ``version`` (lent to this writer: released once written or skipped)."""
         with self._changed:
-            if version.number <= max(self.written, self._pending.number if self._pending
-                                      else 0):
+            skipped = self._pending
+            if version.number <= max(self.written, skipped.number if skipped else 0):
+                self._release(version)
                 return   # (two threads publishing: a newer one was handed over first)
+            if skipped is not None:
+                self._release(skipped)
             self._pending = version
             self._changed.notify_all()
             if self._thread is None:
@@ -246,7 +306,10 @@ class SnapshotWriter:
                 version, self._pending = self._pending, None
             if version is None:
                 return
-            self._write(version)
+            try:
+                self._write(version)
+            finally:
+                self._release(version)
 
     def _write(self, version: Version) -> None:
         try:

@@ -29,7 +29,8 @@ import numpy as np
 
 from .protocol import HEADER
 
-__all__ = ["freeze", "thaw", "to_torch", "ALIGN", "BIAS", "OUT_OF_BAND"]
+__all__ = ["freeze", "prepare", "lay_out", "Prepared", "thaw", "to_torch", "ALIGN", "BIAS",
+           "OUT_OF_BAND"]
 
 _MAGIC = b"FBPOLv1\0"
 _HEAD = struct.Struct("<8sIIQ")
@@ -46,6 +47,25 @@ def freeze(params: Any) -> memoryview:
         TypeError: ``params`` is not a dict, or a value in it cannot be pickled (the
             message names its key).
     """
+    return lay_out(prepare(params))
+
+
+class Prepared:
+    """Params pickled, their large arrays not copied yet: ``size`` is the blob's."""
+
+    def __init__(self, stream: bytes, raws: list) -> None:
+        self.stream, self.raws = stream, raws
+        position = _HEAD.size + _SPAN.size * len(raws) + len(stream)
+        self.spans = []
+        for raw in raws:
+            position += -(BIAS + position) % ALIGN
+            self.spans.append((position, raw.nbytes))
+            position += raw.nbytes
+        self.size = position
+
+
+def prepare(params: Any) -> Prepared:
+    """The first half of :func:`freeze`: check and pickle ``params`` (what can fail)."""
     if not isinstance(params, Mapping):
         raise TypeError(f"a policy's params are a dict (of arrays, tensors, numbers or "
                         f"nested dicts: a torch state_dict will do), got "
@@ -56,7 +76,22 @@ def freeze(params: Any) -> memoryview:
         stream = pickle.dumps(plain, protocol=5, buffer_callback=_out_of_band(buffers))
     except Exception as exc:
         raise _unpicklable(plain, exc) from exc
-    return _lay_out(stream, [b.raw() for b in buffers])
+    return Prepared(stream, [b.raw() for b in buffers])
+
+
+def lay_out(prepared: Prepared, into: Any = None) -> memoryview:
+    """The second half of :func:`freeze`: the blob, written into ``into`` (a bytearray
+    of ``prepared.size`` bytes that nobody reads now) or a new buffer."""
+    stream, raws, spans = prepared.stream, prepared.raws, prepared.spans
+    blob = into if into is not None and len(into) == prepared.size else bytearray(prepared.size)
+    _HEAD.pack_into(blob, 0, _MAGIC, len(raws), 0, len(stream))
+    for i, span in enumerate(spans):
+        _SPAN.pack_into(blob, _HEAD.size + i * _SPAN.size, *span)
+    start = _HEAD.size + _SPAN.size * len(raws)
+    blob[start:start + len(stream)] = stream
+    for raw, (offset, size) in zip(raws, spans):
+        blob[offset:offset + size] = raw
+    return memoryview(blob).toreadonly()
 
 
 def _out_of_band(buffers: list):
@@ -66,24 +101,6 @@ def _out_of_band(buffers: list):
         buffers.append(buffer)
         return False
     return keep
-
-
-def _lay_out(stream: bytes, raws: list) -> memoryview:
-    start = _HEAD.size + _SPAN.size * len(raws)
-    position = start + len(stream)
-    spans = []
-    for raw in raws:
-        position += -(BIAS + position) % ALIGN
-        spans.append((position, raw.nbytes))
-        position += raw.nbytes
-    blob = bytearray(position)
-    _HEAD.pack_into(blob, 0, _MAGIC, len(raws), 0, len(stream))
-    for i, span in enumerate(spans):
-        _SPAN.pack_into(blob, _HEAD.size + i * _SPAN.size, *span)
-    blob[start:start + len(stream)] = stream
-    for raw, (offset, size) in zip(raws, spans):
-        blob[offset:offset + size] = raw
-    return memoryview(blob).toreadonly()
 
 
 def thaw(blob: Any) -> dict:

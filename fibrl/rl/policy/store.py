@@ -23,7 +23,7 @@ from typing import Any, Optional
 
 from .errors import VersionNotKept
 from .host import Host, SnapshotWriter, StoreClosed, Version, Versions, read_snapshot
-from .params import freeze, thaw, to_torch
+from .params import lay_out, prepare, thaw, to_torch
 from .protocol import HEADER, Kind, Op, unpack_kept
 from .reader import Reader
 
@@ -46,7 +46,10 @@ class PolicyStore:
     and the same buffer is sent to every reader that asks, by that reader's own
     thread, so a slow or dead reader delays nobody else. A reader never sees part
     of a version, and changing the learner's arrays after ``publish`` changes no
-    published version.
+    published version. With ``keep=1``, the next version is written into the
+    buffer of the current one when no reader is receiving it at that moment (readers
+    that ask meanwhile wait for the new one), so the store holds one copy of the
+    params, not two, while the learner publishes.
 
     Args:
         keep: how many of the latest versions :meth:`get` can return.
@@ -75,7 +78,8 @@ class PolicyStore:
             if os.path.exists(snapshot_path):
                 start = read_snapshot(snapshot_path)
         self._versions: Optional[Versions] = Versions(keep, start)
-        self._snapshots = None if snapshot_path is None else SnapshotWriter(snapshot_path)
+        self._snapshots = (None if snapshot_path is None else
+                           SnapshotWriter(snapshot_path, self._versions.release))
         if self._snapshots is not None and start is not None:
             self._snapshots.written = start.number
         self._keep = keep
@@ -189,7 +193,16 @@ class PolicyStore:
                 "only the process that made this PolicyStore publishes to it; this one is "
                 "a reader (it came through pickling or PolicyStore.connect). Send what you "
                 "want published to the learner instead.")
-        version = self._versions.add(freeze(params))
+        versions = self._versions
+        prepared = prepare(params)   # (what can fail, before anything changes)
+        buffer = versions.reclaim(prepared.size)
+        try:
+            blob = lay_out(prepared, buffer)
+        except BaseException:
+            if buffer is not None:
+                versions.abandon()
+            raise
+        version = versions.add(blob, lend=self._snapshots is not None)
         if self._snapshots is not None:
             self._snapshots.submit(version)
         return version.number
@@ -261,7 +274,11 @@ class PolicyStore:
         return _received(frame, as_torch)
 
     def _local(self, version: Version, as_torch: bool) -> Any:
-        params = thaw(bytearray(version.blob))   # a copy: the kept blob stays frozen
+        assert self._versions is not None
+        try:
+            params = thaw(bytearray(version.blob))   # a copy: the kept blob stays frozen
+        finally:
+            self._versions.release(version)
         return to_torch(params) if as_torch else params
 
     def _ask(self, op: Op, version: int = 0, wait: float = 0.0) -> tuple:
