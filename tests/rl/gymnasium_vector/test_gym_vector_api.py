@@ -464,3 +464,17 @@ def test_vector_wrappers_forward_to_it(vector):
     assert plain.metadata == wrapped.metadata
     plain.metadata = {"render_modes": ["rgb_array"]}
     assert plain.metadata != wrapped.metadata
+
+
+# -- test_sync_vector_env.py: seeding of the batched action space -------------------------
+def test_action_space_samples_follow_the_envs_seeded_space(vector):
+    """As in SyncVectorEnv, the batched action space starts from the generator of the env's
+    own action space (here seeded by the env's maker)."""
+    pendulum = functools.partial(helpers.made, "Pendulum-v1", 123)
+    single, one = pendulum(), vector([pendulum])
+    remote, sync = vector([pendulum] * 3), SyncVectorEnv([pendulum] * 3)
+    assert (remote.action_space.np_random.bit_generator.state
+            == sync.action_space.np_random.bit_generator.state)
+    for _ in range(100):
+        assert np.all(single.action_space.sample() == one.action_space.sample())
+        assert np.all(remote.action_space.sample() == sync.action_space.sample())
