@@ -8,8 +8,9 @@ happens when something goes wrong:
 * a task that raises fails only itself: ``get()`` raises the task's own
   exception with the worker's traceback as ``__cause__``; the worker lives on;
 * a lost worker (killed, crashed, OOM, container or pod gone) is noticed at
-  once (its sentinel and its connection), replaced, and the tasks it held are
-  run again; results are still delivered exactly once and in order, even when
+  once (its sentinel and its connection), a frozen one or one whose machine
+  vanished once it was silent for ``parent_timeout``; it is replaced, and the
+  tasks it held are run again; results are still delivered exactly once and in order, even when
   it died half-way through a chunk;
 * a task that keeps killing its worker fails, after ``max_task_retries``
   resubmissions, with :class:`fibrl.errors.TaskFailedError` naming the task and
@@ -20,7 +21,8 @@ happens when something goes wrong:
 The package splits policy from mechanism: ``service`` decides which worker
 runs what and what a loss costs; :mod:`fibrl.supervisor` (shared with
 the RL envs) starts and watches processes;
-``worker`` is the loop inside each worker; ``feeder`` reads ``imap`` inputs
+``worker`` is the loop inside each worker; ``liveness`` finds workers that went
+silent; ``feeder`` reads ``imap`` inputs
 lazily; ``results`` holds what callers wait on; ``salvage`` decodes, item by
 item, results the parent cannot unpickle as a block; ``engine`` wires them up
 (also for :mod:`fibrl.futures`).

@@ -88,6 +88,7 @@ class Engine:
         hub = get_hub()
         self._hub = hub
         self._oid = hub.register(self.service)
+        self.service.liveness.start(hub.timers, hub)
         address = hub.address
         oid = self._oid
         self._ended = False

@@ -62,6 +62,7 @@ from ..wire.gate import descriptor_shortage
 from ..hosting.hub import ReplySink, Service
 from .protocol import (CLOSE, LOADING, RUN, STOP, TERMINATE, Batch, Kind, Report, TaskSpec,
                        describe, shorten, unpack)
+from .liveness import Liveness
 from .results import Failure
 from ..supervisor import Policy
 from .salvage import salvage
@@ -75,6 +76,9 @@ log = logging.getLogger(__name__)
 _SHORT_AFTER = 3
 
 HORIZON_S = 0.05        # estimated work a worker may hold (hides the round trip)
+# A worker that went silent is killed this long after its tasks were requeued (at
+# least twice parent_timeout): time to end by itself if it was only stalled.
+_KILL_SILENT_AFTER_S = 30.0
 _EWMA = 0.3
 _MAX_FUNCS = 256
 
@@ -248,6 +252,7 @@ class PoolService(Service, Policy):
         self._load_errors: set = set()   # what workers said when they could not load
         self._first_failure = ""   # evidence of the first failed start in a row
         self._retiring = 0   # workers in _workers that are retiring, kept as they change
+        self.liveness = Liveness(self._silent)   # started by the engine once hosted
         self.stats = {"lost": 0, "requeued": 0, "failed": 0}
 
     # == caller side ======================================================================
@@ -369,6 +374,7 @@ class PoolService(Service, Policy):
     def op_next(self, reply: ReplySink, wid: int, reports: list) -> None:
         """A worker reports results and asks for work; parked until there is some."""
         effects = _Effects()
+        self.liveness.heard(wid)
         with self._lock:
             worker = self._workers.get(wid)
             self._record(reports, effects)
@@ -390,6 +396,7 @@ class PoolService(Service, Policy):
         its worker dies.
         """
         effects = _Effects()
+        self.liveness.heard(wid)
         with self._lock:
             self._record(reports, effects)
             self._mark_running(wid, starting)
@@ -405,6 +412,21 @@ class PoolService(Service, Policy):
             task.running = starting[1]
             if starting[1] != LOADING:
                 task.killed_loading = False  # a worker unpickled it: the payload is harmless
+
+    def op_alive(self, reply: ReplySink, wid: int) -> None:
+        """A worker's heartbeat (one-way): it runs, even if it has nothing to say."""
+        self.liveness.heard(wid)
+
+    def _silent(self, wid: int, seconds: float) -> None:
+        """Worker ``wid`` sent nothing for ``seconds``: its process is frozen, or its
+        machine or network is gone. Its tasks go to other workers now; it is killed
+        only later, so that one that was merely stalled can still end by itself (its
+        late results are dropped as duplicates and it is told to stop)."""
+        self.lose(wid, None, f"sent nothing for {seconds:.0f} s: frozen, or its machine or "
+                             f"network is gone")
+        grace = max(_KILL_SILENT_AFTER_S, 2 * self.hub.parent_timeout)
+        self.hub.timers.call_at(time.monotonic() + grace, lambda: self.hooks.kill(wid),
+                                blocking=True)   # a backend call
 
     def op_func(self, reply: ReplySink, fid: int) -> None:
         """The pickled callable ``fid`` (for a worker that evicted it from its cache)."""
@@ -458,6 +480,7 @@ class PoolService(Service, Policy):
         if worker.connected:
             return
         worker.connected = True
+        self.liveness.watch(worker.wid)
         worker.peer = peer
         if peer is not None:
             self._by_peer[peer.id] = worker
@@ -698,7 +721,11 @@ class PoolService(Service, Policy):
                 return
             if worker.retiring:
                 self._retiring -= 1
+            if worker.parked is not None:   # given up alive (silent): its next() must not wait
+                effects.sends.append((None, worker.parked, STOP))
+                worker.parked = None
             self._forget(worker)
+            self.liveness.forget(wid)
             if worker.held:
                 self.stats["lost"] += 1
             for task in reversed(list(worker.held.values())):
@@ -856,6 +883,7 @@ class PoolService(Service, Policy):
         effects.wake = True
 
     def closed(self) -> None:
+        self.liveness.stop()
         self._break(WorkerLostError("the pool's service was closed by its owner"))
 
     def missing_main_guard(self) -> None:

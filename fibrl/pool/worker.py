@@ -76,6 +76,30 @@ def _not_loaded(what: str, exc: Exception) -> SerializationError:
     return error
 
 
+class _Beat:
+    """Tells the pool every ``interval`` seconds that this worker still runs, from the
+    hub's timer thread, while a task keeps the loop busy (see ``liveness``)."""
+
+    def __init__(self, timers: Any, interval: float, client: Any, oid: str, wid: int) -> None:
+        self._timers, self._interval = timers, interval
+        self._client, self._oid, self._wid = client, oid, wid
+        self._stopped = False
+        self._entry = timers.call_at(time.monotonic() + interval, self._send)
+
+    def _send(self) -> None:
+        if self._stopped or self._client.lost:
+            return
+        try:
+            self._client.send(self._oid, "alive", (self._wid,))
+        except Exception:  # the connection is gone: the loop notices it by itself
+            return
+        self._entry = self._timers.call_at(time.monotonic() + self._interval, self._send)
+
+    def stop(self) -> None:
+        self._stopped = True
+        self._timers.cancel(self._entry)
+
+
 class _Loop:
     def __init__(self, hub: Any, args: WorkerArgs) -> None:
         self._hub = hub
@@ -90,16 +114,21 @@ class _Loop:
         self._stopped = False
 
     def run(self) -> None:
-        self._ask(inline=True)
-        while not self._stopped:
-            if not self._local:
-                self._wait_for_work()
-                continue
-            task = self._local.popleft()
-            if self._request is None and not self._local:
-                self._ask()  # the last one: more will come while it runs
-            self._execute(task)
-            self._after_task()
+        beat = _Beat(self._hub.timers, self._hub.heartbeat_interval, self._client, self._oid,
+                     self._wid)
+        try:
+            self._ask(inline=True)
+            while not self._stopped:
+                if not self._local:
+                    self._wait_for_work()
+                    continue
+                task = self._local.popleft()
+                if self._request is None and not self._local:
+                    self._ask()  # the last one: more will come while it runs
+                self._execute(task)
+                self._after_task()
+        finally:
+            beat.stop()
 
     # -- talking to the service ---------------------------------------------------------
     def _after_task(self) -> None:
