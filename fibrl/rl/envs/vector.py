@@ -64,12 +64,13 @@ from gymnasium.vector.utils import batch_space, concatenate, create_empty_array,
 
 from ... import channel
 from ...context import default_context
-from ...errors import ChannelClosed, TransportError, chain_remote, describe_exitcode
+from ...errors import ChannelClosed, TransportError, describe_exitcode
 from ...supervisor import Policy, Supervisor
 from . import fastpath
 from .manager import make_gym_env
-from .protocol import (Broken, Call, Called, Close, Died, Failure, Hello, Reset, Result,
-                       Started, StartFailed, Step, decode, encode, rows, write_rows)
+from .protocol import (Broken, Call, Called, Close, Died, Hello, Reset, Result, Started,
+                       StartFailed, Step, decode, encode, rows, write_rows)
+from .restarts import EnvCrashError, RestartBudget, RestartLog, blame, last_line, rebuilt
 from .spaces import (ActionCheck, InvalidActionError, check_mode, check_spaces, is_fixed,
                      objects)
 from .worker import RAISE, RESTART, serve
@@ -81,11 +82,6 @@ log = logging.getLogger(__name__)
 get_context = default_context.get_context  # what ``fibrl.get_context`` is
 
 _SLICE = 0.25  # seconds a direct receive waits before looking at deaths and Hellos
-_RESTART_LOG_S = 10.0   # restarts of a failure already logged: one summary line this often
-
-
-class EnvCrashError(RuntimeError):
-    """An env crashed more often than its restart budget allows."""
 
 
 class AsyncState:
@@ -206,8 +202,8 @@ class RemoteVectorEnv(VectorEnv):
         self._check_actions_on = check_actions
         self.autoreset_mode = AutoresetMode(autoreset_mode)
         self._backend, self._step_timeout = backend, step_timeout
-        self._budget = _RestartBudget(self.num_envs, max_restarts, restart_window)
-        self._restart_log = _RestartLog()
+        self._budget = RestartBudget(self.num_envs, max_restarts, restart_window)
+        self._restart_log = RestartLog()
         self._attrs: list[dict] = [{} for _ in range(self.num_envs)]   # set_attr's, per env
         self._options: list = [None] * self.num_envs   # each episode's reset options
         self._any_options = False
@@ -453,14 +449,14 @@ class RemoteVectorEnv(VectorEnv):
         elif isinstance(msg, Broken):
             # the worker exits: all its envs start over in the next one
             culprit = worker.env_ids[msg.slot]
-            self._restart_worker(worker, msg.traceback, [culprit], _last_line(msg.traceback))
+            self._restart_worker(worker, msg.traceback, [culprit], last_line(msg.traceback))
         elif isinstance(msg, Died):
             detail = f"; {msg.detail}" if msg.detail else ""
             reason = worker.killed_for or (f"its worker process ended "
                                            f"({describe_exitcode(msg.exitcode)}{detail})")
             suspects = self._suspects(worker)
-            blame = _blame(suspects) if worker.ready else "while starting its envs"
-            reason = f"worker {worker.index} (envs {worker.env_ids}): {reason}, {blame}"
+            who = blame(suspects) if worker.ready else "while starting its envs"
+            reason = f"worker {worker.index} (envs {worker.env_ids}): {reason}, {who}"
             kind = "StepTimeout" if worker.killed_for else "WorkerDied"
             self._restart_worker(worker, reason, suspects or worker.env_ids, (kind, reason))
         elif isinstance(msg, StartFailed):
@@ -724,7 +720,7 @@ class RemoteVectorEnv(VectorEnv):
         self._broken.update(i for i, _ in failures)
         env_id, failure = failures[0]
         others = "".join(f"\n  env {i}: {f.summary}" for i, f in failures[1:])
-        exc = _rebuilt(failure, f"env {env_id} raised in {what}")
+        exc = rebuilt(failure, f"env {env_id} raised in {what}")
         add_note = getattr(exc, "add_note", None)   # Python 3.11+
         if add_note is not None:
             add_note(f"(raised by env {env_id} of a RemoteVectorEnv in {what}"
@@ -889,7 +885,7 @@ class RemoteVectorEnv(VectorEnv):
         for called in results:
             if called.error is not None:
                 env_id = self._workers[called.worker].env_ids[called.error.slot]
-                raise _rebuilt(called.error, f"env {env_id} raised in {what}")
+                raise rebuilt(called.error, f"env {env_id} raised in {what}")
         return results
 
     # -- state machine -----------------------------------------------------------------
@@ -965,69 +961,6 @@ def _check_count(actions: Any, n: int) -> None:
     if got != n:
         raise ValueError(f"RemoteVectorEnv: {got} actions for {n} envs; pass one action per "
                          f"env (a batch of {n} rows, as the action_space samples)")
-
-
-class _RestartBudget:
-    """How often each env restarted: in all (a restarted env's seed depends on it), and
-    within its last ``window`` steps, where more than ``limit`` restarts end the vector
-    env. Counted in the env's own steps, not in seconds, so the budget tells an env
-    that crashes in a loop from one that crashes now and then, however fast it steps."""
-
-    def __init__(self, num_envs: int, limit: int, window: int) -> None:
-        if limit < 0 or window < 1:
-            raise ValueError(f"max_restarts must be >= 0 and restart_window >= 1 (steps), "
-                             f"got {limit} and {window}")
-        self.counts = [0] * num_envs
-        self.limit, self.window = limit, window
-        self._at: list[collections.deque] = [collections.deque() for _ in range(num_envs)]
-
-    def restarted(self, env_ids: Sequence[int]) -> None:
-        """Count a restart of each of ``env_ids``."""
-        for i in env_ids:
-            self.counts[i] += 1
-
-    def charge(self, env_id: int, why: str, step: int) -> None:
-        """Charge a restart to ``env_id``, at its ``step``-th step; :class:`EnvCrashError`
-        once its budget is spent."""
-        at = self._at[env_id]
-        at.append(step)
-        while at[0] <= step - self.window:
-            at.popleft()
-        if len(at) > self.limit:
-            raise EnvCrashError(
-                f"env {env_id} crashed and its restart budget is spent: {len(at)} "
-                f"restarts within its last {self.window} steps (max_restarts="
-                f"{self.limit}, restart_window={self.window}). Likely cause: the env fails "
-                f"every time (a bug in its step/reset, a missing dependency on the "
-                f"worker's backend, or too little memory). Last failure of env {env_id}:\n"
-                f"{why.rstrip()}\nFix the env, or raise max_restarts/restart_window if "
-                f"these crashes are expected.")
-
-
-class _RestartLog:
-    """Tells restarts without flooding the log: a failure seen for the first time (by
-    its last line, the exception) with its whole traceback, repeats of it in one line at
-    most every ``_RESTART_LOG_S`` seconds, with how many there were meanwhile."""
-
-    def __init__(self) -> None:
-        self._seen: set = set()
-        self._quiet = 0          # repeats not logged since the last line
-        self._next = 0.0         # when a repeat may be logged again
-
-    def tell(self, env_id: int, why: str) -> None:
-        text = why.rstrip()
-        last = text.splitlines()[-1].strip() if text else "(no reason given)"
-        if last not in self._seen and len(self._seen) < 100:
-            self._seen.add(last)
-            log.warning("RemoteVectorEnv: env %d restarted: %s", env_id, text)
-            return
-        now = time.monotonic()
-        if now < self._next:
-            self._quiet += 1
-            return
-        more = f" ({self._quiet} more restarts not logged)" if self._quiet else ""
-        log.warning("RemoteVectorEnv: env %d restarted again: %s%s", env_id, last, more)
-        self._quiet, self._next = 0, now + _RESTART_LOG_S
 
 
 class _Starts(Policy):
@@ -1142,33 +1075,6 @@ def _per_worker(envs_per_worker: int, isolate_envs: bool) -> int:
         raise ValueError(f"isolate_envs=True runs one env per process; it cannot go with "
                          f"envs_per_worker={envs_per_worker}")
     return envs_per_worker
-
-
-def _last_line(tb: str) -> tuple:
-    """``(type, message)`` of a formatted traceback's last line."""
-    text = tb.rstrip()
-    last = text.splitlines()[-1].strip() if text else "RuntimeError"
-    kind, _, message = last.partition(": ")
-    return kind.rsplit(".", 1)[-1], message
-
-
-def _blame(suspects: list) -> str:
-    if not suspects:
-        return "while idle (killed from outside, or out of memory): no env was stepping"
-    if len(suspects) == 1:
-        return f"while stepping env {suspects[0]}: that env caused it"
-    return (f"while stepping envs {suspects}: one of them caused it (a hard crash leaves no "
-            f"trace of which; isolate_envs=True names it)")
-
-
-def _rebuilt(failure: Failure, what: str) -> BaseException:
-    """The exception of ``failure`` with its remote traceback as ``__cause__`` (a
-    ``RuntimeError`` naming its type when it could not be pickled)."""
-    exc = failure.error
-    if exc is None:
-        exc = RuntimeError(f"{what}: {failure.summary} (the exception itself could not be "
-                           f"pickled)")
-    return chain_remote(exc, failure.traceback)
 
 
 def _narrow(req: Any, slots: tuple) -> Any:
