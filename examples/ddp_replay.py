@@ -47,6 +47,7 @@ CHI2_CRITICAL = 21.11             # chi-square, 3 degrees of freedom, p = 1e-4
 
 @dataclasses.dataclass
 class Args:
+    backend: str = "local"        # where the store's servers run (the ranks run here)
     ranks: int = 4
     items_per_rank: int = 10_000
     rare_items: int = 8           # of rank 0's items
@@ -187,6 +188,7 @@ def free_port() -> int:
 
 
 def run(args: Args) -> dict:
+    fibrl.init(backend=args.backend)
     total = args.ranks * args.items_per_rank
     # each shard can hold every item: inserts rotate over shards per rank, so one
     # shard may get more than its share, and nothing should be evicted here

@@ -72,7 +72,7 @@ def test_batch_normalisation_stays_available_by_name(num_shards):
 def test_weights_follow_updates_and_evictions_of_the_smallest_priority():
     spec = Prioritized(alpha=1.0, beta=1.0, eps=0.0)
     store = ReplayTable(TableConfig(4, sampler=spec, seed=1))   # FIFO remover
-    from fibrl.rl.replay.client import _finish
+    from fibrl.rl.replay.batch import finish as _finish
     ids = store.insert({"x": np.arange(4)}, np.array([1.0, 2.0, 4.0, 8.0]))
 
     def weights_of(batch, prios):   # beta 1: w_i = P_min / P(i) = min(p) / p_i
@@ -93,7 +93,7 @@ def test_weights_follow_updates_and_evictions_of_the_smallest_priority():
 
 
 def test_items_of_probability_zero_do_not_set_the_normalisation():
-    from fibrl.rl.replay.client import _finish
+    from fibrl.rl.replay.batch import finish as _finish
     spec = Prioritized(alpha=1.0, beta=1.0, eps=0.0)
     store = ReplayTable(TableConfig(8, sampler=spec, seed=2))
     ids = store.insert({"x": np.arange(4)}, np.array([0.0, 2.0, 4.0, 8.0]))

@@ -3,7 +3,9 @@
 :class:`ReplayStore` starts one store server per shard (a fibrl manager
 server on the configured backend) and is itself a small picklable client:
 hand it to any number of Process or Pool workers and they all write into and
-sample from the same items. See ``docs/replay.md``.
+sample from the same items. A process that fibrl did not start (a ``torchrun``
+rank) joins with ``ReplayStore.connect(store.address, authkey)``. See
+``docs/replay.md``.
 
 Layout::
 
@@ -12,7 +14,8 @@ Layout::
     table.py      ReplayTable: the hosted object of one shard (storage, locking, n-step,
                   snapshots, write-ahead log)
     persist.py    snapshot and write-ahead log file formats
-    client.py     ReplayStore, ReplayTableProxy, ReplayManager, SampleBatch, PendingSample
+    batch.py      SampleBatch, PendingSample, importance weights, merging shards' parts
+    client.py     ReplayStore (and joining by address), ReplayTableProxy, ReplayManager
     errors.py     RateLimiterTimeout, ReplayStoreLost
 
 Example:

@@ -4,8 +4,10 @@ Owns the client side: starting one store server per shard (a fibrl manager
 server, so a local process, a docker container or a kubernetes pod), turning
 torch tensors into numpy arrays and back, spreading inserts over shards,
 drawing a sharded batch in proportion to each shard's priority mass, turning
-probabilities into importance weights, and the clear error when a server is
-gone. It does not own the stored items (``table``).
+probabilities into importance weights (normalised over every shard's items, as
+PER does), joining a store by address from a process that fibrl did not start,
+and the clear error when a server is gone. It does not own the stored items
+(``table``).
 
 ::
 
@@ -17,6 +19,9 @@ gone. It does not own the stored items (``table``).
     learner ──sample_async(k)──> the same calls, sent through the process's hub
                                  ─> PendingSample ──get()──> SampleBatch
                                  (the learner trains on the previous batch meanwhile)
+    owner: store.address ("tcp://host:port/<table id>,..." per shard) + authkey
+       ──> any process: ReplayStore.connect(address, authkey)
+           ─> a proxy per shard (authenticated with authkey), checked to be shard i of n
 
 A batch is a dict of numpy arrays, so it crosses the wire as a handful of raw
 buffers (pickle protocol 5, large ones out of band), never one object per item.
@@ -28,17 +33,17 @@ import functools
 import itertools
 import os
 import sys
-import time
-from typing import Any, Callable, Optional, TypeVar
+from multiprocessing import process
+from typing import Any, Optional, TypeVar
 
 import numpy as np
-
-from multiprocessing import process
 
 from fibrl.errors import AuthenticationError, ChannelClosed, RemoteObjectError, TransportError
 from fibrl.managers import BaseManager, BaseProxy, Token
 from fibrl.managers.lines import line_for
 
+from .batch import PendingSample, SampleBatch, merge, only, split
+from .batch import finish as _finish
 from .errors import ReplayStoreLost
 from .limiters import LimiterSpec
 from .selectors import as_selector
@@ -47,75 +52,6 @@ from .table import (TABLE_METHODS, NStep, ReplayTable, TableConfig, check_batch_
 
 __all__ = ["ReplayStore", "ReplayManager", "ReplayTableProxy", "SampleBatch", "PendingSample",
            "register_replay_store"]
-
-
-@dataclasses.dataclass
-class SampleBatch:
-    """One sampled batch: ``data`` (column -> stacked array), item ``ids``, and for
-    prioritized sampling the normalized importance ``weights`` and ``probabilities``.
-
-    ``batch["obs"]`` is ``batch.data["obs"]``.
-    """
-
-    data: dict
-    ids: np.ndarray
-    weights: Optional[Any] = None
-    probabilities: Optional[np.ndarray] = None
-    priorities: Optional[np.ndarray] = None
-
-    def __getitem__(self, key: str) -> Any:
-        return self.data[key]
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-
-class PendingSample:
-    """A batch on its way from the store: what ``sample_async`` returns.
-
-    The server draws the batch as soon as the request arrives (its rate limiter
-    counts it then); :meth:`get` waits for it, and returns the same batch when
-    called again.
-
-    Example:
-        >>> pending = store.sample_async(256)
-        >>> loss = train(batch)              # the previous batch, meanwhile
-        >>> batch = pending.get(timeout=60)  # a SampleBatch
-    """
-
-    __slots__ = ("_parts", "_merge", "_as_torch", "_batch")
-
-    def __init__(self, parts: list, merge: Callable[[list], dict], as_torch: bool) -> None:
-        self._parts = parts          # (shard proxy, handle of its sample call)
-        self._merge = merge
-        self._as_torch = as_torch
-        self._batch: Optional[SampleBatch] = None
-
-    def ready(self) -> bool:
-        """Whether :meth:`get` would return without waiting."""
-        return self._batch is not None or all(h.ready() for _shard, h in self._parts)
-
-    def get(self, timeout: Optional[float] = None) -> SampleBatch:
-        """The batch; waits up to ``timeout`` seconds (None: no limit).
-
-        Raises:
-            HandleTimeout: (a ``TimeoutError``) not in within ``timeout``; call again
-                to keep waiting.
-            RateLimiterTimeout: the server's rate limiter held the sample back for
-                the ``timeout`` given to ``sample_async``.
-            ReplayStoreLost: the store server is gone.
-        """
-        if self._batch is None:
-            deadline = None if timeout is None else time.monotonic() + timeout
-            raws = [shard._wait(handle, None if deadline is None
-                                else max(0.0, deadline - time.monotonic()))
-                    for shard, handle in self._parts]
-            self._batch = _finish(self._merge(raws), self._as_torch)
-        return self._batch
-
-
-def _only(raws: list) -> dict:
-    return raws[0]
 
 
 # -- conversions ---------------------------------------------------------------------------------
@@ -146,35 +82,6 @@ def _update_arrays(ids: Any, priorities: Any) -> tuple[np.ndarray, np.ndarray]:
 def _as_update(update: Any) -> Optional[tuple[np.ndarray, np.ndarray]]:
     """:func:`_update_arrays` of an ``(ids, priorities)`` update, or None."""
     return None if update is None else _update_arrays(*update)
-
-
-def importance_weights(probabilities: np.ndarray, size: int, beta: float,
-                       min_probability: Optional[float]) -> np.ndarray:
-    """``w_i = (N * P(i)) ** -beta``, divided by ``(N * P_min) ** -beta`` (the largest
-    weight any held item could get: PER's normalisation) when ``min_probability`` is
-    given, else by the batch's largest; float32."""
-    if min_probability is None:
-        weights = (size * probabilities) ** (-beta)
-        return (weights / weights.max()).astype(np.float32)
-    # (N P_min / N P_i) ** beta: N cancels, and the ratio is never above 1
-    return ((min_probability / probabilities) ** beta).astype(np.float32)
-
-
-def _finish(raw: dict, as_torch: bool) -> SampleBatch:
-    """Importance weights (see :func:`importance_weights`) and the requested array type."""
-    probs, beta = raw["probabilities"], raw["beta"]
-    weights = None
-    if beta is not None and probs is not None and len(probs):
-        low = raw["min_probability"] if raw["weights"] == "buffer" else None
-        weights = importance_weights(probs, raw["size"], beta, low)
-    batch = SampleBatch(raw["data"], raw["ids"], weights, probs, raw["priorities"])
-    if as_torch:
-        import torch  # requested by the caller, so it is installed
-        batch.data = {name: torch.from_numpy(np.ascontiguousarray(value))
-                      for name, value in batch.data.items()}
-        if weights is not None:
-            batch.weights = torch.from_numpy(weights)
-    return batch
 
 
 def _lost(exc: BaseException) -> ReplayStoreLost:
@@ -255,7 +162,7 @@ class ReplayTableProxy(BaseProxy):
         check_batch_size(batch_size)
         handle = self._on_line("sample", int(batch_size), timeout, _as_update(update),
                                _optional_beta(beta))
-        return PendingSample([(self, handle)], _only, as_torch)
+        return PendingSample([(self, handle)], only, as_torch)
 
     def update_priorities(self, ids: Any, priorities: Any) -> int:
         """Set new priorities; ids no longer held are ignored. Returns how many applied."""
@@ -671,6 +578,7 @@ class ReplayStore:
         with one batch prefetched, a batch's new priorities ride on the request
         after next. With several shards, the call waits for the shards' priority
         masses (one round trip) before it returns; the samples come meanwhile.
+        ``beta`` sets the batch's importance-weight exponent, as in :meth:`sample`.
 
         Example:
             >>> pending = store.sample_async(256)
@@ -697,11 +605,11 @@ class ReplayStore:
         low = min((m[3] for m in masses if m[3] is not None), default=np.inf)
         if mass.sum() <= 0:  # empty: let the shards' rate limiters decide how to wait
             mass = np.ones(len(shards))
-        counts = _split(int(batch_size), mass / mass.sum(), self._rng, masses[0][2])
+        counts = split(int(batch_size), mass / mass.sum(), self._rng, masses[0][2])
         parts = [(shards[s], shards[s]._on_line("sample", int(c), timeout, None, beta))
                  for s, c in enumerate(counts.tolist()) if c]
-        merge = functools.partial(_merge, total_mass=float(mass.sum()), size=size, low=low)
-        return PendingSample(parts, merge, as_torch)
+        merge_parts = functools.partial(merge, total_mass=float(mass.sum()), size=size, low=low)
+        return PendingSample(parts, merge_parts, as_torch)
 
     def update_priorities(self, ids: Any, priorities: Any) -> int:
         """Set new priorities; ids already evicted are ignored. Returns how many applied."""
@@ -790,35 +698,3 @@ def _check_layout(shards: list) -> None:
         raise ValueError(
             f"these addresses name shards {[f'{i} of {n}' for i, n in found]}, not every "
             f"shard of one store in order; pass store.address whole, as its owner read it")
-
-
-def _split(k: int, shares: np.ndarray, rng: np.random.Generator, random: bool) -> np.ndarray:
-    """How many of ``k`` items each shard gives: a multinomial draw for random samplers
-    (exact probabilities), the largest-remainder rounding of ``k * shares`` for ordered ones."""
-    if random:
-        return rng.multinomial(k, shares)
-    exact = k * shares
-    counts = np.floor(exact).astype(np.int64)
-    counts[np.argsort(counts - exact)[:k - counts.sum()]] += 1
-    return counts
-
-
-def _merge(raws: list, total_mass: float, size: int, low: float) -> dict:
-    """One raw sample from several shards' raws, probabilities over the global mass.
-
-    ``low`` is the smallest positive sampler weight the shards reported with their
-    masses; the smallest probability is the least of it and of the weights the sampled
-    shards held when they drew (an item stored between the two rounds counts too), over
-    the global mass."""
-    data = {name: np.concatenate([raw["data"][name] for raw in raws]) for name in raws[0]["data"]}
-    probs = None
-    if all(raw["probabilities"] is not None for raw in raws):
-        probs = np.concatenate([raw["probabilities"] * (raw["mass"] / total_mass) for raw in raws])
-    min_probability = None
-    if raws[0]["weights"] == "buffer":
-        lows = [low] + [raw["min_probability"] * raw["mass"] for raw in raws]
-        min_probability = min(lows) / total_mass
-    return dict(data=data, ids=np.concatenate([raw["ids"] for raw in raws]),
-                priorities=np.concatenate([raw["priorities"] for raw in raws]),
-                probabilities=probs, size=size, beta=raws[0]["beta"],
-                weights=raws[0]["weights"], min_probability=min_probability)

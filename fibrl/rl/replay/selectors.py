@@ -198,11 +198,12 @@ class MinTree:
         idx = np.asarray(leaves, dtype=np.int64) + self.size
         tree = self.tree
         children = tree.reshape(-1, 2)
-        tree[idx] = np.where(np.asarray(values) > 0, values, np.inf)
+        values = np.asarray(values, dtype=np.float64)
+        tree[idx] = np.where(values > 0, values, np.inf)
         for _level in range(self.walk):
             idx >>= 1
             both = children.take(idx, axis=0)
-            tree[idx] = both.min(axis=1)
+            tree[idx] = np.minimum(both[:, 0], both[:, 1])
 
     def min(self) -> float:
         """The smallest positive weight held (``inf`` when none is)."""

@@ -56,7 +56,8 @@ class NStep:
     ``reward``, ``next_obs``, ``done`` (terminated) and optionally ``truncated``;
     the stored item keeps the first step's other columns, with ``reward`` the
     discounted sum of up to ``n`` rewards, ``next_obs`` the last step's, and
-    ``discount`` ``gamma ** m`` (0 after a termination).
+    ``discount`` ``gamma ** m`` (0 after a termination). A priority appended with
+    a step is the priority of the item that starts at that step.
     """
 
     n: int = 3
