@@ -129,7 +129,7 @@ def test_addresses_that_are_not_a_store_fail_clearly():
                 ReplayStore.connect(bad, key)
         with pytest.raises(TypeError, match="string"):
             ReplayStore.connect(42, key)
-        with pytest.raises(ValueError, match="not a replay store's server"):
+        with pytest.raises(ValueError, match="holds no replay store"):
             ReplayStore.connect(get_hub().address + "/x.1", key)   # a fibrl process's hub
         with pytest.raises(ValueError, match="holds no replay store"):
             ReplayStore.connect(first.rpartition("/")[0] + "/0.1", key)

@@ -40,7 +40,6 @@ import numpy as np
 
 from fibrl.errors import AuthenticationError, ChannelClosed, RemoteObjectError, TransportError
 from fibrl.managers import BaseManager, BaseProxy, Token
-from fibrl.managers.lines import line_for
 
 from .batch import PendingSample, SampleBatch, merge, only, split
 from .batch import finish as _finish
@@ -208,7 +207,8 @@ class ReplayTableProxy(BaseProxy):
         server, ident = _split_address(address)
         key = bytes(process.current_process().authkey if authkey is None else authkey)
         try:
-            line_for(server, key).call("dummy")   # authenticates; a manager server answers
+            proxy = cls(Token("ReplayShard", server, ident), authkey=key)   # (an incref)
+            proxy.describe()
         except AuthenticationError as exc:
             raise AuthenticationError(
                 f"the replay store at {server} did not accept this authkey ({exc}). Pass "
@@ -221,18 +221,17 @@ class ReplayTableProxy(BaseProxy):
                     f"no replay store answers at {server}: {exc} The store was closed, "
                     f"its process ended, or the address is mistyped; pass store.address "
                     f"as the process that made the store read it.") from exc
-            raise ValueError(  # a fibrl process answered, and it is no manager server
-                f"{server} is a fibrl process but not a replay store's server ({exc}); "
-                f"pass store.address as the process that made the store read it") from exc
-        try:
-            proxy = cls(Token("ReplayShard", server, ident), authkey=key)
-            proxy.describe()
-        except (RemoteObjectError, AttributeError) as exc:
-            raise ValueError(
-                f"the manager server at {server} holds no replay store {ident!r} ({exc}); "
-                f"pass store.address as its owner printed it, while that store is "
-                f"open") from exc
+            raise ValueError(_not_a_store(server, ident, exc)) from exc
+        except AttributeError as exc:   # an object of another kind, without describe()
+            raise ValueError(_not_a_store(server, ident, exc)) from exc
         return proxy
+
+
+def _not_a_store(server: str, ident: str, exc: BaseException) -> str:
+    return (f"{server} answered, but holds no replay store {ident!r} ({exc}): it is "
+            f"another fibrl process or manager, or another store's server. Pass "
+            f"store.address as the process that made the store read it, while that "
+            f"store is open.")
 
 
 def _split_address(address: str) -> tuple[str, str]:
