@@ -117,11 +117,17 @@ def listen_address(address: Any, default_host: str) -> tuple:
 
 
 def connect_address(address: Any) -> str:
-    """The ``tcp://host:port`` URL of a server address given as a tuple or string."""
+    """The URL of a server address given as a tuple, ``"host:port"`` or a URL: a URL
+    (``tcp://`` or ``tls+tcp://``) as it is, else ``tls+tcp://`` when the config says
+    ``tls``, ``tcp://`` otherwise."""
     if isinstance(address, str):
-        return address if address.startswith("tcp://") else "tcp://" + address
-    host, port = address
-    return f"tcp://{host or '127.0.0.1'}:{port}"
+        if "://" in address:
+            return address
+        hostport = address
+    else:
+        host, port = address
+        hostport = f"{host or '127.0.0.1'}:{port}"
+    return ("tls+tcp://" if current_config().tls else "tcp://") + hostport
 
 
 class _Workers:
