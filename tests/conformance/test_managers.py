@@ -395,6 +395,22 @@ def test_connect_with_authkey_from_another_process(ctx):
             SyncManager(address=m.address, authkey=b"wrong").connect()
 
 
+def test_connect_by_address_with_tls(ctx, configure):
+    """With ``tls=True`` a manager's address is a ``tls+tcp://`` URL; connecting with it,
+    or with its ``(host, port)`` or ``"host:port"``, speaks TLS."""
+    configure(tls=True)
+    with SyncManager(authkey=b"shared secret", ctx=ctx) as m:
+        assert m.address.startswith("tls+tcp://")
+        shared = m.dict(x=1)
+        hostport = m.address.split("://", 1)[1]
+        host, port = hostport.rsplit(":", 1)
+        for address in (m.address, hostport, (host, int(port))):
+            client = SyncManager(address=address, authkey=b"shared secret")
+            client.connect()
+            assert client.address == m.address
+        assert shared["x"] == 1
+
+
 def test_serve_forever_at_a_fixed_address(ctx):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
