@@ -177,6 +177,13 @@ class RemoteVectorEnv(VectorEnv):
         start_timeout: seconds to wait for a worker to start.
         seed: root of the restart seeds (random when ``None``).
 
+    Attributes:
+        policy_version: set it to the version of the policy whose actions you send
+            (for example a :class:`fibrl.rl.PolicyFollower`'s ``version``); while it
+            is not None, every ``step``, ``step_wait`` and ``recv`` reports in
+            ``infos["policy_version"]`` the version in force when each row's action
+            was sent (with ``send``/``recv``, rows of one batch may differ).
+
     Example:
         >>> envs = RemoteVectorEnv("CartPole-v1", 8, envs_per_worker=4)
         >>> obs, infos = envs.reset(seed=0)
@@ -212,6 +219,8 @@ class RemoteVectorEnv(VectorEnv):
         self._broken: set = set()      # envs that raised (on_error="raise"): reset first
         self._tick = 0                 # step() calls: every env stepped once each
         self._sent = np.zeros(self.num_envs, dtype=np.int64)   # send() steps, per env
+        self.policy_version: Optional[int] = None
+        self._versions = np.zeros(self.num_envs, dtype=np.int64)  # at each env's send
         self._built = False
         self._split, self._start_timeout = (split if split >= 2 else 0), start_timeout
         self._direct = (backend or get_context().config.backend) == "local"
@@ -596,6 +605,8 @@ class RemoteVectorEnv(VectorEnv):
         posts = []
         if env_ids is None:
             self._tick += 1
+            if self.policy_version is not None:
+                self._versions[:] = self.policy_version
             plain = type(actions) is np.ndarray
             if plain:   # a request may be sent again later: not a view of the caller's array
                 actions = actions.copy()
@@ -614,6 +625,8 @@ class RemoteVectorEnv(VectorEnv):
                 posts.append((self._workers[w], Step(self._next_seq(), slots, acts)))
             self._pending.update(env_ids.tolist())
             self._sent[env_ids] += 1
+            if self.policy_version is not None:
+                self._versions[env_ids] = self.policy_version
         self._post_all(posts, direct=env_ids is None)
 
     def _action_batch(self, actions: Any, n: int) -> Any:
@@ -802,6 +815,8 @@ class RemoteVectorEnv(VectorEnv):
             self._raise_failures("step")
         if self._any_options:
             self._forget_options(out[2] | out[3], None)
+        if self.policy_version is not None:
+            out[4]["policy_version"] = self._versions.copy()
         return out
 
     # -- partial batches ---------------------------------------------------------------
@@ -841,6 +856,8 @@ class RemoteVectorEnv(VectorEnv):
         self._raise_failures("step")
         if self._any_options:
             self._forget_options(terms | truncs, infos["env_id"])
+        if self.policy_version is not None:
+            infos["policy_version"] = self._versions[infos["env_id"]]
         return obs, rewards, terms, truncs, infos
 
     # -- call, get_attr, set_attr ------------------------------------------------------
