@@ -64,7 +64,7 @@ def poll_versions(store, last: int, results) -> None:
 
 
 def test_a_reader_never_sees_a_torn_version():
-    versions = 200
+    versions = 1000
     arrays = ten_mb()
     with PolicyStore() as store:
         store.publish(params_of(1, arrays))
