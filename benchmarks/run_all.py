@@ -74,6 +74,8 @@ BENCHES = (
           needs=("gymnasium",)),
     Bench("replay", "bench_replay.py", "Replay store", ("--quick",), (), needs=("numpy",)),
     Bench("policy", "bench_policy.py", "Policy store", ("--quick",), (), needs=("numpy",)),
+    Bench("ppo", "bench_ppo.py", "PPO on CartPole-v1 (fibrl.rl)", ("--quick",), (),
+          needs=("gymnasium", "torch"), plot="ppo_envs_per_worker.png"),
 )
 
 
@@ -273,6 +275,8 @@ HEADLINES = (
                                                          "fibrl/ray"), "efficiency"),
     ("envs", "8 workers x 1 env vs AsyncVectorEnv(8), steps/s", ("ratio",),
      "steps/s against gymnasium's AsyncVectorEnv(8)"),
+    ("ppo", "PPO wall time, 2 workers x 4 envs vs AsyncVectorEnv(8), s", ("ratio",),
+     "PPO training time against gymnasium's AsyncVectorEnv(8)"),
 )
 _PEER_NAMES = {"mp": "mp", "spawn": "mp spawn", "floor": "the nng floor", "fiber": "Fiber",
                "loky": "loky", "ray": "Ray", "ratio": "the peer"}
