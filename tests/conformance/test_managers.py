@@ -7,6 +7,7 @@ container has no pytest, so it could not import this module.
 """
 import multiprocessing
 import multiprocessing.pool
+import os
 import queue
 import socket
 import threading
@@ -38,6 +39,11 @@ def _defs():
         def sleep(self, seconds):
             time.sleep(seconds)
             return seconds
+
+        def meet(self, arrived, go):
+            """Say it is here, then wait in the server until ``go`` is set."""
+            arrived.put(os.getpid())   # one server each
+            return go.wait(TIMEOUT)
 
         def fail(self):
             raise KeyError("remote failure")
@@ -482,8 +488,28 @@ def test_a_blocking_async_call_does_not_hold_up_the_calls_behind_it(ctx):
         assert [waiting.wait(0).get(10) for _ in range(3)] == [True] * 3
 
 
-@pytest.mark.alone   # a timing: four 1 s calls in under 2 s
 def test_four_managers_overlap(ctx):
+    """Calls to four managers are in their servers at the same time: each waits there
+    until all four have arrived (one after the other, the first would wait forever)."""
+    managers = [AsyncCalcManager(ctx=ctx) for _ in range(4)]
+    try:
+        for m in managers:
+            m.start()
+        calcs = [m.Calc() for m in managers]
+        arrived, go = ctx.Queue(), ctx.Event()
+        handles = [c.meet(arrived, go) for c in calcs]
+        assert len({arrived.get(timeout=TIMEOUT) for _ in calcs}) == 4
+        assert not any(h.ready() for h in handles)
+        go.set()
+        assert [h.get(TIMEOUT) for h in handles] == [True] * 4
+    finally:
+        for m in managers:
+            m.shutdown()
+
+
+@pytest.mark.timing
+@pytest.mark.alone   # a timing: four 1 s calls in under 2 s
+def test_four_managers_overlap_in_time(ctx):
     managers = [AsyncCalcManager(ctx=ctx) for _ in range(4)]
     try:
         for m in managers:

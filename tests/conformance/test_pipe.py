@@ -10,6 +10,9 @@ import fibrl
 from fibrl.connection import wait
 
 TIMEOUT = 60
+# Reads bounded by a heartbeat interval of a minute: a wake-up that does not come shows
+# as a wait of that minute, far beyond what a slow machine adds.
+LONG_READS = {"heartbeat_interval": 60.0, "parent_timeout": 120.0}
 
 
 def echo(conn):
@@ -282,10 +285,12 @@ def test_the_owner_waiting_in_recv_runs_what_the_writer_sends_to_other_objects(c
     assert p.exitcode == 0
 
 
-def test_the_owner_waiting_in_recv_gets_a_message_written_in_its_own_process(ctx):
+def test_the_owner_waiting_in_recv_gets_a_message_written_in_its_own_process(ctx, configure):
     """The owner's recv() reads the writing child's messages while it waits; a message
     written by another thread of the owner ends that wait at once (not after the
-    heartbeat interval that bounds each read)."""
+    heartbeat interval that bounds each read: a minute here, so that only a missed
+    wake-up, not a slow machine, exceeds the bound below)."""
+    configure(**LONG_READS)
     a, b = ctx.Pipe()
     p = ctx.Process(target=echo, args=(b,))
     p.start()
@@ -295,7 +300,8 @@ def test_the_owner_waiting_in_recv_gets_a_message_written_in_its_own_process(ctx
     writer.start()
     start = time.monotonic()
     assert a.recv() == "from this process"
-    assert time.monotonic() - start < 3, "the owner's recv() waited past a local message"
+    assert time.monotonic() - start < LONG_READS["heartbeat_interval"] / 2, \
+        "the owner's recv() waited past a local message"
     writer.join()
     a.send("stop")
     p.join(TIMEOUT)
@@ -309,10 +315,12 @@ def send_close_and_wait(conn, closed, done):
     done.wait(TIMEOUT)   # alive: its connection to the owner stays open
 
 
-def test_the_owner_waiting_in_recv_sees_eof_from_another_thread_at_once(ctx):
+def test_the_owner_waiting_in_recv_sees_eof_from_another_thread_at_once(ctx, configure):
     """While the owner's recv() reads the connection of the child that wrote last, the
     last writer handle closing in another thread of the owner ends it with EOFError at
-    once, although that child stays connected."""
+    once (not after a heartbeat interval, a minute here), although that child stays
+    connected."""
+    configure(**LONG_READS)
     r, w = ctx.Pipe(duplex=False)
     closed, done = ctx.Event(), ctx.Event()
     p = ctx.Process(target=send_close_and_wait, args=(w, closed, done))
@@ -325,7 +333,8 @@ def test_the_owner_waiting_in_recv_sees_eof_from_another_thread_at_once(ctx):
         start = time.monotonic()
         with pytest.raises(EOFError):
             r.recv()
-        assert time.monotonic() - start < 3, "the owner's recv() missed the EOF"
+        assert time.monotonic() - start < LONG_READS["heartbeat_interval"] / 2, \
+            "the owner's recv() missed the EOF"
         closer.join()
     finally:
         done.set()

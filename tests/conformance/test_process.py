@@ -116,7 +116,8 @@ def test_join_timeout_returns_while_running(ctx):
     p.start()
     t0 = time.monotonic()
     p.join(0.3)
-    assert time.monotonic() - t0 < 5 and p.is_alive() and p.exitcode is None
+    # returns after its timeout (a bound no slow machine reaches), the process still runs
+    assert time.monotonic() - t0 < 30 and p.is_alive() and p.exitcode is None
     p.kill()
     p.join(TIMEOUT)
 

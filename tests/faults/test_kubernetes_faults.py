@@ -128,11 +128,9 @@ def test_workers_exit_when_the_parent_outside_the_cluster_is_killed(kube_cluster
         parent.send_signal(signal.SIGKILL)
         parent.wait(10)
         parent.stdout.close()
-    t0 = time.monotonic()
     wait_until(lambda: all(p.status.phase in TERMINAL
                       for p in _pods(core, kube_cluster.namespace, f"fibrl.run={run}")),
           "the workers to notice their parent is gone", timeout=30)
-    assert time.monotonic() - t0 < 30
     stopped = _fibrl_cli("stop", run, "--kubeconfig", kube_cluster.kubeconfig,
                          "-n", kube_cluster.namespace)
     assert {f"pod/{n}" for n in names} <= set(stopped.stdout.split()), stopped.stderr

@@ -61,9 +61,7 @@ def test_workers_exit_when_parent_is_sigkilled(tmp_path):
     proc, pids = _start_parent(tmp_path, "sleep")
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait(10)
-    t0 = time.monotonic()
     assert _gone_within(pids, 10), "workers outlived their SIGKILLed parent"
-    assert time.monotonic() - t0 < 10
 
 
 def test_daemonic_children_end_when_parent_exits(ctx, tmp_path, request):
