@@ -104,3 +104,35 @@ def test_a_step_wait_timeout_leaves_the_step_pending(monkeypatch):
     finally:
         envs.close()
     assert used[0] >= 1
+
+
+@pytest.mark.parametrize("dtype", [np.int64, np.int32])
+def test_the_fast_send_writes_the_frames_the_protocol_would(dtype):
+    """Each worker's frame is ``protocol.encode`` of the Step it keeps open (the frame a
+    replaced worker is sent again), for a batch of 5 envs in workers of 2, 2 and 1."""
+    from fibrl.rl.envs.protocol import encode
+
+    envs = RemoteVectorEnv("CartPole-v1", 5, envs_per_worker=2)
+    try:
+        envs.reset(seed=0)
+        sent = []
+        for w in envs._workers:
+            real = w.chan
+
+            class Capture:
+                def send(self, frame, real=real):
+                    sent.append(frame)
+                    real.send(frame)
+
+                def __getattr__(self, name, real=real):
+                    return getattr(real, name)
+
+            w.chan = Capture()
+        actions = np.array([1, 0, 1, 1, 0], dtype=dtype)
+        envs.step_async(actions)
+        opened = [w.open[0][0] for w in envs._workers]
+        assert [tuple(m.actions) for m in opened] == [(1, 0), (1, 1), (0,)]
+        assert sent == [encode(m) for m in opened]
+        envs.step_wait(timeout=60)
+    finally:
+        envs.close()

@@ -24,12 +24,47 @@ from gymnasium.vector import VectorEnv
 
 from ...channel import loads
 from ...errors import ChannelClosed
-from .protocol import _RESULT, _RESULT_TAG, _U32, Step, _read_array, decode
+from .protocol import (_RESULT, _RESULT_TAG, _STEP, _STEP_TAG, _U32, Step, _array_head,
+                       _layout, _slots, decode)
 
 if TYPE_CHECKING:
     from .vector import RemoteVectorEnv
 
-__all__ = ["step_replies", "merge_infos"]
+__all__ = ["send_steps", "step_replies", "merge_infos"]
+
+
+def send_steps(env: RemoteVectorEnv, actions: np.ndarray) -> bool:
+    """Send a full batch's Steps, one per worker, on the direct connections; False (and
+    nothing sent) when the general path must: a worker without a direct connection, or
+    actions that are not a numeric array. ``actions`` is the vector env's own copy
+    (the open requests keep views of it, to send again to a replaced worker)."""
+    if actions.dtype.kind not in "biufc" or actions.ndim > 32:
+        return False
+    workers = env._workers
+    for w in workers:
+        if w.chan is None:
+            return False
+    key = (actions.dtype, actions.shape[1:])
+    seq = env._seq
+    now = time.monotonic()
+    frames = []
+    for w in workers:   # every frame first: the first replies do not slow the later sends
+        seq += 1
+        acts = actions[w.span]
+        prefix = w.prefix.get(key)
+        if prefix is None:   # the slots and the array header: the same at every step
+            prefix = w.prefix[key] = _slots(len(w.slots)).pack(*w.slots) + _array_head(acts)
+        frames.append(b"".join((_STEP.pack(_STEP_TAG, seq, len(w.slots)), prefix,
+                                acts.tobytes())))
+        w.open.append((Step(seq, w.slots, acts), now))
+    env._seq = seq
+    for w, frame in zip(workers, frames):
+        w.direct = True
+        try:
+            w.chan.send(frame)
+        except ChannelClosed:
+            pass  # the worker died: the supervisor posts the Died message that replaces it
+    return True
 
 
 def _ready(env: RemoteVectorEnv) -> bool:
@@ -65,7 +100,9 @@ def step_replies(env: RemoteVectorEnv, deadline: Optional[float],
     if _receive(env, deadline, slice_s, frames):
         parts = [_read(frame, w) for w, frame in zip(env._workers, frames)]
         if all(part is not None for part in parts):
-            return _assemble(env, parts)
+            done = _assemble(env, parts)
+            if done is not None:
+                return done
     for frame in frames:  # the general path takes over, with what came so far
         env._handle(decode(frame))
     return None
@@ -97,42 +134,50 @@ def _receive(env: RemoteVectorEnv, deadline: Optional[float], slice_s: float,
 
 
 def _read(frame: Any, w: Any) -> Optional[tuple]:
-    """``(worker, obs, rewards, flags, infos)`` of ``w``'s reply to its open step, or
-    None for anything else (a restart included: the general path counts it)."""
+    """``(w, obs layout, obs bytes, rewards bytes, terminated bytes, truncated bytes,
+    infos)`` of ``w``'s reply to its open step, or None for anything else (a restart
+    included: the general path counts it)."""
     _, worker, gen, seq, n = _RESULT.unpack_from(frame)
     if worker != w.index or gen != w.gen or seq != w.open[0][0].seq or n != len(w.slots):
         return None
-    obs, at = _read_array(frame, _RESULT.size + 4 * n)
-    rewards = np.frombuffer(frame, np.float64, n, at)
-    flags = np.frombuffer(frame, np.bool_, 2 * n, at + 8 * n)
-    at += 10 * n
-    size = _U32.unpack_from(frame, at)[0]
+    at = _RESULT.size + 4 * n
+    end = at + 2 + frame[at] + 4 * frame[at + 1 + frame[at]]
+    layout = _layout(bytes(frame[at:end]))
+    at = end + layout[3]
+    size = _U32.unpack_from(frame, at + 10 * n)[0]
     infos = None
     if size:
-        infos, restarts = loads(memoryview(frame)[at + 4:at + 4 + size])
+        infos, restarts = loads(memoryview(frame)[at + 10 * n + 4:at + 10 * n + 4 + size])
         if restarts:
             return None
-    return w, obs, rewards, flags, infos
+    return (w, layout, frame[end:at], frame[at:at + 8 * n], frame[at + 8 * n:at + 9 * n],
+            frame[at + 9 * n:at + 10 * n], infos)
 
 
-def _assemble(env: RemoteVectorEnv, parts: list) -> tuple:
-    num = env.num_envs
-    rewards = np.empty(num, dtype=np.float64)
-    terms, truncs = np.empty(num, dtype=np.bool_), np.empty(num, dtype=np.bool_)
-    latest: Any = env._obs  # (a numeric array: see _ready)
+def _assemble(env: RemoteVectorEnv, parts: list) -> Optional[tuple]:
+    """The batch, from the replies' bytes joined in worker order (their envs are
+    consecutive): a few array operations per step, not per worker. None if the
+    workers' observations differ in dtype or shape (the general path batches those)."""
+    dtype, shape = parts[0][1][0], parts[0][1][1][1:]
     order: list = []
-    for w, obs, rew, flags, infos in parts:
-        span, n = w.span, len(rew)
-        latest[span] = obs
-        rewards[span] = rew
-        terms[span] = flags[:n]
-        truncs[span] = flags[n:]
+    for w, layout, _, _, _, _, infos in parts:
+        if layout[0] != dtype or layout[1][1:] != shape:
+            return None
+        if infos:
+            order.extend((w.span.start + j, info) for j, info in enumerate(infos) if info)
+    num = env.num_envs
+    obs = np.frombuffer(bytearray(b"".join([p[2] for p in parts])), dtype)
+    obs = obs.reshape((num,) + shape)
+    rewards = np.frombuffer(bytearray(b"".join([p[3] for p in parts])), np.float64)
+    terms = np.frombuffer(bytearray(b"".join([p[4] for p in parts])), np.bool_)
+    truncs = np.frombuffer(bytearray(b"".join([p[5] for p in parts])), np.bool_)
+    latest: Any = env._obs   # (a numeric array: see _ready)
+    latest[...] = obs
+    for w in env._workers:
         w.open.clear()
         w.direct = False
-        if infos:
-            order.extend((span.start + j, info) for j, info in enumerate(infos) if info)
     env._pending.clear()
-    return np.array(latest, copy=True), rewards, terms, truncs, merge_infos(order, num)
+    return obs, rewards, terms, truncs, merge_infos(order, num)
 
 
 class _Infos:

@@ -124,6 +124,7 @@ class _WorkerSlot:
         self.chan: Any = None        # the direct Channel to its own listener (local backend)
         self.direct = False          # open requests were sent on ``chan``
         self.open: list = []         # requests sent and not fully answered: (msg, sent_at)
+        self.prefix: dict = {}       # (dtype, shape) of actions -> a Step frame's middle
         self.ready = False
         self.killed_for: Optional[str] = None
 
@@ -607,13 +608,15 @@ class RemoteVectorEnv(VectorEnv):
             self._tick += 1
             if self.policy_version is not None:
                 self._versions[:] = self.policy_version
+            self._pending.update(range(self.num_envs))
             plain = type(actions) is np.ndarray
             if plain:   # a request may be sent again later: not a view of the caller's array
                 actions = actions.copy()
+                if fastpath.send_steps(self, actions):
+                    return
             for w in self._workers:
                 acts = actions[w.span] if plain else rows(actions, w.span)
                 posts.append((w, Step(self._next_seq(), w.slots, acts)))
-            self._pending.update(range(self.num_envs))
         else:
             by_worker: dict = collections.defaultdict(list)
             for k, env_id in enumerate(env_ids.tolist()):
