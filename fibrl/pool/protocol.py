@@ -17,6 +17,7 @@ One worker's conversation::
     func(fid)               ------------------>  a callable the worker no longer caches
     func_by_value(fid)      ------------------>  a callable of the main script that the
                                                  worker cannot find by name (cloudpickle)
+    alive(wid)  (one-way, every heartbeat) --->  it runs (``liveness``: a silent one is lost)
     init_failed(wid, RemoteError) ------------>  the initializer raised: the pool breaks
                             <------------------  Batch(stop=True): exit now
 

@@ -4,7 +4,9 @@
 pending chunks, which worker holds which chunk, how far each chunk got, the
 attempts and exit codes charged to it. It never starts or kills processes
 (:mod:`fibrl.supervisor` does) and never waits: workers *pull* work with ``next``,
-whose reply is parked until there is work for them.
+whose reply is parked until there is work for them. A worker that sends
+nothing for ``parent_timeout`` (``liveness``: frozen, or its machine gone) is
+lost like one whose process ended.
 
 Data flow::
 

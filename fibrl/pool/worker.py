@@ -14,6 +14,10 @@ Data flow (one worker process)::
           |                <--- report(wid, reports)  flush() while a next is parked
           +--- Batch ----------> local deque of TaskSpec --> run items --> reports
 
+Every ``heartbeat_interval`` the hub's timer thread also sends ``alive``, so that
+the parent can tell a worker busy with a long task from a frozen one
+(``liveness``).
+
 A *careful* task (one a lost worker held) runs alone: the worker announces
 that it is unpickling the task, then each item before it starts, and each
 item's result is acknowledged before the next starts: if this worker dies,
