@@ -10,6 +10,9 @@ For each, what must hold:
   :class:`~fibrl.errors.TaskFailedError` for a task that kills every worker that
   runs it; never the stdlib executor's ``BrokenProcessPool``: fibrl's executor
   recovers from a lost worker instead of breaking), for that task only;
+* a worker killed by a finalizer after its task is done with it (an argument freed,
+  garbage collected later) costs no failure: the task's result is delivered once,
+  the interrupted work runs again;
 * it comes within a bounded time (every wait below has a deadline; none is reached
   unless something hangs);
 * the pool or executor works afterwards: a following ``map`` returns exact results.
@@ -82,7 +85,23 @@ class CrashAtGC:
         _crash(self.how)
 
 
+class CrashAtGCInWorker:
+    """An argument whose finalizer ends any process but the one that made it (loky's
+    ``CrashAtGCInWorker``): the worker dies once the task is done with it."""
+
+    def __init__(self, how):
+        self.how, self.maker = how, os.getpid()
+
+    def __del__(self):
+        if os.getpid() != self.maker:
+            _crash(self.how)
+
+
 # -- tasks ---------------------------------------------------------------------------------
+
+def ignore(obj):
+    return "done"
+
 
 def identity(x):
     return x
@@ -296,6 +315,17 @@ def test_worker_killed_by_a_finalizer_during_its_task(face, how):
     _is_clear(info.value, TaskFailedError,
               rf"crash_in_finalizer\('{how}'\).*2 times.*{signal_name}")
     assert api.lost() == 2
+    _still_works(api)
+
+
+@pytest.mark.parametrize("how", ["os._exit", "segfault"])
+def test_worker_killed_by_an_argument_freed_after_its_task(face, how):
+    """The argument's finalizer kills each worker once the task is done with it: the
+    first worker dies before its result left, the rerun (careful: it reports the result
+    before going on) delivers it, once; the pool goes on without a failure."""
+    api = face(retries=1)
+    assert api.call(ignore, CrashAtGCInWorker(how)) == "done"
+    assert api.lost() >= 1, "the argument did not kill its worker"
     _still_works(api)
 
 
