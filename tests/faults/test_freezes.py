@@ -369,6 +369,7 @@ class _Timers:
             fn()
 
 
+@pytest.mark.timeout(60)
 def test_liveness_reports_a_silent_worker_but_not_after_its_own_stall(monkeypatch):
     """A worker silent past parent_timeout is reported once; a check that runs late
     (this process was stopped or starved) reports nobody: nothing could be heard."""
