@@ -16,7 +16,7 @@ Layout::
     persist.py    snapshot and write-ahead log file formats
     batch.py      SampleBatch, PendingSample, importance weights, merging shards' parts
     client.py     ReplayStore (and joining by address), ReplayTableProxy, ReplayManager
-    errors.py     RateLimiterTimeout, ReplayStoreLost
+    errors.py     RateLimiterTimeout, ReplayStorageError, ReplayStoreLost
 
 Example:
     >>> from fibrl.rl import ReplayStore
@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from .client import (PendingSample, ReplayManager, ReplayStore, ReplayTableProxy, SampleBatch,
                      register_replay_store)
-from .errors import RateLimiterTimeout, ReplayStoreLost
+from .errors import RateLimiterTimeout, ReplayStorageError, ReplayStoreLost
 from .limiters import MinSize, Queue, SampleToInsertRatio, Stack
 from .selectors import Fifo, Lifo, MaxHeap, MinHeap, Prioritized, Uniform
 from .table import NStep
@@ -37,7 +37,8 @@ from .table import NStep
 __all__ = [
     "Fifo", "Lifo", "MaxHeap", "MinHeap", "MinSize", "NStep", "PendingSample", "Prioritized",
     "Queue",
-    "RateLimiterTimeout", "ReplayManager", "ReplayStore", "ReplayStoreLost",
+    "RateLimiterTimeout", "ReplayManager", "ReplayStorageError", "ReplayStore",
+    "ReplayStoreLost",
     "ReplayTableProxy", "SampleBatch", "SampleToInsertRatio", "Stack", "Uniform",
     "register_replay_store",
 ]

@@ -6,17 +6,22 @@ Owns both file formats and nothing else (the table decides when to write).
   counters and each array's name, dtype and shape), then each array's raw
   bytes: every stored column and the slot bookkeeping. It is written to
   ``path + ".tmp"`` and renamed over ``path``, so a reader sees the previous
-  snapshot or the new one, whole.
+  snapshot or the new one, whole. A write that fails (a full disk) removes
+  the temporary file and leaves ``path`` as it was.
 - The write-ahead log is a sequence of records ``length:u64 | crc32:u32 |
   pickle`` appended with one ``os.write`` each. A record is acknowledged to
   the client only after its write returned, so a SIGKILLed store loses no
   acknowledged insert (the OS holds the bytes); ``fsync=True`` also survives
   a machine crash, at the cost of one disk flush per call. A torn last record
   (killed mid-write, never acknowledged) fails its length or CRC check and is
-  dropped on replay.
+  dropped on replay. A record the disk has no room for is cut off again at
+  once and raised as :class:`ReplayStorageError`, so the change it describes
+  is neither applied nor acknowledged, and later records stay readable.
 """
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import pickle
 import struct
@@ -25,6 +30,8 @@ import zlib
 from typing import Any, Iterator
 
 import numpy as np
+
+from .errors import ReplayStorageError
 
 __all__ = ["write_snapshot", "read_snapshot", "WriteAheadLog", "read_log"]
 
@@ -45,17 +52,23 @@ def write_snapshot(path: str, arrays: dict, meta: dict, yield_gil: bool = True) 
     layout = [(name, value.dtype.str, value.shape) for name, value in arrays.items()]
     header = pickle.dumps(dict(meta=meta, layout=layout), protocol=5)
     tmp = f"{path}.tmp"
-    with open(tmp, "wb") as out:
-        out.write(_MAGIC + _LEN.pack(len(header)) + header)
-        for value in arrays.values():
-            flat = np.ascontiguousarray(value).reshape(-1).view(np.uint8).data  # memoryview
-            for lo in range(0, len(flat), _SLICE):
-                out.write(flat[lo:lo + _SLICE])
-                if yield_gil:
-                    time.sleep(0)  # let the threads serving calls take the GIL first
-        out.flush()
-        os.fsync(out.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as out:
+            out.write(_MAGIC + _LEN.pack(len(header)) + header)
+            for value in arrays.values():
+                flat = np.ascontiguousarray(value).reshape(-1).view(np.uint8).data
+                for lo in range(0, len(flat), _SLICE):
+                    out.write(flat[lo:lo + _SLICE])
+                    if yield_gil:
+                        time.sleep(0)  # let the threads serving calls take the GIL first
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        # a half-written file would keep the space a full disk needs back
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def read_snapshot(path: str) -> tuple:
@@ -84,11 +97,17 @@ def read_snapshot(path: str) -> tuple:
 
 
 class WriteAheadLog:
-    """An append-only record file; :meth:`append` returns once the OS has the bytes."""
+    """An append-only record file; :meth:`append` returns once the OS has the bytes.
+
+    A record that cannot be written whole (a full disk) is cut off again, so the
+    file always ends with a whole record, and the records appended once there is
+    room are read back after it. If even that cut fails, the log refuses every
+    later record (they would be unreadable behind the torn one)."""
 
     def __init__(self, path: str, fsync: bool = False) -> None:
         self.path = path
         self.fsync = fsync
+        self.broken = ""  # why the log refuses records (its end could not be repaired)
         end = 0  # where the last whole record ends
         for _record, record_end in read_log(path):
             end = record_end
@@ -97,15 +116,38 @@ class WriteAheadLog:
         self.offset = end
 
     def append(self, record: Any) -> None:
+        """Write ``record`` whole, or raise :class:`ReplayStorageError` with the file as
+        it was (the caller then must not apply the change the record describes)."""
+        if self.broken:
+            raise ReplayStorageError(errno.EIO, self.broken)
         body = pickle.dumps(record, protocol=5)
         data = _RECORD.pack(len(body), zlib.crc32(body)) + body
         view = memoryview(data)
-        while view:
-            written = os.write(self.fd, view)
-            view = view[written:]
-        if self.fsync:
-            os.fsync(self.fd)
+        try:
+            while view:
+                written = os.write(self.fd, view)
+                view = view[written:]
+            if self.fsync:
+                os.fsync(self.fd)
+        except OSError as exc:
+            raise self._failed(exc) from exc
         self.offset += len(data)
+
+    def _failed(self, exc: OSError) -> ReplayStorageError:
+        """The error for a record that could not be written, its torn bytes cut off."""
+        what = (f"could not write to the replay store's write-ahead log {self.path!r} "
+                f"({exc.strerror or exc}), so the change was not applied")
+        try:
+            os.ftruncate(self.fd, self.offset)
+        except OSError as cut:
+            self.broken = (f"the replay store's write-ahead log {self.path!r} ends with a "
+                           f"torn record that could not be cut off ({cut.strerror or cut}); "
+                           f"it takes no more records. Take a snapshot and restore from it "
+                           f"with a new wal_path")
+            return ReplayStorageError(exc.errno or errno.EIO, f"{what}; {self.broken}")
+        return ReplayStorageError(exc.errno or errno.EIO,
+                                  f"{what}: retry the call once the disk has room (free "
+                                  f"space, or move wal_path to a larger volume)")
 
     def close(self) -> None:
         if self.fd >= 0:

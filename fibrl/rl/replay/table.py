@@ -25,8 +25,11 @@ item finds another id (or none) in its slot and is ignored.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import logging
 import os
+import signal
+import sys
 import threading
 import time
 from typing import Any, Literal, Optional, TypedDict, overload
@@ -34,7 +37,7 @@ from typing import Any, Literal, Optional, TypedDict, overload
 import numpy as np
 from numpy.typing import ArrayLike
 
-from .errors import RateLimiterTimeout
+from .errors import RateLimiterTimeout, ReplayStorageError
 from .limiters import Limiter, LimiterSpec
 from .persist import WriteAheadLog, read_log, read_snapshot, write_snapshot
 from .selectors import Fifo, Prioritized, SelectorSpec, Uniform, index_key, make_index
@@ -181,9 +184,7 @@ class ReplayTable:
         with self.cond:
             self.limiter.check_batch("insert", n)
             self._admit("insert", n, timeout)
-            ids = self._insert_locked(batch, prios, None)
-            if self.wal is not None:
-                self.wal.append(("insert", ids, batch, prios))
+            ids = self._insert_locked(batch, prios, None, log=self.wal is not None)
             self.cond.notify_all()
         return ids
 
@@ -209,11 +210,21 @@ class ReplayTable:
                              f"action, reward, next_obs, done (and optionally truncated)")
         prios = self._priorities(priorities, n)
         with self.cond:
+            # the windows of these envs as they were: an insert that fails (rate limiter
+            # timeout, a full disk under the log) puts them back, so a retried append
+            # neither loses these steps nor counts them twice
+            before = {env: list(self.pending_steps.get(env, ()))
+                      for env in set(env_ids.tolist())}
             items, item_prios = self._assemble(steps, env_ids, prios, spec)
         if not items:
             return np.zeros(0, dtype=np.int64)
         batch = {key: np.stack([item[key] for item in items]) for key in items[0]}
-        return self.insert(batch, self._fill_priorities(item_prios), timeout)
+        try:
+            return self.insert(batch, self._fill_priorities(item_prios), timeout)
+        except BaseException:
+            with self.cond:
+                self.pending_steps.update(before)
+            raise
 
     def _fill_priorities(self, prios: list) -> Optional[np.ndarray]:
         """The priorities of assembled items: None if no step carried one (the insert
@@ -228,17 +239,16 @@ class ReplayTable:
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         prios = self._priorities(priorities, len(ids))
         with self.cond:
-            applied = self._update_locked(ids, prios)
-            if self.wal is not None:
+            if self.wal is not None:   # logged first: a record that fails changes nothing
                 self.wal.append(("update", ids, prios))
-        return applied
+            return self._update_locked(ids, prios)
 
     def clear(self) -> None:
         """Remove every item (ids keep counting up, so old ids stay unknown)."""
         with self.cond:
-            self._reset()
             if self.wal is not None:
                 self.wal.append(("clear",))
+            self._reset()
             self.cond.notify_all()
 
     # -- reads -------------------------------------------------------------------------------
@@ -357,14 +367,17 @@ class ReplayTable:
         start = time.perf_counter()
         errors_r, errors_w = os.pipe()
         pid, message = 0, ""
+        _load_prctl()   # not in the child: loading a library there could take a lock
         try:
             with self.cond:
                 held = time.perf_counter()
                 meta = self._snapshot_meta()
                 items = self.size()
+                server = os.getpid()
                 pid = os.fork()
                 if pid == 0:  # the child: never returns, never touches the lock or sockets
-                    _write_in_child(path, PointInTimeCopy.arrays(self), meta, errors_w)
+                    _write_in_child(path, PointInTimeCopy.arrays(self), meta, errors_w,
+                                    server)
                 stall = time.perf_counter() - held
             forked = time.perf_counter()
             os.close(errors_w)
@@ -379,9 +392,10 @@ class ReplayTable:
             status = os.waitpid(pid, 0)[1] if pid else 0
         code = os.waitstatus_to_exitcode(status)
         if code != 0:
-            raise OSError(f"writing the replay snapshot {path!r} failed (writer process "
-                          f"exit code {code}): {message.strip() or 'no message'}; check that "
-                          f"the directory exists on the store server and has space")
+            number, _, message = message.partition("\n")
+            raise _storage_error(path, int(number) if number.isdigit() else errno.EIO,
+                                 f"writer process exit code {code}: "
+                                 f"{message.strip() or 'no message'}")
         return dict(path=path, items=items, stall_s=stall, copy_s=forked - start,
                     write_s=time.perf_counter() - forked, method="fork")
 
@@ -407,7 +421,11 @@ class ReplayTable:
             with self.cond:
                 self.copy = None
         copied = time.perf_counter()
-        write_snapshot(path, copy.out, meta)
+        try:
+            write_snapshot(path, copy.out, meta)
+        except OSError as exc:
+            raise _storage_error(path, exc.errno or errno.EIO,
+                                 f"{type(exc).__name__}: {exc}") from exc
         return dict(path=path, items=items, stall_s=stall, copy_s=copied - start,
                     write_s=time.perf_counter() - copied, method="chunked")
 
@@ -437,9 +455,6 @@ class ReplayTable:
         for record, _end in read_log(path, offset):
             if record[0] == "insert":
                 _kind, ids, batch, prios = record
-                overflow = self.size() + len(ids) - self.config.capacity
-                if overflow > 0:
-                    self._evict(overflow)
                 self._insert_locked(batch, prios, ids)
             elif record[0] == "update":
                 self._update_locked(record[1], record[2])
@@ -507,18 +522,40 @@ class ReplayTable:
         return prios
 
     def _insert_locked(self, batch: dict, prios: Optional[np.ndarray],
-                       ids: Optional[np.ndarray]) -> np.ndarray:
+                       ids: Optional[np.ndarray], log: bool = False) -> np.ndarray:
+        """Store ``batch`` (with ``ids``, replaying the log; else new ones).
+
+        With ``log``, every check and choice is made first (columns, the items to
+        evict, the slots, the ids), then the record is written, then the table
+        changes: a record that cannot be written leaves the table as it was."""
         n = _batch_length(batch)
-        self._check_columns(batch, n)
-        overflow = self.size() + n - self.config.capacity
-        if overflow > 0:
-            self._evict(overflow)
-        slots = np.asarray(self.free[-n:][::-1], dtype=np.int64)
-        del self.free[-n:]
+        made = self._check_columns(batch, n)
+        try:
+            batch = self._as_columns(batch)
+        except ValueError:
+            if made:
+                self.columns = {}
+            raise
         cfg = self.config
+        overflow = self.size() + n - cfg.capacity
+        evict = (self.remover_index.select(overflow, self.rng, distinct=True)[0]
+                 if overflow > 0 else np.zeros(0, dtype=np.int64))
+        free = self.free + evict.tolist() if len(evict) else self.free   # as _remove leaves it
+        slots = np.asarray(free[-n:][::-1], dtype=np.int64)
         if ids is None:
             seqs = np.arange(self.next_local, self.next_local + n, dtype=np.int64)
             ids = (seqs * cfg.capacity + slots) * cfg.num_shards + cfg.shard
+        if log and self.wal is not None:
+            try:
+                self.wal.append(("insert", ids, batch, prios))
+            except BaseException:
+                if made:   # the first insert made the columns: unmade, nothing was stored
+                    self.columns = {}
+                raise
+        if len(evict):
+            self._remove(evict)
+            self.counters["evictions"] += len(evict)
+        del self.free[-n:]
         self.next_local = max(self.next_local,
                               int(ids.max()) // cfg.num_shards // cfg.capacity + 1)
         if prios is None:
@@ -526,13 +563,8 @@ class ReplayTable:
         elif n:
             self.max_priority = max(self.max_priority, float(prios.max()))
         self._touch(slots)
-        try:
-            for name, column in self.columns.items():
-                column[slots] = batch[name]
-        except (TypeError, ValueError) as exc:
-            self.free.extend(slots[::-1].tolist())  # nothing of this batch becomes visible
-            raise ValueError(f"could not store this batch: {exc}; give every column the "
-                             f"dtype and item shape of the first insert") from exc
+        for name, column in self.columns.items():
+            column[slots] = batch[name]
         self.slot_ids[slots] = ids
         self.priorities[slots] = prios
         self.times_sampled[slots] = 0
@@ -541,13 +573,29 @@ class ReplayTable:
         self.counters["inserts"] += n
         return ids
 
-    def _check_columns(self, batch: dict, n: int) -> None:
+    def _as_columns(self, batch: dict) -> dict:
+        """``batch`` in the columns' dtypes (a ``ValueError`` here, before anything is
+        logged or stored, for values that cannot be stored)."""
+        out = {}
+        for name, value in batch.items():
+            try:
+                out[name] = np.asarray(value).astype(self.columns[name].dtype,
+                                                      casting="same_kind", copy=False)
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"could not store this batch: column {name!r}: {exc}; give "
+                                 f"every column the dtype and item shape of the first "
+                                 f"insert") from exc
+        return out
+
+    def _check_columns(self, batch: dict, n: int) -> bool:
+        """Raise ``ValueError`` unless ``batch`` fits the columns; the first batch makes
+        them (then True)."""
         if not self.columns:
             cap = self.config.capacity
             for name, value in batch.items():
                 value = np.asarray(value)
                 self.columns[name] = np.zeros((cap,) + value.shape[1:], dtype=value.dtype)
-            return
+            return True
         if set(batch) != set(self.columns):
             raise ValueError(f"this batch has columns {sorted(batch)} but the store holds "
                              f"{sorted(self.columns)}; every insert must carry the same keys")
@@ -561,6 +609,7 @@ class ReplayTable:
                 raise ValueError(f"column {name!r}: items of shape {np.shape(value)[1:]}, but "
                                  f"the store holds items of shape {want} (set by the first "
                                  f"insert)")
+        return False
 
     def _update_locked(self, ids: np.ndarray, prios: np.ndarray) -> int:
         cfg = self.config
@@ -583,11 +632,6 @@ class ReplayTable:
         for index in self.indexes:
             index.update(slots, prios)
         return len(slots)
-
-    def _evict(self, count: int) -> None:
-        slots, _ = self.remover_index.select(count, self.rng, distinct=True)
-        self._remove(slots)
-        self.counters["evictions"] += len(slots)
 
     def _remove(self, slots: np.ndarray) -> None:
         if not len(slots):
@@ -703,12 +747,15 @@ class PointInTimeCopy:
 SNAPSHOT_NICENESS = 19
 
 
-def _write_in_child(path: str, arrays: dict, meta: dict, errors: int) -> None:
+def _write_in_child(path: str, arrays: dict, meta: dict, errors: int, server: int) -> None:
     """The forked snapshot writer: write the frozen arrays, report a failure on the
     ``errors`` pipe, and leave with ``os._exit`` (no atexit handlers, no finalizers
     touching the parent's sockets or threads)."""
     code = 1
     try:
+        # a writer whose store is killed stops too: it must not rename its file over the
+        # snapshot later, nor write path.tmp while a restored store writes it as well
+        _die_with_parent(server)
         # drop the parent's sockets and files, so that a client sees a killed store
         # go at once instead of when this writer is done
         os.closerange(3, errors)
@@ -723,11 +770,49 @@ def _write_in_child(path: str, arrays: dict, meta: dict, errors: int) -> None:
         code = 0
     except BaseException as exc:  # reported to the parent, which raises it
         try:
-            os.write(errors, f"{type(exc).__name__}: {exc}".encode("utf-8", "replace"))
+            number = getattr(exc, "errno", None) or errno.EIO
+            os.write(errors, f"{number}\n{type(exc).__name__}: {exc}".encode("utf-8",
+                                                                             "replace"))
         except OSError:
             pass
     finally:
         os._exit(code)
+
+
+def _storage_error(path: str, number: int, detail: str) -> ReplayStorageError:
+    return ReplayStorageError(
+        number, f"writing the replay snapshot {path!r} failed ({detail}); the previous "
+                f"snapshot there is kept as it was. Check that the directory exists on the "
+                f"store server and has room for another copy of the table")
+
+
+#: Linux's prctl option that sends a process a signal when its parent ends
+_PR_SET_PDEATHSIG = 1
+_prctl: Any = None
+
+
+def _load_prctl() -> Any:
+    """libc's ``prctl`` (loaded in the server, before it forks), or False where none."""
+    global _prctl
+    if _prctl is None:
+        _prctl = False
+        if sys.platform.startswith("linux"):
+            try:
+                import ctypes
+                _prctl = ctypes.CDLL(None, use_errno=True).prctl
+            except (OSError, AttributeError):
+                pass
+    return _prctl
+
+
+def _die_with_parent(server: int) -> None:
+    """(In the forked writer) be killed when the store server ``server`` ends (Linux);
+    exit at once if it is gone already."""
+    prctl = _prctl
+    if prctl:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != server:
+        os._exit(1)
 
 
 def _max_fd() -> int:
