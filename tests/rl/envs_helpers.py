@@ -271,3 +271,60 @@ class RaisesUnpicklable(Tiny):
         import threading
 
         raise Unpicklable(threading.Lock())
+
+
+class CrashyError(Exception):
+    """What :class:`Crashy` raises (a type of its own, to see it reach the caller)."""
+
+
+class Crashy(gymnasium.Env):
+    """Observations ``[t, draw, level, resets]``: steps into the episode, a number drawn
+    from the env's generator at reset (it follows the reset's seed), the ``level`` given
+    in reset's options (0 without) and the resets this instance made. Episodes end
+    (terminated) after ``length`` steps; the reward is the action plus 1.
+
+    It raises :class:`CrashyError` in the instance's ``reset_crash``-th reset (before
+    anything is reset) or ``step_crash``-th step, and ends its process on the instance's
+    ``exit_step``-th step (0: never). With ``once`` (a file path), each of them happens
+    once across instances and processes (a file next to ``once`` records that it did)."""
+
+    observation_space = spaces.Box(0, np.inf, (4,), np.float64)
+    action_space = spaces.Discrete(3)
+
+    def __init__(self, length: int = 1000, reset_crash: int = 0, step_crash: int = 0,
+                 exit_step: int = 0, once=None) -> None:
+        self.length, self.once = length, once
+        self.reset_crash, self.step_crash, self.exit_step = reset_crash, step_crash, exit_step
+        self.resets = self.steps = self.t = 0
+        self.draw = self.level = 0.0
+
+    def _now(self, kind: str, count: int, at: int) -> bool:
+        if not at or count != at:
+            return False
+        if self.once is not None:
+            marker = f"{self.once}.{kind}"
+            if os.path.exists(marker):
+                return False
+            open(marker, "w").close()
+        return True
+
+    def _obs(self):
+        return np.array([self.t, self.draw, self.level, self.resets], dtype=np.float64)
+
+    def reset(self, *, seed=None, options=None):
+        self.resets += 1
+        if self._now("reset", self.resets, self.reset_crash):
+            raise CrashyError(f"reset crash at reset {self.resets}")
+        super().reset(seed=seed)
+        self.t, self.level = 0, float((options or {}).get("level", 0))
+        self.draw = float(self.np_random.random())
+        return self._obs(), {"resets": self.resets}
+
+    def step(self, action):
+        self.steps += 1
+        if self._now("step", self.steps, self.step_crash):
+            raise CrashyError(f"step crash at step {self.steps}")
+        if self._now("exit", self.steps, self.exit_step):
+            os._exit(3)
+        self.t += 1
+        return self._obs(), float(action) + 1.0, self.t >= self.length, False, {"t": self.t}

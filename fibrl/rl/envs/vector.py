@@ -69,11 +69,11 @@ from ...supervisor import Policy, Supervisor
 from . import fastpath
 from .manager import make_gym_env
 from .protocol import (Broken, Call, Called, Close, Died, Hello, Reset, Result, Started,
-                       StartFailed, Step, decode, encode, rows, write_rows)
+                       StartFailed, Step, decode, encode, row, rows, write_rows)
 from .restarts import EnvCrashError, RestartBudget, RestartLog, blame, last_line, rebuilt
 from .spaces import (ActionCheck, InvalidActionError, check_mode, check_spaces, is_fixed,
                      objects)
-from .worker import RAISE, RESTART, serve
+from .worker import RAISE, RESTART, RESTARTED, serve
 
 __all__ = ["RemoteVectorEnv", "EnvCrashError", "AsyncState", "InvalidActionError"]
 
@@ -214,6 +214,9 @@ class RemoteVectorEnv(VectorEnv):
         self._restart_log = RestartLog()
         self._attrs: list[dict] = [{} for _ in range(self.num_envs)]   # set_attr's, per env
         self._options: list = [None] * self.num_envs   # each episode's reset options
+        # whether each env's latest result ended its episode (a replacement worker needs
+        # it: with NEXT_STEP, that env's next step is a reset-step)
+        self._ended = np.zeros(self.num_envs, dtype=np.bool_)
         self._any_options = False
         self._why: list = [("", "")] * self.num_envs   # why each env last restarted
         self._failures: list = []      # (env_id, Failure) to raise once the call is done
@@ -322,6 +325,10 @@ class RemoteVectorEnv(VectorEnv):
         gen = worker.gen + 1
         fns = [self._fns[i] for i in worker.env_ids]
         counts = [self._budget.counts[i] for i in worker.env_ids]
+        lasts = ended = None
+        if gen > 0 and self._built:   # what its envs' episodes ended with (docs/envs.md)
+            lasts = [copy.deepcopy(row(self._obs, i)) for i in worker.env_ids]
+            ended = [bool(self._ended[i]) for i in worker.env_ids]
         spec = {"target": serve, "name": f"fibrl-env-worker-{worker.index}",
                 "backend": self._backend,
                 "args": (worker.index, gen, fns, worker.env_ids, counts,
@@ -329,7 +336,7 @@ class RemoteVectorEnv(VectorEnv):
                          self._listener.address, self._direct,
                          [self._attrs[i] for i in worker.env_ids], self.on_error,
                          [self._options[i] for i in worker.env_ids],
-                         [self._why[i] for i in worker.env_ids])}
+                         [self._why[i] for i in worker.env_ids], lasts, ended)}
         if worker.chan is not None:
             worker.chan.close()
         # The generation changes before the process exists: its Hello (which may come
@@ -744,11 +751,16 @@ class RemoteVectorEnv(VectorEnv):
                      f"envs {sorted(self._broken)} before they step again)")
         raise exc
 
-    def _forget_options(self, ended: np.ndarray, env_ids: Optional[np.ndarray]) -> None:
+    def _forget_options(self, ended: np.ndarray, env_ids: Optional[np.ndarray],
+                        infos: dict) -> None:
         """Envs whose episode ended begin the next without reset options (as an autoreset
-        does); a restart of them passes none."""
+        does); a restart of them passes none. An episode cut short by a restart is not
+        one of them: the restart began the next one with the same options."""
         if self.autoreset_mode == AutoresetMode.DISABLED or not ended.any():
             return
+        restarted = infos.get("_" + RESTARTED)
+        if restarted is not None:
+            ended = ended & ~restarted
         for i in (np.flatnonzero(ended) if env_ids is None else env_ids[ended]).tolist():
             self._options[i] = None
         self._any_options = any(o is not None for o in self._options)
@@ -790,6 +802,7 @@ class RemoteVectorEnv(VectorEnv):
         got = self._collect(len(self._pending), deadline, "reset")
         self._state = AsyncState.DEFAULT
         obs, _, _, _, infos = self._assemble(got, self.num_envs, True)
+        self._ended[self._reset_ids] = False
         self._raise_failures("reset")
         return obs, infos
 
@@ -814,10 +827,11 @@ class RemoteVectorEnv(VectorEnv):
             got = self._collect(len(self._pending), deadline, "step")
             out = self._assemble(got, self.num_envs, True)
         self._state = AsyncState.DEFAULT
+        np.logical_or(out[2], out[3], out=self._ended)
         if self._failures:
             self._raise_failures("step")
         if self._any_options:
-            self._forget_options(out[2] | out[3], None)
+            self._forget_options(out[2] | out[3], None, out[4])
         if self.policy_version is not None:
             out[4]["policy_version"] = self._versions.copy()
         return out
@@ -856,9 +870,10 @@ class RemoteVectorEnv(VectorEnv):
             self._state = AsyncState.DEFAULT
         obs, rewards, terms, truncs, infos = self._assemble(got, num, False)
         infos["env_id"] = np.concatenate([ids for ids, _, _ in got])
+        self._ended[infos["env_id"]] = terms | truncs
         self._raise_failures("step")
         if self._any_options:
-            self._forget_options(terms | truncs, infos["env_id"])
+            self._forget_options(terms | truncs, infos["env_id"], infos)
         if self.policy_version is not None:
             infos["policy_version"] = self._versions[infos["env_id"]]
         return obs, rewards, terms, truncs, infos

@@ -40,10 +40,14 @@ array of single observations, which the vector env batches with gymnasium's
 Autoreset follows gymnasium's ``SyncVectorEnv`` exactly, env by env. With
 ``on_error="restart"``, an env that raises is recreated here and reset with its
 restart seed and the options its episode began with; that env's current result
-is the fresh reset observation with ``truncated=True``,
-``info["fibrl_restarted"]`` and the exception's type and message, and the
+ends its episode, truncated, with reward 0, ``info["fibrl_restarted"]`` and the
+exception's type and message, its final observation being the one its action
+was chosen from, and the restart's reset begins the next episode, as each
+autoreset mode begins one (:meth:`Worker._restart_step`). The
 :class:`~.protocol.Failure` travels back so the vector env can charge its
-restart budget. A reset that raises is retried once on a fresh env with the
+restart budget. A replacement worker is told each env's last observation and
+whether its episode had ended, and reports its envs' restarts the same way.
+A reset that raises is retried once on a fresh env with the
 same seed and options (never another seed); if that fails too, or with
 ``on_error="raise"``, the failure goes back to be raised in the caller, and the
 env is made anew at its next reset. A worker started to replace a dead one
@@ -52,7 +56,7 @@ resets every env with its restart seed before serving requests.
 from __future__ import annotations
 
 import traceback
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, cast
 
 import numpy as np
 
@@ -81,7 +85,7 @@ class _Slot:
     """One env of this worker and what the next step must do with it."""
 
     __slots__ = ("fn", "env_id", "env", "obs", "needs_reset", "restarted", "restarts",
-                 "attrs", "options", "why", "broken")
+                 "attrs", "options", "why", "broken", "last", "fresh", "reset_info")
 
     def __init__(self, fn: Callable[[], Any], env_id: int, restarts: int,
                  attrs: Optional[dict] = None) -> None:
@@ -96,6 +100,22 @@ class _Slot:
         self.obs: Any = None   # its latest observation
         self.needs_reset = False
         self.restarted = False
+        # a restart: the observation the crashed episode ended with (the one its last
+        # action was chosen from), reported as its final observation
+        self.last: Any = None
+        # NEXT_STEP: a restart reset the env already, so its reset-step returns that
+        # reset (its restart seed, its episode's options) instead of resetting again
+        self.fresh = False
+        self.reset_info: dict = {}   # the info of the restart's reset
+
+
+class _AutoresetFailed(Exception):
+    """(SAME_STEP) ``env.reset()`` raised right after a step that ended the episode; it
+    carries that step's result, which stands (the exception is its ``__cause__``)."""
+
+    def __init__(self, result: tuple) -> None:
+        super().__init__("autoreset failed")
+        self.result = result   # (final obs, info, reward, terminated, truncated)
 
 
 class Worker:
@@ -104,14 +124,20 @@ class Worker:
     def __init__(self, index: int, gen: int, fns: list, env_ids: list, restarts: list,
                  mode: str, root_seed: int, split: int, outbox: Any,
                  attrs: Optional[list] = None, on_error: str = RESTART,
-                 options: Optional[list] = None, reasons: Optional[list] = None) -> None:
+                 options: Optional[list] = None, reasons: Optional[list] = None,
+                 lasts: Optional[list] = None, ended: Optional[list] = None) -> None:
         self.index, self.gen, self.mode, self.root = index, gen, mode, root_seed
         self.split, self.outbox, self.on_error = split, outbox, on_error
         attrs = attrs or [None] * len(fns)
         self.slots = [_Slot(fn, i, r, a) for fn, i, r, a in zip(fns, env_ids, restarts, attrs)]
-        for slot, opts, why in zip(self.slots, options or [None] * len(fns),
-                                   reasons or [("", "")] * len(fns)):
-            slot.options, slot.why = opts, why
+        for slot, opts, why, last, done in zip(self.slots, options or [None] * len(fns),
+                                               reasons or [("", "")] * len(fns),
+                                               lasts or [None] * len(fns),
+                                               ended or [False] * len(fns)):
+            # (a replacement) what the vector env last returned for each env: how its
+            # episode ended, and whether its next step is a NEXT_STEP reset-step
+            slot.options, slot.why, slot.last = opts, why, last
+            slot.needs_reset = bool(done) and mode == NEXT_STEP
         self.obs_rows: Any = None   # reused batch of observations, when the space allows
         self.dynamic = False        # observations travel as an object array (see .spaces)
         self.blank: Any = None      # an observation standing in for an env that raised
@@ -160,13 +186,13 @@ class Worker:
         try:
             if fresh:
                 _remake(slot)
-            slot.obs, _ = slot.env.reset(seed=seed, options=slot.options)
+            slot.obs, info = slot.env.reset(seed=seed, options=slot.options)
         except Exception:
             self.outbox.send(Broken(self.index, self.gen, self.slots.index(slot),
                                     traceback.format_exc()))
             return False
+        slot.reset_info = dict(info or {})
         slot.restarted = True
-        slot.needs_reset = False
         return True
 
     # -- requests -----------------------------------------------------------------------
@@ -211,7 +237,8 @@ class Worker:
     def _reset_one(self, slot: _Slot, seed: Any, options: Optional[dict]) -> Any:
         slot.obs, info = slot.env.reset(seed=seed, options=options)
         slot.options = options
-        slot.restarted = slot.needs_reset = False
+        slot.restarted = slot.needs_reset = slot.fresh = False
+        slot.last = None
         return info
 
     def _retry_reset(self, slot: _Slot, seed: Any, options: Optional[dict],
@@ -255,13 +282,20 @@ class Worker:
             slot = self.slots[j]
             try:
                 action = actions[lo + k] if plain else row(actions, lo + k)
-                info, rewards[k], terms[k], truncs[k] = self._step_one(slot, action)
+                ob, info, rewards[k], terms[k], truncs[k] = self._step_one(slot, action)
+            except _AutoresetFailed as exc:   # the step stands; the env restarts under it
+                if not self._failed(slot, j, cast(Exception, exc.__cause__), restarts):
+                    return False
+                ob, info, rewards[k], terms[k], truncs[k] = self._after_autoreset(slot,
+                                                                                  exc.result)
             except Exception as exc:
+                slot.last = slot.obs   # what this step's action was chosen from
                 if not self._failed(slot, j, exc, restarts):
                     return False
-                info, rewards[k], terms[k], truncs[k] = (
-                    self._step_one(slot, None) if slot.restarted else (None, 0.0, False, False))
-            obs.append(slot.obs)
+                ob, info, rewards[k], terms[k], truncs[k] = (
+                    self._step_one(slot, None) if slot.restarted
+                    else (slot.obs, None, 0.0, False, False))
+            obs.append(ob)
             infos.append(info or None)
         self.outbox.send_frame(encode_result(self.index, self.gen, msg.seq, msg.slots[lo:hi],
                                              self._batch(obs), rewards, terms, truncs, infos,
@@ -297,27 +331,69 @@ class Worker:
         return objects(obs) if self.dynamic else stack(obs)
 
     def _step_one(self, slot: _Slot, action: Any) -> tuple:
+        """``(obs, info, reward, terminated, truncated)`` of one env's step."""
         if slot.restarted:  # report the restart in place of this step
-            slot.restarted = False
-            slot.needs_reset = self.mode == NEXT_STEP
-            info: dict[str, Any] = {RESTARTED: True, ERROR_TYPE: slot.why[0], ERROR: slot.why[1]}
-            if self.mode == SAME_STEP:
-                info = {"final_obs": slot.obs, "final_info": dict(info), **info}
-            return info, 0.0, False, True
+            return self._restart_step(slot)
         if self.mode == NEXT_STEP and slot.needs_reset:
-            slot.obs, info = slot.env.reset()
-            slot.needs_reset = False
+            if slot.fresh:   # a restart reset it: that reset begins the episode
+                slot.fresh = slot.needs_reset = False
+                return slot.obs, dict(slot.reset_info), 0.0, False, False
             slot.options = None   # an autoreset episode begins without options
-            return info, 0.0, False, False
+            slot.obs, info = slot.env.reset()   # (if it raises, this is still a reset-step)
+            slot.needs_reset = False
+            return slot.obs, info, 0.0, False, False
         slot.obs, reward, term, trunc, info = slot.env.step(action)
         if self.mode == NEXT_STEP:
             slot.needs_reset = bool(term or trunc)
         elif self.mode == SAME_STEP and (term or trunc):
-            final = {"final_obs": slot.obs, "final_info": info}
-            slot.obs, info = slot.env.reset()
+            final = (slot.obs, info, reward, term, trunc)
             slot.options = None
-            info = {**final, **info}
-        return info, reward, term, trunc
+            try:
+                slot.obs, info = slot.env.reset()
+            except Exception as exc:
+                raise _AutoresetFailed(final) from exc
+            info = {"final_obs": final[0], "final_info": final[1], **info}
+        return slot.obs, info, reward, term, trunc
+
+    def _why(self, slot: _Slot) -> dict:
+        return {RESTARTED: True, ERROR_TYPE: slot.why[0], ERROR: slot.why[1]}
+
+    def _restart_step(self, slot: _Slot) -> tuple:
+        """The step that reports a restart (see docs/envs.md, "What a crash returns").
+
+        The crashed episode ends here, truncated, with reward 0 and the observation
+        its last action was chosen from as its final one; the restart's reset begins
+        the next episode: in this step's observation (SAME_STEP), at the next step,
+        a reset-step (NEXT_STEP), or at your masked reset (DISABLED). An env whose
+        previous episode had ended already (NEXT_STEP: this step was its reset-step)
+        has no episode to end: the step is that reset-step, the restart's reset."""
+        slot.restarted = False
+        last, slot.last = slot.last, None
+        if last is None:
+            last = slot.obs   # (nothing was returned for this env yet)
+        why = self._why(slot)
+        if self.mode == NEXT_STEP and slot.needs_reset:
+            slot.needs_reset = False
+            return slot.obs, {**slot.reset_info, **why}, 0.0, False, False
+        if self.mode == SAME_STEP:
+            info = {**slot.reset_info, "final_obs": last, "final_info": dict(why), **why}
+            return slot.obs, info, 0.0, False, True
+        slot.needs_reset = slot.fresh = self.mode == NEXT_STEP
+        return last, why, 0.0, False, True
+
+    def _after_autoreset(self, slot: _Slot, result: tuple) -> tuple:
+        """(SAME_STEP) the result of a step that ended its episode and whose reset raised:
+        the step's own result, with the restarted env's first observation (or, with
+        ``on_error="raise"``, the final one: the env must be reset anyway)."""
+        final, info, reward, term, trunc = result
+        if not slot.restarted:
+            return final, None, reward, term, trunc
+        slot.restarted = False
+        slot.last = None
+        why = self._why(slot)
+        info = {**slot.reset_info, "final_obs": final, "final_info": {**(info or {}), **why},
+                **why}
+        return slot.obs, info, reward, term, trunc
 
     def _call(self, msg: Call) -> Called:
         values: list[Any] = []
@@ -406,7 +482,8 @@ def _remake(slot: _Slot) -> None:
 def serve(index: int, gen: int, fns: list, env_ids: list, restarts: list, mode: str,
           root_seed: int, split: int, address: str, direct: bool = False,
           attrs: Optional[list] = None, on_error: str = RESTART,
-          options: Optional[list] = None, reasons: Optional[list] = None) -> None:
+          options: Optional[list] = None, reasons: Optional[list] = None,
+          lasts: Optional[list] = None, ended: Optional[list] = None) -> None:
     """Entry point of a worker process: start the envs, then answer requests until Close."""
     # (the run's secret and this worker's transport settings: tls, limits)
     conn = channel.connect(address)
@@ -434,7 +511,7 @@ def serve(index: int, gen: int, fns: list, env_ids: list, restarts: list, mode: 
     if direct:
         listener = channel.listen(on_direct)
     worker = Worker(index, gen, fns, env_ids, restarts, mode, root_seed, split, outbox, attrs,
-                    on_error, options, reasons)
+                    on_error, options, reasons, lasts, ended)
     outbox.send(Hello(index, gen, listener.address if listener is not None else ""))
     try:
         if not worker.start():
