@@ -113,11 +113,14 @@ def _receive(env: RemoteVectorEnv, deadline: Optional[float], slice_s: float,
     """Receive one compact reply per worker, in order, into ``frames``; False at the
     first other frame, lost connection, or moment when the general path must look
     around (something in the inbox, the caller's deadline, a hung step)."""
+    bounded = deadline is not None or env._step_timeout is not None
+    left = slice_s
     for w in env._workers:
         while True:
-            left = _left(env, deadline, slice_s)
-            if left <= 0:
-                return False
+            if bounded:
+                left = _left(env, deadline, slice_s)
+                if left <= 0:
+                    return False
             try:
                 frame = w.chan.recv(left)
                 break
