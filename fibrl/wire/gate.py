@@ -7,15 +7,34 @@ listening TCP sockets instead: one thread accepts, counts and times each connect
 hands it to nng (``hand``) only once its header has arrived whole and names the protocol
 the nng socket behind it speaks. What a stranger can hold is then bounded at every step:
 
-- at most ``max_pending`` connections wait for their header (together with what
-  ``others()`` reports the nng side already holds for the same listener); the oldest
-  waiting one is closed for a new one;
-- each waits at most ``header_timeout`` seconds;
+- at most ``max_pending`` connections are held before they authenticate (those waiting
+  for their header here, and what ``others()`` reports the nng side holds for the same
+  listener). At that limit the gate stops accepting: newer connections wait in the
+  kernel's listen backlog, which costs this process no descriptor, and are accepted as
+  the held ones finish. A held connection that is *idle* (no complete header here
+  within ``grace`` seconds, or what ``evict(n)`` finds idle on the nng side) is
+  closed for a waiting one, so idle strangers cannot keep the slots from others; a
+  connection that is only queued behind the others (its header arrived, nng has not
+  taken it yet) is never closed for a newer one;
+- each waits at most ``header_timeout`` seconds for its header;
 - a connection is refused at once (accepted and closed) while fewer than ``reserve``
   descriptors of ``ulimit -n`` are left, so the process's own work keeps those (not on a
   ``once`` port: its one peer has authenticated already);
 - a port opened with ``once=True`` (a data port, meant for one authenticated peer) stops
-  listening as soon as it has handed one connection on.
+  listening as soon as it has handed one connection on. Its connections do not count
+  against ``max_pending`` and are never closed to make room for the accept port's: each
+  finishes a handshake already made, and there is one such port per authenticated
+  peer. At most ``ONCE_WAITING`` of them wait for their header (the oldest is closed).
+
+::
+
+    accept port ready --> room? (held < max_pending, or an idle one closed) --no--> pause:
+         |                                                    the port leaves the selector;
+         | yes: accept, time the header                       every PAUSE_TICK s, back
+         v                                                    once room is made
+    header complete --> hand(sock) --False: nng busy--> offered again every RETRY s
+         |
+         v True: nng owns it (counted by ``others()`` until it authenticates or goes)
 
 This module knows nothing of nng or of what the header's bytes after the protocol mean:
 :mod:`fibrl.wire.transport` builds the gate, says which protocol each port expects, and turns
@@ -27,6 +46,7 @@ import collections
 import logging
 import os
 import resource
+import select
 import selectors
 import socket
 import threading
@@ -40,6 +60,13 @@ log = logging.getLogger(__name__)
 HEADER_SIZE = 8
 _ACCEPTS_PER_WAKE = 32   # connections accepted per readiness event of a listening socket
 _RETRY = 0.005           # s between tries of a hand-off nng could not take yet
+PAUSE_TICK = 0.02        # s between looks at a port that waits for room
+ONCE_WAITING = 4         # connections to one data port waiting for their header, at most
+# The listen backlog of a port: where connections to an accept port wait while the gate
+# holds max_pending (the kernel caps it at net.core.somaxconn). Deeper would make a
+# legitimate connection wait behind more idle strangers; shallower makes a burst of
+# connections retry their SYN (a second or more) instead of waiting in line.
+BACKLOG = 128
 
 
 def sp_header(protocol: int) -> bytes:
@@ -108,14 +135,16 @@ class Port:
 
 
 class _Waiting:
-    __slots__ = ("sock", "address", "port", "deadline", "ready")
+    __slots__ = ("sock", "address", "port", "since", "deadline", "ready")
 
-    def __init__(self, sock: socket.socket, address: str, port: Port, deadline: float) -> None:
+    def __init__(self, sock: socket.socket, address: str, port: Port, since: float,
+                 deadline: float) -> None:
         self.sock = sock
         self.address = address
         self.port = port
-        self.deadline = deadline
-        self.ready = False   # the header arrived; waits for nng to take it
+        self.since = since         # when it was accepted
+        self.deadline = deadline   # for its header; once ready, for nng to take it
+        self.ready = False         # the header arrived; waits for nng to take it
 
 
 class Gate:
@@ -124,21 +153,28 @@ class Gate:
     Args:
         where: names the owner in log lines and the thread's name.
         refused: ``refused(address, reason)`` for every connection closed unserved.
-        max_pending: connections waiting for their header kept at most.
+        max_pending: connections held before they authenticate, at most (with ``others``).
         others: connections the owner holds already that count against ``max_pending``.
+        evict: ``evict(n)`` closes up to ``n`` idle connections of those the owner holds
+            (``others``), to make room for waiting ones; returns how many it closed.
         header_timeout: seconds a connection may take to send its header.
+        grace: seconds a connection without a complete header is kept while newer ones
+            wait for room.
         reserve: descriptors a new connection must leave free (None: an eighth of
             ``ulimit -n``, at least 32).
     """
 
     def __init__(self, where: str, *, refused: Callable[[str, str], None], max_pending: int,
-                 others: Callable[[], int] = lambda: 0, header_timeout: float = 5.0,
-                 reserve: Optional[int] = None) -> None:
+                 others: Callable[[], int] = lambda: 0,
+                 evict: Callable[[int], int] = lambda n: 0, header_timeout: float = 5.0,
+                 grace: float = 0.5, reserve: Optional[int] = None) -> None:
         self._where = where
         self._refused = refused
         self._max_pending = max_pending
         self._others = others
+        self._evict = evict
         self._header_timeout = header_timeout
+        self._grace = min(grace, header_timeout)
         self._reserve = _reserve_for() if reserve is None else reserve
         self._selector = selectors.DefaultSelector()
         self._wake_r, self._wake_w = socket.socketpair()
@@ -148,7 +184,9 @@ class Gate:
         self._ops: collections.deque[tuple[Callable[..., None], tuple[Any, ...]]]
         self._ops = collections.deque()   # (op, args) to run in the gate's thread
         self._waiting: dict[socket.socket, _Waiting] = {}   # oldest first
+        self._held = 0   # of them, those that count against max_pending (not a data port's)
         self._ports: set[Port] = set()
+        self._paused: set[Port] = set()   # accept ports out of the selector: no room
         self._closed = False
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._loop, daemon=True,
@@ -172,7 +210,7 @@ class Gate:
         try:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.bind(address)
-            sock.listen(128)
+            sock.listen(BACKLOG)
             sock.setblocking(False)
         except OSError:
             sock.close()
@@ -214,6 +252,7 @@ class Gate:
                         self._read_header(key.data)
                 self._expire()
                 self._retry_ready()
+                self._look_at_paused()
         except Exception:   # never silently: a dead gate would refuse every peer
             log.exception("%s: the connection gate failed; no new peer can connect",
                           self._where)
@@ -233,11 +272,12 @@ class Gate:
     def _next_timeout(self) -> Optional[float]:
         with self._lock:
             if not self._waiting:
-                return None
+                return PAUSE_TICK if self._paused else None
             if any(w.ready for w in self._waiting.values()):
                 return _RETRY
-            oldest = next(iter(self._waiting.values()))
-        return max(0.0, oldest.deadline - time.monotonic())
+            soonest = min(w.deadline for w in self._waiting.values())
+        wait = max(0.0, soonest - time.monotonic())
+        return min(wait, PAUSE_TICK) if self._paused else wait
 
     def _add_port(self, port: Port) -> None:
         if self._closed:
@@ -251,16 +291,76 @@ class Gate:
             return
         port.closed = True
         self._ports.discard(port)
-        try:
-            self._selector.unregister(port.sock)
-        except (KeyError, ValueError):
-            pass
+        if port in self._paused:
+            self._paused.discard(port)
+        else:
+            try:
+                self._selector.unregister(port.sock)
+            except (KeyError, ValueError):
+                pass
         port.sock.close()
+
+    # -- the limit: a full gate leaves new connections in the kernel's backlog ------------
+    def _room(self) -> bool:
+        """Whether one more connection to an accept port may be taken now: fewer than
+        ``max_pending`` are held, or an idle one was closed to make room."""
+        others = self._others()   # (not under the gate's lock: it takes the owner's)
+        if self._held + others < self._max_pending:
+            return True
+        if self._drop_idle_waiting() or self._evict(1) > 0:
+            return self._held + self._others() < self._max_pending
+        return False
+
+    def _drop_idle_waiting(self) -> bool:
+        """Make room by closing the oldest connection that sent no complete header
+        within ``grace`` seconds (an nng peer sends it at once); True once one went."""
+        now = time.monotonic()
+        with self._lock:
+            old = [w for w in self._waiting.values()
+                   if not w.port.once and not w.ready and now - w.since >= self._grace]
+        for waiting in old:
+            self._read_header(waiting)   # (its header may have come since the last look)
+            with self._lock:
+                gone = waiting.sock not in self._waiting
+            if gone:
+                return True   # handed on, or closed: room either way
+            if waiting.ready:
+                continue      # queued for nng, not idle
+            self._drop(waiting, f"sent no complete header within {self._grace:g} s while "
+                       f"{self._max_pending} connections are pending authentication and "
+                       "newer ones wait; it is closed for one of them")
+            return True
+        return False
+
+    def _pause(self, port: Port) -> None:
+        """No room: stop watching ``port`` (its connections wait in the kernel's backlog)."""
+        if port not in self._paused:
+            self._selector.unregister(port.sock)
+            self._paused.add(port)
+
+    def _look_at_paused(self) -> None:
+        """Watch a paused port again once nobody waits on it, or accept there once there
+        is room (each look at most every PAUSE_TICK: a held connection that finishes is
+        not signalled here)."""
+        for port in list(self._paused):
+            if port.closed:
+                self._paused.discard(port)
+                continue
+            waiting = _readable(port.sock)
+            if waiting and not self._room():
+                continue
+            self._paused.discard(port)
+            self._selector.register(port.sock, selectors.EVENT_READ, port)
+            if waiting:
+                self._accept(port)
 
     def _accept(self, port: Port) -> None:
         global _last_shortage
         for _ in range(_ACCEPTS_PER_WAKE):
             if port.closed:
+                return
+            if not port.once and not self._room():
+                self._pause(port)
                 return
             try:
                 sock, peer = port.sock.accept()
@@ -282,7 +382,8 @@ class Gate:
                               f"the last {self._reserve} are kept for this process's own "
                               "work")
                 continue
-            self._make_room()
+            if port.once:
+                self._make_room_at(port)
             # nng sets TCP_NODELAY on the connections it makes itself, not on those
             # handed to it: without it, a reply sent right behind another waits for the
             # peer's delayed ACK (Nagle), about 40 ms for every pipelined call
@@ -291,19 +392,21 @@ class Gate:
             except OSError:
                 pass   # (a peer that reset already: the header read drops it)
             sock.setblocking(False)
-            waiting = _Waiting(sock, address, port, time.monotonic() + self._header_timeout)
+            now = time.monotonic()
+            waiting = _Waiting(sock, address, port, now, now + self._header_timeout)
             with self._lock:
                 self._waiting[sock] = waiting
+                if not port.once:
+                    self._held += 1
             self._selector.register(sock, selectors.EVENT_READ, waiting)
 
-    def _make_room(self) -> None:
-        others = self._others()   # (not under the gate's lock: it takes the owner's)
+    def _make_room_at(self, port: Port) -> None:
+        """A data port keeps at most ONCE_WAITING connections waiting for their header."""
         with self._lock:
-            if len(self._waiting) + others < self._max_pending or not self._waiting:
-                return
-            oldest = next(iter(self._waiting.values()))
-        self._drop(oldest, f"{self._max_pending} connections are pending authentication; "
-                   "the oldest is dropped for the new one")
+            mine = [w for w in self._waiting.values() if w.port is port and not w.ready]
+        if len(mine) >= ONCE_WAITING:
+            self._drop(mine[0], f"{ONCE_WAITING} connections to one data port are waiting "
+                       "for their header; the oldest is closed for the new one")
 
     def _read_header(self, waiting: _Waiting) -> None:
         try:
@@ -323,6 +426,8 @@ class Gate:
             return   # the rest of the header is on its way
         self._selector.unregister(waiting.sock)
         waiting.ready = True
+        # queued here now, not idle: it waits for nng as long as a header may take
+        waiting.deadline = time.monotonic() + self._header_timeout
         self._offer(waiting)
 
     def _offer(self, waiting: _Waiting) -> None:
@@ -336,7 +441,7 @@ class Gate:
         if not taken:
             return   # offered again by _retry_ready
         with self._lock:
-            self._waiting.pop(waiting.sock, None)
+            self._forget(waiting)
         if port.once:
             self._close_port(port)
 
@@ -351,12 +456,24 @@ class Gate:
         with self._lock:
             late = [w for w in self._waiting.values() if w.deadline <= now]
         for waiting in late:
-            self._drop(waiting, f"sent no complete header within {self._header_timeout:g} s",
-                       unregister=not waiting.ready)
+            if waiting.ready:
+                self._drop(waiting, f"the listener could not take it within "
+                           f"{self._header_timeout:g} s of its header", unregister=False)
+            else:
+                self._drop(waiting, f"sent no complete header within "
+                           f"{self._header_timeout:g} s")
+
+    def _forget(self, waiting: _Waiting) -> bool:
+        """Stop counting ``waiting`` (lock held); False if it was not counted any more."""
+        if self._waiting.pop(waiting.sock, None) is None:
+            return False
+        if not waiting.port.once:
+            self._held -= 1
+        return True
 
     def _drop(self, waiting: _Waiting, reason: Optional[str], unregister: bool = True) -> None:
         with self._lock:
-            if self._waiting.pop(waiting.sock, None) is None:
+            if not self._forget(waiting):
                 return
         if unregister and not waiting.ready:
             try:
@@ -372,11 +489,22 @@ class Gate:
             self._close_port(port)
         with self._lock:
             waiting, self._waiting = list(self._waiting.values()), {}
+            self._held = 0
         for each in waiting:
             each.sock.close()
         self._selector.close()
         self._wake_r.close()
         self._wake_w.close()
+
+
+def _readable(sock: socket.socket) -> bool:
+    """Whether a connection waits in the backlog of the listening socket ``sock``."""
+    poll = select.poll()   # (not select.select: no limit on the descriptor's number)
+    try:
+        poll.register(sock, select.POLLIN)
+        return bool(poll.poll(0))
+    except (OSError, ValueError):
+        return False   # closed meanwhile
 
 
 def _address(peer: tuple[str, int] | tuple[str, int, int, int]) -> str:

@@ -30,8 +30,17 @@ and hands nng (through its ``socket://`` transport) only connections whose 8-byt
 nng header arrived within ``HEADER_TIMEOUT`` and names the protocol of the socket
 behind the port; those still waiting count against ``max_pending`` with the accept
 socket's. The accept socket takes messages of at most 1 KiB and holds at most
-``max_pending`` connections (the oldest is dropped for a new one, and any is
-dropped after ``auth_timeout``); a data socket exists only for a peer that
+``max_pending`` connections, any of them for at most ``auth_timeout``. A full
+listener is a queue, not a lottery: newer connections wait (in the kernel's listen
+backlog, without TLS) until a held one finishes its handshake or is *idle*, i.e. has
+sent nothing while the accept thread waited for it (a peer whose message is queued
+behind others is never idle) for longer than the grace, and then closed for a waiting
+one. The grace is ``IDLE_GRACE``, or twice the longest silence of the peers that
+authenticated in the last ``_SILENCE_WINDOW`` seconds if that is more (on a loaded
+machine a peer may take a while to answer; a stranger cannot stretch it, as only
+peers that know the secret count). With TLS nng accepts by itself: past the limit
+an idle connection is closed for the new one, or the new one is refused and its peer
+tries again (:func:`_authenticate_retrying`). A data socket exists only for a peer that
 authenticated and takes one connection: its port stops listening once that
 connection is handed on (with TLS, where nng listens itself, the port stays open
 and every later connection is closed as it arrives), and only the end of that
@@ -47,12 +56,14 @@ open a connection, and frames are encrypted.
 from __future__ import annotations
 
 import atexit
+import collections
 import errno
 import functools
 import hashlib
 import hmac
 import logging
 import os
+import random
 import resource
 import select
 import socket
@@ -96,6 +107,16 @@ HEADER_TIMEOUT = 5.0
 # The SP protocol numbers of the peers each socket expects (see gate.sp_header).
 _REQ0, _PAIR1 = 0x30, 0x11
 _LOG_BURST, _LOG_WINDOW = 20, 10.0
+# Seconds an unauthenticated connection may stay silent while the listener waits for
+# it (its accept thread idle) and newer connections wait for its slot, before it is
+# closed for one of them; a peer answers each handshake message at once.
+IDLE_GRACE = 0.5
+_SILENCE_WINDOW = 30.0
+# A client whose handshake connection was closed under it (a listener full of idle
+# strangers, or refusing past its limit with TLS) starts it again, within its timeout,
+# at most this many times, waiting a little longer each time.
+_HANDSHAKE_TRIES = 8
+_RETRY_PAUSE = 0.05
 
 
 # -- frames: one copy into nng's message on send, none out of it on receive ------------------
@@ -531,6 +552,14 @@ class _Door:
     def _removed(self, pipe: pynng.Pipe) -> None:
         _gate_addresses.pop(pipe.id, None)
 
+    @property
+    def in_flight(self) -> int:
+        """Connections handed to nng that are not pipes of the socket yet (one whose peer
+        left during nng's negotiation stops counting after ``_STALE`` seconds)."""
+        now = time.monotonic()
+        with self._lock:
+            return sum(1 for _, _, since in self._busy.values() if now - since <= self._STALE)
+
 
 class _OnePipe:
     """A socket that serves its first connection only: later ones are refused, and
@@ -726,6 +755,25 @@ FrameHandler = Callable[[Peer, Frame], None]
 LossHandler = Callable[[Peer], None]
 
 
+class _Pending:
+    """A connection to a listener's accept socket, not authenticated (yet)."""
+
+    __slots__ = ("pipe", "connected", "since", "answering", "silence")
+
+    def __init__(self, pipe: pynng.Pipe, now: float) -> None:
+        self.pipe = pipe
+        self.connected = now     # for the auth_timeout every connection has
+        self.since = now         # since when the listener waits for it to speak
+        self.answering = False   # its request is being answered now
+        self.silence = 0.0       # the longest it made the listener wait so far
+
+
+def _new_aio() -> Any:
+    holder = _ffi.new("nng_aio **")
+    check_err(_lib.nng_aio_alloc(holder, _ffi.NULL, _ffi.NULL))
+    return holder[0]
+
+
 class Listener:
     """Accepts authenticated peers and hands their frames to ``on_frame``.
 
@@ -738,8 +786,8 @@ class Listener:
             that has not authenticated may stay idle.
         port: port of the accept socket (0: any free port; a manager may fix one).
         tls: encrypt and require the run's certificate (``tls+tcp://`` addresses).
-        max_pending: connections to the accept socket kept at most (None: 64, or an
-            eighth of the descriptor limit if that is less).
+        max_pending: unauthenticated connections held at most (None: 64, or an eighth
+            of the descriptor limit if that is less); more wait for a slot.
 
     Example:
         >>> lst = Listener("127.0.0.1", b"k", on_frame=lambda p, d: p.send(d))
@@ -760,20 +808,28 @@ class Listener:
         self._key = os.urandom(32)          # signs this listener's tickets
         self._used: dict[bytes, float] = {}  # ticket -> when it expires
         self._max_pending = max_pending or _default_max_pending()
-        self._pipes: dict[int, tuple[float, pynng.Pipe]] = {}   # accept socket's, by id
+        self._grace = min(IDLE_GRACE, auth_timeout / 2)   # the least; see _idle_grace
+        # (when, longest silence in its handshake) of the peers that authenticated lately
+        self._silences: collections.deque[tuple[float, float]] = collections.deque(maxlen=64)
+        self._pipes: dict[int, _Pending] = {}   # the accept socket's connections, by id
         self._dropped = _DropLog(f"listener on {host}")
         self._lock = threading.Lock()
         self._accept = _make(pynng.Rep0, secret, tls, True,
                              recv_max_size=HANDSHAKE_MAX_SIZE)
+        # the accept thread's receive: while it is in progress, no request waits for us
+        self._receive: Optional[Any] = _new_aio()
         # Plaintext: a gate owns the TCP ports and hands nng only connections that sent
         # nng's header (nng's TLS transport cannot take a descriptor: it listens itself).
         self._gate: Optional[Gate] = None
-        door: Optional[_Door] = None   # (set with the gate)
+        self._door: Optional[_Door] = None   # (set with the gate)
+        door: Optional[_Door] = None
         if not tls:
             self._gate = Gate(f"{host}:{port}", refused=self._refused,
                               max_pending=self._max_pending, others=lambda: self.pending,
-                              header_timeout=min(auth_timeout, HEADER_TIMEOUT))
-            door = _Door(self._accept)
+                              evict=self._evict_idle,
+                              header_timeout=min(auth_timeout, HEADER_TIMEOUT),
+                              grace=self._grace)
+            door = self._door = _Door(self._accept)
         self._accept.add_pre_pipe_connect_cb(self._accept_pipe_added)
         self._accept.add_post_pipe_remove_cb(self._accept_pipe_removed)
         try:
@@ -787,6 +843,8 @@ class Listener:
             if self._gate is not None:
                 self._gate.close()
             self._accept.close()
+            _lib.nng_aio_free(self._receive)
+            self._receive = None
             raise TransportError(
                 f"cannot listen on {host}: {exc}. Set listen_host to an address of this "
                 f"machine that workers can reach (fibrl.init(listen_host=...)).") from exc
@@ -808,25 +866,65 @@ class Listener:
 
     # -- the accept socket: strangers are answered at once and never waited for ----
     def _accept_pipe_added(self, pipe: pynng.Pipe) -> None:
+        # Without TLS the gate admits no more than max_pending; the bound here is for
+        # nng's own accepting (TLS), and a margin for hand-offs the gate counted as done.
+        limit = self._max_pending + (_Door._MOST if self._gate is not None else 0)
+        now = time.monotonic()
         with self._lock:
-            self._pipes[pipe.id] = (time.monotonic(), pipe)
-            if len(self._pipes) <= self._max_pending:
-                return
-            oldest = min(self._pipes, key=lambda pid: self._pipes[pid][0])
-            _, victim = self._pipes.pop(oldest)
-        self._dropped(_remote(victim), f"{self._max_pending} connections are pending "
-                      "authentication; the oldest is dropped for the new one")
-        _call_soon(functools.partial(_close_pipe, victim))
+            self._pipes[pipe.id] = _Pending(pipe, now)
+            full = len(self._pipes) > limit
+        if not full:
+            return
+        if self._evict_idle(1, soon=True):
+            return
+        with self._lock:
+            self._pipes.pop(pipe.id, None)
+        self._dropped(_remote(pipe), f"{self._max_pending} connections are pending "
+                      "authentication and none of them is idle; the new one is refused "
+                      "(its peer tries again)")
+        _close_pipe(pipe)   # (allowed in this callback: nng reports no removal then)
 
     def _accept_pipe_removed(self, pipe: pynng.Pipe) -> None:
         with self._lock:
             self._pipes.pop(pipe.id, None)
 
+    def _evict_idle(self, most: int, soon: bool = False) -> int:
+        """Close up to ``most`` connections that have been idle for the grace period,
+        oldest first, to make room for newer ones; returns how many. Idle: the accept
+        thread waits for a request now (none is queued for it) and the connection has
+        sent nothing since it connected or since its last answer. ``soon``: called in an
+        nng callback, where another pipe is closed by a short-lived thread."""
+        now = time.monotonic()
+        with self._lock:
+            if self._receive is None or not _lib.nng_aio_busy(self._receive):
+                return 0   # a request is being answered: others may be queued behind it
+            grace = self._idle_grace(now)
+            idle = sorted((p for p in self._pipes.values()
+                           if not p.answering and now - p.since >= grace),
+                          key=lambda p: p.since)[:most]
+            for each in idle:
+                del self._pipes[each.pipe.id]
+        for each in idle:
+            self._dropped(_remote(each.pipe), f"sent nothing for {now - each.since:.1f} s "
+                          f"while {self._max_pending} connections are pending "
+                          "authentication and newer ones wait; it is closed for one of them")
+            if soon:
+                _call_soon(functools.partial(_close_pipe, each.pipe))
+            else:
+                _close_pipe(each.pipe)
+        return len(idle)
+
+    def _idle_grace(self, now: float) -> float:
+        """How long a pending connection may stay silent before it counts as idle (lock
+        held): see the module's docstring."""
+        lately = [silence for when, silence in self._silences if now - when < _SILENCE_WINDOW]
+        return min(self._auth_timeout / 2, max([self._grace] + [2 * s for s in lately]))
+
     def _drop_idle(self) -> None:
         while not self._stop.wait(self._auth_timeout / 2):
             deadline = time.monotonic() - self._auth_timeout
             with self._lock:
-                idle = [p for pid, (t, p) in list(self._pipes.items()) if t < deadline]
+                idle = [p.pipe for p in self._pipes.values() if p.connected < deadline]
                 for pipe in idle:
                     self._pipes.pop(pipe.id, None)
             for pipe in idle:
@@ -836,24 +934,60 @@ class Listener:
 
     @property
     def pending(self) -> int:
-        """Connections to the accept socket now open (none authenticated)."""
+        """Connections to the accept socket now open or being handed to it (none
+        authenticated)."""
+        door = self._door
+        handing = door.in_flight if door is not None else 0
         with self._lock:
-            return len(self._pipes)
+            return len(self._pipes) + handing
 
     def _accept_loop(self) -> None:
-        while True:
-            try:
-                msg = self._accept.recv_msg()
-            except pynng.NNGException:
-                return  # closed
-            reply = self._answer(msg.bytes, msg.pipe)
-            try:
-                self._accept.send(reply)
-            except pynng.NNGException:
-                if self._closed:
-                    return
+        try:
+            while True:
+                try:
+                    data, pipe_id = self._next_request()
+                except pynng.NNGException:
+                    return  # closed
+                with self._lock:
+                    held = self._pipes.get(pipe_id)
+                    if held is not None:
+                        held.answering = True
+                        held.silence = max(held.silence, time.monotonic() - held.since)
+                reply = self._answer(data, None if held is None else held.pipe)
+                try:
+                    self._accept.send(reply)
+                except pynng.NNGException:
+                    if self._closed:
+                        return
+                if held is not None:
+                    now = time.monotonic()
+                    with self._lock:
+                        held.answering, held.since = False, now
+                        if reply.startswith(_ADDR):   # authenticated: how slow it was
+                            self._silences.append((now, held.silence))
+        finally:
+            with self._lock:
+                aio, self._receive = self._receive, None
+            if not sys.is_finalizing():   # (at exit nng may be shut down already)
+                _lib.nng_aio_free(aio)
 
-    def _answer(self, data: bytes, pipe: pynng.Pipe) -> bytes:
+    def _next_request(self) -> tuple[bytes, int]:
+        """The next handshake message and the id of the connection it came on."""
+        aio = self._receive
+        _lib.nng_aio_set_timeout(aio, -1)
+        _lib.nng_recv_aio(self._accept.socket, aio)
+        _lib.nng_aio_wait(aio)
+        check_err(_lib.nng_aio_result(aio))
+        msg = _lib.nng_aio_get_msg(aio)
+        try:
+            pipe_id = _lib.nng_pipe_id(_lib.nng_msg_get_pipe(msg))
+            data: bytes = _ffi.unpack(_ffi.cast("char *", _lib.nng_msg_body(msg)),
+                                      _lib.nng_msg_len(msg))
+        finally:
+            _lib.nng_msg_free(msg)
+        return data, pipe_id
+
+    def _answer(self, data: bytes, pipe: Optional[pynng.Pipe]) -> bytes:
         if data.startswith(HELLO) and len(data) == len(HELLO) + _NONCE:
             return self._challenge(data[len(HELLO):])
         if data.startswith(_AUTH) and len(data) == len(_AUTH) + _NONCE + _TICKET + _MAC:
@@ -868,7 +1002,7 @@ class Listener:
         stamp = int(time.monotonic() * 1000).to_bytes(8, "big") + os.urandom(8)
         return _CHAL + self._ticket(nonce, stamp) + _mac(self._secret, b"S", nonce)
 
-    def _admit(self, data: bytes, pipe: pynng.Pipe) -> bytes:
+    def _admit(self, data: bytes, pipe: Optional[pynng.Pipe]) -> bytes:
         nonce, ticket, mac = data[:_NONCE], data[_NONCE:_NONCE + _TICKET], data[-_MAC:]
         issued = int.from_bytes(ticket[:8], "big") / 1000
         now = time.monotonic()
@@ -895,7 +1029,7 @@ class Listener:
             self._used[ticket] = expires
             return True
 
-    def _open_peer(self, token: bytes, pipe: pynng.Pipe) -> bytes:
+    def _open_peer(self, token: bytes, pipe: Optional[pynng.Pipe]) -> bytes:
         with self._lock:
             if self._closed:
                 return _NO + b"the listener is closing"
@@ -931,7 +1065,7 @@ class Listener:
         peer.thread.start()
         return _ADDR + address.encode()
 
-    def _refuse_for_lack(self, pipe: pynng.Pipe, exc: Exception) -> bytes:
+    def _refuse_for_lack(self, pipe: Optional[pynng.Pipe], exc: Exception) -> bytes:
         reason = (f"cannot open a connection for an authenticated peer on {self._host} "
                   f"({exc}); ")
         if isinstance(exc, pynng.OutOfFiles) or getattr(exc, "errno", None) == errno.EMFILE:
@@ -1032,7 +1166,8 @@ class Listener:
             return False
         except pynng.NNGException as exc:
             self._dropped("(none)", f"the authenticated peer did not connect to its data "
-                          f"socket within auth_timeout ({exc})")
+                          f"socket within auth_timeout ({exc}); it may have exited while "
+                          f"it started")
             return False
         finally:
             sock.recv_timeout = -1
@@ -1218,13 +1353,14 @@ def _close_on_disconnect(sock: pynng.Socket) -> None:
 
 def _authenticate_retrying(address: str, secret: bytes, timeout: float,
                            tls: bool) -> tuple[str, bytes]:
-    """:func:`_authenticate`, tried again (twice at most, within ``timeout``) when the
-    listener closed our connection mid-way: it drops the oldest pending connection
-    when strangers crowd it. A listener that is gone fails the retry at once; the
-    first error is the one raised."""
+    """:func:`_authenticate`, tried again (``_HANDSHAKE_TRIES`` times at most, within
+    ``timeout``, pausing a little longer each time) when the listener closed our
+    connection mid-way: a listener full of strangers closes an idle one for a waiting
+    one, and with TLS refuses new ones past its limit. A listener that is gone fails
+    the retry at once; the first error is the one raised."""
     deadline = time.monotonic() + timeout
     first: Optional[TransportError] = None
-    for _ in range(3):
+    for attempt in range(_HANDSHAKE_TRIES):
         left = deadline - time.monotonic()
         if left <= 0:
             break
@@ -1232,12 +1368,21 @@ def _authenticate_retrying(address: str, secret: bytes, timeout: float,
             return _authenticate(address, secret, left, tls)
         except TransportError as exc:
             first = first or exc
-            if not isinstance(exc.__cause__, pynng.Closed):
+            if not _closed_under_us(exc.__cause__):
                 break
+        pause = _RETRY_PAUSE * (2 ** attempt) * (0.5 + random.random())
+        time.sleep(max(0.0, min(pause, 1.0, deadline - time.monotonic())))
     if first is None:
         raise TransportError(f"no time left to connect to {address} (timeout {timeout} s); "
                              f"give connect a positive timeout")
     raise first
+
+
+def _closed_under_us(cause: Optional[BaseException]) -> bool:
+    """Whether a handshake failed because the listener closed its connection (and may
+    take a new one), not because it is gone or refused us."""
+    return isinstance(cause, (pynng.Closed, pynng.ConnectionReset)) or (
+        isinstance(cause, pynng.NNGException) and cause.errno == _lib.NNG_ECONNSHUT)
 
 
 def _authenticate(address: str, secret: bytes, timeout: float,
