@@ -166,12 +166,33 @@ def _exit_as(status: int) -> None:
     os._exit(code)
 
 
-def _heartbeat(client, interval: float, limit: float, stop: threading.Event) -> None:
-    while not stop.wait(interval):
-        handle = client.call("hub", "ping", ())
-        if not handle.wait(limit) and not stop.is_set():
-            _parent_lost(f"the parent did not answer a heartbeat within {limit:.0f} s")
+class _Heartbeat:
+    """Pings the parent every ``interval`` seconds on the hub's timer thread (no thread
+    of its own: an idle worker runs few); the parent is lost when a ping stays
+    unanswered for ``limit`` seconds. The ping goes through the connection's feeder
+    thread, so a send that waits (a large frame going out) never holds up the timers."""
+
+    def __init__(self, timers, client, interval: float, limit: float,
+                 stop: threading.Event) -> None:
+        self._timers, self._client, self._stop = timers, client, stop
+        self._interval, self._limit = interval, limit
+        self._ping = None       # the ping in flight
+        self._deadline = 0.0    # when it is late
+        timers.call_at(time.monotonic() + interval, self._beat)
+
+    def _beat(self) -> None:
+        if self._stop.is_set():
             return
+        now = time.monotonic()
+        if self._ping is not None and not self._ping.ready():
+            if now >= self._deadline:
+                _parent_lost(f"the parent did not answer a heartbeat within "
+                             f"{self._limit:.0f} s")
+                return
+        else:
+            self._ping = self._client.call("hub", "ping", (), inline=False)
+            self._deadline = now + self._limit
+        self._timers.call_at(min(now + self._interval, self._deadline), self._beat)
 
 
 def _keep_own_sys_path(preparation: dict) -> dict:
@@ -242,9 +263,7 @@ def _become(start, hub, client, exiting, oid):
     config = _own_listen_host(start.config)
     hub.use_settings(config)   # before it listens: what this worker hosts obeys them too
     runtime.install_config(config)  # also hands the hub the parent's heartbeat timings
-    threading.Thread(target=_heartbeat, daemon=True, name="fibrl-heartbeat",
-                     args=(client, config.heartbeat_interval, config.parent_timeout,
-                           exiting)).start()
+    _Heartbeat(hub.timers, client, config.heartbeat_interval, config.parent_timeout, exiting)
     mp_process.current_process()._inheriting = True
     try:
         preparation, main = _visible_main(_keep_own_sys_path(start.preparation))
