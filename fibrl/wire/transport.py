@@ -129,6 +129,9 @@ ZERO_COPY_MIN = 64 * 1024
 # side ever holds a second copy of a large frame in nng's messages: the sender copies
 # one piece at a time, the receiver copies each into the frame's one buffer.
 PIECE = 4 << 20
+# A receiver waiting for the next piece of a large frame gives up after this long without
+# one (only when its receive has a timeout: with none, it waits as it was asked to).
+PIECE_STALL_S = 60.0
 _LARGE = struct.Struct("<8sQ")
 _LARGE_TAG = b"FB\x00LARGE"[:8]
 
@@ -289,11 +292,20 @@ def _thread_aio() -> _Aio:
 def _gather(sock: pynng.Socket, total: int) -> memoryview:
     frame = memoryview(bytearray(total))
     offset = 0
+    progress = time.monotonic()
     while offset < total:
         try:
             msg, size = _recv_msg(sock)
         except pynng.Timeout:
-            continue  # the pieces follow each other: a receive timeout must not split them
+            # the pieces follow each other: a receive timeout must not split them, but a
+            # sender stopped mid-frame (frozen, cut off) must not hold the receiver forever
+            if time.monotonic() - progress >= PIECE_STALL_S:
+                raise FrameStalled(
+                    f"the peer sent {offset} of a {total}-byte frame, then nothing for "
+                    f"{PIECE_STALL_S:g} s (frozen or cut off); the connection is dropped, "
+                    f"as the rest of that frame cannot be told from what follows") from None
+            continue
+        progress = time.monotonic()
         try:
             if size > total - offset:
                 raise TransportError(f"a frame announced as {total} bytes came with more; "
@@ -303,6 +315,10 @@ def _gather(sock: pynng.Socket, total: int) -> memoryview:
             _lib.nng_msg_free(msg)
         offset += size
     return frame
+
+
+class FrameStalled(TransportError):
+    """A large frame stopped arriving midway (see :data:`PIECE_STALL_S`)."""
 
 
 def _mac(secret: bytes, role: bytes, data: bytes) -> bytes:
@@ -1279,6 +1295,9 @@ class Channel(_Reading):
             return _recv_frame(self._sock)
         except pynng.Timeout as exc:
             raise TimeoutError(f"no message from {self.address} within {timeout} s") from exc
+        except FrameStalled as exc:
+            self.close()
+            raise ChannelClosed(f"connection to {self.address}: {exc}") from exc
         except pynng.NNGException as exc:
             raise ChannelClosed(
                 f"connection to {self.address} is closed ({exc}); the process at the "
