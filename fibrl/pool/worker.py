@@ -75,7 +75,11 @@ class _Broken:
 
 def _not_loaded(what: str, exc: Exception) -> SerializationError:
     """The error every item of a task gets when its ``what`` cannot be unpickled here."""
-    error = SerializationError(f"the task's {what} could not be unpickled in the worker: {exc}")
+    if isinstance(exc, SerializationError):   # it says why, and what to do: that first
+        error = SerializationError(f"{exc} (in the worker, unpickling the task's {what})")
+    else:
+        error = SerializationError(
+            f"the task's {what} could not be unpickled in the worker: {exc}")
     error.__cause__ = exc
     return error
 

@@ -61,6 +61,7 @@ import errno
 import functools
 import hashlib
 import hmac
+import itertools
 import logging
 import os
 import random
@@ -113,9 +114,8 @@ _LOG_BURST, _LOG_WINDOW = 20, 10.0
 IDLE_GRACE = 0.5
 _SILENCE_WINDOW = 30.0
 # A client whose handshake connection was closed under it (a listener full of idle
-# strangers, or refusing past its limit with TLS) starts it again, within its timeout,
-# at most this many times, waiting a little longer each time.
-_HANDSHAKE_TRIES = 8
+# strangers, or refusing past its limit with TLS) starts it again until its timeout,
+# pausing this long, doubled each time (at most 1 s), with jitter.
 _RETRY_PAUSE = 0.05
 
 
@@ -1372,14 +1372,14 @@ def _close_on_disconnect(sock: pynng.Socket) -> None:
 
 def _authenticate_retrying(address: str, secret: bytes, timeout: float,
                            tls: bool) -> tuple[str, bytes]:
-    """:func:`_authenticate`, tried again (``_HANDSHAKE_TRIES`` times at most, within
-    ``timeout``, pausing a little longer each time) when the listener closed our
+    """:func:`_authenticate`, tried again until ``timeout`` (pausing a little longer each
+    time, at most 1 s) when the listener closed our
     connection mid-way: a listener full of strangers closes an idle one for a waiting
     one, and with TLS refuses new ones past its limit. A listener that is gone fails
     the retry at once; the first error is the one raised."""
     deadline = time.monotonic() + timeout
     first: Optional[TransportError] = None
-    for attempt in range(_HANDSHAKE_TRIES):
+    for attempt in itertools.count():
         left = deadline - time.monotonic()
         if left <= 0:
             break
@@ -1389,7 +1389,7 @@ def _authenticate_retrying(address: str, secret: bytes, timeout: float,
             first = first or exc
             if not _closed_under_us(exc.__cause__):
                 break
-        pause = _RETRY_PAUSE * (2 ** attempt) * (0.5 + random.random())
+        pause = _RETRY_PAUSE * (2 ** min(attempt, 5)) * (0.5 + random.random())
         time.sleep(max(0.0, min(pause, 1.0, deadline - time.monotonic())))
     if first is None:
         raise TransportError(f"no time left to connect to {address} (timeout {timeout} s); "

@@ -251,12 +251,12 @@ def test_arguments_that_do_not_unpickle_in_the_worker(face):
     api = face()
     with pytest.raises(SerializationError) as info:
         api.call(value_of, BreaksInWorker(5))
-    _is_clear(info.value, SerializationError, r"task's arguments could not be unpickled in "
-              r"the worker.*refuses to be rebuilt outside process")
+    _is_clear(info.value, SerializationError, r"refuses to be rebuilt outside process.*in "
+              r"the worker, unpickling the task's arguments")
     with pytest.raises(SerializationError) as info:   # the callable itself
         api.call(functools.partial(value_of, BreaksInWorker(5)))
-    _is_clear(info.value, SerializationError, r"task's callable could not be unpickled in "
-              r"the worker.*refuses to be rebuilt outside process")
+    _is_clear(info.value, SerializationError, r"refuses to be rebuilt outside process.*in "
+              r"the worker, unpickling the task's callable")
     items = [BreaksInWorker(1)] + [3, 4]
     outcomes = api.map_outcomes(identity, items)
     assert isinstance(outcomes[0], SerializationError), outcomes

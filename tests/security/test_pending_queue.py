@@ -74,13 +74,11 @@ def test_an_idle_connection_gives_its_slot_to_a_waiting_peer(caplog):
     idle.sendall(sp_header("req0"))          # speaks nng, then nothing
     try:
         assert idle.recv(8) == sp_header("rep0")   # it holds the one slot now
-        start = time.monotonic()
+        # in within 20 s, so not by the idle one's auth_timeout (60 s) running out
         with caplog.at_level(logging.WARNING, logger="fibrl.wire"):
             ch = Channel.connect(listener.address, SECRET, timeout=20)
         ch.send(b"x")
         assert ch.recv(10) == b"x"
-        # within the grace and a little: not after auth_timeout (60 s)
-        assert time.monotonic() - start < transport.IDLE_GRACE + 5
         assert idle.recv(1) == b""               # the listener closed the idle one
         assert "sent nothing for" in caplog.text, caplog.text
         assert listener.pending <= 1
@@ -125,12 +123,11 @@ def test_with_tls_a_full_listener_refuses_a_busy_slot_and_the_peer_tries_again(c
     holder = transport._make(transport.pynng.Req0, SECRET, True, False)
     try:
         holder.dial(listener.address, block=True)   # a TLS peer that says nothing
-        start = time.monotonic()
+        # in within 20 s, so not by the holder's auth_timeout (60 s) running out
         with caplog.at_level(logging.WARNING, logger="fibrl.wire"):
             ch = Channel.connect(listener.address, SECRET, timeout=20)
         ch.send(b"x")
         assert ch.recv(10) == b"x"
-        assert time.monotonic() - start < transport.IDLE_GRACE + 5
         assert "the new one is refused" in caplog.text, caplog.text
         assert "sent nothing for" in caplog.text, caplog.text
         ch.close()
