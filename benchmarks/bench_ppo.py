@@ -173,7 +173,7 @@ def train(vec, total_steps: int) -> Run:
     """PPO as ``examples/ppo_cartpole.py`` trains it, for ``total_steps`` env steps
     (whole rollouts) whatever the return reached, timing where the time goes."""
     import torch
-    from ppo_cartpole import Agent, Args, advantages, update
+    from ppo_cartpole import Agent, Args, Rollout
 
     args = Args(num_envs=vec.num_envs, seed=SEED)
     timed = Timed(vec)
@@ -182,9 +182,7 @@ def train(vec, total_steps: int) -> Run:
     n_obs = envs.single_observation_space.shape[0]
     agent = Agent(n_obs, int(envs.single_action_space.n))
     optimizer = torch.optim.Adam(agent.parameters(), lr=args.lr, eps=1e-5)
-    shape = (args.num_steps, args.num_envs)
-    obs_buf = torch.zeros(shape + (n_obs,))
-    act_buf, logp_buf, rew_buf, done_buf, val_buf = (torch.zeros(shape) for _ in range(5))
+    rollout = Rollout(args, n_obs)
     returns: list = []
     steps, in_update = 0, 0.0
     others = workers_cpu()
@@ -192,26 +190,11 @@ def train(vec, total_steps: int) -> Run:
     next_obs = torch.tensor(envs.reset(seed=args.seed)[0], dtype=torch.float32)
     next_done = torch.zeros(args.num_envs)
     for _ in range(max(1, total_steps // (args.num_steps * args.num_envs))):
-        for t in range(args.num_steps):
-            obs_buf[t], done_buf[t] = next_obs, next_done
-            with torch.no_grad():
-                action, logp, _, value = agent.act(next_obs)
-            act_buf[t], logp_buf[t], val_buf[t] = action, logp, value
-            obs, reward, term, trunc, infos = envs.step(action.numpy())
-            steps += args.num_envs
-            rew_buf[t] = torch.as_tensor(reward, dtype=torch.float32)
-            next_obs = torch.tensor(obs, dtype=torch.float32)
-            next_done = torch.as_tensor(term | trunc, dtype=torch.float32)
-            if "episode" in infos:
-                returns += infos["episode"]["r"][infos["_episode"]].tolist()
+        next_obs, next_done, ended = rollout.collect(envs, agent, next_obs, next_done)
+        returns += [r for _, r in ended]
+        steps += args.num_steps * args.num_envs
         t0 = time.perf_counter()
-        with torch.no_grad():
-            next_value = agent.act(next_obs)[3]
-        adv = advantages(rew_buf, val_buf, done_buf, next_value, next_done, args.gamma,
-                         args.gae_lambda)
-        batch = (obs_buf.reshape(-1, n_obs), act_buf.reshape(-1), logp_buf.reshape(-1),
-                 adv.reshape(-1), (adv + val_buf).reshape(-1))
-        update(agent, optimizer, batch, args)
+        rollout.learn(agent, optimizer, next_obs, next_done)
         in_update += time.perf_counter() - t0
     wall, cpu = time.perf_counter() - start, time.process_time() - cpu
     others = workers_cpu() - others

@@ -120,48 +120,69 @@ def train(args: Args) -> dict:
             log.close()
 
 
+class Rollout:
+    """One rollout's tensors (``num_steps`` x ``num_envs``): what :meth:`collect` fills
+    from the envs and :meth:`learn` trains on."""
+
+    def __init__(self, args: Args, n_obs: int) -> None:
+        shape = (args.num_steps, args.num_envs)
+        self.args, self.n_obs = args, n_obs
+        self.obs = torch.zeros(shape + (n_obs,))
+        self.act, self.logp, self.rew, self.done, self.val = (torch.zeros(shape)
+                                                              for _ in range(5))
+
+    def collect(self, envs, agent: Agent, next_obs, next_done) -> tuple:
+        """Step ``envs`` ``num_steps`` times; returns the next observation and done flags,
+        and ``(step, return)`` of each episode that ended (``step``: 1 for the first)."""
+        ended = []
+        for t in range(self.args.num_steps):
+            self.obs[t], self.done[t] = next_obs, next_done
+            with torch.no_grad():
+                action, logp, _, value = agent.act(next_obs)
+            self.act[t], self.logp[t], self.val[t] = action, logp, value
+            obs, reward, term, trunc, infos = envs.step(action.numpy())
+            self.rew[t] = torch.as_tensor(reward, dtype=torch.float32)
+            next_obs = torch.tensor(obs, dtype=torch.float32)
+            next_done = torch.as_tensor(term | trunc, dtype=torch.float32)
+            if "episode" in infos:
+                ended += [(t + 1, float(r)) for r in infos["episode"]["r"][infos["_episode"]]]
+        return next_obs, next_done, ended
+
+    def learn(self, agent: Agent, optimizer, next_obs, next_done) -> None:
+        """One PPO update on this rollout (GAE advantages, then :func:`update`)."""
+        args = self.args
+        with torch.no_grad():
+            next_value = agent.act(next_obs)[3]
+        adv = advantages(self.rew, self.val, self.done, next_value, next_done, args.gamma,
+                         args.gae_lambda)
+        batch = (self.obs.reshape(-1, self.n_obs), self.act.reshape(-1),
+                 self.logp.reshape(-1), adv.reshape(-1), (adv + self.val).reshape(-1))
+        update(agent, optimizer, batch, args)
+
+
 def _loop(args: Args, envs, writer) -> dict:
     n_obs = envs.single_observation_space.shape[0]
     agent = Agent(n_obs, int(envs.single_action_space.n))
     optimizer = torch.optim.Adam(agent.parameters(), lr=args.lr, eps=1e-5)
-    shape = (args.num_steps, args.num_envs)
-    obs_buf = torch.zeros(shape + (n_obs,))
-    act_buf, logp_buf, rew_buf, done_buf, val_buf = (torch.zeros(shape) for _ in range(5))
+    rollout = Rollout(args, n_obs)
     recent: collections.deque = collections.deque(maxlen=20)
     next_obs = torch.tensor(envs.reset(seed=args.seed)[0], dtype=torch.float32)
     next_done = torch.zeros(args.num_envs)
     steps, start, mean = 0, time.monotonic(), 0.0
     while steps < args.total_steps:
-        for t in range(args.num_steps):
-            obs_buf[t], done_buf[t] = next_obs, next_done
-            with torch.no_grad():
-                action, logp, _, value = agent.act(next_obs)
-            act_buf[t], logp_buf[t], val_buf[t] = action, logp, value
-            obs, reward, term, trunc, infos = envs.step(action.numpy())
-            steps += args.num_envs
-            rew_buf[t] = torch.as_tensor(reward, dtype=torch.float32)
-            next_obs = torch.tensor(obs, dtype=torch.float32)
-            next_done = torch.as_tensor(term | trunc, dtype=torch.float32)
-            if "episode" in infos:
-                ended = infos["episode"]["r"][infos["_episode"]]
-            else:
-                ended = []
-            for r in ended:
-                recent.append(float(r))
-                if writer:
-                    writer.writerow([steps, float(r), round(time.monotonic() - start, 2)])
+        next_obs, next_done, ended = rollout.collect(envs, agent, next_obs, next_done)
+        for t, r in ended:
+            recent.append(r)
+            if writer:
+                writer.writerow([steps + t * args.num_envs, r,
+                                 round(time.monotonic() - start, 2)])
+        steps += args.num_steps * args.num_envs
         mean = float(np.mean(recent)) if recent else 0.0
         print(f"steps {steps:7d}  mean return (last {len(recent)}) {mean:6.1f}  "
               f"{time.monotonic() - start:6.1f} s", flush=True)
         if len(recent) == recent.maxlen and mean >= args.target:
             break
-        with torch.no_grad():
-            next_value = agent.act(next_obs)[3]
-        adv = advantages(rew_buf, val_buf, done_buf, next_value, next_done, args.gamma,
-                         args.gae_lambda)
-        batch = (obs_buf.reshape(-1, n_obs), act_buf.reshape(-1), logp_buf.reshape(-1),
-                 adv.reshape(-1), (adv + val_buf).reshape(-1))
-        update(agent, optimizer, batch, args)
+        rollout.learn(agent, optimizer, next_obs, next_done)
     return {"env_steps": steps, "seconds": time.monotonic() - start, "mean_return": mean}
 
 
