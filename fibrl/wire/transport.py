@@ -275,7 +275,7 @@ class _Aio:
 
     def __del__(self, _free: Callable[[Any], None] = _lib.nng_aio_free,
                 _finalizing: Callable[[], bool] = sys.is_finalizing) -> None:
-        if not _finalizing():   # at exit a daemon thread may still be waiting on it
+        if not (_nng_down or _finalizing()):   # at exit a daemon thread may still wait on it
             _free(self.aio)
 
 
@@ -984,7 +984,7 @@ class Listener:
         finally:
             with self._lock:
                 aio, self._receive = self._receive, None
-            if not sys.is_finalizing():   # (at exit nng may be shut down already)
+            if not (_nng_down or sys.is_finalizing()):   # (at exit nng may be down)
                 _lib.nng_aio_free(aio)
 
     def _next_request(self) -> tuple[bytes, int]:
@@ -1353,10 +1353,18 @@ def _call_soon(fn: Callable[[], None]) -> None:
     thread.start()
 
 
+_nng_down = False   # set at exit, before pynng shuts nng down: nng objects are not freed
+
+
 @atexit.register   # (after pynng's own: it runs before it)
 def _finish_pipe_events() -> None:
     """Let sockets that pipe events are closing finish closing before pynng shuts nng
-    down at exit: nng aborts the process when a socket closes during its shutdown."""
+    down at exit: nng aborts the process when a socket closes during its shutdown.
+    From here on, aios are left to the process's end (freeing one after nng's shutdown
+    aborts the process too: a listener closed by a finalizer at exit frees its accept
+    thread's aio then)."""
+    global _nng_down
+    _nng_down = True
     deadline = time.monotonic() + 2.0
     with _soon_lock:
         threads = list(_soon)

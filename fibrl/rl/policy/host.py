@@ -216,7 +216,7 @@ class Host:
     def close(self) -> None:
         """Wake the waiting readers' threads, then end every connection."""
         self.versions.close()
-        self.listener.close()
+        self.listener.close(join=5.0)   # its threads done before the process may exit
 
 
 # -- the snapshot file -------------------------------------------------------------------
