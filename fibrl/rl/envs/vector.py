@@ -53,7 +53,7 @@ import queue
 import threading
 import time
 from multiprocessing import TimeoutError as MpTimeoutError
-from typing import Any, Callable, ClassVar, Iterable, Optional, Sequence, Union, cast
+from typing import Any, Callable, Iterable, Optional, Sequence, Union, cast
 
 import numpy as np
 from gymnasium import logger
@@ -95,17 +95,6 @@ class AsyncState:
 
 _MODES = {AutoresetMode.NEXT_STEP: "next_step", AutoresetMode.SAME_STEP: "same_step",
           AutoresetMode.DISABLED: "disabled"}
-
-
-class _InfoBatch:
-    """Builds gymnasium's batched info dict for ``num_envs`` envs (VectorEnv's own code)."""
-
-    # bound to this class: its recursive calls reach it through ``self``
-    _add_info: ClassVar[Callable[[Any, dict[str, Any], dict[str, Any], int], dict[str, Any]]] = (
-        VectorEnv._add_info)
-
-    def __init__(self, num_envs: int) -> None:
-        self.num_envs = num_envs
 
 
 class _WorkerSlot:
@@ -696,7 +685,6 @@ class RemoteVectorEnv(VectorEnv):
         obs = None if by_id else self._empty_batch(n)
         rewards = np.zeros(n, dtype=np.float64)
         terms, truncs = np.zeros(n, dtype=np.bool_), np.zeros(n, dtype=np.bool_)
-        infos: dict[str, Any] = {}
         start = 0
         order: list[tuple[int, dict]] = []
         for env_ids, msg, where in got:
@@ -712,10 +700,7 @@ class RemoteVectorEnv(VectorEnv):
             if any(msg.infos):
                 at = range(idx.start, idx.stop) if type(idx) is slice else idx.tolist()
                 order.extend((i, info) for i, info in zip(at, msg.infos) if info)
-        if order:
-            batch = _InfoBatch(n)
-            for i, info in sorted(order, key=lambda p: p[0]):
-                infos = batch._add_info(infos, info, i)
+        infos = fastpath.merge_infos(order, n)
         out = _copy(self._obs) if by_id else obs
         if self._dynamic:
             out = self._concatenated(out)
