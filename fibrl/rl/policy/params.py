@@ -29,7 +29,7 @@ import numpy as np
 
 from .protocol import HEADER
 
-__all__ = ["freeze", "prepare", "lay_out", "Prepared", "thaw", "to_torch", "ALIGN", "BIAS",
+__all__ = ["prepare", "lay_out", "Prepared", "thaw", "to_torch", "ALIGN", "BIAS",
            "OUT_OF_BAND"]
 
 _MAGIC = b"FBPOLv1\0"
@@ -38,16 +38,6 @@ _SPAN = struct.Struct("<QQ")
 ALIGN = 64
 BIAS = HEADER
 OUT_OF_BAND = 4096
-
-
-def freeze(params: Any) -> memoryview:
-    """``params`` as a read-only blob (see the module docstring).
-
-    Raises:
-        TypeError: ``params`` is not a dict, or a value in it cannot be pickled (the
-            message names its key).
-    """
-    return lay_out(prepare(params))
 
 
 class Prepared:
@@ -65,7 +55,13 @@ class Prepared:
 
 
 def prepare(params: Any) -> Prepared:
-    """The first half of :func:`freeze`: check and pickle ``params`` (what can fail)."""
+    """Check and pickle ``params`` (all that can fail), before anything changes; then
+    :func:`lay_out` makes the blob.
+
+    Raises:
+        TypeError: ``params`` is not a dict, or a value in it cannot be pickled (the
+            message names its key).
+    """
     if not isinstance(params, Mapping):
         raise TypeError(f"a policy's params are a dict (of arrays, tensors, numbers or "
                         f"nested dicts: a torch state_dict will do), got "
@@ -80,7 +76,7 @@ def prepare(params: Any) -> Prepared:
 
 
 def lay_out(prepared: Prepared, into: Any = None) -> memoryview:
-    """The second half of :func:`freeze`: the blob, written into ``into`` (a bytearray
+    """The read-only blob of ``prepared``, written into ``into`` (a bytearray
     of ``prepared.size`` bytes that nobody reads now) or a new buffer."""
     stream, raws, spans = prepared.stream, prepared.raws, prepared.spans
     blob = into if into is not None and len(into) == prepared.size else bytearray(prepared.size)
