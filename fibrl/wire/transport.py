@@ -147,6 +147,9 @@ def _send_frame(sock: pynng.Socket, frame: FramePart | list[FramePart]) -> None:
     a time). The caller holds the connection's send lock: pieces of two frames must
     not interleave.
     """
+    if type(frame) is bytes and len(frame) <= PIECE:   # the common case: no list made
+        check_err(_lib.nng_send(sock.socket, frame, len(frame), 0))
+        return
     if type(frame) is not list:
         # (one part: mypy narrows on ``type(x) is list`` only where it holds)
         frame = [frame]  # type: ignore[list-item]
@@ -683,12 +686,6 @@ class _Reading:
         (each copied once, never joined first). Raises :class:`ChannelClosed` when the
         other end is gone."""
         try:
-            if type(frame) is bytes and len(frame) <= PIECE:  # the common case, inline
-                with self._send_lock:
-                    err = _lib.nng_send(self._sock.socket, frame, len(frame), 0)
-                if err:
-                    check_err(err)
-                return
             with self._send_lock:
                 _send_frame(self._sock, frame)
         except pynng.NNGException as exc:
