@@ -105,19 +105,29 @@ def dict_reader(shared, go, rounds: int, polls: int, ready, done) -> None:
 
 
 # -- fibrl ------------------------------------------------------------------------------
+def resident_params(mb: int) -> dict:
+    """``mb`` MB of float32 params whose pages are resident already (np.zeros' are not
+    until written), so that a memory baseline taken now includes them."""
+    return {"w": np.ones(mb * MB // 4, np.float32)}
+
+
+def start_readers(procs: list, ready) -> None:
+    """Start the reader processes and wait until each says it is ready."""
+    for proc in procs:
+        proc.start()
+    for _ in procs:
+        ready.get(timeout=300)
+
+
 def bench_store(args, results: dict) -> None:
-    # np.ones: its pages are resident before the baseline (np.zeros' are not, yet)
-    params = {"w": np.ones(args.mb * MB // 4, np.float32)}
+    params = resident_params(args.mb)
     ready, done = fibrl.Queue(), fibrl.Queue()
     with PolicyStore() as store:
         procs = [fibrl.Process(target=store_reader,
                                args=(store, args.rounds, args.polls if i == 0 else 0,
                                      ready, done))
                  for i in range(args.readers)]
-        for proc in procs:
-            proc.start()
-        for _ in procs:
-            ready.get(timeout=300)
+        start_readers(procs, ready)
         spans, calls = [], []
         base = rss()
         with PeakRss() as peak:
@@ -139,8 +149,7 @@ def bench_store(args, results: dict) -> None:
 
 
 def bench_manager_dict(args, results: dict) -> None:
-    # np.ones: its pages are resident before the baseline (np.zeros' are not, yet)
-    params = {"w": np.ones(args.mb * MB // 4, np.float32)}
+    params = resident_params(args.mb)
     ready, done = fibrl.Queue(), fibrl.Queue()
     with fibrl.Manager() as manager:
         shared = manager.dict(version=0)
@@ -149,10 +158,7 @@ def bench_manager_dict(args, results: dict) -> None:
                                args=(shared, gos[i], args.rounds,
                                      args.polls if i == 0 else 0, ready, done))
                  for i in range(args.readers)]
-        for proc in procs:
-            proc.start()
-        for _ in procs:
-            ready.get(timeout=300)
+        start_readers(procs, ready)
         spans, calls = [], []
         for r in range(args.rounds):
             params["w"] += 1
