@@ -267,7 +267,10 @@ def test_malicious_pickle_from_unauthenticated_peer_is_never_unpickled(tmp_path)
             with raw:   # the freed port was taken by another process (tests run in parallel)
                 assert not _listens_here(int(port)), \
                     f"this process still listens on its peer's data port {port}"
-                raw.sendall(_SP_PAIR1 + len(payload).to_bytes(8, "big") + payload)
+                try:
+                    raw.sendall(_SP_PAIR1 + len(payload).to_bytes(8, "big") + payload)
+                except (ConnectionResetError, BrokenPipeError):
+                    pass   # that other process's listener refused the garbage
         assert not lost.wait(1.0), "the attack closed the authenticated peer"
         channel.close()
         assert not canary.exists()
