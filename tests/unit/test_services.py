@@ -156,6 +156,28 @@ def test_an_item_given_back_is_not_pushed_behind_newer_ones(host):
     assert held(fast) == [b"0"] and not box._items
 
 
+def test_an_item_given_back_does_not_go_to_a_consumer_that_returned_a_newer_one(host):
+    """A window that holds nothing is no place for an item given back when its consumer
+    already returned a newer one (a sentinel, say: it may have stopped there), unless
+    that consumer waits in get() now. A consumer that thawed after a freeze gives its
+    window back late; its items wait for a consumer still taking items."""
+    box = hosted(Mailbox(), host)
+    for item in (b"0", b"1", b"2", b"S"):
+        box.dispatch("put", (item,), Reply())
+    frozen, done = Peer(), Peer()
+    box.dispatch("window", (2,), Reply(frozen, rid=5))   # holds 0, 1
+    box.dispatch("window", (2,), Reply(done, rid=6))     # holds 2, S
+    held = lambda peer: [p for _, p in box._windows[peer.id].held]  # noqa: E731
+    assert held(frozen) == [b"0", b"1"] and held(done) == [b"2", b"S"]
+    box.dispatch("want", (2, 2, 0), Reply(done))         # returned 2 and S, stopped
+    box.dispatch("returned", (0, 0, 0), Reply(frozen))   # thawed, recalled: 0, 1 back
+    assert held(done) == [] and list(box._items) == [b"0", b"1"]
+    box.dispatch("want", (0, 1, 1), Reply(frozen))       # the thawed consumer waits
+    assert held(frozen) == [b"0"] and held(done) == []
+    box.dispatch("want", (2, 2, 1), Reply(done))         # a consumer in get() takes one
+    assert held(done) == [b"1"] and not box._items
+
+
 def test_small_items_pushed_in_a_row_travel_as_one_run_and_come_back_in_order():
     """A run of small pickles is one buffer plus lengths; anything with an out-of-band
     buffer makes the items travel one by one, as before."""

@@ -65,8 +65,8 @@ class _Win:
     """The owner's side of one consumer's window: what was pushed and not yet
     acknowledged (``held``, oldest first), and how much more may be pushed."""
 
-    __slots__ = ("sink", "peer", "size", "held", "nbytes", "base", "waiting", "heard",
-                 "recalling", "gap")
+    __slots__ = ("sink", "peer", "size", "held", "nbytes", "base", "top", "waiting",
+                 "heard", "recalling", "gap")
 
     def __init__(self, sink: ReplySink, peer: Peer, size: int) -> None:
         self.sink = sink
@@ -75,6 +75,7 @@ class _Win:
         self.held: deque[tuple[int, Any]] = deque()   # (push number, item), oldest first
         self.nbytes = 0
         self.base = 0            # how many items of this stream were acknowledged
+        self.top = -1            # the newest push number its consumer acknowledged
         self.waiting = True      # its consumer is inside get() with nothing to return
         self.heard = time.monotonic()
         self.recalling = False
@@ -97,19 +98,27 @@ class _Win:
     def room(self, cap: int = WINDOW_ITEMS, number: Optional[int] = None) -> bool:
         """Whether the item of push number ``number`` (None: a new one) may be pushed
         here. Every window stays in queue order: an item given back does not go
-        behind a newer one (its consumer could stop at a sentinel first)."""
+        behind a newer one (its consumer could stop at a sentinel first), neither one
+        the window holds nor one its consumer already returned, unless that consumer
+        waits in ``get()`` now (it did not stop there)."""
         held = self.held
-        return not self.recalling and len(held) < min(self.size, cap) and (
-            not held or (self.nbytes < WINDOW_BYTES
-                         and (number is None or held[-1][0] < number)))
+        if self.recalling or len(held) >= min(self.size, cap):
+            return False
+        if not held:
+            return number is None or number > self.top or self.waiting
+        return self.nbytes < WINDOW_BYTES and (number is None or held[-1][0] < number)
 
     def ack(self, returned: int) -> int:
         """Forget the items its consumer returned; how many were forgotten."""
         n = min(returned - self.base, len(self.held))
+        number = -1
         for _ in range(n):
-            self.nbytes -= _size(self.held.popleft()[1])
+            number, payload = self.held.popleft()   # (in push order: the last is newest)
+            self.nbytes -= _size(payload)
         if n > 0:
             self.base += n
+            if number > self.top:
+                self.top = number
         return max(n, 0)
 
 
