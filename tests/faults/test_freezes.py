@@ -113,11 +113,14 @@ def test_frozen_pool_worker_is_replaced_and_its_late_result_dropped(local):
 
 def consume_until_none(q, results, started):
     """Take items until a None; report them all at the end (so nothing is reported twice
-    by a consumer that stalls between a get() and its report)."""
-    got = [q.get(timeout=TIMEOUT)]
+    by a consumer that stalls between a get() and its report). A consumer that starts
+    late may find a None first."""
+    got = []
+    item = q.get(timeout=TIMEOUT)
     started.put(os.getpid())
-    while (item := q.get(timeout=TIMEOUT)) is not None:
+    while item is not None:
         got.append(item)
+        item = q.get(timeout=TIMEOUT)
     results.put(got)
 
 
