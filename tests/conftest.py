@@ -519,6 +519,14 @@ def join_all(*procs, timeout: float = 60) -> None:
         assert p.exitcode == 0, f"{p.name} exited with {p.exitcode}"
 
 
+def interruptible() -> None:
+    """``preexec_fn`` of a program a test interrupts with SIGINT: Ctrl-C's default
+    handling, whatever the test runner inherited (a job a non-interactive shell starts
+    in the background ignores SIGINT, and a Python started so gets no
+    KeyboardInterrupt)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def parent_env(ctx, run: str) -> dict:
     """The environment of a parent program run in a subprocess: this worktree's fibrl,
     the backend under test (FIBRL_* settings) and the run id ``run`` its workers carry."""

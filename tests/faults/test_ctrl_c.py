@@ -13,7 +13,7 @@ import textwrap
 import time
 
 import pytest
-from conftest import wait_until
+from conftest import interruptible, wait_until
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -70,7 +70,7 @@ def _interrupt_when_busy(tmp_path, backend, program=BUSY_POOL, ready="busy\n", a
         filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
     proc = subprocess.Popen([sys.executable, str(script), backend], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=interruptible)
     try:
         assert proc.stdout.readline() == ready   # the script's own get() is bounded
         time.sleep(after)

@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from conftest import parent_env, wait_until, workers_of_run
+from conftest import interruptible, parent_env, wait_until, workers_of_run
 
 import fibrl
 import fibrl.pool
@@ -474,7 +474,8 @@ def test_sigint_in_the_parent_during_map_leaves_no_worker(ctx, tmp_path, request
     script = tmp_path / "parent.py"
     script.write_text(INTERRUPTED_PARENT)
     proc = subprocess.Popen([sys.executable, str(script)], cwd=tmp_path, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            preexec_fn=interruptible)
     try:
         assert proc.stdout.readline().strip() == "mapping", proc.stderr.read()
         assert workers_of_run(ctx, run, request), "no worker of the parent is running"
