@@ -72,21 +72,9 @@ def _child(request: dict, stdio: list, keep_fds: tuple) -> None:
 
         traceback.print_exc()
     finally:
-        import atexit
+        from fibrl.bootstrap import end_process
 
-        atexit._run_exitfuncs()
-        _flush_std_streams()
-        os._exit(code if isinstance(code, int) else 1)
-
-
-def _flush_std_streams() -> None:
-    # A program may close sys.stdout or set it to None; as with the stdlib, that is
-    # no failure of the process (and an exception here would skip os._exit).
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (AttributeError, ValueError, OSError):
-            pass
+        end_process(code)
 
 
 def _reap(out) -> None:
