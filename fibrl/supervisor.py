@@ -88,6 +88,11 @@ class Policy:
         """The backend refused to start worker ``wid``."""
         raise NotImplementedError
 
+    def still_wanted(self, wid: int) -> bool:
+        """Whether worker ``wid``, reserved but not started yet (its start waited for a
+        starter thread), is still wanted; False forgets it and it is never started."""
+        return True   # a hook: most policies want every worker they reserved
+
     def started(self, wid: int, process: Any) -> None:
         """Worker ``wid``'s ``start()`` returned; its process is ``process``."""
         return None   # a hook: most policies need only lose()
@@ -278,6 +283,11 @@ class Supervisor:
             if self._killing:  # queued behind other starts when terminate() came
                 self._starting.discard(wid)
                 return
+        if not self._policy.still_wanted(wid):   # queued when the owner's need ended
+            with self._lock:
+                self._starting.discard(wid)
+            self.wake()
+            return
         try:
             proc = self._new_process(daemon=True, **self._spec(wid))
             proc._fibrl_role = self._role

@@ -702,6 +702,18 @@ class PoolService(Service, Policy):
             return False
         return self._state == RUN or bool(self._jobs)
 
+    def still_wanted(self, wid: int) -> bool:
+        """Whether worker ``wid``, not started yet, is still needed: no longer once the
+        pool is closed with every job done (or terminated); it is then forgotten, so a
+        pool closed while its workers start does not wait for the rest to start."""
+        with self._lock:
+            if self._wants_workers():
+                return True
+            worker = self._workers.pop(wid, None)
+            if worker is not None and worker.retiring:
+                self._retiring -= 1
+            return False
+
     def start_failed(self, wid: int, exc: BaseException) -> None:
         """Starting worker ``wid`` raised ``exc`` (the backend refused the job)."""
         self._drop(wid, None, f"start raised {type(exc).__name__}: {exc}", exc)

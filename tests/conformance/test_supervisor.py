@@ -105,6 +105,19 @@ def test_a_refused_start_reaches_the_policy():
     assert policy.lost == {}
 
 
+def test_a_start_the_policy_no_longer_wants_is_not_made():
+    class Fewer(Recorder):
+        def still_wanted(self, wid):
+            return wid < 2
+
+    policy = Fewer(wanted=4, done_after=2)
+    group = Supervisor(fibrl.get_context(), policy,
+                       lambda wid: {"target": _exit_with, "args": (0,)}, "test-group")
+    group.start()
+    assert group.join(120)
+    assert sorted(policy.started_ids) == [0, 1] and policy.lost == {0: 0, 1: 0}
+
+
 def test_pool_and_remote_vector_env_share_the_supervisor():
     pytest.importorskip("gymnasium")
     from fibrl.rl.envs import RemoteVectorEnv

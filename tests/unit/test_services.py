@@ -422,6 +422,24 @@ def test_pool_service_parks_an_idle_worker_and_terminate_aborts_open_jobs():
     assert isinstance(sink.aborted, RuntimeError)
 
 
+def test_pool_service_forgets_workers_not_started_once_closed_with_nothing_left():
+    """A pool closed while its workers start: the starts that have not begun are not
+    wanted any more (and forgotten, so the pool's end does not wait for them); while
+    work is left, or before close(), they are."""
+    service = PoolService(processes=3, max_retries=1, maxtasks=None)
+    sink = Sink()
+    service.submit(sink, pack(abs), "abs", Kind.MAP, fibrl.pool.chunked(range(2), 2))
+    first, second, third = service.reserve_workers()
+    service.close()
+    assert service.still_wanted(second)      # a job is still open
+    batch = _next(service, first).value()
+    service.op_report(Reply(), first, _run(batch))
+    assert sink.outcomes == {0: 0, 1: 1}
+    assert not service.still_wanted(third)   # closed, nothing left
+    assert third not in service._workers and first in service._workers
+    assert not service.reserve_workers()
+
+
 class SlowExitHooks:
     """A supervisor whose backend reports exits ``grace`` s late; records kills."""
 
