@@ -67,7 +67,8 @@ class DockerJob(Job):
     def _collect_end(self) -> None:
         try:
             status = self._api.wait(self._id)["StatusCode"]
-            self._state = self._api.inspect_container(self._id)["State"]
+            if status != 0:   # why it failed (OOMKilled, an engine error): one more call
+                self._state = self._api.inspect_container(self._id)["State"]
         except sdk_errors() as exc:
             status = 255
             self._state = {"Error": f"lost track of the container: {exc}"}
