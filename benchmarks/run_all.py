@@ -69,6 +69,8 @@ BENCHES = (
     Bench("pool", "bench_pool.py", "Pool", ("--quick",), (), plot="pool_workers.png"),
     Bench("scale", "bench_scale.py", "Pool at scale",
           ("--sizes", "2", "8", "--rounds", "5"), (), plot="pool_scale_latest.png"),
+    Bench("docker", "bench_docker.py", "Docker backend",
+          ("--quick",), (), needs=("docker",), plot="docker_workers.png"),
     Bench("envs", "bench_envs.py", "Remote environments (fibrl.rl)",
           ("--quick", "--rounds", "1", "--demo-steps", "500"), (),
           needs=("gymnasium",)),
@@ -110,6 +112,18 @@ PEERS = {   # peer -> (how to tell it is here, how to get it)
 
 def _importable(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
+
+
+def docker_engine_absent() -> Optional[str]:
+    """Why the docker benchmark cannot run here (no engine to reach), or None."""
+    try:
+        import docker
+
+        docker.from_env(timeout=10).ping()
+    except Exception as exc:   # the SDK's errors, or a socket that is not there
+        return (f"no docker engine reachable ({type(exc).__name__}: {exc}); start dockerd "
+                f"or set DOCKER_HOST")
+    return None
 
 
 def peers() -> tuple:
@@ -163,6 +177,8 @@ def run(bench: Bench, quick: bool, img_dir: Path, timeout: float) -> Outcome:
     if missing:
         return Outcome(bench, command, 0.0, None, "", "",
                        f"not run: {', '.join(missing)} not installed")
+    if bench.name == "docker" and (absent := docker_engine_absent()):
+        return Outcome(bench, command, 0.0, None, "", "", f"not run: {absent}")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     print(f"run_all: {bench.name}: {shlex.join(command)}", file=sys.stderr, flush=True)
