@@ -29,6 +29,14 @@ def exit_with(code):
     sys.exit(code)
 
 
+def say_goodbye_at_exit(q, code):
+    import atexit
+
+    atexit.register(q.put, "goodbye")
+    sys.stdout.write("unflushed")   # no newline, no flush: the exit flushes it
+    sys.exit(code)
+
+
 def raise_value_error():
     raise ValueError("boom in child")
 
@@ -90,6 +98,17 @@ def test_sys_exit_code(ctx, code):
     p.start()
     p.join(TIMEOUT)
     assert p.exitcode == code
+
+
+def test_atexit_handlers_run_and_output_is_flushed_at_the_child_exit(ctx, capfd):
+    q = ctx.Queue()
+    p = ctx.Process(target=say_goodbye_at_exit, args=(q, 4))
+    p.start()
+    assert q.get(timeout=TIMEOUT) == "goodbye"
+    p.join(TIMEOUT)
+    assert p.exitcode == 4
+    if ctx.get_start_method() == "local":
+        wait_until(lambda: "unflushed" in capfd.readouterr().out, "the child's output", 10)
 
 
 def test_uncaught_exception_gives_exitcode_1(ctx, capfd):
