@@ -22,7 +22,7 @@ import os
 import sys
 import threading
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 
 # How long a worker whose parent is gone goes on: parent_process() already reports
@@ -454,10 +454,13 @@ def end_process(code: object) -> None:
         os._exit(code if isinstance(code, int) else 1)
 
 
-def _run(argv: list[str]) -> None:
+def run_and_end(body: Callable[[], object]) -> None:
+    """Run ``body``, a process's main code, then end the process (:func:`end_process`)
+    with the exit code it returned or raised; an uncaught exception prints its
+    traceback and gives 1. Never returns."""
     code: object = 1
     try:
-        code = main(argv)
+        code = body()
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     except BaseException:
@@ -469,4 +472,4 @@ def _run(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    _run(sys.argv)
+    run_and_end(lambda: main(sys.argv))

@@ -34,6 +34,9 @@ import signal
 import socket
 import sys
 
+# a child ends as every fibrl worker does: atexit handlers, streams flushed, os._exit
+from fibrl.bootstrap import run_and_end
+
 
 def _preload(modules) -> None:
     """Import ``modules`` here, once, so every child forked later has them."""
@@ -58,23 +61,14 @@ def _child(request: dict, stdio: list, keep_fds: tuple) -> None:
     os.environ.update(request["env"])
     if request.get("cwd"):
         os.chdir(request["cwd"])
-    code = 1
-    try:
+    def body() -> int:
         # As `python -m`: the module runs as __main__ only, not also under its own name.
         sys.modules.pop(request["module"], None)
         sys.argv = [request["module"], *request["argv"]]  # runpy sets argv[0] to its path
         runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
-        code = 0
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-    except BaseException:
-        import traceback
+        return 0
 
-        traceback.print_exc()
-    finally:
-        from fibrl.bootstrap import end_process
-
-        end_process(code)
+    run_and_end(body)
 
 
 def _reap(out) -> None:
