@@ -22,7 +22,7 @@ import os
 import sys
 import threading
 import time
-from typing import Callable, Optional
+from typing import Optional
 
 
 # How long a worker whose parent is gone goes on: parent_process() already reports
@@ -433,43 +433,7 @@ def main(argv: list[str]) -> int:
     return exitcode
 
 
-def end_process(code: object) -> None:
-    """End this process as a forked multiprocessing child ends: the ``atexit``
-    handlers (fibrl's own cleanups among them), the standard streams flushed, then
-    ``os._exit``, without the interpreter's teardown of every module and object,
-    which costs a worker tens of milliseconds of CPU that a pool closing many
-    workers at once pays on every core."""
-    import atexit
-
-    try:
-        atexit._run_exitfuncs()
-    finally:
-        # A program may close sys.stdout or set it to None; as with the stdlib, that
-        # is no failure of the process (and an exception here would skip os._exit).
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (AttributeError, ValueError, OSError):
-                pass
-        os._exit(code if isinstance(code, int) else 1)
-
-
-def run_and_end(body: Callable[[], object]) -> None:
-    """Run ``body``, a process's main code, then end the process (:func:`end_process`)
-    with the exit code it returned or raised; an uncaught exception prints its
-    traceback and gives 1. Never returns."""
-    code: object = 1
-    try:
-        code = body()
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-    except BaseException:
-        import traceback
-
-        traceback.print_exc()
-    finally:
-        end_process(code)
-
-
 if __name__ == "__main__":
+    from .backends._zygote import run_and_end
+
     run_and_end(lambda: main(sys.argv))
