@@ -10,7 +10,7 @@ import psutil
 import pynng
 import pytest
 
-from conftest import PickleCanary
+from conftest import PickleCanary, wait_until
 from fibrl.wire import serialization
 from fibrl.errors import AuthenticationError, TransportError
 from fibrl.hosting.hub import Hub
@@ -155,10 +155,21 @@ def test_a_waiting_thread_reads_a_peers_frames_in_order_with_the_reader_thread()
         assert first.wait(5)
         peer, reader = peers[0], threads[0]
         me = threading.get_ident()
-        sender = threading.Timer(0.1, lambda: [channel.send(b"%d" % i) for i in range(1, 200)])
-        sender.start()
-        assert peer.read_here(lambda: len(handled) >= 100, 30,
-                              lambda data: on_frame(peer, data))
+        # the reader thread still holds the lead while it handles frame 0: wait until it
+        # is back to waiting, and send the rest only once this thread holds the lead
+        wait_until(lambda: not peer.lead.locked(), "the reader thread to wait again", 10)
+        sender = threading.Thread(target=lambda: [channel.send(b"%d" % i)
+                                                  for i in range(1, 200)])
+        asked = []
+
+        def ready():
+            asked.append(1)
+            if len(asked) == 2:   # (the first call comes before read_here takes the lead)
+                sender.start()
+            return len(handled) >= 100
+
+        assert peer.read_here(ready, 30, lambda data: on_frame(peer, data))
+        sender.join(10)
         assert len(handled) >= 100 and me in threads
         all_in.wait(10)
         assert handled == [b"%d" % i for i in range(200)]
