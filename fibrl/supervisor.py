@@ -301,18 +301,20 @@ class Supervisor:
             self.wake()
             return
         self._policy.started(wid, proc)
+        unwanted = not self._policy.still_wanted(wid)   # the need ended while it started
         with self._lock:
             self._starting.discard(wid)
-            late = self._killing
+            late = self._killing or unwanted
             if not late:
                 self._procs[wid] = proc
                 self._fresh.append(wid)
-        if late:  # terminated while it started: the supervisor may be gone already
-            self._end_late(wid, proc)
+        if late:  # terminated (or not needed) while it started: the supervisor may be
+            self._end_late(wid, proc)   # gone already
         self.wake()
 
     def _end_late(self, wid: int, proc: Any) -> None:
-        """Kill and reap a worker whose start returned after ``terminate()``."""
+        """Kill and reap a worker whose start returned after ``terminate()``, or once
+        its policy no longer wanted it."""
         _kill(proc)
         proc.join(_SELECT_S)
         self._policy.lose(wid, proc.exitcode)

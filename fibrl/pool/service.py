@@ -703,15 +703,17 @@ class PoolService(Service, Policy):
         return self._state == RUN or bool(self._jobs)
 
     def still_wanted(self, wid: int) -> bool:
-        """Whether worker ``wid``, not started yet, is still needed: no longer once the
+        """Whether worker ``wid``, not connected yet, is still needed: no longer once the
         pool is closed with every job done (or terminated); it is then forgotten, so a
         pool closed while its workers start does not wait for the rest to start."""
         with self._lock:
-            if self._wants_workers():
-                return True
-            worker = self._workers.pop(wid, None)
-            if worker is not None and worker.retiring:
-                self._retiring -= 1
+            worker = self._workers.get(wid)
+            if worker is not None and (worker.connected or self._wants_workers()):
+                return True   # (one that connected meanwhile is told to stop as usual)
+            if worker is not None:
+                del self._workers[wid]
+                if worker.retiring:
+                    self._retiring -= 1
             return False
 
     def start_failed(self, wid: int, exc: BaseException) -> None:
