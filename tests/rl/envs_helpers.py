@@ -88,6 +88,26 @@ class Gated(gymnasium.Wrapper):
         return self.env.step(action)
 
 
+class HangsInFirstStep(gymnasium.Wrapper):
+    """CartPole whose first step of all (the first instance, in any worker, to create
+    the file ``inside``) creates that file and then hangs (an hour): a test waits for
+    the file, then kills the worker while it is inside that step. Every other step is
+    CartPole's."""
+
+    def __init__(self, inside: str) -> None:
+        super().__init__(gymnasium.make("CartPole-v1"))
+        self.inside = inside
+        self.pid = os.getpid()
+
+    def step(self, action):
+        try:
+            os.close(os.open(self.inside, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return self.env.step(action)
+        time.sleep(3600)
+        return self.env.step(action)
+
+
 class HangAt(CrashAt):
     """Hangs (sleeps an hour) on its ``crash_at``-th step."""
 

@@ -48,6 +48,21 @@ def ten_mb() -> dict:
             "b": np.zeros(1024 * 1024, np.int16)}
 
 
+def record_waits(store) -> list:
+    """From now on, each request for a newer version that reaches the store (in its own
+    thread, before it waits) appends its ``wait`` (seconds) to the list returned: the
+    state to wait for before acting on a reader that must be waiting."""
+    versions = store._versions
+    newer, waits = versions.newer, []
+
+    def recorded(than, wait):
+        waits.append(wait)
+        return newer(than, wait)
+
+    versions.newer = recorded
+    return waits
+
+
 def poll_versions(store, last: int, results) -> None:
     """Read every version that comes, up to ``last``; report those torn or out of order."""
     seen, bad, version = [], [], 0
@@ -120,14 +135,20 @@ def test_versions_increase_and_latest_waits_for_a_newer_one():
         assert version == 2 and params["w"].tolist() == [2.0] * 3
         start = time.monotonic()
         assert reader.latest(newer_than=2, timeout=0.3) is None
-        assert time.monotonic() - start >= 0.29
-        timer = threading.Timer(0.3, store.publish, ({"w": np.full(3, 3.0)},))
-        timer.start()
+        assert time.monotonic() - start >= 0.29   # (a timeout is never cut short)
+        waits = record_waits(store)
+        publisher = threading.Thread(target=lambda: (
+            wait_until(lambda: 60 in waits, "the reader to wait for a newer version"),
+            store.publish({"w": np.full(3, 3.0)})))
+        publisher.start()
+        # published while the reader waits: answered by the publish, not at its timeout
+        # (60 s; the publish comes as soon as the reader waits, so a wide bound tells
+        # the two apart)
         start = time.monotonic()
         version, params = reader.latest(newer_than=2, timeout=60)
         assert version == 3 and params["w"][0] == 3.0
-        assert time.monotonic() - start < 30   # answered when published, not at timeout
-        timer.join()
+        assert time.monotonic() - start < 30, "answered at the timeout, not by the publish"
+        publisher.join(60)
         assert store.latest(newer_than=3) is None and store.latest(newer_than=2)[0] == 3
         reader.close()
 
@@ -184,10 +205,13 @@ def test_a_reader_killed_mid_transfer_disturbs_neither_publish_nor_other_readers
         staller = fibrl.Process(target=stall_mid_transfer, args=(store.address, asked))
         staller.start()
         asked.get(timeout=120)
-        time.sleep(0.5)          # its transfer starts, then stops at full socket buffers
+        # its transfer starts, then stops at full socket buffers: version 1 stays lent
+        # to the send of its answer
+        wait_until(lambda: store._versions._lent[1] >= 1, "the staller's answer to be sent")
         other = fibrl.Process(target=read_versions, args=(store, 3, results))
         other.start()
         assert results.get(timeout=120) == (1, 1.0)
+        assert store._versions._lent[1] >= 1, "the staller's answer is no longer stuck"
         start = time.monotonic()
         store.publish({"w": np.full(1000, 2.0, np.float32)})
         # (the staller never reads on until it is killed below: a publish that waited
@@ -214,12 +238,13 @@ def wait_for_news(store, results) -> None:
 def test_readers_are_told_when_the_store_closes_even_while_waiting():
     store = PolicyStore()
     store.publish({"w": np.zeros(3)})
+    waits = record_waits(store)
     results = fibrl.Queue()
     waiter = fibrl.Process(target=wait_for_news, args=(store, results))
     waiter.start()
     reader = PolicyStore.connect(store.address)
     assert reader.version == 1
-    time.sleep(1.0)              # the waiter waits on the store now
+    wait_until(lambda: 300 in waits, "the waiter to wait on the store")
     start = time.monotonic()
     store.close()
     said = results.get(timeout=60)
@@ -235,20 +260,24 @@ def test_readers_are_told_when_the_store_closes_even_while_waiting():
         store.publish({"w": np.zeros(3)})
 
 
-def publish_then_exit(queue) -> None:
+def publish_then_exit(queue, read) -> None:
     store = PolicyStore()
     store.publish({"w": np.arange(5)})
     queue.put(store)
-    time.sleep(1.0)
+    read.wait(120)               # until the test has read it (or gave up): then exit
 
 
 def test_readers_are_told_when_the_learner_process_exits():
-    queue = fibrl.Queue()
-    learner = fibrl.Process(target=publish_then_exit, args=(queue,))
+    queue, read = fibrl.Queue(), fibrl.Event()
+    learner = fibrl.Process(target=publish_then_exit, args=(queue, read))
     learner.start()
     store = queue.get(timeout=120)
-    assert store.latest(timeout=30)[1]["w"].tolist() == [0, 1, 2, 3, 4]
+    try:
+        assert store.latest(timeout=30)[1]["w"].tolist() == [0, 1, 2, 3, 4]
+    finally:
+        read.set()
     learner.join(60)
+    assert learner.exitcode == 0
     with pytest.raises(PolicyStoreLost, match="closed it, exited or was killed"):
         store.latest()                      # its connection broke
     fresh = pickle.loads(pickle.dumps(store))
@@ -455,9 +484,10 @@ def test_a_reader_that_waits_without_limit_is_answered_by_a_publish():
     with PolicyStore() as store:
         reader = pickle.loads(pickle.dumps(store))
         got = []
+        waits = record_waits(store)
         thread = threading.Thread(target=lambda: got.append(reader.latest(timeout=math.inf)))
         thread.start()
-        time.sleep(0.3)
+        wait_until(lambda: math.inf in waits, "the reader to wait without limit")
         store.publish({"w": np.ones(2)})
         thread.join(60)
         assert got and got[0][0] == 1

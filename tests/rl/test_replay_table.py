@@ -7,10 +7,10 @@ in test_replay_store.py.
 from __future__ import annotations
 
 import threading
-import time
 
 import numpy as np
 import pytest
+from conftest import wait_until
 
 from fibrl.rl.replay import (Fifo, Lifo, MaxHeap, MinHeap, MinSize, NStep, Prioritized, Queue,
                              RateLimiterTimeout, SampleToInsertRatio, Stack, Uniform)
@@ -302,8 +302,8 @@ def test_snapshot_during_concurrent_inserts_restores_equal_contents(tmp_path, me
 
     writer = threading.Thread(target=write)
     writer.start()
-    while t.size() < 2000:   # the snapshot starts while the writer is inserting
-        time.sleep(0.001)
+    # the snapshot starts while the writer is inserting
+    wait_until(lambda: t.size() >= 2000, "the writer to insert", interval=0.001)
     try:
         info = t.snapshot(path)
     finally:
