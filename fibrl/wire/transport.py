@@ -207,8 +207,19 @@ def _recv_msg(sock: pynng.Socket) -> tuple[Any, int]:   # (nng's message, its le
 def _recv_frame(sock: pynng.Socket) -> Frame:
     """Receive one frame: ``bytes`` when small, else a writable memoryview (of nng's
     message itself, or of the one buffer a frame sent in pieces was gathered in)."""
-    msg, size = _recv_msg(sock)
-    return _frame_of(sock, msg, size)
+    while True:
+        msg, size = _recv_msg(sock)
+        if size:
+            return _frame_of(sock, msg, size)
+        _drop_empty(msg)
+
+
+def _drop_empty(msg: Any) -> None:
+    """Free ``msg``, an empty message: no fibrl frame is empty, but nng hands one to a
+    receiver now and then around the death of a peer (seen after a SIGKILL of another
+    process), with no body at all. It carries nothing; the receive goes on."""
+    _lib.nng_msg_free(msg)
+    log.debug("dropped an empty message (no fibrl frame is empty)")
 
 
 def _frame_of(sock: pynng.Socket, msg: Any, size: int) -> Frame:
@@ -239,7 +250,11 @@ def _recv_frame_nowait(sock: pynng.Socket) -> Optional[Frame]:
         return None
     check_err(err)
     msg = holder[0]
-    return _frame_of(sock, msg, _lib.nng_msg_len(msg))
+    size = _lib.nng_msg_len(msg)
+    if not size:
+        _drop_empty(msg)
+        return _recv_frame_nowait(sock)   # (what came after it, if anything)
+    return _frame_of(sock, msg, size)
 
 
 class _Aio:
@@ -270,7 +285,11 @@ class _Aio:
             return None
         check_err(err)
         msg = _lib.nng_aio_get_msg(aio)
-        return _frame_of(sock, msg, _lib.nng_msg_len(msg))
+        size = _lib.nng_msg_len(msg)
+        if not size:
+            _drop_empty(msg)
+            return None   # (the caller asks again unless what it waits for happened)
+        return _frame_of(sock, msg, size)
 
     def cancel(self) -> None:
         """End the receive this aio waits for now, if any (from any thread)."""
@@ -309,6 +328,9 @@ def _gather(sock: pynng.Socket, total: int) -> memoryview:
                     f"as the rest of that frame cannot be told from what follows") from None
             continue
         progress = time.monotonic()
+        if not size:
+            _drop_empty(msg)
+            continue
         try:
             if size > total - offset:
                 raise TransportError(f"a frame announced as {total} bytes came with more; "
@@ -675,6 +697,11 @@ class _Reading:
         except MemoryError:
             log.error("%r received a message larger than this process can allocate; "
                       "closing it", self)
+            self.close()
+        except Exception:
+            # as the reader thread does: the connection goes, and the caller's wait goes
+            # on (an exception out of here would leave its request parked, unanswered)
+            log.exception("%r: a frame could not be read or handled; closing it", self)
             self.close()
         finally:
             del _waiting[me]

@@ -188,6 +188,46 @@ def test_a_waiting_thread_reads_a_peers_frames_in_order_with_the_reader_thread()
         listener.close(join=1.0)
 
 
+def _send_empty(sock) -> None:
+    """An empty nng message, as nng itself hands one to a receiver at times (no fibrl
+    frame is empty)."""
+    from pynng import _nng
+
+    assert _nng.lib.nng_send(sock.socket, b"", 0, 0) == 0
+
+
+def test_an_empty_message_is_dropped_by_every_receiving_path(echo):
+    """Around a peer's death nng may hand a receiver an empty message with no body.
+    The reader thread, a thread reading in place of it (read_here) and a channel's
+    recv each drop it and go on with the next frame; nothing is lost or closed."""
+    listener, received, lost = echo
+    channel = Channel.connect(listener.address, SECRET, timeout=5)
+    _send_empty(channel._sock)                 # to the listener's reader thread
+    channel.send(b"after")
+    assert channel.recv(10) == b"after" and received == [b"after"]
+    (peer,) = listener._peers.values()
+    _send_empty(peer._sock)                    # to the channel's recv
+    peer.send(b"next")
+    assert channel.recv(10) == b"next"
+
+    got = []
+    wait_until(lambda: not peer.lead.locked(), "the reader thread to wait again", 10)
+    sender = threading.Thread(target=lambda: (_send_empty(channel._sock),
+                                              channel.send(b"third")))
+    asked = []
+
+    def ready():
+        asked.append(1)
+        if len(asked) == 2:   # (read_here holds the lead from here on)
+            sender.start()
+        return bool(got)
+
+    assert peer.read_here(ready, 30, got.append)
+    sender.join(10)
+    assert got == [b"third"] and not peer.closed and not lost.is_set()
+    channel.close()
+
+
 @pytest.mark.parametrize("size", [10, 100_000, 9 * (1 << 20) + 7])
 def test_frames_of_parts_arrive_whole_small_large_and_in_pieces(echo, size):
     """Parts go out as one frame (a large one in pieces); a large frame comes back as a
