@@ -352,10 +352,8 @@ def main(argv=None) -> int:
     watchdog.daemon = True
     watchdog.start()
     fibrl.init(backend="local", heartbeat_interval=HEARTBEAT_S, parent_timeout=PARENT_TIMEOUT_S)
-    try:
-        return run(Soak(random.Random(seed), args.seconds), args.drain)
-    finally:
-        watchdog.cancel()
+    # (never cancelled: it also bounds the exit, which waits for the child processes)
+    return run(Soak(random.Random(seed), args.seconds), args.drain)
 
 
 def hang(bound: float) -> None:

@@ -519,6 +519,20 @@ def join_all(*procs, timeout: float = 60) -> None:
         assert p.exitcode == 0, f"{p.name} exited with {p.exitcode}"
 
 
+def session_pids(sid: int) -> list:
+    """Pids of the processes of session ``sid`` (the program, its fork server, workers)."""
+    pids = []
+    for name in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{name}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue   # not a process, or it ended meanwhile
+        if name.isdigit() and int(fields[3]) == sid and fields[0] != "Z":
+            pids.append(int(name))
+    return pids
+
+
 def interruptible() -> None:
     """``preexec_fn`` of a program a test interrupts with SIGINT: Ctrl-C's default
     handling, whatever the test runner inherited (a job a non-interactive shell starts

@@ -215,9 +215,8 @@ def _recv_frame(sock: pynng.Socket) -> Frame:
 
 
 def _drop_empty(msg: Any) -> None:
-    """Free ``msg``, an empty message: no fibrl frame is empty, but nng hands one to a
-    receiver now and then around the death of a peer (seen after a SIGKILL of another
-    process), with no body at all. It carries nothing; the receive goes on."""
+    """Free ``msg``, an empty message: no fibrl frame is empty, so one carries nothing
+    (a peer speaking some other protocol); the receive goes on."""
     _lib.nng_msg_free(msg)
     log.debug("dropped an empty message (no fibrl frame is empty)")
 
@@ -275,6 +274,10 @@ class _Aio:
         :meth:`cancel` was called (or ``ready()`` was true once the receive was posted:
         a ``cancel`` just before it would have been missed)."""
         aio = self.aio
+        # The aio keeps pointing at the message it last received, which the caller has
+        # freed since: a receive that ends with no error and no message (nng ends one so
+        # at times when a peer is killed) must not hand that one out again.
+        _lib.nng_aio_set_msg(aio, _ffi.NULL)
         _lib.nng_aio_set_timeout(aio, -1 if timeout is None else max(1, int(timeout * 1000)))
         _lib.nng_recv_aio(sock.socket, aio)
         if ready is not None and ready():
@@ -285,6 +288,9 @@ class _Aio:
             return None
         check_err(err)
         msg = _lib.nng_aio_get_msg(aio)
+        if msg == _ffi.NULL:
+            return None   # nothing came (the caller asks again unless it has what it waits for)
+        _lib.nng_aio_set_msg(aio, _ffi.NULL)
         size = _lib.nng_msg_len(msg)
         if not size:
             _drop_empty(msg)
@@ -295,10 +301,16 @@ class _Aio:
         """End the receive this aio waits for now, if any (from any thread)."""
         _lib.nng_aio_cancel(self.aio)
 
-    def __del__(self, _free: Callable[[Any], None] = _lib.nng_aio_free,
-                _finalizing: Callable[[], bool] = sys.is_finalizing) -> None:
-        if not (_nng_down or _finalizing()):   # at exit a daemon thread may still wait on it
-            _free(self.aio)
+    def free(self, _free: Callable[[Any], None] = _lib.nng_aio_free,
+             _finalizing: Callable[[], bool] = sys.is_finalizing) -> None:
+        """Give the aio back to nng (once; not after nng was shut down at exit, when a
+        daemon thread may still wait on it)."""
+        aio, self.aio = self.aio, _ffi.NULL
+        if aio != _ffi.NULL and not (_nng_down or _finalizing()):
+            _free(aio)
+
+    def __del__(self) -> None:
+        self.free()
 
 
 _aios = threading.local()
@@ -630,17 +642,23 @@ class _OnePipe:
             _call_soon(self._close)
 
 
-# The aio of each thread that reads a socket's frames itself (read_here), by thread id.
+# The aio of each thread that reads a socket's frames itself (read_here), by thread id:
+# one of its own per read_here call, so that a wake meant for one wait never reaches
+# another receive of that thread (a later wait, a channel's recv_here), and entered,
+# cancelled and left under the lock, so that it is never cancelled once given back.
 _waiting: dict[int, _Aio] = {}
+_waiting_lock = threading.Lock()
 
 
 def wake_reader(ident: int) -> None:
     """End the wait of thread ``ident`` in :meth:`_Reading.read_here`, if it waits there:
     what it waited for happened elsewhere (another thread, another peer)."""
-    aio = _waiting.get(ident)
-    # (a thread that wakes itself is not inside read_here: there is nothing to end)
-    if aio is not None and ident != threading.get_ident():
-        aio.cancel()
+    if ident == threading.get_ident():
+        return   # a thread that wakes itself is not inside read_here: nothing to end
+    with _waiting_lock:
+        aio = _waiting.get(ident)
+        if aio is not None:
+            aio.cancel()
 
 
 class _Reading:
@@ -682,7 +700,10 @@ class _Reading:
         if ready() or self.closed or not self.lead.acquire(False):
             return False
         me = threading.get_ident()
-        aio = _waiting[me] = _thread_aio()
+        aio = _Aio()
+        with _waiting_lock:
+            outer = _waiting.get(me)   # (a frame handler of an outer read_here waits too)
+            _waiting[me] = aio
         try:
             deadline = None if timeout is None else time.monotonic() + timeout
             while not ready():
@@ -704,7 +725,12 @@ class _Reading:
             log.exception("%r: a frame could not be read or handled; closing it", self)
             self.close()
         finally:
-            del _waiting[me]
+            with _waiting_lock:
+                if outer is None:
+                    del _waiting[me]
+                else:
+                    _waiting[me] = outer
+            aio.free()
             self.lead.release()
         return True
 

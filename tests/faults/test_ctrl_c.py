@@ -13,7 +13,7 @@ import textwrap
 import time
 
 import pytest
-from conftest import interruptible, wait_until
+from conftest import interruptible, session_pids, wait_until
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -49,20 +49,6 @@ STARTING_POOL = """
 """
 
 
-def _session(sid: int) -> list:
-    """Pids of the processes of session ``sid`` (the program, its fork server, workers)."""
-    pids = []
-    for name in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{name}/stat") as stat:
-                fields = stat.read().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue   # not a process, or it ended meanwhile
-        if name.isdigit() and int(fields[3]) == sid and fields[0] != "Z":
-            pids.append(int(name))
-    return pids
-
-
 def _interrupt_when_busy(tmp_path, backend, program=BUSY_POOL, ready="busy\n", after=0.0):
     script = tmp_path / "main.py"
     script.write_text(textwrap.dedent(program))
@@ -93,7 +79,7 @@ def _assert_ended_as_python_does(proc, err):
 def test_ctrl_c_with_local_workers(tmp_path):
     proc, err = _interrupt_when_busy(tmp_path, "local")
     _assert_ended_as_python_does(proc, err)
-    wait_until(lambda: not _session(proc.pid), "the fork server and workers to end", 30)
+    wait_until(lambda: not session_pids(proc.pid), "the fork server and workers to end", 30)
 
 
 @pytest.mark.docker
@@ -102,7 +88,7 @@ def test_ctrl_c_with_docker_workers(tmp_path, docker_engine):
 
     proc, err = _interrupt_when_busy(tmp_path, "docker")
     _assert_ended_as_python_does(proc, err)
-    wait_until(lambda: not _session(proc.pid), "the program's processes to end", 30)
+    wait_until(lambda: not session_pids(proc.pid), "the program's processes to end", 30)
     wait_until(lambda: not docker.list_containers(parent=proc.pid, client=docker_engine),
                "the worker containers to be removed", 60, interval=0.5)
 
@@ -115,6 +101,6 @@ def test_ctrl_c_while_docker_workers_start(tmp_path, docker_engine):
 
     proc, err = _interrupt_when_busy(tmp_path, "docker", STARTING_POOL, "starting\n", 1.0)
     _assert_ended_as_python_does(proc, err)
-    wait_until(lambda: not _session(proc.pid), "the program's processes to end", 30)
+    wait_until(lambda: not session_pids(proc.pid), "the program's processes to end", 30)
     wait_until(lambda: not docker.list_containers(parent=proc.pid, client=docker_engine),
                "the worker and probe containers to be removed", 60, interval=0.5)

@@ -5,12 +5,15 @@ The seed is fixed and chosen so that every kind of fault lands within the first 
 (the faults' kinds, moments and durations come from it alone). The run must exit 0
 with a summary that shows each kind injected, nothing lost and nothing duplicated.
 """
+import ast
 import os
 import re
+import signal
 import subprocess
 import sys
 
 import pytest
+from conftest import session_pids, wait_until
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SEED = 1366        # its first five faults are one of each kind, all within 15 s
@@ -21,18 +24,32 @@ KINDS = ("kill_pool_worker", "freeze_pool_worker_short", "freeze_pool_worker_lon
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
 
-def test_short_soak_loses_and_duplicates_nothing():
+def test_short_soak_loses_and_duplicates_nothing(tmp_path):
     env = dict(os.environ, PYTHONPATH=ROOT)
-    run = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "benchmarks", "soak.py"),
-         "--seconds", str(SECONDS), "--seed", str(SEED)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
-    out = run.stdout + run.stderr
+    log = tmp_path / "soak.log"
+    with open(log, "w") as out_file:   # a file, not a pipe: a leftover child cannot hold it
+        proc = subprocess.Popen(
+            [sys.executable, os.path.join(ROOT, "benchmarks", "soak.py"),
+             "--seconds", str(SECONDS), "--seed", str(SEED)],
+            cwd=ROOT, env=env, stdout=out_file, stderr=subprocess.STDOUT,
+            start_new_session=True)
+        try:
+            proc.wait(timeout=400)   # (the soak's own watchdog ends it well before)
+            # workers whose parent is gone exit within seconds (PARENT_LOST_GRACE)
+            wait_until(lambda: not session_pids(proc.pid), "the soak's processes to end", 30)
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)   # whatever it left behind
+            except ProcessLookupError:
+                pass
+            proc.wait(30)
+    out = log.read_text()
+    run = proc
     assert run.returncode == 0, out
     assert out.startswith(f"seed {SEED}\n"), out
     faults = re.search(r"^faults injected: (\{.*?\})", out, re.M)
     assert faults, out
-    injected = eval(faults.group(1), {})   # the summary prints a dict of str -> int
+    injected = ast.literal_eval(faults.group(1))   # the summary prints a dict of str -> int
     assert all(injected.get(kind, 0) >= 1 for kind in KINDS), injected
     assert re.search(r"^items lost: 0$", out, re.M), out
     assert re.search(r"^results duplicated: 0$", out, re.M), out
