@@ -301,16 +301,10 @@ class _Aio:
         """End the receive this aio waits for now, if any (from any thread)."""
         _lib.nng_aio_cancel(self.aio)
 
-    def free(self, _free: Callable[[Any], None] = _lib.nng_aio_free,
-             _finalizing: Callable[[], bool] = sys.is_finalizing) -> None:
-        """Give the aio back to nng (once; not after nng was shut down at exit, when a
-        daemon thread may still wait on it)."""
-        aio, self.aio = self.aio, _ffi.NULL
-        if aio != _ffi.NULL and not (_nng_down or _finalizing()):
-            _free(aio)
-
-    def __del__(self) -> None:
-        self.free()
+    def __del__(self, _free: Callable[[Any], None] = _lib.nng_aio_free,
+                _finalizing: Callable[[], bool] = sys.is_finalizing) -> None:
+        if not (_nng_down or _finalizing()):   # at exit a daemon thread may still wait on it
+            _free(self.aio)
 
 
 _aios = threading.local()
@@ -642,10 +636,10 @@ class _OnePipe:
             _call_soon(self._close)
 
 
-# The aio of each thread that reads a socket's frames itself (read_here), by thread id:
-# one of its own per read_here call, so that a wake meant for one wait never reaches
-# another receive of that thread (a later wait, a channel's recv_here), and entered,
-# cancelled and left under the lock, so that it is never cancelled once given back.
+# The aio of each thread that reads a socket's frames itself (read_here), by thread id,
+# entered, cancelled and left under the lock: a wake meant for one wait never reaches
+# another receive of that thread (a later one, a channel's recv_here). The aio is the
+# thread's own for its whole life: nng is never asked to free one it may still hold.
 _waiting: dict[int, _Aio] = {}
 _waiting_lock = threading.Lock()
 
@@ -700,7 +694,7 @@ class _Reading:
         if ready() or self.closed or not self.lead.acquire(False):
             return False
         me = threading.get_ident()
-        aio = _Aio()
+        aio = _thread_aio()
         with _waiting_lock:
             outer = _waiting.get(me)   # (a frame handler of an outer read_here waits too)
             _waiting[me] = aio
@@ -730,7 +724,6 @@ class _Reading:
                     del _waiting[me]
                 else:
                     _waiting[me] = outer
-            aio.free()
             self.lead.release()
         return True
 
