@@ -696,7 +696,9 @@ class _Reading:
         me = threading.get_ident()
         aio = _thread_aio()
         with _waiting_lock:
-            outer = _waiting.get(me)   # (a frame handler of an outer read_here waits too)
+            # (a frame handler of an outer read_here of this thread may read here too:
+            # the same aio, entered once, left by the outer call)
+            nested = me in _waiting
             _waiting[me] = aio
         try:
             deadline = None if timeout is None else time.monotonic() + timeout
@@ -719,11 +721,9 @@ class _Reading:
             log.exception("%r: a frame could not be read or handled; closing it", self)
             self.close()
         finally:
-            with _waiting_lock:
-                if outer is None:
+            if not nested:
+                with _waiting_lock:
                     del _waiting[me]
-                else:
-                    _waiting[me] = outer
             self.lead.release()
         return True
 
