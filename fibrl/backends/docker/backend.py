@@ -25,11 +25,12 @@ import weakref
 from typing import Any, Optional
 
 from ...config import Config
-from ...errors import BackendError, describe_exitcode
+from ...errors import BackendError, BackendUnavailableError, describe_exitcode
 from .. import base
 from ..base import LABEL_BACKEND, LABEL_ROLE, Backend, Job, JobSpec
 from .engine import (LABEL_HOST, LABEL_PIDNS, LOG_TAIL_LINES, _engine_address, sdk, sdk_errors,
-                     connect, container_name, exit_code, in_worker_container)
+                     connect, container_name, engine_down, exit_code, in_worker_container,
+                     wait_for_engine)
 from .housekeeping import _remove_quietly, collect_orphans, pid_namespace, remove_containers
 from .job import DockerJob
 from .reaper import start_reaper
@@ -125,9 +126,7 @@ class DockerBackend(Backend):
         self._check_network()
         image = spec.image or self.config.image
         kwargs = self._container_kwargs(spec, image)
-        self._require_image(image)
-        self._refuse_if_abandoned()
-        job = self._start(spec, image, kwargs)
+        job = self._start_waiting_for_engine(spec, image, kwargs)
         try:
             # The first start of an image and mount probes it, while this worker boots
             # (not before: two container starts overlap instead of adding up).
@@ -139,6 +138,31 @@ class DockerBackend(Backend):
         with self._lock:
             self._jobs.add(job)
         return job
+
+    def _start_waiting_for_engine(self, spec: JobSpec, image: str, kwargs: dict) -> DockerJob:
+        """Start the container; while the engine does not answer (dockerd restarting),
+        wait for it, until ``start_timeout`` from now."""
+        deadline = time.monotonic() + self.config.start_timeout
+        while True:
+            try:
+                self._require_image(image)
+                self._refuse_if_abandoned()
+                return self._start(spec, image, kwargs)
+            except BackendError as exc:
+                if not engine_down(exc.__cause__ or exc):
+                    raise
+                log.warning("the docker engine at %s does not answer (%s); a worker's start "
+                            "waits for it, up to %.0f s (start_timeout)", _engine_address(),
+                            exc.__cause__ or exc, max(0.0, deadline - time.monotonic()))
+                if not wait_for_engine(self.client, deadline, self._abandoned.is_set):
+                    self._refuse_if_abandoned()
+                    raise BackendUnavailableError(
+                        f"the docker engine at {_engine_address()} did not answer for "
+                        f"{self.config.start_timeout:.0f} s (start_timeout), so a worker "
+                        f"could not start: {exc.__cause__ or exc}. Likely cause: dockerd "
+                        f"stopped or is restarting. Fix: start it (`sudo systemctl start "
+                        f"docker`) and check `docker info`; to wait longer for it, raise "
+                        f"start_timeout.") from exc
 
     def abandon_starts(self) -> None:
         self._abandoned.set()   # an image probe stops waiting within _PROBE_SLICE
@@ -331,7 +355,7 @@ class DockerBackend(Backend):
         except (OSError, *sdk_errors()) as exc:
             _remove_quietly(api, container.id)
             raise _start_error(image, exc) from exc
-        job = DockerJob(spec, api, container.id, name, stream)
+        job = DockerJob(spec, api, container.id, name, stream, self.config.start_timeout)
         job._begin()
         return job
 

@@ -11,12 +11,13 @@ import logging
 import os
 import re
 import secrets
-from typing import Optional
+import time
+from typing import Any, Callable, Optional
 
 from ...errors import BackendError, BackendUnavailableError
 
-__all__ = ["connect", "container_name", "exit_code", "in_worker_container", "LABEL_HOST",
-           "LABEL_PIDNS", "LOG_TAIL_LINES"]
+__all__ = ["connect", "container_name", "engine_down", "exit_code", "in_worker_container",
+           "wait_for_engine", "LABEL_HOST", "LABEL_PIDNS", "LOG_TAIL_LINES"]
 
 log = logging.getLogger(__name__)
 
@@ -24,6 +25,7 @@ LABEL_HOST = "fibrl.host"
 LABEL_PIDNS = "fibrl.pidns"   # whose pid fibrl.parent is: the parent's PID namespace
 LOG_TAIL_LINES = 500  # what logs() keeps of a removed container, and shows in errors
 _MAX_SIGNAL = 64
+_PING_EVERY = 0.5     # s between two pings of an engine that does not answer
 
 
 # -- the SDK and the engine ------------------------------------------------------------
@@ -58,6 +60,31 @@ def sdk_errors() -> tuple:
     import requests
 
     return (sdk().errors.DockerException, requests.RequestException)
+
+
+def engine_down(exc: BaseException) -> bool:
+    """True when ``exc`` says the engine did not answer at all (dockerd stopped, or
+    restarting: its socket is gone or refuses), rather than answering with an error."""
+    import requests
+
+    return isinstance(exc, requests.exceptions.ConnectionError)
+
+
+def wait_for_engine(client: Any, deadline: float,
+                    give_up: Callable[[], bool] = lambda: False) -> bool:
+    """Ping the engine until it answers (True), ``deadline`` (a ``time.monotonic()``
+    value) passes or ``give_up()`` is true (False)."""
+    while not give_up():
+        try:
+            client.ping()
+            return True
+        except sdk_errors():
+            pass
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        time.sleep(min(_PING_EVERY, left))
+    return False
 
 
 def _engine_address() -> str:

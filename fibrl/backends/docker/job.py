@@ -13,11 +13,12 @@ from __future__ import annotations
 import logging
 import sys
 import threading
+import time
 from typing import Any, Optional
 
 from ...errors import BackendError, describe_exitcode
 from ..base import Job, JobSpec, JobStatus
-from .engine import LOG_TAIL_LINES, sdk_errors, exit_code
+from .engine import LOG_TAIL_LINES, engine_down, exit_code, sdk_errors, wait_for_engine
 from .housekeeping import _remove_quietly
 
 __all__ = ["DockerJob"]
@@ -36,8 +37,9 @@ class DockerJob(Job):
     """A worker running as a docker container."""
 
     def __init__(self, spec: JobSpec, api: Any, container_id: str, name: str,
-                 stream: Any) -> None:
+                 stream: Any, engine_wait: float = 120.0) -> None:
         self.spec = spec
+        self._engine_wait = engine_wait   # s to wait for an engine that stopped answering
         self.name = name
         self._api = api
         self._id = container_id
@@ -47,6 +49,7 @@ class DockerJob(Job):
         self._lock = threading.Lock()
         self._removed = False
         self._final_logs = ""
+        self._pending_signal: Optional[str] = None   # asked for while the engine was down
         self._follower = threading.Thread(target=self._follow, args=(stream,), daemon=True,
                                           name=f"fibrl-docker-{name}")
 
@@ -57,7 +60,9 @@ class DockerJob(Job):
     def id(self) -> str:
         return self._id
 
-    # The follower: relay output until the container stops, then collect its end.
+    # The follower: relay output until the container stops (or the engine, restarting,
+    # ends the stream: with live-restore the container runs on, its output no longer
+    # relayed), then collect its end.
     def _follow(self, stream: Any) -> None:
         try:
             _relay(stream)
@@ -67,14 +72,35 @@ class DockerJob(Job):
             _close_quietly(stream)
         self._collect_end()
 
+    def _send_pending_signal(self) -> None:
+        sig, self._pending_signal = self._pending_signal, None
+        if sig is not None:
+            try:
+                self._signal(sig)
+            except BackendError as exc:   # the end is collected all the same
+                log.warning("%s", exc)
+
     def _collect_end(self) -> None:
-        try:
-            status = self._api.wait(self._id)["StatusCode"]
-            if status != 0:   # why it failed (OOMKilled, an engine error): one more call
-                self._state = self._api.inspect_container(self._id)["State"]
-        except sdk_errors() as exc:
-            status = 255
-            self._state = {"Error": f"lost track of the container: {exc}"}
+        import requests   # (with the SDK: this module imports without it)
+
+        deadline = time.monotonic() + self._engine_wait
+        while True:
+            try:
+                self._send_pending_signal()
+                status = self._api.wait(self._id)["StatusCode"]
+                if status != 0:   # why it failed (OOMKilled, an engine error): one more call
+                    self._state = self._api.inspect_container(self._id)["State"]
+                break
+            except sdk_errors() as exc:
+                # dockerd restarting: its answer comes once it is back (the container
+                # ran on with live-restore, or was stopped with the engine)
+                if engine_down(exc) and wait_for_engine(self._api, deadline):
+                    continue
+                if isinstance(exc, requests.exceptions.ReadTimeout):
+                    continue   # it runs on (its stream ended with a live-restored engine)
+                status = 255
+                self._state = {"Error": f"lost track of the container: {exc}"}
+                break
         self._code = exit_code(status)
         self._report_end()
         self._ended.set()
@@ -110,6 +136,10 @@ class DockerJob(Job):
         try:
             self._api.kill(self._id, signal=sig)
         except sdk_errors() as exc:  # 404 gone, 409 not running: nothing to stop
+            if engine_down(exc):     # dockerd restarting: the follower sends it once back
+                self._pending_signal = sig
+                log.debug("%s for container %s waits for the engine: %s", sig, self.name, exc)
+                return
             if getattr(exc, "status_code", None) not in (404, 409):
                 raise BackendError(f"cannot send {sig} to container {self.name}: {exc}. "
                                    f"Check `docker info` and `docker ps -a`.") from exc
