@@ -52,18 +52,35 @@ class Timers:
     def cancel(entry: list) -> None:
         entry[2] = None
 
+    def close(self, timeout: float = 5.0) -> None:
+        """Drop every pending deadline and end the thread (waits up to ``timeout`` s for a
+        callback it is running). A later :meth:`call_at` starts a new thread."""
+        with self._cond:
+            thread, self._thread = self._thread, None
+            self._heap.clear()
+            self._cond.notify_all()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+
     def _run(self) -> None:
+        me = threading.current_thread()
         while True:
             with self._cond:
-                while not self._heap or self._heap[0][0] > time.monotonic():
+                while self._thread is me and (not self._heap
+                                              or self._heap[0][0] > time.monotonic()):
                     delay = self._heap[0][0] - time.monotonic() if self._heap else None
                     self._cond.wait(delay)
+                if self._thread is not me:
+                    return   # closed
                 fn = heapq.heappop(self._heap)[2]
             if fn is not None:
                 try:
                     fn()
                 except Exception:
                     log.exception("timer callback failed")
+            # not kept while waiting for the next deadline: what the callback refers to
+            # (a parked reply, its caller's objects) is freed now
+            fn = None
 
 
 def _in_thread(fn: Callable[[], None]) -> None:

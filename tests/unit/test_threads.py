@@ -3,6 +3,7 @@ import os
 import queue
 import threading
 import time
+import weakref
 
 from fibrl.connection import _Waker
 from fibrl.managers.server import _Workers
@@ -19,6 +20,7 @@ def test_a_blocking_deadline_does_not_hold_up_the_others():
         assert fired.wait(5), "a deadline waited behind a blocking callback"
     finally:
         release.set()
+        timers.close()
 
 
 def test_a_cancelled_deadline_does_not_run():
@@ -29,6 +31,44 @@ def test_a_cancelled_deadline_does_not_run():
     timers.call_at(time.monotonic() + 0.1, later.set)
     assert later.wait(5)
     assert ran == []
+    timers.close()
+
+
+def test_close_ends_the_thread_and_drops_what_was_pending():
+    timers = Timers()
+    ran = []
+    timers.call_at(time.monotonic() + 0.05, lambda: None)
+    thread = timers._thread
+    timers.call_at(time.monotonic() + 60, lambda: ran.append(1))
+    timers.close()
+    assert not thread.is_alive()
+    again = threading.Event()   # a later deadline starts a new thread
+    timers.call_at(time.monotonic(), again.set)
+    assert again.wait(5)
+    timers.close()
+    assert ran == []
+
+
+def test_a_callback_that_ran_is_not_kept_while_the_thread_waits():
+    """What a callback refers to (a parked reply, its caller's frame) is freed once it has
+    run, not kept until the next deadline."""
+    timers = Timers()
+
+    class Held:
+        pass
+
+    held, ran = Held(), threading.Event()
+    gone = weakref.ref(held)
+    timers.call_at(time.monotonic(), lambda held=held: ran.set())
+    del held
+    try:
+        assert ran.wait(5)
+        deadline = time.monotonic() + 5
+        while gone() is not None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert gone() is None, "the timer thread keeps its last callback"
+    finally:
+        timers.close()
 
 
 def test_a_poke_after_close_writes_nowhere():

@@ -509,6 +509,8 @@ class KubernetesBackend(Backend):
         for name in self._own_secrets:
             self._delete_secret(name)
         api.closed.set()
+        self._timers.close(1.0)
+        api.client.close()   # its pool's kept-alive connections to the API server
 
     def _delete_secret(self, name: str) -> None:
         try:
