@@ -1040,7 +1040,8 @@ class Hub:
         return confirmed
 
     def close(self) -> None:
-        """Flush, close every connection and the listener, and wait for their threads.
+        """Flush, close every connection, the listener and the timers, and wait for their
+        threads.
 
         Runs at interpreter exit (before pynng's own exit handler, which must
         not find a thread still inside nng).
@@ -1058,6 +1059,7 @@ class Hub:
             listener.close(join=1.0)
         for client in clients:
             client._reader.join(1.0)
+        self.timers.close(1.0)
 
 
 class _NoReply(ReplySink):
