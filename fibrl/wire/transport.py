@@ -731,6 +731,8 @@ class _Reading:
         """Send one frame: a bytes-like object, or a list of them sent as one frame
         (each copied once, never joined first). Raises :class:`ChannelClosed` when the
         other end is gone."""
+        if _faults is not None and _faults.take(self, frame):
+            return   # a test's fault seam dropped, held or cut it (fibrl.wire.faults)
         try:
             with self._send_lock:
                 _send_frame(self._sock, frame)
@@ -1580,3 +1582,8 @@ class Settings:
                 f"process of the run with the same tls setting (fibrl.init(tls=...)).")
         return Channel.connect(address, secret,
                                self.connect_timeout if timeout is None else timeout)
+
+
+# The fault seam of fibrl's own tests (fibrl.wire.faults sets it while a rule is
+# installed): None otherwise, which is all a send pays for it.
+_faults: Any = None

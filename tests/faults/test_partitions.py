@@ -1,0 +1,326 @@
+"""Network partitions and frame faults, made with the transport's test seam
+(``fibrl.wire.faults``: each process holds, drops, duplicates or cuts what it sends).
+
+A partition between the parent and one pool worker is both sides holding their
+frames to each other: the worker installs its half from inside its task, once it
+reported its end of the connection, and the parent installs the other half on the
+connection with that end. Both heal at the same moment (the same clock: the worker
+reports when). What must hold:
+
+* shorter than ``parent_timeout``: nothing happens: the map's results are exact,
+  no worker is lost, requeued or replaced;
+* longer: the parent declares the worker lost and its task runs elsewhere, the map
+  is exact, and once the partition heals the stale worker's late result is dropped
+  (each result delivered once) and the worker exits by itself (nobody kills it);
+* a Queue whose owner and consumer are different processes, with one frame between
+  them dropped, duplicated or the connection cut: what the queue's protocol promises
+  holds. A consumer's acknowledgements count what ``get()`` returned so far, so one
+  lost or repeated on its way to the owner changes nothing: every item is returned
+  once. A cut connection fails the call in flight with a clear error or lets it
+  succeed, the consumer goes on over a new connection, no item is lost, and the only
+  items returned twice are ones ``get()`` returned before the cut (their
+  acknowledgement was lost with the connection, as when a consumer dies). What the
+  protocol does not promise: a frame the owner pushes to a consumer's window, lost
+  or repeated inside a live connection, is an item lost or repeated (the transport,
+  TCP under nng, never does that to a connection it keeps; the tests marked xfail
+  below show it).
+
+Each fault starts once the process it concerns is known to be where it matters (a
+task reported from inside), and each test checks that the seam acted (its counts).
+"""
+import functools
+import os
+import queue
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import wait_until
+
+import fibrl
+from fibrl.errors import RemoteObjectError
+from fibrl.hosting.hub import get_hub
+from fibrl.wire import faults
+
+TIMEOUT = 120   # only reached on a hang
+pytestmark = pytest.mark.timeout(300)
+HEARTBEAT, LIMIT = 0.25, 3.0   # heartbeat_interval, parent_timeout
+
+
+@pytest.fixture
+def seam():
+    """This process's fault seam, cleared (every hold healed) after the test."""
+    faults.clear()
+    yield faults
+    faults.clear()
+
+
+@pytest.fixture
+def quick_heartbeats(ctx, configure):
+    """The backend under test with heartbeats that find a silent peer in seconds."""
+    return configure(heartbeat_interval=HEARTBEAT, parent_timeout=LIMIT)
+
+
+def _parent_end() -> str:
+    """This pool worker's end (``host:port``) of its connection to the parent."""
+    clients = list(get_hub()._clients.values())
+    assert len(clients) == 1, f"a pool worker here talks to its parent only: {clients}"
+    return faults.endpoints(clients[0]._channel).split()[1]
+
+
+def partition_probe(x, token, started, runs, seconds):
+    """``x * x`` with the pid that computed it. The run that takes the token is cut off
+    from the parent: it reports its end of the connection and when the partition
+    ends, holds what it sends for ``seconds`` (its half of the partition), works
+    through most of it, and reports (late, through the partition) what it held."""
+    pid = os.getpid()
+    runs.put(("ran", x, pid))
+    try:
+        token.get_nowait()
+    except queue.Empty:
+        return x * x, pid, None
+    started.put((x, pid, _parent_end(), time.monotonic() + seconds))
+    started.qsize()   # a round trip: both puts reached the parent before the partition
+    faults.install(faults.Rule("hold", side="channel", seconds=seconds))
+    time.sleep(seconds * 0.6)
+    held = faults.counts()["held"]
+    runs.put(("finished", x, pid, held))
+    return x * x, pid, held
+
+
+class _Partition:
+    """A map on a pool of two whose first task cuts its worker off for ``seconds``."""
+
+    def __init__(self, pool, seam, seconds, items=12):
+        self.pool, self.seam = pool, seam
+        self.token, self.started, self.runs = fibrl.Queue(), fibrl.Queue(), fibrl.Queue()
+        self.token.put("cut off")
+        self.items = items
+        # (closures over lists only: a cycle through self would keep the queues alive)
+        self.kills = kills = []
+        supervisor = pool._engine.supervisor
+        real_kill = supervisor.kill
+        supervisor.kill = lambda wid: (kills.append(wid), real_kill(wid))
+        probe = functools.partial(partition_probe, token=self.token, started=self.started,
+                                  runs=self.runs, seconds=seconds)
+        self.result = pool.map_async(probe, range(items), chunksize=1)
+        self.deliveries = deliveries = []
+        real_deliver = self.result.sink_deliver
+        self.result.sink_deliver = lambda index, outcomes, *a, **k: (
+            deliveries.extend(range(index, index + len(outcomes))),
+            real_deliver(index, outcomes, *a, **k))
+        # the worker is inside its task: the parent's half of the partition starts
+        self.x, self.pid, self.end, self.heals = self.started.get(timeout=TIMEOUT)
+        rule = faults.Rule("hold", side="peer", address=self.end,
+                           seconds=max(0.0, self.heals - time.monotonic()))
+        peers = list(get_hub()._listener._peers.values())
+        assert sum(rule.aims_at(peer) for peer in peers) == 1, [
+            faults.endpoints(peer) for peer in peers]   # the worker's connection, alone
+        seam.install(rule)
+        self.workers = wait_until(lambda: _both(supervisor.processes()), "both workers")
+        self.pids = [p.pid for p in self.workers]   # (a process reaped later is closed)
+
+    def check_exact(self, out):
+        assert [value for value, _, _ in out] == [x * x for x in range(self.items)]
+        assert sorted(self.deliveries) == sorted(set(self.deliveries)), "a result came twice"
+
+    def runs_until_finished(self):
+        """What the runs reported, up to the cut-off run's report that it finished."""
+        seen = []
+        while not (seen and seen[-1][0] == "finished"):
+            seen.append(self.runs.get(timeout=TIMEOUT))
+        return seen
+
+
+def _ended(process):
+    try:
+        return process.exitcode is not None
+    except ValueError:   # closed: the supervisor reaped it
+        return True
+
+
+def _both(processes):
+    return processes if len(processes) == 2 and all(p.pid for p in processes) else None
+
+
+def test_partition_shorter_than_parent_timeout_changes_nothing(quick_heartbeats, seam):
+    with fibrl.Pool(2) as pool:
+        cut = _Partition(pool, seam, seconds=1.0)
+        out = cut.result.get(TIMEOUT)
+        cut.check_exact(out)
+        value, pid, held = out[cut.x]
+        service = pool._engine.service
+        assert service.stats == {"lost": 0, "requeued": 0, "failed": 0}
+        assert pid == cut.pid, "the cut-off task ran again elsewhere"
+        assert held >= 1, "the worker held nothing back: there was no partition"
+        assert sorted(p.pid for p in pool._engine.supervisor.processes()) == \
+            sorted(cut.pids), "a worker was replaced"
+        assert {pid for _, pid, _ in out} <= set(cut.pids)
+        runs = cut.runs_until_finished()
+        assert sorted(x for kind, x, *_ in runs if kind == "ran") == list(range(cut.items))
+        assert cut.kills == []
+
+
+def test_partition_past_parent_timeout_loses_the_worker_once(quick_heartbeats, seam):
+    with fibrl.Pool(2, max_task_retries=1) as pool:
+        service = pool._engine.service
+        cut = _Partition(pool, seam, seconds=LIMIT + 1.5)
+        out = cut.result.get(TIMEOUT)   # the partition still holds: the task ran elsewhere
+        cut.check_exact(out)
+        assert time.monotonic() < cut.heals, "the map waited for the partition to heal"
+        value, pid, held = out[cut.x]
+        assert pid != cut.pid and held is None, "the cut-off worker's result was taken"
+        assert service.stats["lost"] == 1 and service.stats["requeued"] >= 1
+        # healed: the stale run's late messages arrive, its result is dropped
+        runs = cut.runs_until_finished()
+        _, x, pid, held = runs[-1]
+        assert (x, pid) == (cut.x, cut.pid) and held >= 1, "the worker held nothing"
+        # it ends by itself (told to stop, or its parent lost), well before the pool
+        # would kill it (30 s after the loss)
+        wait_until(lambda: any(_ended(p) for p in cut.workers), "the stale worker's exit",
+                   timeout=20)
+        ended = [pid for p, pid in zip(cut.workers, cut.pids) if _ended(p)]
+        assert ended == [cut.pid], "another worker than the stale one ended"
+        assert cut.kills == [], "the stale worker was killed rather than left to exit"
+        assert sorted(cut.deliveries) == list(range(cut.items))
+        assert cut.result.get(0) == out
+        assert pool.map(abs, range(-5, 5)) == [abs(x) for x in range(-5, 5)]
+
+
+# -- a Queue between two processes ---------------------------------------------------------
+
+ITEMS = 200
+
+
+def own_a_queue(handover, done, rules):
+    """Own a queue of ``ITEMS`` items (handed to the parent through ``handover``) until
+    ``done``; ``rules``: faults for what this owner sends; then hand over what the seam did."""
+    q = fibrl.Queue()
+    for i in range(ITEMS):
+        q.put(i)
+    faults.install(*(faults.Rule(**rule) for rule in rules))
+    handover.put(q)
+    done.wait(TIMEOUT)
+    handover.put(faults.counts())
+
+
+class _Owner:
+    """A queue owned by a worker: the parent is its one consumer."""
+
+    def __init__(self, rules=()):
+        self.handover, self.done = fibrl.Queue(), fibrl.Event()
+        self.process = fibrl.Process(target=own_a_queue,
+                                     args=(self.handover, self.done, list(rules)))
+        self.process.start()
+        self.queue = self.handover.get(timeout=TIMEOUT)
+
+    def drain(self, seam, timeout=3.0):
+        """Every item ``get()`` returns until none comes for ``timeout`` s, how many of
+        them came before the seam cut a connection (counting the one whose call the
+        cut happened in), and the errors raised meanwhile."""
+        got, before_cut, errors = [], None, []
+        while len(got) < 2 * ITEMS:
+            try:
+                got.append(self.queue.get(timeout=timeout))
+            except queue.Empty:
+                break
+            except RemoteObjectError as exc:   # (the call the cut caught)
+                errors.append(exc)
+                assert len(errors) == 1, errors
+            if before_cut is None and seam.counts()["cut"]:
+                before_cut = len(got)
+        return got, before_cut, errors
+
+    def finish(self):
+        """What the seam did in the owner."""
+        self.done.set()
+        counts = self.handover.get(timeout=TIMEOUT)
+        self.process.join(TIMEOUT)
+        assert self.process.exitcode == 0
+        return counts
+
+
+def _once_each(got):
+    assert sorted(got) == list(range(ITEMS)), (
+        f"missing {sorted(set(range(ITEMS)) - set(got))[:10]}, "
+        f"twice {sorted(x for x in set(got) if got.count(x) > 1)[:10]}")
+
+
+@pytest.mark.parametrize("action", ["drop", "duplicate"])
+def test_a_consumers_message_lost_or_repeated_changes_nothing(configure, seam, action):
+    configure(backend="local")
+    owner = _Owner()
+    first = [owner.queue.get(timeout=TIMEOUT) for _ in range(3)]   # its window is open
+    seam.install(faults.Rule(action, side="channel", after=2, count=1))
+    got, _, errors = owner.drain(seam)
+    assert seam.counts()[{"drop": "dropped", "duplicate": "duplicated"}[action]] == 1
+    assert errors == []
+    _once_each(first + got)
+    owner.finish()
+
+
+def test_a_cut_connection_loses_nothing_and_repeats_only_what_it_held(configure, seam):
+    configure(backend="local")
+    owner = _Owner()
+    first = [owner.queue.get(timeout=TIMEOUT) for _ in range(3)]
+    seam.install(faults.Rule("cut", side="channel", after=5, count=1))
+    got, before_cut, errors = owner.drain(seam)
+    assert seam.counts()["cut"] == 1 and before_cut is not None
+    assert all("connection dropped" in str(exc) for exc in errors), errors
+    before, after = first + got[:before_cut], got[before_cut:]
+    assert sorted(set(before) | set(after)) == list(range(ITEMS)), "an item was lost"
+    assert len(set(before)) == len(before) and len(set(after)) == len(after), \
+        "an item came twice on one connection"
+    # what came again is what get() returned before the cut whose acknowledgement
+    # was lost with the connection: a few items at most
+    assert len(set(before) & set(after)) <= 16, sorted(set(before) & set(after))
+    owner.finish()
+
+
+@pytest.mark.xfail(strict=True, reason="a push lost or repeated inside a live connection is "
+                   "an item lost or repeated: the queue relies on the transport for that")
+@pytest.mark.parametrize("action", ["drop", "duplicate"])
+def test_an_owners_push_lost_or_repeated(configure, seam, action):
+    configure(backend="local")
+    owner = _Owner([dict(action=action, side="peer", kind="reply", after=5, count=1)])
+    got, _, errors = owner.drain(seam)
+    counts = owner.finish()
+    assert counts[{"drop": "dropped", "duplicate": "duplicated"}[action]] == 1
+    assert errors == []
+    _once_each(got)
+
+
+# -- the seam's switch for workers ---------------------------------------------------------
+
+def put_twice_and_count(q):
+    """Two puts, each flushed by a round trip; then what the seam did here."""
+    for item in ("first", "second"):
+        q.put(item)
+        q.qsize()
+    q.put(faults.counts())
+
+
+def test_a_worker_takes_its_faults_from_the_environment(configure, monkeypatch):
+    configure(backend="local", local_fork_server=False)   # (a fork server has its own env)
+    monkeypatch.setenv(faults.ENV, '[{"action": "duplicate", "kind": "put", "count": 1}]')
+    q = fibrl.Queue()
+    p = fibrl.Process(target=put_twice_and_count, args=(q,))
+    p.start()
+    got = [q.get(timeout=TIMEOUT) for _ in range(4)]
+    p.join(TIMEOUT)
+    assert p.exitcode == 0
+    assert got[:3] == ["first", "first", "second"]
+    assert got[3]["duplicated"] == 1 and got[3]["matched"] >= 2
+
+
+@pytest.mark.parametrize("spec, says", [
+    ('[{"action": "explode"}]', "'explode' is not one of"),
+    ('{"action": "drop", "peer": "x"}', "unknown fault rule keys ['peer']"),
+    ("drop everything", "is not JSON"),
+])
+def test_a_bad_fault_spec_is_refused_clearly(spec, says):
+    env = {**os.environ, faults.ENV: spec}
+    done = subprocess.run([sys.executable, "-c", "import fibrl.wire.transport"], env=env,
+                          capture_output=True, text=True, timeout=TIMEOUT)
+    assert done.returncode != 0 and says in done.stderr, done.stderr[-2000:]
