@@ -95,7 +95,10 @@ def test_the_backends_account_has_only_what_rbac_yaml_grants(real):
     from kubernetes import client, config
     from kubernetes.client.rest import ApiException
 
+    from tests.kube.rbac_audit import PROBE_AGENT
+
     with config.new_client_from_config(config_file=real.kubeconfig) as api:
+        api.user_agent = PROBE_AGENT   # rbac_audit.py: not calls of the backend
         core = client.CoreV1Api(api)
         core.list_namespaced_pod(real.namespace, _request_timeout=10)   # granted
         with pytest.raises(ApiException) as denied:

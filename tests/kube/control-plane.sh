@@ -11,6 +11,12 @@
 #                                       as a machine that loses power (node-agent: its pods too)
 #   tests/kube/control-plane.sh start-one NAME   start it again with the command `up` gave it
 #                                       (the tests of outages use these)
+#   tests/kube/control-plane.sh audit-log  print the path of the API server's audit log
+#
+# The API server keeps an audit log (JSON lines, $FIBRL_KUBE_STATE/audit.log, kept after
+# `down`): every request of a service account outside kube-system, at Metadata level (who,
+# verb, resource, answer; no bodies). tests/kube/rbac_audit.py compares the requests of
+# deploy/rbac.yaml's account with what that file grants.
 #
 # The binaries come from Debian bookworm's `kubernetes` source package (its tarball keeps
 # vendor/, so it builds offline with Debian's Go) and are cached outside the repository under
@@ -178,8 +184,25 @@ start() {  # start NAME COMMAND...: run in the background, its pid recorded for 
     echo "$! $name $1" >> "$STATE/pids"
 }
 
+# Metadata level for service accounts' requests, except the controllers' (kube-system);
+# nothing of anyone else (the admin's set-up, the node agent, the scheduler).
+write_audit_policy() {
+    cat > "$STATE/audit-policy.yaml" <<'POLICY'
+apiVersion: audit.k8s.io/v1
+kind: Policy
+omitStages: ["RequestReceived"]
+rules:
+  - level: None
+    userGroups: ["system:serviceaccounts:kube-system"]
+  - level: Metadata
+    userGroups: ["system:serviceaccounts"]
+  - level: None
+POLICY
+}
+
 start_all() {
     local pki=$STATE/pki
+    write_audit_policy
     start etcd /usr/bin/etcd --name fibrl-test --data-dir "$STATE/etcd" \
         --listen-client-urls "https://127.0.0.1:$ETCD_PORT" --advertise-client-urls "https://127.0.0.1:$ETCD_PORT" \
         --listen-peer-urls "https://127.0.0.1:$ETCD_PEER_PORT" --initial-advertise-peer-urls "https://127.0.0.1:$ETCD_PEER_PORT" \
@@ -198,7 +221,9 @@ start_all() {
         --service-account-issuer https://kubernetes.default.svc.cluster.local \
         --service-cluster-ip-range 10.0.0.0/24 --authorization-mode Node,RBAC \
         --feature-gates TTLAfterFinished=true --profiling=false --allow-privileged=false \
-        --endpoint-reconciler-type none
+        --endpoint-reconciler-type none \
+        --audit-policy-file "$STATE/audit-policy.yaml" --audit-log-path "$STATE/audit.log" \
+        --audit-log-format json --audit-log-maxsize 1024 --audit-log-maxbackup 10
     # endpoint reconciler off: the "kubernetes" Service's Endpoints may not hold a loopback
     # address (validation refuses 127.0.0.1); pods here reach the API server on loopback directly
 }
@@ -365,5 +390,6 @@ case "${1:-}" in
     stop-one) stop_one "${2:?stop-one NAME}" ;;
     crash-one) stop_one "${2:?crash-one NAME}" crash ;;
     start-one) start_one "${2:?start-one NAME}" ;;
-    *) echo "usage: $0 build|up|down|stop-one NAME|crash-one NAME|start-one NAME" >&2; exit 2 ;;
+    audit-log) echo "$STATE/audit.log" ;;
+    *) echo "usage: $0 build|up|down|stop-one NAME|crash-one NAME|start-one NAME|audit-log" >&2; exit 2 ;;
 esac
