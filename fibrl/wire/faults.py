@@ -4,7 +4,7 @@ Owns the faults a test asks the frames of this process to suffer on their way ou
 dropped, delayed, duplicated, held back (a network partition, later healed) or cut
 (the connection closed). It does not own the transport, and adds nothing to it
 while off: :mod:`.transport` checks one module global per frame sent
-(``_faults is not None``) and calls :func:`take` only when a rule is installed.
+(``_faults is not None``) and calls the seam only while a rule is installed.
 
 Faults act where frames are sent (:meth:`transport._Reading.send`, the one way
 out of every authenticated connection, a hub's or a ``fibrl.channel``'s), so a
@@ -30,7 +30,7 @@ Data flow (one releaser thread, started with the first held frame)::
                     whatever their rule, so order holds) --> releaser sends each frame
                     when due (a hold: at heal() or after its seconds)
 
-Example (a partition of 2 s between this process and every process it dialled):
+Example (this process's half of a 2 s partition from every process it dialled):
     >>> from fibrl.wire import faults
     >>> faults.install(faults.Rule("hold", side="channel", seconds=2.0))  # doctest: +SKIP
     >>> faults.counts()["held"]  # doctest: +SKIP
@@ -39,7 +39,6 @@ Example (a partition of 2 s between this process and every process it dialled):
 from __future__ import annotations
 
 import json
-import logging
 import math
 import os
 import threading
@@ -56,8 +55,6 @@ if TYPE_CHECKING:
     from .transport import _Reading
 
 __all__ = ["Rule", "install", "clear", "heal", "counts", "endpoints", "kind_of", "ENV"]
-
-log = logging.getLogger(__name__)
 
 #: The environment variable a worker reads its rules from when it imports the transport.
 ENV = "FIBRL_TEST_FAULTS"
