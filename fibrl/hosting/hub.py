@@ -805,8 +805,10 @@ class Hub:
     def open_listener(self, on_frame: FrameHandler,
                       on_lost: Optional[LossHandler] = None) -> Listener:
         """A listener of its own (not the hub's: its frames go to ``on_frame``, in its
-        peers' reader threads), with this hub's secret and transport settings."""
-        return self.settings.listener(self.secret, on_frame=on_frame, on_lost=on_lost)
+        peers' reader threads, and only there), with this hub's secret and transport
+        settings."""
+        return self.settings.listener(self.secret, on_frame=on_frame, on_lost=on_lost,
+                                      shared=False)
 
     def open_channel(self, address: str, timeout: Optional[float] = None) -> Channel:
         """A dedicated channel to ``address`` (not the shared :meth:`client`), with this

@@ -665,6 +665,7 @@ class _Reading:
 
     _sock: pynng.Socket
     closed: bool
+    shared = True        # other threads may read_here (False: its reader thread only)
     _poll: select.poll   # made by _watch(), before any wait_readable()
     _send_lock: threading.Lock
     wake = staticmethod(wake_reader)   # (for a caller that imports no transport)
@@ -691,7 +692,7 @@ class _Reading:
         thread would, until ``ready()`` (whichever thread makes it true elsewhere calls
         :func:`wake_reader`) or ``timeout`` seconds. Returns False at once when another
         thread reads now. A broken socket is closed (the reader thread reports it)."""
-        if ready() or self.closed or not self.lead.acquire(False):
+        if ready() or self.closed or not self.shared or not self.lead.acquire(False):
             return False
         me = threading.get_ident()
         aio = _thread_aio()
@@ -849,6 +850,10 @@ class Listener:
         tls: encrypt and require the run's certificate (``tls+tcp://`` addresses).
         max_pending: unauthenticated connections held at most (None: 64, or an eighth
             of the descriptor limit if that is less); more wait for a slot.
+        shared: other threads of this process may read a peer's frames themselves
+            (:meth:`Peer.read_here`, as the hub's calls do). False: only the peer's
+            reader thread reads them, waiting inside its receive (one wake-up fewer
+            per frame, no readiness descriptors); ``read_here`` then returns False.
 
     Example:
         >>> lst = Listener("127.0.0.1", b"k", on_frame=lambda p, d: p.send(d))
@@ -859,8 +864,9 @@ class Listener:
     def __init__(self, host: str, secret: bytes, *, on_frame: FrameHandler,
                  on_lost: Optional[LossHandler] = None, auth_timeout: float = 10.0,
                  port: int = 0, tls: bool = False,
-                 max_pending: Optional[int] = None) -> None:
+                 max_pending: Optional[int] = None, shared: bool = True) -> None:
         self._host = host
+        self._shared = shared
         self._secret = secret
         self._on_frame = on_frame
         self._on_lost = on_lost
@@ -1112,7 +1118,10 @@ class Listener:
             else:
                 sock.listen(tcp_address(self._host, 0, _scheme(self._tls)))
                 address = _address_of(sock, _scheme(self._tls))
-            peer._watch()   # (two descriptors): a lack of them is reported here
+            if self._shared:
+                peer._watch()   # (two descriptors): a lack of them is reported here
+            else:
+                peer.shared = False
         except (pynng.NNGException, OSError) as exc:
             if peer.port is not None:
                 peer.port.close()
@@ -1168,6 +1177,9 @@ class Listener:
         """Read and handle ``peer``'s frames until it goes, or until another thread reads
         them (see :meth:`Peer.offload`); sleep while a caller reads them."""
         try:
+            if not self._shared:
+                self._read_alone(peer, generation)
+                return
             while not peer.closed and peer.wait_readable():
                 peer.lead.acquire()
                 if not self._run(peer, generation):
@@ -1181,6 +1193,28 @@ class Listener:
         finally:
             if peer._reader == generation:
                 self._lost(peer)
+
+    def _read_alone(self, peer: Peer, generation: int) -> None:
+        """``_read`` for a peer that no other thread reads: wait inside the receive itself
+        (one wake-up per frame, no readiness descriptor to signal and drain), holding the
+        lead until the peer goes or is handed off."""
+        aio = _thread_aio()
+        peer.lead.acquire()
+        try:
+            while not peer.closed:
+                data = aio.recv(peer._sock, None)
+                if data is None:
+                    continue
+                peer._handling(generation, True)
+                try:
+                    self._on_frame(peer, data)
+                finally:
+                    reading = peer._handling(generation, False)
+                if not reading:
+                    return   # handed off: the new reader holds the lead now
+        finally:
+            if peer._reader == generation:
+                peer.lead.release()
 
     def _run(self, peer: Peer, generation: int) -> bool:
         """Handle every frame already received (lead held); False once handed off to
@@ -1564,11 +1598,12 @@ class Settings:
                    config.start_timeout)
 
     def listener(self, secret: bytes, *, on_frame: FrameHandler,
-                 on_lost: Optional[LossHandler] = None, port: int = 0) -> Listener:
+                 on_lost: Optional[LossHandler] = None, port: int = 0,
+                 shared: bool = True) -> Listener:
         """A :class:`Listener` on ``self.host`` that obeys these settings."""
         return Listener(self.host, secret, on_frame=on_frame, on_lost=on_lost,
                         auth_timeout=self.auth_timeout, port=port, tls=self.tls,
-                        max_pending=self.max_pending)
+                        max_pending=self.max_pending, shared=shared)
 
     def connect(self, address: str, secret: bytes,
                 timeout: Optional[float] = None) -> Channel:
