@@ -404,3 +404,21 @@ def test_periodic_snapshots(tmp_path):
     wait_until(lambda: t.stats()["snapshots"] >= 2, "two periodic snapshots")
     t.stop.set()
     assert ReplayTable(TableConfig(10), restore_path=path).size() == 3
+
+
+def test_a_log_dropped_without_close_releases_its_descriptor(tmp_path):
+    import gc
+    import os
+
+    from fibrl.rl.replay.persist import WriteAheadLog
+
+    path = str(tmp_path / "wal")
+    log = WriteAheadLog(path)
+    fd = log.fd
+    del log
+    gc.collect()
+    try:
+        still = os.readlink(f"/proc/self/fd/{fd}") == path
+    except OSError:   # closed
+        still = False
+    assert not still, "a write-ahead log nobody holds keeps its file open"

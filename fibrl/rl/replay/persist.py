@@ -26,6 +26,7 @@ import os
 import pickle
 import struct
 import time
+import weakref
 import zlib
 from typing import Any, Iterator
 
@@ -112,6 +113,8 @@ class WriteAheadLog:
         for _record, record_end in read_log(path):
             end = record_end
         self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        # closed by close() or, for a log its table dropped, when it is collected
+        self._closer = weakref.finalize(self, os.close, self.fd)
         os.ftruncate(self.fd, end)  # a torn tail would hide every record appended after it
         self.offset = end
 
@@ -151,8 +154,8 @@ class WriteAheadLog:
 
     def close(self) -> None:
         if self.fd >= 0:
-            os.close(self.fd)
             self.fd = -1
+            self._closer()
 
 
 def read_log(path: str, offset: int = 0) -> Iterator[Any]:
