@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import faulthandler
 import fcntl
 import gc
 import importlib
+import logging
 import os
 import re
 import signal
@@ -29,6 +31,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Optional
 
 import psutil
 import pytest
@@ -233,6 +236,39 @@ def pytest_runtest_protocol(item, nextitem):
             fcntl.flock(turnstile, fcntl.LOCK_UN)
 
 
+# Per-test time limits: pytest-timeout (setup.cfg ``timeout``, sized for ordinary tests;
+# ``@pytest.mark.timeout(N)`` on those that need longer) fails a test that runs past its
+# limit with the stacks of every thread. It stops the test with SIGALRM, which a thread
+# stuck in C code may never see: BACKSTOP_S after the limit, faulthandler writes the
+# stacks to stderr and, under pytest-xdist, ends the worker (xdist names the test and
+# goes on with a new worker). Without xdist that would end the whole run: it only writes.
+BACKSTOP_S = 30
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    limit = time_limit(item)
+    if limit:
+        faulthandler.dump_traceback_later(limit + BACKSTOP_S, file=sys.__stderr__,
+                                          exit=hasattr(item.config, "workerinput"))
+    try:
+        yield
+    finally:
+        if limit:
+            faulthandler.cancel_dump_traceback_later()
+
+
+def time_limit(item) -> float:
+    """The test's time limit in seconds: its ``timeout`` marker, else ``--timeout`` or
+    setup.cfg's ``timeout`` (0: none)."""
+    marker = item.get_closest_marker("timeout")
+    if marker is not None:
+        value = marker.args[0] if marker.args else marker.kwargs.get("timeout", 0)
+    else:
+        value = item.config.getoption("timeout", None) or item.config.getini("timeout")
+    return float(value or 0)
+
+
 _locks: dict = {}
 
 
@@ -392,6 +428,7 @@ def kube_cluster():
         cluster = KubeCluster(real, namespace, os.environ.get("KUBE_TEST_IMAGE", "fibrl:latest"),
                               os.environ.get("KUBE_TEST_LISTEN_HOST", "127.0.0.1"),
                               admin_kubeconfig=admin or "")
+        HTTP_POOL_PEERS.update(_api_server_addresses(cluster))
         yield cluster
         _close_kubernetes_backends()
         left = _pods_left(cluster, time.monotonic() + 60, _session_pods())
@@ -403,6 +440,7 @@ def kube_cluster():
     server = FakeApiServer(runtime="process").start()
     cluster = KubeCluster(server.write_kubeconfig(), KUBE_TEST_NAMESPACE, "fibrl:latest",
                           "127.0.0.1", server)
+    HTTP_POOL_PEERS.add(f"127.0.0.1:{server.port}")
     try:
         yield cluster
         _close_kubernetes_backends()
@@ -411,6 +449,24 @@ def kube_cluster():
     finally:
         _close_kubernetes_backends()
         server.stop()
+
+
+def _api_server_addresses(cluster: KubeCluster) -> set:
+    """host:port of the API server of a real cluster, as this process's sockets name it
+    (the leak check's HTTP_POOL_PEERS)."""
+    import socket as socketlib
+    from urllib.parse import urlsplit
+
+    found = set()
+    for kubeconfig in {cluster.kubeconfig, cluster.admin_kubeconfig} - {""}:
+        from kubernetes import config
+
+        url = urlsplit(config.new_client_from_config(config_file=kubeconfig).configuration.host)
+        port = url.port or (443 if url.scheme == "https" else 80)
+        with contextlib.suppress(OSError):
+            for info in socketlib.getaddrinfo(url.hostname, port, type=socketlib.SOCK_STREAM):
+                found.add(f"{info[4][0]}:{port}")
+    return found
 
 
 @pytest.fixture
@@ -460,12 +516,19 @@ def _pods_left(cluster: KubeCluster, deadline: float, selector: str) -> list:
             time.sleep(0.2)
 
 
-def _close_kubernetes_backends() -> None:
+def _close_kubernetes_backends(exclude: set = frozenset()) -> None:
+    """Close the kubernetes backends fibrl keeps (one per config), less those of the
+    configs in ``exclude``, and forget them: the next use of such a config connects anew.
+    A backend holds threads (its creator, pod watch, deadlines) and API connections for
+    as long as it is open; each test closes those it made."""
     from fibrl import backends
 
-    for backend in list(backends._instances.values()):
-        if backend.name == "kubernetes":
+    for key, backend in list(backends._instances.items()):
+        if backend.name == "kubernetes" and key not in exclude:
             backend.close()
+            with backends._lock:
+                if backends._instances.get(key) is backend:
+                    del backends._instances[key]
 
 
 def _importable_tests_package() -> None:
@@ -541,6 +604,19 @@ def interruptible() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
+REPO = str(Path(__file__).resolve().parents[1])
+
+
+def checkout_env(base: Optional[dict] = None, **extra: str) -> dict:
+    """``base`` (default: this process's environment) with this checkout first on
+    PYTHONPATH, so that a program run in a subprocess imports the fibrl under test from
+    any directory, and with ``extra`` set."""
+    env = dict(os.environ if base is None else base)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO, env.get("PYTHONPATH")]))
+    env.update(extra)
+    return env
+
+
 def parent_env(ctx, run: str) -> dict:
     """The environment of a parent program run in a subprocess: this worktree's fibrl,
     the backend under test (FIBRL_* settings) and the run id ``run`` its workers carry."""
@@ -566,6 +642,11 @@ def workers_of_run(ctx, run: str, request) -> list:
         cluster = request.getfixturevalue("kube_cluster")
         return [pod for pod in _pods_left(cluster, 0, f"fibrl.run={run}")
                 if pod.endswith(("(Running)", "(Pending)"))]
+    return processes_of_run(run)
+
+
+def processes_of_run(run: str) -> list:
+    """Pids of the live local processes that carry run id ``run`` (FIBRL_RUN_ID)."""
     found = []
     for proc in psutil.process_iter():
         try:
@@ -645,39 +726,264 @@ def _quietly(method, *args):
         return False
 
 
-# What a test may add for good: the hub, the local fork server, a backend's client
-# start on first use (the kubernetes backend's creator and watch threads, the fake
-# API server's threads). A leak per process, object or call shows as more.
-_FD_SLACK, _THREAD_SLACK = 8, 12
-# Threads of bounded pools, kept for reuse and so left out of the count: executor
-# workers ("<prefix>_<n>", at most max_workers) and the fake API server's threads for
-# its clients' kept-alive connections (at most the client's connection pool).
-_POOLED_THREAD = re.compile(r".*_\d+$|.*\(process_request_thread\)$")
+# --- the leak check -------------------------------------------------------------------
+#
+# After each test, this process's descriptors (sockets included) and Python threads must be
+# exactly those it had before the test, once things settle (up to LEAK_SETTLE_S): a worker's
+# sentinel pipe, an nng socket, a reader thread a test leaves behind fails it. The only
+# exceptions are the resources below, which exist once per session (or in a pool of a known
+# size) and are started by whichever test first needs them; each is named, bounded, and says
+# why it outlives a test. Two kinds: objects fibrl keeps for the process (its hubs, fork
+# servers, the docker reaper), recognised by what those objects hold while they are live
+# (_held_by_the_process), and threads and sockets recognised by name or peer within a
+# bound (LONG_LIVED_THREADS, LONG_LIVED_FDS). Each test closes the kubernetes backends it
+# made (fibrl keeps one per config). A test that leaves something on purpose says so:
+# ``@pytest.mark.leaves(threads=..., fds=..., reason=...)`` (at most that many).
+
+LEAK_SETTLE_S = 10
 
 
-def _fds_and_threads() -> tuple:
-    """This process's open descriptors, less sockets, and its Python threads, less
-    pooled ones.
+def _start_nng() -> None:
+    """nng makes its poller (an epoll and an eventfd descriptor) with the process's first
+    socket and keeps it until exit: made here, at import, it is in every test's count."""
+    import pynng
 
-    Sockets are left out: the docker and kubernetes clients keep pools of up to 64
-    connections open by design, which would hide any count. Pipes (a Process's
-    sentinel), files, epoll and event descriptors count.
-    """
-    fds = 0
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            fds += not os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
-        except OSError:     # the listing's own descriptor, or one closed meanwhile
+    pynng.Pair1().close()
+
+
+_start_nng()
+
+
+@dataclasses.dataclass(frozen=True)
+class LongLived:
+    """Threads or descriptors that outlive the test that started them, by design."""
+
+    pattern: str    # matched (re.fullmatch) against a thread's name or a descriptor's text
+    most: object    # how many of them may be alive at once (an int, or a function giving it)
+    why: str
+
+    def bound(self) -> int:
+        return self.most() if callable(self.most) else self.most  # type: ignore[operator]
+
+    def matches(self, text: str) -> bool:
+        return re.fullmatch(self.pattern, text) is not None
+
+
+def _held_by_the_process() -> tuple:
+    """(descriptors, threads) of the process-wide objects a test may start on first use
+    and that stay for the session: this process's hubs (its own, and one per other
+    authkey it has talked to a manager with: fibrl.managers.lines), each with its timers'
+    thread and its listener (accept and idle-peer threads, its gate's thread, selector,
+    wake pair and listening ports), each local
+    backend's fork server (its request socket and reply pipe; one backend per config),
+    the docker reaper's pipe (one per process), nng's own threads that ran Python
+    callbacks and the stdlib multiprocessing heap's arenas. Found on the objects
+    themselves, so they count only while they are live."""
+    from fibrl import backends
+    from fibrl.hosting import runtime
+
+    fds: set = set()
+    threads: set = set()
+    lines = sys.modules.get("fibrl.managers.lines")
+    hubs = [runtime.installed_hub(), *(list(lines._hubs.values()) if lines else [])]
+    for hub in hubs:
+        threads.add(getattr(getattr(hub, "timers", None), "_thread", None))
+        listener = getattr(hub, "_listener", None)
+        if listener is None:
             continue
-    threads = sum(not _POOLED_THREAD.match(t.name) for t in threading.enumerate())
-    return fds, threads
+        threads.update(getattr(listener, name, None) for name in ("_thread", "_janitor"))
+        gate = getattr(listener, "_gate", None)
+        if gate is not None:
+            threads.add(gate._thread)
+            fds.update(_fileno(obj) for obj in (gate._selector, gate._wake_r, gate._wake_w))
+            fds.update(_fileno(port.sock) for port in list(gate._ports))
+    for backend in list(backends._instances.values()):
+        server = getattr(backend, "_server", None)
+        if server is not None and server.alive:
+            fds.update((_fileno(server._requests), server._rep_r))
+    reaper = sys.modules.get("fibrl.backends.docker.reaper")
+    if reaper is not None:   # the docker reaper's pipe: it waits for this process to end
+        fds.add(reaper._reapers.get(os.getpid()))
+    threads.update(thread for thread in threading.enumerate()
+                   if isinstance(thread, threading._DummyThread) and _in_nng(thread))
+    fds.update(_stdlib_heap_fds())
+    return fds - {None, -1}, threads - {None}
+
+
+def _stdlib_heap_fds() -> set:
+    """Descriptors of the stdlib multiprocessing heap's arenas (its file and the mmap's
+    copy of it): a stdlib shared ctype made in this process keeps them until exit."""
+    heap = sys.modules.get("multiprocessing.heap")
+    arenas = getattr(getattr(getattr(heap, "BufferWrapper", None), "_heap", None),
+                     "_arenas", [])
+    files = set()
+    for arena in list(arenas):
+        with contextlib.suppress(OSError, AttributeError):
+            files.add(os.readlink(f"/proc/self/fd/{arena.fd}"))
+    found = set()
+    for name in os.listdir("/proc/self/fd") if files else ():
+        with contextlib.suppress(OSError):
+            if os.readlink(f"/proc/self/fd/{name}") in files:
+                found.add(int(name))
+    return found
+
+
+def _in_nng(thread) -> bool:
+    """Whether ``thread`` (an entry that ``threading`` makes for a thread it did not start)
+    is one of nng's own threads, which run pynng's callbacks: nng keeps fixed pools of
+    them for the process's life. An ended one counts too (its stale entry stays)."""
+    try:
+        with open(f"/proc/self/task/{thread.native_id}/comm") as comm:
+            return comm.read().startswith("nng:")
+    except OSError:
+        return True   # ended: nothing left but the entry
+
+
+def _fileno(obj) -> Optional[int]:
+    try:
+        return obj.fileno()
+    except (OSError, ValueError):   # closed meanwhile
+        return None
+
+
+def _fork_servers() -> int:
+    from fibrl import backends
+
+    return sum(getattr(getattr(b, "_server", None), "alive", False)
+               for b in list(backends._instances.values()))
+
+
+# Addresses of HTTP servers that clients of this session keep pooled connections to (the
+# docker engine, the kubernetes API server): the kube_cluster fixture adds the API server's.
+HTTP_POOL_PEERS: set = {"/var/run/docker.sock", "/run/docker.sock"}
+# What a kept-alive pool may hold: the docker SDK's and the kubernetes client's pools are at
+# most fibrl's pool_size (64) per client; the test clients' at most 10.
+_HTTP_POOL_MOST = 128
+
+LONG_LIVED_THREADS = (
+    LongLived(r"fibrl-janitor", 1, "the process's janitor: started on first use, ends at exit"),
+    LongLived(r"fibrl-forkserver", _fork_servers,
+              "reads a local fork server's replies: one a fork server (_held_by_the_process)"),
+    LongLived(r"fibrl-docker-orphans", 1, "the docker backend's one sweep of a previous run's "
+                                          "containers, at its first use"),
+    LongLived(r"fake-apiserver-.*|Thread-\d+ \(process_request_thread\)", 64,
+              "the fake API server of kube_cluster (session scope) and its threads for the "
+              "clients' kept-alive connections (at most the clients' pools)"),
+)
+
+LONG_LIVED_FDS = (
+    LongLived(r"socket .*(local|peer)=({http}) .*", _HTTP_POOL_MOST,
+              "kept-alive connections of the docker and kubernetes HTTP clients' pools (and the "
+              "fake API server's ends of them)"),
+    LongLived(r"socket AF_INET6? SOCK_STREAM listening local=({http}) .*", 1,
+              "the fake API server's listener (kube_cluster, session scope)"),
+    LongLived(r"/.*/matplotlib/mpl-data/fonts/.*", 16,
+              "font files matplotlib keeps open once it has loaded them (its font cache, for "
+              "the process's life): the examples plot"),
+)
+
+
+def _describe_fd(fd: int, target: str) -> str:
+    """What descriptor ``fd`` (``/proc`` link ``target``) is, for the leak report and the
+    long-lived patterns: sockets by family, type and both addresses, anything else by its
+    link."""
+    import socket as socketlib
+
+    if not target.startswith("socket:"):
+        return target
+    try:
+        sock = socketlib.socket(fileno=os.dup(fd))
+    except OSError:
+        return target
+    with sock:
+        kind = f"{sock.family.name} {getattr(sock.type, 'name', sock.type)}"
+        local = _address_text(_quiet_call(sock.getsockname))
+        peer = _address_text(_quiet_call(sock.getpeername))
+        listening = (sock.type == socketlib.SOCK_STREAM
+                     and _quiet_call(lambda: sock.getsockopt(socketlib.SOL_SOCKET,
+                                                             socketlib.SO_ACCEPTCONN)))
+    if listening:
+        return f"socket {kind} listening local={local} {target}"
+    return f"socket {kind} local={local or '?'} peer={peer or '?'} {target}"
+
+
+def _quiet_call(fn):
+    try:
+        return fn()
+    except OSError:
+        return None
+
+
+def _address_text(address) -> str:
+    if address is None or address in ("", b""):
+        return ""
+    if isinstance(address, tuple):
+        return f"{address[0]}:{address[1]}"
+    if isinstance(address, bytes):
+        return address.decode(errors="replace").lstrip("\0")
+    return str(address)
+
+
+@dataclasses.dataclass
+class Resources:
+    """A snapshot of this process's descriptors and Python threads."""
+
+    fds: dict          # (fd, /proc link) -> description
+    threads: dict      # Thread -> its name
+
+    @classmethod
+    def now(cls) -> "Resources":
+        fds = {}
+        for name in os.listdir("/proc/self/fd"):
+            try:
+                target = os.readlink(f"/proc/self/fd/{name}")
+            except OSError:     # the listing's own descriptor, or one closed meanwhile
+                continue
+            fd = int(name)
+            fds[(fd, target)] = _describe_fd(fd, target)
+        fds.pop(next((key for key in fds if key[1] == "/proc/self/fd"), None), None)
+        return cls(fds, {thread: thread.name for thread in threading.enumerate()})
+
+
+def leaked(before: Resources, after: Resources, *, held: tuple = (set(), set()),
+           thread_rules=LONG_LIVED_THREADS, fd_rules=LONG_LIVED_FDS, allowed_threads: int = 0,
+           allowed_fds: int = 0) -> list:
+    """What ``after`` holds that ``before`` did not, less what the live process-wide
+    objects hold (``held``: descriptors, threads; see ``_held_by_the_process``), the
+    long-lived resources of the rules (within their bounds) and ``allowed_threads`` /
+    ``allowed_fds`` (a test marked ``leaves``). Each entry reads 'thread NAME' or
+    'fd N: DESCRIPTION'."""
+    held_fds, held_threads = held
+    http = "|".join(re.escape(peer) + r"(:\S*)?" for peer in sorted(HTTP_POOL_PEERS))
+    fd_rules = [dataclasses.replace(r, pattern=r.pattern.format(http=http or "(?!)"))
+                for r in fd_rules]
+    new_threads = [name for thread, name in after.threads.items()
+                   if thread not in before.threads and thread not in held_threads]
+    new_fds = [(key, text) for key, text in after.fds.items()
+               if key not in before.fds and key[0] not in held_fds]
+    return (_beyond_rules([f"thread {name}" for name in new_threads], new_threads,
+                          list(after.threads.values()), thread_rules, allowed_threads)
+            + _beyond_rules([f"fd {key[0]}: {text}" for key, text in new_fds],
+                            [text for _, text in new_fds], list(after.fds.values()), fd_rules,
+                            allowed_fds))
+
+
+def _beyond_rules(labels: list, texts: list, everything: list, rules, allowed: int) -> list:
+    """The labels of ``texts`` that no rule excuses (a rule excuses what matches it while
+    no more than its bound of ``everything`` does), less the first ``allowed`` of them."""
+    left = []
+    for label, text in zip(labels, texts):
+        rule = next((r for r in rules if r.matches(text)), None)
+        if rule is None or sum(rule.matches(other) for other in everything) > rule.bound():
+            left.append(label)
+    return left[allowed:]
 
 
 @pytest.fixture(autouse=True)
-def no_leaks():
+def no_leaks(request):
     """After each test: no child process of this test run is left (waits up to 10 s),
-    and the descriptors and threads are back within a small slack of their count
-    before the test.
+    and within ``LEAK_SETTLE_S`` the process's descriptors (sockets included) and Python
+    threads are exactly those of before the test, save the long-lived ones listed above.
 
     Two views of processes: OS descendants (local workers), and the processes fibrl
     still counts as running (containers and pods are no descendants). A test that
@@ -688,23 +994,77 @@ def no_leaks():
     # ones during the test): with torch and the kubernetes client loaded, one full
     # collection of the session's objects takes 0.5-3 s, and this runs for every test.
     gc.freeze()
-    fds, threads = _fds_and_threads()
+    marker = request.node.get_closest_marker("leaves")
+    allowed = dict(marker.kwargs) if marker else {}
+    before = Resources.now()
+    from fibrl import backends
+
+    cached = set(backends._instances)
     yield
+    # pytest drops the test's fixture values only after the last teardown (this one): a
+    # manager a fixture shut down would keep its process's sentinel open until then
+    request.node.funcargs = {}
+    _release_log_records(request.node)
     _no_child_left()
-    gc.collect()    # a joined Process dropped in a reference cycle releases its sentinel
-    now = [_fds_and_threads()]
+    _close_kubernetes_backends(exclude=cached)
+    left: list = []
 
     def settled():
-        now[0] = _fds_and_threads()
-        return now[0][0] <= fds + _FD_SLACK and now[0][1] <= threads + _THREAD_SLACK
+        gc.collect()   # what a thread ending meanwhile dropped (a Popen holds its sentinel)
+        left[:] = leaked(before, Resources.now(), held=_held_by_the_process(),
+                         allowed_threads=allowed.get("threads", 0),
+                         allowed_fds=allowed.get("fds", 0))
+        return not left
 
-    try:
-        wait_until(settled, "descriptors and threads to be released", 10, interval=0.05)
-    except pytest.fail.Exception:
-        pytest.fail(f"leaked descriptors or threads: {fds} fds and {threads} threads "
-                    f"before the test, {now[0][0]} and {now[0][1]} 10 s after it (allowed: "
-                    f"+{_FD_SLACK} fds, +{_THREAD_SLACK} threads); threads now: "
-                    f"{sorted(t.name for t in threading.enumerate())}", pytrace=False)
+    if not _waited(settled, LEAK_SETTLE_S):
+        pytest.fail(f"leaked (still there {LEAK_SETTLE_S} s after the test; see "
+                    f"tests/conftest.py LONG_LIVED_*): " + "; ".join(map(_with_holders, left)),
+                    pytrace=False)
+
+
+def _release_log_records(item) -> None:
+    """Let the log records pytest keeps of the test (for ``caplog``, until after this
+    teardown) drop what they refer to: an exception's traceback holds its frames and their
+    objects (a worker's Process, its sentinel). Their text is kept."""
+    from _pytest.logging import caplog_records_key
+
+    formatter = logging.Formatter()
+    for records in item.stash.get(caplog_records_key, {}).values():
+        for record in records:
+            if record.exc_info:
+                record.exc_text = record.exc_text or formatter.formatException(record.exc_info)
+                record.exc_info = None
+            if record.args:
+                record.msg, record.args = record.getMessage(), None
+
+
+def _with_holders(entry: str) -> str:
+    """``entry`` of a leaked pipe, with the other processes that hold it (the other end)."""
+    match = re.search(r"pipe:\[\d+\]", entry)
+    if match is None:
+        return entry
+    holders = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        if int(pid) == os.getpid():
+            continue
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    if os.readlink(f"/proc/{pid}/fd/{fd}") == match.group():
+                        with open(f"/proc/{pid}/cmdline", "rb") as f:
+                            command = f.read().replace(b"\0", b" ")[:80].decode(errors="replace")
+                        holders.append(f"{pid} ({command})")
+                        break
+    return f"{entry} (also held by: {', '.join(holders) or 'no other process'})"
+
+
+def _waited(predicate, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
 
 
 def _no_child_left() -> None:

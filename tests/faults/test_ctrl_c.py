@@ -13,7 +13,7 @@ import textwrap
 import time
 
 import pytest
-from conftest import interruptible, session_pids, wait_until
+from conftest import checkout_env, interruptible, session_pids, wait_until
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -52,8 +52,7 @@ STARTING_POOL = """
 def _interrupt_when_busy(tmp_path, backend, program=BUSY_POOL, ready="busy\n", after=0.0):
     script = tmp_path / "main.py"
     script.write_text(textwrap.dedent(program))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+    env = checkout_env()
     proc = subprocess.Popen([sys.executable, str(script), backend], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True, preexec_fn=interruptible)

@@ -30,14 +30,13 @@ import time
 
 import psutil
 import pytest
-from conftest import freeze, wait_until
+from conftest import checkout_env, freeze, wait_until
 
 import fibrl.hosting.hub
 from fibrl.managers import SyncManager
 
 TIMEOUT = 120   # only reached on a hang
 pytestmark = pytest.mark.timeout(300)
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _thaw(pid):
@@ -256,8 +255,7 @@ def _log(where):
 def _run_parent(tmp_path, parent_timeout):
     script = tmp_path / "parent.py"
     script.write_text(PARENT)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+    env = checkout_env()
     with open(tmp_path / "stderr", "w") as err:
         return subprocess.Popen([sys.executable, str(script), str(parent_timeout),
                                  str(tmp_path)], cwd=tmp_path, env=env,

@@ -14,10 +14,9 @@ import time
 import types
 import uuid
 
-import psutil
 import pytest
 
-from conftest import frozen, wait_until
+from conftest import frozen, processes_of_run, wait_until
 
 import fibrl
 from fibrl.errors import AuthenticationError, RemoteObjectError
@@ -226,15 +225,4 @@ def test_exit_without_shutdown_is_clean(tmp_path, how):
     assert proc.returncode == (3 if how == "raise" else 0), proc.stderr
     for bad in ("Traceback", "Exception ignored", "Error", "Fatal"):
         assert bad not in proc.stderr, proc.stderr
-    wait_until(lambda: not _processes_of_run(marker), "no process of the run to be left", 15)
-
-
-def _processes_of_run(marker):
-    left = []
-    for proc in psutil.process_iter(["pid"]):
-        try:
-            if proc.environ().get("FIBRL_RUN_ID") == marker:
-                left.append(proc.pid)
-        except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
-            continue
-    return left
+    wait_until(lambda: not processes_of_run(marker), "no process of the run to be left", 15)

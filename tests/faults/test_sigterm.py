@@ -12,7 +12,6 @@ handles it with ``sys.exit(143)`` (Python's exit sequence runs):
   without a traceback or an "Exception ignored" on stderr, and the consumer, which
   waits in ``get()`` on the queue, ends by itself.
 """
-import os
 import signal
 import subprocess
 import sys
@@ -21,7 +20,8 @@ import textwrap
 import psutil
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from conftest import checkout_env
+
 TIMEOUT = 120   # only reached on a hang
 pytestmark = pytest.mark.timeout(300)
 
@@ -57,8 +57,7 @@ PARENT = textwrap.dedent("""
 def _start(tmp_path, mode):
     script = tmp_path / "parent.py"
     script.write_text(PARENT)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+    env = checkout_env()
     # stderr to a file: the children inherit it, and a pipe would stay open while they live
     with open(tmp_path / "stderr", "w") as err:
         return subprocess.Popen([sys.executable, str(script), "local", mode], cwd=tmp_path,

@@ -76,5 +76,8 @@ def fake_apiserver_docker():
 
         skip_or_fail("no docker engine answers", "CI_REQUIRE_DOCKER")
     server = FakeApiServer(runtime="docker").start()
+    from conftest import HTTP_POOL_PEERS   # its kept-alive connections outlive a test
+
+    HTTP_POOL_PEERS.add(f"127.0.0.1:{server.port}")
     yield server
     server.stop()

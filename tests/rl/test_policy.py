@@ -13,14 +13,13 @@ import zlib
 
 import numpy as np
 import pytest
-from conftest import wait_until
+from conftest import checkout_env, wait_until
 
 import fibrl
 from fibrl.rl import PolicyFollower, PolicyStore
 from fibrl.rl.policy import PolicyStoreLost, VersionNotKept
 from fibrl.rl.policy.protocol import Op, Request
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MB = 1 << 20
 
 
@@ -78,6 +77,7 @@ def poll_versions(store, last: int, results) -> None:
     results.put((seen, bad))
 
 
+@pytest.mark.timeout(300)   # 1000 versions of 10 MB: two minutes on a loaded machine
 def test_a_reader_never_sees_a_torn_version():
     versions = 1000
     arrays = ten_mb()
@@ -392,8 +392,7 @@ print(version, zlib.crc32(params["w"].tobytes()))
 
 
 def run_script(address: str, key: bytes) -> str:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    env = checkout_env()
     out = subprocess.run([sys.executable, "-c", SCRIPT], input=f"{address} {key.hex()}\n",
                          capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0, out.stderr
@@ -443,8 +442,7 @@ def test_the_store_speaks_tls_when_the_run_does(tmp_path):
     pytest.importorskip("cryptography")
     script = tmp_path / "tls_policy.py"
     script.write_text(TLS_SCRIPT)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    env = checkout_env()
     for name in [n for n in env if n.startswith("FIBRL_")]:
         del env[name]
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,

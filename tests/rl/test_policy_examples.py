@@ -1,13 +1,14 @@
 """The PolicyStore example runs end to end at a tiny size (workers, store, learner)."""
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from conftest import checkout_env
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -18,8 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_ppo_remote_rollouts_example_smoke(tmp_path):
     pytest.importorskip("torch")
     pytest.importorskip("gymnasium")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    env = checkout_env()
     # three workers for two rollouts per update: each version's third rollout comes
     # after the update that made it stale, so the learner must drop some
     run = subprocess.run(

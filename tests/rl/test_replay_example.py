@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import csv
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from conftest import checkout_env
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -19,8 +20,7 @@ def test_apex_dqn_example_smoke(tmp_path):
     pytest.importorskip("torch")
     pytest.importorskip("gymnasium")
     curve = tmp_path / "curve.csv"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    env = checkout_env()
     run = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "apex_dqn.py"), "--num-actors", "2",
          "--max-updates", "40", "--min-replay", "200", "--eval-every", "20",

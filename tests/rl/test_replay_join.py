@@ -118,6 +118,10 @@ def test_connect_in_process_gives_the_same_client():
         assert len(store) == 12
 
 
+# the hub fibrl keeps for the store's authkey (one per key, for the process's life) keeps
+# its connection to this process's own hub, which outlives the test: its client thread and
+# the listener's thread serving it, the connection's two ends and their two wake pipes
+@pytest.mark.leaves(threads=2, fds=6, reason="a connection between two hubs of this process")
 def test_addresses_that_are_not_a_store_fail_clearly():
     key = owner_key()
     with ReplayStore(10, num_shards=2) as store:

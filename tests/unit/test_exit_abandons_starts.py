@@ -2,12 +2,12 @@
 up its starts before the interpreter joins the threads that run them (a
 ``ThreadPoolExecutor``'s, joined before any ``atexit`` handler), so the program does
 not wait a slow start out."""
-import os
 import subprocess
 import sys
 import textwrap
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from conftest import checkout_env
+
 
 PROGRAM = """
     import threading, time
@@ -31,8 +31,7 @@ PROGRAM = """
 def test_exit_tells_the_backend_before_joining_its_starter_threads(tmp_path):
     script = tmp_path / "main.py"
     script.write_text(textwrap.dedent(PROGRAM))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+    env = checkout_env()
     done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -81,11 +81,16 @@ class Reply(ReplySink):
 @pytest.fixture
 def host():
     timers = Timers()
-    yield SimpleNamespace(timers=timers, unregister=lambda oid: None)
+    services = []
+    yield SimpleNamespace(timers=timers, unregister=lambda oid: None, services=services)
+    for service in services:   # as the hub does when it closes: their threads end
+        service.closed()
+    timers.close()
 
 
 def hosted(service, host):
     service.hub, service.oid = host, f"{type(service).__name__.lower()}-1"
+    host.services.append(service)
     return service
 
 
