@@ -3,7 +3,9 @@ nng socket a test leaves is found, the long-lived exceptions hold only within th
 bound, and what a test closes again is not reported."""
 from __future__ import annotations
 
+import contextlib
 import threading
+import time
 
 import pynng
 
@@ -14,16 +16,25 @@ def _leaked_after(before: Resources, **kwargs) -> list:
     return leaked(before, Resources.now(), **kwargs)
 
 
-def test_a_thread_left_running_is_found_and_one_that_ended_is_not():
-    before = Resources.now()
+@contextlib.contextmanager
+def _running(*names: str):
+    """Threads of these names, running until the block ends (then joined)."""
     stop = threading.Event()
-    thread = threading.Thread(target=stop.wait, name="left-behind", daemon=True)
-    thread.start()
+    threads = [threading.Thread(target=stop.wait, name=name, daemon=True) for name in names]
+    for thread in threads:
+        thread.start()
     try:
-        assert _leaked_after(before) == ["thread left-behind"]
+        yield threads
     finally:
         stop.set()
-        thread.join(10)
+        for thread in threads:
+            thread.join(10)
+
+
+def test_a_thread_left_running_is_found_and_one_that_ended_is_not():
+    before = Resources.now()
+    with _running("left-behind"):
+        assert _leaked_after(before) == ["thread left-behind"]
     assert _leaked_after(before) == []
 
 
@@ -40,39 +51,25 @@ def test_an_nng_socket_left_open_is_found_by_its_descriptors():
         dialer.close()
         listener.close()
     # nng closes its descriptors from its own threads, shortly after close() returns
-    for _ in range(200):
-        if not _leaked_after(before):
-            break
-        threading.Event().wait(0.05)
+    deadline = time.monotonic() + 10
+    while _leaked_after(before) and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert _leaked_after(before) == []
 
 
 def test_a_long_lived_rule_excuses_only_up_to_its_bound():
     rules = (LongLived(r"pool-\d+", 1, "a pool of one"),)
     before = Resources.now()
-    stop = threading.Event()
-    threads = [threading.Thread(target=stop.wait, name=f"pool-{n}", daemon=True)
-               for n in range(2)]
-    threads[0].start()
-    try:
+    with _running("pool-0"):
         assert _leaked_after(before, thread_rules=rules) == []
-        threads[1].start()
-        assert sorted(_leaked_after(before, thread_rules=rules)) == ["thread pool-0",
-                                                                     "thread pool-1"]
-        assert _leaked_after(before, thread_rules=rules, allowed_threads=2) == []
-    finally:
-        stop.set()
-        for thread in threads:
-            thread.join(10)
+        with _running("pool-1"):
+            assert sorted(_leaked_after(before, thread_rules=rules)) == ["thread pool-0",
+                                                                         "thread pool-1"]
+            assert _leaked_after(before, thread_rules=rules, allowed_threads=2) == []
 
 
 def test_what_a_process_wide_object_holds_is_not_counted():
     before = Resources.now()
-    stop = threading.Event()
-    thread = threading.Thread(target=stop.wait, name="held", daemon=True)
-    thread.start()
-    try:
+    with _running("held") as (thread,):
         assert _leaked_after(before, held=(set(), {thread})) == []
-    finally:
-        stop.set()
-        thread.join(10)
+        assert _leaked_after(before) == ["thread held"]
