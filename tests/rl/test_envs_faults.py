@@ -6,6 +6,7 @@ import logging
 import os
 import signal
 import time
+import traceback
 
 import pytest
 
@@ -155,6 +156,21 @@ def broken_factory():
 def test_env_that_cannot_be_made_fails_the_constructor_with_a_clear_error():
     with pytest.raises(EnvCrashError, match="no module named 'simulator'"):
         RemoteVectorEnv([envs_helpers.Pid, broken_factory], envs_per_worker=1, max_restarts=1)
+
+
+def exits_while_made():
+    os._exit(3)   # a hard crash while the worker makes its envs: no Broken message
+
+
+def test_workers_lost_while_starting_are_started_again_in_a_loop_not_deeper_calls():
+    # each incarnation dies before it is up; the restarts must not nest (a budget of
+    # thousands would overflow the stack): the error's traceback holds one _replace
+    with pytest.raises(EnvCrashError, match="max_restarts=4") as failed:
+        RemoteVectorEnv([envs_helpers.Pid, exits_while_made], envs_per_worker=1,
+                        max_restarts=4)
+    replaces = [frame for frame, _ in traceback.walk_tb(failed.value.__traceback__)
+                if frame.f_code.co_name == "_replace"]
+    assert len(replaces) == 1
 
 
 def test_requests_kept_for_resending_hold_their_own_actions():

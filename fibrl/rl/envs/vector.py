@@ -116,6 +116,8 @@ class _WorkerSlot:
         self.prefix: dict = {}       # (dtype, shape) of actions -> a Step frame's middle
         self.ready = False
         self.killed_for: Optional[str] = None
+        self.replacing = False       # inside _replace: a loss then asks for another start
+        self.respawn = False         # the incarnation being started was lost
 
 
 class RemoteVectorEnv(VectorEnv):
@@ -529,17 +531,30 @@ class RemoteVectorEnv(VectorEnv):
         for i in worker.env_ids:
             self._why[i] = kind
         self._charge(worker.env_ids, why, culprits)
+        if worker.replacing:
+            worker.respawn = True   # the _replace waiting for it (up the stack) starts another
+            return
         self._replace(worker)
 
     def _replace(self, worker: _WorkerSlot) -> None:
-        """Start a new incarnation of ``worker`` and send it the requests it held."""
-        self._supervisor.kill(worker.wid)   # (a worker that reported Broken exits anyway)
+        """Start a new incarnation of ``worker`` and send it the requests it held. An
+        incarnation lost while starting is charged and started again here, in a loop (not
+        a call deeper per loss: a budget of thousands of restarts must not overflow the
+        stack)."""
         held = worker.open
         worker.open = []
-        self._spawn(worker)
-        deadline = time.monotonic() + self._start_timeout
-        while not self._up(worker):
-            self._pump(deadline, f"worker {worker.index} to restart")
+        worker.replacing = True
+        try:
+            worker.respawn = True
+            while worker.respawn:
+                worker.respawn = False
+                self._supervisor.kill(worker.wid)   # (one that reported Broken exits anyway)
+                self._spawn(worker)
+                deadline = time.monotonic() + self._start_timeout
+                while not self._up(worker) and not worker.respawn:
+                    self._pump(deadline, f"worker {worker.index} to restart")
+        finally:
+            worker.replacing = False
         direct = self._state in (AsyncState.WAITING_STEP, AsyncState.WAITING_RESET)
         for msg, _ in held:
             self._post(worker, msg, direct and not isinstance(msg, Call))
