@@ -241,6 +241,7 @@ def _open_fds() -> int:
 
 
 # alone: under load a container start takes 20-50 s, and nine of them outlast the timeout
+@pytest.mark.timeout(180)   # 15-60 s measured on a loaded two-core machine
 @pytest.mark.alone
 def test_start_join_without_close_leaks_no_descriptor(ctx):
     """As with the stdlib, a joined Process that is dropped without close() releases its

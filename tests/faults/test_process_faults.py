@@ -144,6 +144,7 @@ def put_when_told(hosted, ready, go, count):
         hosted.put(bytes([i % 256]) * 100_000)
 
 
+@pytest.mark.timeout(180)   # 15-60 s measured on a loaded two-core machine
 def test_a_producer_ends_only_once_a_slow_owner_processed_its_puts(configure):
     """A queue owner that is alive but slow (here: stopped for 20 s, within
     parent_timeout) gets every put of a producer before the producer is seen to exit,

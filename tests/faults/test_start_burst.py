@@ -189,6 +189,7 @@ def _report_threads_then_idle(queue, stop):
     stop.wait(60)
 
 
+@pytest.mark.timeout(180)   # 15-60 s measured on a loaded two-core machine
 def test_an_idle_process_runs_nngs_threads_and_three_of_fibrls(configure):
     configure(heartbeat_interval=0.5)   # a heartbeat or two while it idles
     queue, stop = fibrl.Queue(), fibrl.Event()

@@ -104,6 +104,7 @@ def box_env(high):
     return envs_helpers.SpaceEnv(spaces.Box(0, high, (5,), np.float32), spaces.Discrete(2))
 
 
+@pytest.mark.timeout(180)   # 15-60 s measured on a loaded two-core machine
 def test_envs_whose_spaces_differ_are_refused_at_construction():
     with pytest.raises(RuntimeError, match="observation spaces are not equivalent"):
         RemoteVectorEnv([cart_pole, frozen_lake, cart_pole], envs_per_worker=2)

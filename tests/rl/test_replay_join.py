@@ -70,6 +70,7 @@ def sample_in_fibrl_process(store, rounds, results):
                      else batches[0].weights.tolist()))
 
 
+@pytest.mark.timeout(180)   # 15-60 s measured on a loaded two-core machine
 def test_a_joined_client_samples_as_a_fibrl_process_client_does():
     spec = Prioritized(alpha=1.0, beta=0.6, eps=0.0)
     with ReplayStore(40, sampler=spec, num_shards=2, seed=7) as store:

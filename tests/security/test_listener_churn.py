@@ -16,6 +16,7 @@ import threading
 import time
 
 import pynng
+import pytest
 
 import fibrl
 from attacker import churn, in_threads
@@ -50,6 +51,7 @@ def _attack(victim, seconds: float) -> None:
         thread.join(30)
 
 
+@pytest.mark.timeout(180)   # 15-60 s measured on a loaded two-core machine
 def test_listener_survives_a_churn_of_half_handshakes(victim_factory):
     victim = victim_factory()
     _attack(victim, CHURN_S)

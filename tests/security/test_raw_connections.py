@@ -9,6 +9,8 @@ import socket
 import threading
 import time
 
+import pytest
+
 from attacker import connect, in_threads, sp_header
 from conftest import wait_until
 from victims import victim_factory  # noqa: F401 (a fixture)
@@ -123,6 +125,7 @@ def test_a_half_header_is_closed_and_a_wrong_protocol_at_once(victim_factory):
         wrong.close()
 
 
+@pytest.mark.timeout(180)   # 15-60 s measured on a loaded two-core machine
 def test_raw_floods_at_ulimit_1024_leave_starts_and_calls_working(victim_factory):
     """1,100 raw connections held open, plus connect-and-close loops from three threads:
     with ``ulimit -n 1024`` every Process start and authenticated round trip still works."""

@@ -105,6 +105,7 @@ def _probe(ip: str, port: int) -> tuple:
 
 # 25 s with the machine to itself; a Pool, a Manager and env workers each making TLS
 # handshakes beside three other tests took over 300 s on two cores
+@pytest.mark.timeout(180)   # 15-60 s measured on a loaded two-core machine
 @pytest.mark.alone
 def test_every_listener_of_a_tls_program_refuses_plaintext():
     with _program("all") as (proc, lines):

@@ -414,6 +414,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.timeout(240)   # 15-60 s measured on a loaded two-core machine
 @pytest.mark.docker
 def test_main_script_outside_the_mounted_directory(docker_engine, tmp_path):
     """Only the working directory is mounted: a script run from elsewhere is rebuilt in
