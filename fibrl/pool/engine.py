@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import threading
 from typing import Any, Callable, Iterable, Mapping, Optional
 
@@ -34,6 +35,12 @@ log = logging.getLogger(__name__)
 
 _names = itertools.count(1)
 TERMINATE_WAIT_S = 30.0
+# Chunks of a lazy input fed ahead per worker, at least: a fixed backlog smaller than
+# what the workers can hold starves a large pool (each batch shrinks to one chunk).
+BACKLOG_PER_WORKER = 16
+# Workers of a local pool booting at once, at most: they share this machine's cores,
+# and hundreds booting together would each miss the handshake's deadlines.
+LOCAL_STARTS_PER_CORE = 16
 
 
 def func_name(func: Callable) -> str:
@@ -64,6 +71,14 @@ def worker_meta(initializer: Optional[Callable], meta: Optional[Mapping],
     return chosen
 
 
+def _start_window(ctx: Any) -> Optional[int]:
+    """Workers booting at once, at most: bounded by this machine's cores for local
+    workers; none for containers and pods (a cluster scales up for the ones waiting)."""
+    if ctx.config.backend != "local":
+        return None
+    return LOCAL_STARTS_PER_CORE * (os.cpu_count() or 1)
+
+
 class Engine:
     """Service + supervisor + feeder of one pool.
 
@@ -73,7 +88,8 @@ class Engine:
         initializer, initargs: run in every worker (replacements included) before tasks.
         maxtasks: chunks a worker runs before it is replaced (None: no limit).
         max_retries: times an item may be charged with a lost worker.
-        backlog: chunks of a lazy input fed ahead of its consumer.
+        backlog: chunks of a lazy input fed ahead of its consumer (at least
+            ``BACKLOG_PER_WORKER`` per worker).
         meta: resource requests of every worker process (see :func:`worker_meta`).
         new_process: makes a worker process (default: ``ctx.Process``).
     """
@@ -84,7 +100,8 @@ class Engine:
                  new_process: Optional[Callable] = None) -> None:
         init = None if initializer is None else serialization.dumps((initializer, initargs))
         name = f"fibrl-pool-{next(_names)}"
-        self.service = PoolService(processes, max_retries, maxtasks)
+        self.service = PoolService(processes, max_retries, maxtasks,
+                                   max_starting=_start_window(ctx))
         hub = get_hub()
         self._hub = hub
         self._oid = hub.register(self.service)
@@ -101,7 +118,7 @@ class Engine:
                                      on_done=self._end, meta=meta, new_process=new_process,
                                      max_starters=processes)
         self.service.hooks = self.supervisor
-        self.feeder = Feeder(self.service, name, backlog)
+        self.feeder = Feeder(self.service, name, max(backlog, BACKLOG_PER_WORKER * processes))
         self.supervisor.start()
 
     def submit(self, sink: Any, func: Callable, kind: Kind, chunks: list) -> Any:

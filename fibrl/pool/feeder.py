@@ -53,6 +53,9 @@ class Feeder:
         self._service = service
         self._name = name
         self._backlog = backlog
+        # chunks handed over at once: a quarter of the backlog, so a large pool's idle
+        # workers get batches, not one chunk each
+        self._round = max(_CHUNKS_PER_ROUND, backlog // 4)
         self._cond = threading.Condition()
         self._inputs: list[_Lazy] = []
         self._unbounded = False   # the pool was closed: feed everything
@@ -123,8 +126,8 @@ class Feeder:
         start = lazy.fed
         room = (lazy.limit - (lazy.fed - lazy.sink._taken())) // lazy.chunksize
         if self._unbounded:
-            room = _CHUNKS_PER_ROUND
-        for _ in range(max(1, min(room, _CHUNKS_PER_ROUND))):
+            room = self._round
+        for _ in range(max(1, min(room, self._round))):
             try:
                 items = list(itertools.islice(lazy.it, lazy.chunksize))
             except Exception as exc:  # the input itself raised: that position fails, input ends

@@ -9,7 +9,7 @@ One worker's conversation::
 
     worker                                       PoolService (parent hub)
     next(wid, [Report...])  ------------------>  records results, then answers at once
-                            <------------------  Batch(tasks, funcs, refill) or parks
+                            <------------------  Batch(tasks, funcs, refill, hold) or parks
     report(wid, [Report...])  (one-way) ------>  results while a next() is pending
     report(wid, [Report], (tid, lo))  (waits)    careful tasks: acknowledge the last
                                                  item, announce the one starting now
@@ -154,14 +154,19 @@ class TaskSpec:
 class Batch:
     """The answer to ``next``: tasks to run, callables not yet sent, when to ask again.
 
-    ``refill``: ask for more once this many tasks are left locally.
+    ``refill``: ask for more once this many tasks are left locally (as the last one
+    starts, at the latest); -1: only once all of them are done (work is scarce: an
+    early request would wait, and the last results would travel on their own).
     ``stop``: no more work for this worker; it exits.
+    ``hold``: seconds a finished result may wait in the worker for its next request
+    before it is sent on its own (longer in a large pool: see the service's pace).
     """
 
     tasks: tuple
     funcs: dict
     refill: int
     stop: bool
+    hold: float = 0.0
 
 
 STOP = Batch((), {}, 0, True)

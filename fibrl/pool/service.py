@@ -32,7 +32,9 @@ Rules that make results right:
   delivered exactly once, whichever worker (a dead one's late report
   included) answers first.
 * Prefetch is bounded by time, not count: a worker holds at most
-  ``HORIZON_S`` of estimated work (at least one chunk; a callable whose cost
+  ``HORIZON_S`` of estimated work, more in a pool of hundreds (each worker's
+  share of ``MESSAGES_PER_S``: see :meth:`PoolService._pace`; at least one
+  chunk; a callable whose cost
   was not measured yet gets one chunk), never more than its fair share of
   what is pending, and idle workers are served first, so no worker hoards
   a queue.
@@ -78,6 +80,13 @@ log = logging.getLogger(__name__)
 _SHORT_AFTER = 3
 
 HORIZON_S = 0.05        # estimated work a worker may hold (hides the round trip)
+# Requests and reports that the workers of one pool send together, per second, about
+# (once each is busy): the parent handles every one in Python (100-200 us each), so
+# the workers of a large pool each talk less often, holding more work and keeping
+# their results longer, and the parent's CPU per task stays flat as the pool grows.
+MESSAGES_PER_S = 2000.0
+# The least time a result may wait in its worker (the worker's FLUSH_S).
+_HOLD_S = 0.02
 # A worker that went silent is killed this long after its tasks were requeued (at
 # least twice parent_timeout): time to end by itself if it was only stalled.
 _KILL_SILENT_AFTER_S = 30.0
@@ -158,7 +167,7 @@ class _Task:
 
 class _Worker:
     __slots__ = ("wid", "peer", "parked", "held", "held_cost", "known", "granted", "retiring",
-                 "connected")
+                 "connected", "booted")
 
     def __init__(self, wid: int) -> None:
         self.wid = wid
@@ -170,6 +179,7 @@ class _Worker:
         self.granted = 0
         self.retiring = False   # asked to exit (maxtasksperchild or no more work)
         self.connected = False
+        self.booted = False     # its process runs and reached this service (see op_booted)
 
     def holds_careful(self) -> bool:
         return any(t.careful for t in self.held.values())
@@ -229,10 +239,15 @@ class PoolService(Service, Policy):
         processes: how many workers the pool keeps.
         max_retries: times an item may be charged with a lost worker before it fails.
         maxtasks: chunks a worker runs before it is replaced (None: no limit).
+        max_starting: workers started but not yet booted, at most (None: no limit): the
+            workers of a local pool share this machine's cores, and hundreds booting at
+            once would each take longer than the handshake allows.
     """
 
-    def __init__(self, processes: int, max_retries: int, maxtasks: Optional[int]) -> None:
+    def __init__(self, processes: int, max_retries: int, maxtasks: Optional[int],
+                 max_starting: Optional[int] = None) -> None:
         self.processes = processes
+        self.max_starting = max_starting
         self.max_retries = max_retries
         self.maxtasks = maxtasks
         self.hooks: Hooks = _Detached()
@@ -248,12 +263,14 @@ class PoolService(Service, Policy):
         self._workers: dict[int, _Worker] = {}
         self._by_peer: dict[int, _Worker] = {}
         self._parked: OrderedDict[int, _Worker] = OrderedDict()
+        self._idle: OrderedDict[int, _Worker] = OrderedDict()   # parked, holding nothing
         self._ids = itertools.count(1)
         self._failed_starts: list = []   # evidence of consecutive failed starts
         self._short_of: set = set()   # causes of refused starts, each logged once
         self._load_errors: set = set()   # what workers said when they could not load
         self._first_failure = ""   # evidence of the first failed start in a row
         self._retiring = 0   # workers in _workers that are retiring, kept as they change
+        self._booting = 0    # workers in _workers not booted yet, kept as they change
         self.liveness = Liveness(self._silent)   # started by the engine once hosted
         self.stats = {"lost": 0, "requeued": 0, "failed": 0}
 
@@ -272,7 +289,7 @@ class PoolService(Service, Policy):
             job = self._open_job(sink, func, name, kind, lazy=False)
             self._add(job, 0, chunks)
             self._finish_job_if_done(job, effects)
-            self._dispatch(effects)
+            self._dispatch(effects, new_work=True)
         effects.run(self)
         return job
 
@@ -282,7 +299,7 @@ class PoolService(Service, Policy):
         with self._lock:
             if job.jid in self._jobs:
                 self._add(job, start, chunks)
-                self._dispatch(effects)
+                self._dispatch(effects, new_work=True)
         effects.run(self)
 
     def end_inputs(self, job: _Job, length: int) -> None:
@@ -383,9 +400,8 @@ class PoolService(Service, Policy):
             if worker is None:  # lost already: whatever it held was requeued
                 effects.sends.append((None, reply, STOP))
             else:
-                self._connected(worker, reply.peer)
-                worker.parked = reply
-                self._parked[wid] = worker
+                self._connected(worker, reply.peer, effects)
+                self._park(worker, reply)
                 self._dispatch(effects, worker)
         effects.run(self)
 
@@ -402,7 +418,8 @@ class PoolService(Service, Policy):
         with self._lock:
             self._record(reports, effects)
             self._mark_running(wid, starting)
-            self._dispatch(effects)
+            # its results may end what it held: if parked, it may be due an answer (STOP)
+            self._dispatch(effects, self._workers.get(wid))
         effects.run(self)
         reply(None)
 
@@ -418,6 +435,23 @@ class PoolService(Service, Policy):
     def op_alive(self, reply: ReplySink, wid: int) -> None:
         """A worker's heartbeat (one-way): it runs, even if it has nothing to say."""
         self.liveness.heard(wid)
+
+    def op_booted(self, reply: ReplySink, wid: int) -> None:
+        """Worker ``wid``'s process runs (one-way, before its initializer): it no longer
+        counts against ``max_starting``."""
+        with self._lock:
+            worker = self._workers.get(wid)
+            wake = worker is not None and self._booted(worker)
+        if wake:
+            self.hooks.wake()
+
+    def _booted(self, worker: _Worker) -> bool:
+        """Count ``worker`` as booted; True when the supervisor may start another now."""
+        if worker.booted:
+            return False
+        worker.booted = True
+        self._booting -= 1
+        return self.max_starting is not None
 
     def _silent(self, wid: int, seconds: float) -> None:
         """Worker ``wid`` sent nothing for ``seconds``: its process is frozen, or its
@@ -464,8 +498,7 @@ class PoolService(Service, Policy):
             worker = self._by_peer.pop(peer.id, None)
             if worker is None:
                 return
-            worker.parked = None
-            self._parked.pop(worker.wid, None)
+            self._unpark(worker)
         wid = worker.wid
         grace = self.hooks.exit_grace(wid)
         self.hub.timers.call_at(time.monotonic() + grace, lambda: self._no_exit_code(wid),
@@ -478,10 +511,12 @@ class PoolService(Service, Policy):
             self.lose(wid, None)
             self.hooks.kill(wid)
 
-    def _connected(self, worker: _Worker, peer: Any) -> None:
+    def _connected(self, worker: _Worker, peer: Any, effects: _Effects) -> None:
         if worker.connected:
             return
         worker.connected = True
+        if self._booted(worker):   # (its booted message was lost, or comes later)
+            effects.wake = True
         self.liveness.watch(worker.wid)
         worker.peer = peer
         if peer is not None:
@@ -532,6 +567,8 @@ class PoolService(Service, Policy):
         task.holder = None
         if worker is not None and worker.held.pop(task.tid, None) is not None:
             worker.held_cost -= task.cost
+            if not worker.held and worker.parked is not None:
+                self._idle[worker.wid] = worker
 
     def _finish_job_if_done(self, job: _Job, effects: _Effects) -> None:
         if job.open or job.inputs_open or job.jid not in self._jobs:
@@ -542,26 +579,47 @@ class PoolService(Service, Policy):
             effects.wake = True
 
     # == dispatch ==========================================================================
-    def _dispatch(self, effects: _Effects, parked: Optional[_Worker] = None) -> None:
-        """Answer parked workers (idle ones first): with work, or with STOP when done.
+    def _dispatch(self, effects: _Effects, touched: Optional[_Worker] = None,
+                  new_work: bool = False) -> None:
+        """Answer the parked workers that can use an answer now: with work, or with STOP.
 
-        ``parked``: the worker that just parked. While the pool runs with nothing to
-        grant, only it can need an answer (STOP, if it retires): every other parked
-        worker was answered when it parked and nothing changed for it since, so its
-        cost per task stays flat however many workers wait.
+        Its cost follows the answers it gives, not the number of workers waiting: while
+        the pool goes on, idle workers are served first (in the order they parked) and
+        only while work is left; the workers that hold tasks are visited only when work
+        was added (``new_work``: nothing else lets one of them take more), and ``touched``,
+        the worker whose own state just changed (it parked, or reported results), is
+        answered last. Every other parked worker was answered when it parked and nothing
+        changed for it since. Once the pool ends (terminated, broken, or closed with
+        every job done), every parked worker is told to stop.
         """
         if not self._parked:
             return
-        if (self._state == RUN and self._broken is None and not self._pending
-                and not self._careful):
-            if parked is not None and parked.parked is not None:
-                self._answer(parked, effects)
-            return
+        if not self._ending():
+            self._serve(self._idle, effects)
+            if new_work:
+                self._serve(self._parked, effects)
+            if touched is not None and touched.parked is not None:
+                self._answer(touched, effects)
+            if not self._ending():
+                return
         for worker in sorted(self._parked.values(), key=_idleness):
             self._answer(worker, effects)
-        if self._parked and self._state != RUN and not self._jobs:
-            for worker in list(self._parked.values()):  # the last job ended during the pass
+
+    def _serve(self, parked: "OrderedDict[int, _Worker]", effects: _Effects) -> None:
+        """Answer ``parked`` workers in order while work is left."""
+        for worker in list(parked.values()) if self._has_work() else ():
+            if not self._has_work():
+                return
+            if worker.parked is not None:
                 self._answer(worker, effects)
+
+    def _has_work(self) -> bool:
+        return bool(self._pending or self._careful)
+
+    def _ending(self) -> bool:
+        """Every parked worker is due STOP: terminated, broken, or closed and done."""
+        return (self._state == TERMINATE or self._broken is not None
+                or (self._state != RUN and not self._jobs))
 
     def _answer(self, worker: _Worker, effects: _Effects) -> None:
         if (self._pending or self._careful) and not self._should_stop(worker):
@@ -580,9 +638,20 @@ class PoolService(Service, Policy):
             self._retiring += 1
 
     def _send(self, worker: _Worker, batch: Batch, effects: _Effects) -> None:
-        reply, worker.parked = worker.parked, None
-        del self._parked[worker.wid]
+        reply = worker.parked
+        self._unpark(worker)
         effects.sends.append((worker, reply, batch))
+
+    def _park(self, worker: _Worker, reply: ReplySink) -> None:
+        worker.parked = reply
+        self._parked[worker.wid] = worker
+        if not worker.held:
+            self._idle[worker.wid] = worker
+
+    def _unpark(self, worker: _Worker) -> None:
+        worker.parked = None
+        self._parked.pop(worker.wid, None)
+        self._idle.pop(worker.wid, None)
 
     def _should_stop(self, worker: _Worker) -> bool:
         if self._state == TERMINATE or self._broken is not None:
@@ -610,7 +679,7 @@ class PoolService(Service, Policy):
     def _grant_fresh(self, worker: _Worker, effects: _Effects) -> list:
         tasks: list = []
         share = self._share()
-        budget = HORIZON_S - worker.held_cost
+        budget = self._horizon() - worker.held_cost
         while self._pending and len(tasks) < share and not worker.retiring:
             task = self._pending[0]
             if task.done:
@@ -640,6 +709,7 @@ class PoolService(Service, Policy):
         task.holder = worker.wid
         task.cost = HORIZON_S if cost is None else cost
         worker.held[task.tid] = task
+        self._idle.pop(worker.wid, None)
         worker.held_cost += task.cost
         worker.granted += 1
         if self.maxtasks is not None and worker.granted >= self.maxtasks:
@@ -663,8 +733,31 @@ class PoolService(Service, Policy):
                 worker.known.add(func.fid)
                 funcs[func.fid] = func.data
         last = self._cost(tasks[-1])
-        refill = 0 if not last or tasks[-1].careful else int(HORIZON_S / 2 / last)
-        return Batch(tuple(t.spec() for t in tasks), funcs, refill, False)
+        if self._scarce(len(tasks)):
+            refill = -1
+        elif not last or tasks[-1].careful:
+            refill = 0
+        else:
+            refill = int(self._horizon() / 2 / last)
+        return Batch(tuple(t.spec() for t in tasks), funcs, refill, False,
+                     max(_HOLD_S, self._pace()))
+
+    def _scarce(self, batch: int) -> bool:
+        """Fewer chunks are pending than a batch like this one for every worker: an early
+        request would most likely be parked, and its worker would then send its last
+        results on their own before it blocks; asked for once it is done, the request
+        carries them."""
+        return len(self._pending) < batch * len(self._workers)
+
+    def _pace(self) -> float:
+        """Seconds between two messages of one worker, at least, for the pool's workers
+        to send ``MESSAGES_PER_S`` together: a thousandth of a second per two workers."""
+        return len(self._workers) / MESSAGES_PER_S
+
+    def _horizon(self) -> float:
+        """Estimated work a worker may hold: it asks for more with half of it left, so
+        it asks about once per pace."""
+        return max(HORIZON_S, 2 * self._pace())
 
     def _undelivered(self, worker: Optional[_Worker], batch: Batch) -> None:
         """A batch could not reach its worker (it is gone): put its tasks back, uncharged."""
@@ -677,7 +770,7 @@ class PoolService(Service, Policy):
                 if task is not None and task.holder == worker.wid:
                     self._release(task)
                     (self._careful if task.careful else self._pending).appendleft(task)
-            self._dispatch(effects)
+            self._dispatch(effects, new_work=True)
         effects.run(self)
 
     # == workers (called by the supervisor) ================================================
@@ -686,10 +779,15 @@ class PoolService(Service, Policy):
         with self._lock:
             if not self._wants_workers():
                 return []
-            active = len(self._workers) - self._retiring
-            wids = [next(self._ids) for _ in range(self.processes - active)]
+            wanted = self.processes - (len(self._workers) - self._retiring)
+            if self.max_starting is not None:
+                wanted = min(wanted, self.max_starting - self._booting)
+            if wanted > 0 and self._short_of_descriptors():
+                return []
+            wids = [next(self._ids) for _ in range(wanted)]
             for wid in wids:
                 self._workers[wid] = _Worker(wid)
+            self._booting += len(wids)
             return wids
 
     def finished(self) -> bool:
@@ -712,6 +810,7 @@ class PoolService(Service, Policy):
                 return True   # (one that connected meanwhile is told to stop as usual)
             if worker is not None:
                 del self._workers[wid]
+                self._booting -= not worker.booted
                 if worker.retiring:
                     self._retiring -= 1
             return False
@@ -735,6 +834,7 @@ class PoolService(Service, Policy):
             worker = self._workers.pop(wid, None)
             if worker is None:
                 return
+            self._booting -= not worker.booted
             if worker.retiring:
                 self._retiring -= 1
             if worker.parked is not None:   # given up alive (silent): its next() must not wait
@@ -749,11 +849,12 @@ class PoolService(Service, Policy):
             if not worker.connected and self._wants_workers():
                 self._failed_start(evidence, exc, load_error, effects)
             effects.wake = True
-            self._dispatch(effects)
+            self._dispatch(effects, new_work=True)
         effects.run(self)
 
     def _forget(self, worker: _Worker) -> None:
         self._parked.pop(worker.wid, None)
+        self._idle.pop(worker.wid, None)
         if worker.peer is not None:
             self._by_peer.pop(worker.peer.id, None)
 
@@ -854,19 +955,37 @@ class PoolService(Service, Policy):
         # The backend refused a start (descriptors, processes, memory, a refused
         # container), or starts keep failing, while others run: go on with those
         # (and the starts under way), and say so once per cause.
-        self.processes = alive
-        self._failed_starts.clear()
         shortage = descriptor_shortage()
         if shortage and "Too many open files" not in evidence:
             # the worker's own report ("connection shutdown") hides the cause
             evidence = f"{evidence}; this process refused connections: {shortage}"
+        self._go_on_with(evidence, running, alive)
+        return True
+
+    def _short_of_descriptors(self) -> bool:
+        """This process refused a worker's connection for want of descriptors while others
+        run: starting more would only add workers that cannot connect (and hold
+        descriptors until their start times out), so the pool goes on with those."""
+        shortage = descriptor_shortage()
+        if shortage is None:
+            return False
+        running = sum(1 for w in self._workers.values() if w.connected and not w.retiring)
+        if not running:
+            return False
+        self._go_on_with(f"this process refused connections: {shortage}", running,
+                         len(self._workers) - self._retiring)
+        return True
+
+    def _go_on_with(self, evidence: str, running: int, alive: int) -> None:
+        """Keep the workers running or starting now, no more; say why once per cause."""
+        self.processes = alive
+        self._failed_starts.clear()
         if evidence not in self._short_of:
             self._short_of.add(evidence)
             log.warning("pool: could not start another worker (%s); the pool goes on "
                         "with the workers it has (%d running, %d starting). Raise the "
                         "limit, or create a smaller Pool.", evidence, running,
                         alive - running)
-        return True
 
     def _give_up(self, broken: BaseException, effects: _Effects,
                  cause: Optional[BaseException] = None) -> None:
@@ -896,6 +1015,7 @@ class PoolService(Service, Policy):
         for worker in self._workers.values():
             worker.held.clear()
             worker.held_cost = 0.0
+        self._idle = OrderedDict(self._parked)
         effects.wake = True
 
     def closed(self) -> None:

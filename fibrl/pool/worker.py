@@ -5,8 +5,9 @@ then pull chunks with ``next`` and push their results back, until told to
 stop. It keeps at most one request outstanding: the next batch is asked for
 while the current one runs (when the service said to, via ``refill``), so a
 worker rarely waits for a round trip. Results go back with the next request,
-or on their own at least every ``FLUSH_S`` and before the worker blocks, so a
-dead worker loses little and ``imap`` callers see results as they come.
+or on their own at least every ``FLUSH_S`` (longer in a large pool: the
+service says how long in each batch) and before the worker blocks, so a dead
+worker loses little and ``imap`` callers see results as they come.
 
 Data flow (one worker process)::
 
@@ -47,6 +48,8 @@ _MAX_FUNCS = 256
 def run_worker(args: WorkerArgs) -> None:
     """Entry point of a pool worker process."""
     hub = get_hub()
+    # (before the initializer, which may take long: the pool starts the next worker now)
+    hub.send(args.address, args.oid, "booted", args.wid)
     if args.init is not None and not _initialize(hub, args, args.init):
         return
     _Loop(hub, args).run()
@@ -118,6 +121,7 @@ class _Loop:
         self._results: list[Report] = []
         self._request: Any = None     # the outstanding next() Handle
         self._refill = 0
+        self._hold = FLUSH_S          # longest a finished result waits (the service's say)
         self._flushed = time.perf_counter()
         self._stopped = False
 
@@ -131,7 +135,7 @@ class _Loop:
                     self._wait_for_work()
                     continue
                 task = self._local.popleft()
-                if self._request is None and not self._local:
+                if self._request is None and not self._local and self._refill >= 0:
                     self._ask()  # the last one: more will come while it runs
                 self._execute(task)
                 self._after_task()
@@ -146,7 +150,7 @@ class _Loop:
             self._take()
         if self._request is None and len(self._local) <= self._refill and not self._stopped:
             self._ask()
-        elif self._results and time.perf_counter() - self._flushed >= FLUSH_S:
+        elif self._results and time.perf_counter() - self._flushed >= self._hold:
             self._flush()
 
     def _ask(self, inline: bool = False) -> None:
@@ -188,6 +192,7 @@ class _Loop:
             self._remember(fid, data)
         self._local.extend(batch.tasks)
         self._refill = batch.refill
+        self._hold = max(FLUSH_S, batch.hold)
 
     def _remember(self, fid: int, data: bytes) -> None:
         # Kept pickled until a task uses it: unpickling may crash this process, and
@@ -242,7 +247,7 @@ class _Loop:
             return
         lo = task.lo
         while lo < stop:
-            deadline = self._flushed + FLUSH_S
+            deadline = self._flushed + self._hold
             report = _run(task, func, items, lo, stop, deadline, started)
             self._results.append(report)
             lo += report.count
