@@ -1,12 +1,16 @@
-"""Pools at scale on the local backend: hundreds of workers, and a pool that can start
-only some of its workers (the parent runs out of file descriptors) and still finishes.
+"""Pools at scale on the local backend: hundreds of workers start cleanly (no handshake
+dropped, nothing logged, every worker runs a task), and a pool that can start only
+some of its workers (the parent runs out of file descriptors) says so and still
+finishes.
 
 Semantics only; speed at scale is measured by benchmarks/bench_scale.py.
 """
+import logging
 import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -19,25 +23,74 @@ def _square(x):
     return x * x
 
 
+def _hold(folder, n, limit):
+    """One task per worker: none returns before ``n`` workers each took one."""
+    open(os.path.join(folder, str(os.getpid())), "w").close()
+    deadline = time.monotonic() + limit
+    while len(os.listdir(folder)) < n:
+        if time.monotonic() > deadline:
+            return -1
+        time.sleep(0.1)
+    return os.getpid()
+
+
+# What a clean start prints nowhere, the workers' output included: a listener's drop or
+# refusal, a failed handshake, a worker replaced or lost, a warning of the pool.
+_UNCLEAN = ("dropped peer", "handshake", "did not connect", "could not start",
+            "ended before it connected back", "Traceback", "WARNING", "ERROR")
+START_LIMIT_S = 300   # every worker of Pool(256) ran a task by then (2 loaded cores)
+
+
+@pytest.mark.alone   # 256 processes at once
 @pytest.mark.slow
-def test_pool_256_map_returns_exact_results():
-    with fibrl.Pool(256) as pool:
-        assert pool.map(_square, range(2000), chunksize=1) == [x * x for x in range(2000)]
-        assert pool.map(_square, range(5000)) == [x * x for x in range(5000)]
+@pytest.mark.timeout(START_LIMIT_S + 200)
+def test_pool_256_starts_cleanly_and_map_returns_exact_results(tmp_path, caplog, capfd):
+    folder = tmp_path / "ran"
+    folder.mkdir()
+    begun = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="fibrl"):
+        with fibrl.Pool(256) as pool:
+            pids = pool.starmap(_hold, [(str(folder), 256, START_LIMIT_S)] * 256,
+                                chunksize=1)
+            started = time.monotonic() - begun
+            assert -1 not in pids and len(set(pids)) == 256, (
+                f"{len(os.listdir(folder))} of 256 workers ran a task within "
+                f"{START_LIMIT_S} s")
+            assert len(os.listdir(folder)) == 256   # no worker was replaced on the way
+            assert pool.map(_square, range(2000), chunksize=1) == [x * x for x in range(2000)]
+            assert pool.map(_square, range(5000)) == [x * x for x in range(5000)]
+    warned = [f"{r.name}: {r.getMessage()}" for r in caplog.records
+              if r.levelno >= logging.WARNING]
+    assert not warned, warned[:10]
+    out, err = capfd.readouterr()   # (the workers write to this process's stderr)
+    unclean = [line for line in (out + err).splitlines()
+               if any(word in line for word in _UNCLEAN)]
+    assert not unclean, unclean[:20]
+    print(f"Pool(256): every worker ran a task {started:.1f} s after Pool()")
 
 
 _SHORT_OF_FILES = textwrap.dedent("""
-    import logging, resource, sys
+    import logging, resource, sys, threading
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
     import fibrl
+
+    short = threading.Event()
+
+    class Short(logging.Handler):
+        def emit(self, record):
+            if "could not start another worker" in record.getMessage():
+                short.set()
 
     def square(x):
         return x * x
 
     if __name__ == "__main__":
+        logging.getLogger("fibrl.pool.service").addHandler(Short())
         resource.setrlimit(resource.RLIMIT_NOFILE, (100, 100))
         with fibrl.Pool(64) as pool:
             assert pool.map(square, range(300), chunksize=1) == [x * x for x in range(300)]
+            # the pool goes on starting workers until it runs out of descriptors
+            assert short.wait(120), "the pool never said it could not start a worker"
             assert pool.map(square, range(300)) == [x * x for x in range(300)]
         print("DONE", flush=True)
 """)
