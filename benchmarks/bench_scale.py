@@ -5,7 +5,10 @@ For each pool size and task length (sleep tasks at chunksize=1) this reports:
 - start: seconds from ``Pool()`` until every worker has run a task;
 - efficiency: ideal time (tasks x task length / workers) over the measured time of a
   ``map`` on the warm pool;
-- parent CPU per task and worker CPU per task (user + system, from /proc);
+- parent CPU per task (user + system of the parent process alone, its children not
+  counted) of that ``map`` and of an ``imap_unordered`` of as many tasks, and worker
+  CPU per task (user + system, from /proc); CPU time is what to compare on a shared
+  machine, where other load stretches wall time far more;
 - threads and PSS per idle worker (fibrl's PSS counts its zygote's share).
 
     python benchmarks/bench_scale.py                      # 2 8 32 128 512, 10 ms and 1 ms
@@ -128,11 +131,16 @@ def measure(lib: str, workers: int, task: float, rounds: int, backend: str = "lo
         elapsed = time.perf_counter() - t1
         cpu_p = time.process_time() - cpu_p0
         cpu_w = sum(_cpu(p) for p in pids + helpers) - cpu_w0 if pids else float("nan")
+        cpu_u0 = time.process_time()
+        got = sum(1 for _ in pool.imap_unordered(nap, [task] * n, chunksize=1))
+        cpu_u = time.process_time() - cpu_u0
+        assert got == n, (got, n)
     finally:
         pool.terminate()
         pool.join()
     row = {"lib": lib, "workers": workers, "task_ms": task * 1e3, "start_s": start,
            "efficiency": n * task / workers / elapsed, "parent_us": cpu_p / n * 1e6,
+           "unordered_us": cpu_u / n * 1e6,
            "worker_us": cpu_w / n * 1e6, "threads": threads, "pss_mb": pss}
     if not local:
         deadline = time.monotonic() + 60   # containers are removed as they stop
@@ -199,20 +207,22 @@ def main(argv: list[str]) -> int:
                 print(f"{lib:5} workers={workers:4} task={task_ms:4g} ms  "
                       f"start={row['start_s']:6.2f} s  eff={row['efficiency']:.2f}  "
                       f"parent={row['parent_us']:7.0f} us/task  "
+                      f"(imap_unordered {row['unordered_us']:7.0f})  "
                       f"worker={row['worker_us']:7.0f} us/task  "
                       f"threads={row['threads']:.1f}  pss={row['pss_mb']:.1f} MB"
                       + (f"  leftover containers={row['leftover']}" if "leftover" in row
                          else ""), flush=True)
     print("\n| workers | task | lib | start s | efficiency | fibrl/mp | parent us/task "
-          "| worker us/task | threads | PSS MB |")
-    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+          "| parent us/task imap_unordered | worker us/task | threads | PSS MB |")
+    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         peer = [m for m in rows if m["lib"] == "mp" and m["workers"] == r["workers"]
                 and m["task_ms"] == r["task_ms"]]
         ratio = (f"{r['efficiency'] / peer[0]['efficiency']:.2f}x"
                  if r["lib"] == "fibrl" and peer else "")
         print(f"| {r['workers']} | {r['task_ms']:g} ms | {r['lib']} | {r['start_s']:.2f} | "
-              f"{r['efficiency']:.2f} | {ratio} | {r['parent_us']:.0f} | {r['worker_us']:.0f} | "
+              f"{r['efficiency']:.2f} | {ratio} | {r['parent_us']:.0f} | "
+              f"{r['unordered_us']:.0f} | {r['worker_us']:.0f} | "
               f"{r['threads']:.1f} | {r['pss_mb']:.1f} |")
     if opts.plot and rows:
         plot(rows, opts.plot)
