@@ -28,7 +28,7 @@ from typing import Any, Optional
 from .wire import serialization
 from .hosting.hosted import HostedHandle
 from .hosting.hub import get_hub
-from .hosting.mailbox import EMPTY, Mailbox, Window, merge_puts, take
+from .hosting.mailbox import EMPTY, Ledger, Mailbox, Window, merge_puts, take
 
 __all__ = ["Queue", "JoinableQueue", "SimpleQueue"]
 
@@ -56,6 +56,7 @@ class Queue(HostedHandle):
     # its first get() opens.
     _box: Any = None
     _window: Optional[Window] = None
+    _ledger: Optional[Ledger] = None   # what this process put, per connection to the owner
     _epoch = -1
 
     def __init__(self, maxsize: int = 0, *, ctx: Any = None) -> None:
@@ -99,10 +100,9 @@ class Queue(HostedHandle):
         elif Window.unreported:
             Window.sync_to(self._address)
         if self._maxsize == 0:
-            # a large item is sent from this thread (copied once, into the connection)
-            # rather than copied here for the connection's feeder thread
-            get_hub().send(self._address, self._oid, "put", payload, None,
-                           inline=payload.borrowed)
+            # one-way, counted per connection, so an item lost with one is reported (a
+            # large item is sent from this thread, copied once, into the connection)
+            self._ledger.put(payload)  # type: ignore[union-attr]  # (_locate made it)
             return
         try:
             self._call("put", payload, _timeout(block, timeout))
@@ -134,6 +134,7 @@ class Queue(HostedHandle):
         self._box = hub.local_service(self._address, self._oid)
         if self._box is None:   # puts travel to the owner: runs of small ones as one call
             hub.merge_calls("put", merge_puts)
+            self._ledger = Ledger.of(self._address, self._oid)
         self._window, self._epoch = None, Window.epoch
 
     def put_nowait(self, obj: Any) -> None:
@@ -153,17 +154,32 @@ class Queue(HostedHandle):
 
     def close(self) -> None:
         """This process will put no more; pending puts are still delivered. Items pushed
-        ahead to this process and not returned by ``get()`` go back to the queue."""
+        ahead to this process and not returned by ``get()`` go back to the queue.
+
+        Raises:
+            RemoteObjectError: items this process put were lost with a connection to
+                the queue's owner that dropped (it says how many).
+        """
         self._closed = True
         window = Window.find(self._address, self._oid)
         if window is not None:
             window.close()
+        if self._ledger is not None:
+            self._ledger.settle()
 
     def join_thread(self) -> None:
-        """Wait until every item this process put has reached the queue."""
+        """Wait until every item this process put has reached the queue.
+
+        Raises:
+            RemoteObjectError: items this process put were lost with a connection to
+                the queue's owner that dropped (it says how many).
+        """
         if not self._closed:
             raise AssertionError("Queue.join_thread() requires close() first")
-        get_hub().flush(None)
+        if self._ledger is not None:
+            self._ledger.confirm()
+        else:
+            get_hub().flush(None)
 
     def cancel_join_thread(self) -> None:
         """Accepted for compatibility: puts are delivered before the process exits."""

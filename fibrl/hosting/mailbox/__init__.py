@@ -57,13 +57,16 @@ The package's modules, in the order an item travels:
 * ``owner``    -- :class:`Mailbox`, the hosted FIFO (the owner's side);
 * ``pipe``     -- :class:`PipeBox`, one direction of a pipe;
 * ``consumer`` -- :class:`Window` and :func:`take` (the side of a process that
-  reads from a mailbox another process owns).
+  reads from a mailbox another process owns);
+* ``producer`` -- :class:`Ledger` (the side of a process that puts into a mailbox
+  another process owns: items lost with a connection are counted and reported).
 """
 from __future__ import annotations
 
 from .consumer import Window, take
 from .owner import Mailbox
 from .pipe import PipeBox
+from .producer import Ledger
 from .protocol import EMPTY, merge_puts
 
-__all__ = ["Mailbox", "PipeBox", "Window", "EMPTY", "take", "merge_puts"]
+__all__ = ["Mailbox", "PipeBox", "Window", "Ledger", "EMPTY", "take", "merge_puts"]

@@ -9,6 +9,7 @@ ahead of this process's next request to the owner, or goes within
 """
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -19,6 +20,8 @@ from ..hub import Hub, get_hub
 from .protocol import ASKING, IDLE, WAITING, WINDOW_ITEMS, Run
 
 __all__ = ["Window", "take"]
+
+log = logging.getLogger(__name__)
 
 #: A consumer acknowledges what its get() returned at the latest this late.
 ACK_DELAY = 0.002
@@ -164,10 +167,19 @@ class Window:
         else:
             self.cond.acquire()
 
-    def _lost(self, exc: BaseException) -> None:
+    def _lost(self, exc: BaseException, closed_by_owner: bool = False) -> None:
+        """The stream ended (cond held). What the window holds stays for ``get()`` only
+        when the owner ended it itself (``closed_by_owner``: it closed the queue, and
+        put nothing back). Otherwise the owner takes those items back: when it sees the
+        connection drop, or when this process opens a new window on it; serving them
+        too would return them twice, so they are dropped here."""
         if self.rid and self.client is not None:
             self.client.end_stream(self.rid)
         self.stream, self.rid = None, 0
+        if self.items and not closed_by_owner:
+            log.debug("window on %s at %s: dropped %d item(s) pushed ahead; the owner "
+                      "puts them back (%s)", self.oid, self.address, len(self.items), exc)
+            self.items.clear()
         self.error = exc
         self.cond.notify_all()
 
@@ -175,8 +187,8 @@ class Window:
         with self.cond:
             if token is not self.stream:
                 return  # a stream closed meanwhile
-            if not ok:
-                self._lost(value)
+            if not ok:   # over a live connection: the owner closed the queue
+                self._lost(value, closed_by_owner=not self.client.lost)
             elif type(value) is not str:   # an item, or items pushed in a row
                 if not self.stale:
                     kind = type(value)

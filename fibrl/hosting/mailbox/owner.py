@@ -41,6 +41,8 @@ FAIR_MIN = 4
 #: ...nor more than this: what a consumer that stops early holds, the others wait for
 #: until it is recalled.
 SHARED_ITEMS = 256
+#: Counts of producers' connections that dropped, kept for them to ask (the newest).
+KEPT_TALLIES = 4096
 #: Pushes closer together than this are a burst: sent by a thread of their own, batched.
 BURST_GAP = 0.0005
 
@@ -148,6 +150,12 @@ class Mailbox(SharedService):
         self._writers: Optional[dict[Hashable, int]] = {} if pipe_end else None  # owner -> count
         self._eof = False
         self._unacked: dict[int, dict[int, Any]] = {}  # peer id -> {rid: item}, in order
+        # what producers in other processes put, per connection (see .producer): peer id
+        # -> [its token, items received]; then, once it dropped, token -> items received;
+        # and the asks for a connection whose drop is not yet seen here
+        self._tallies: dict[int, list[Any]] = {}
+        self._delivered: dict[str, int] = {}
+        self._asked: dict[str, list[ReplySink]] = {}
         self._windows: dict[int, _Win] = {}  # peer id -> its consumer window
         self._held = 0                       # items in windows, not acknowledged
         self._pushed = 0                     # push number of the next item first pushed
@@ -547,21 +555,67 @@ class Mailbox(SharedService):
     def op_put(self, reply: ReplySink, payload: Any, timeout: Optional[float] = None) -> None:
         self.feeder = reply.peer
         with self._lock:
-            if not self._full():
-                self._accept(payload)
-                reply(None)
-            elif timeout is not None and timeout <= 0:
-                raise queue.Full
-            else:
-                self._park(self._putters, _Parked(reply, payload), timeout,
-                           lambda r: r.fail(queue.Full()))
+            if self._tallies:
+                self._tally(reply, 1)
+            self._put(reply, payload, timeout)
+
+    def _put(self, reply: ReplySink, payload: Any, timeout: Optional[float]) -> None:
+        """Store ``payload``, or park its putter until there is room (lock held)."""
+        if not self._full():
+            self._accept(payload)
+            reply(None)
+        elif timeout is not None and timeout <= 0:
+            raise queue.Full
+        else:
+            self._park(self._putters, _Parked(reply, payload), timeout,
+                       lambda r: r.fail(queue.Full()))
 
     def op_put_run(self, reply: ReplySink, run: "Run") -> None:
         """Items one process put one after another (one-way ``put`` calls that its
         connection sent together, see :func:`merge_puts`), in order."""
+        self.feeder = reply.peer
         with self._lock:
-            for payload in run.items():
-                self.op_put(reply, payload, None)
+            items = run.items()
+            if self._tallies:
+                self._tally(reply, len(items))
+            for payload in items:
+                self._put(reply, payload, None)
+
+    # -- producers' counts (see .producer) -----------------------------------------
+    def op_producer(self, reply: ReplySink, token: str) -> None:
+        """The calling connection's puts from now on are counted under ``token``."""
+        if reply.peer is not None:
+            with self._lock:
+                self._tallies[reply.peer.id] = [token, 0]
+        reply(None)
+
+    def _tally(self, reply: ReplySink, n: int) -> None:
+        if reply.peer is not None:
+            tally = self._tallies.get(reply.peer.id)
+            if tally is not None:
+                tally[1] += n
+
+    def op_delivered(self, reply: ReplySink, token: str) -> None:
+        """How many items the connection named ``token`` put here, answered once it has
+        dropped (nothing more can come on it); 0 for a connection never named here."""
+        with self._lock:
+            received = self._delivered.get(token)
+            if received is None and any(t[0] == token for t in self._tallies.values()):
+                self._asked.setdefault(token, []).append(reply)   # answered by drop_peer
+                return
+        reply(received or 0)
+
+    def _tally_dropped(self, peer: Peer) -> list[tuple[ReplySink, int]]:
+        """Keep the count of a producer's connection that dropped; the asks it answers
+        (lock held)."""
+        tally = self._tallies.pop(peer.id, None)
+        if tally is None:
+            return []
+        token, received = tally
+        self._delivered[token] = received
+        if len(self._delivered) > KEPT_TALLIES:
+            del self._delivered[next(iter(self._delivered))]   # (the oldest)
+        return [(asker, received) for asker in self._asked.pop(token, ())]
 
     def op_get(self, reply: ReplySink, timeout: Optional[float] = None) -> None:
         with self._lock:
@@ -688,6 +742,7 @@ class Mailbox(SharedService):
     # -- lifecycle -------------------------------------------------------------------
     def drop_peer(self, peer: Peer) -> None:
         with self._lock:
+            answers = self._tally_dropped(peer) if self._tallies else []
             held = self._unacked.pop(peer.id, None)
             win = self._windows.get(peer.id)
             if win is not None:
@@ -702,6 +757,8 @@ class Mailbox(SharedService):
             # (mypy takes pop's default for a bool here, from the ``and``: a false alarm)
             if self._writers is not None and self._writers.pop(("peer", peer.id), None):  # type: ignore[arg-type]
                 self._check_eof()
+        for asker, received in answers:
+            asker(received)
         if self._outgoing:
             self._send_outgoing()
 
@@ -714,6 +771,8 @@ class Mailbox(SharedService):
             self._sender_wake.set()
         with self._lock:
             parked = list(self._getters) + list(self._putters) + self._pollers
+            asked = [r for replies in self._asked.values() for r in replies]
+            self._asked = {}
             self._getters.clear()
             self._putters.clear()
             self._pollers.clear()
@@ -728,7 +787,7 @@ class Mailbox(SharedService):
         for p in parked:
             self._unpark(p)
             p.reply.fail(err)
-        for sink in answers + [win.sink for win in wins]:
+        for sink in answers + asked + [win.sink for win in wins]:
             sink.fail(err)
 
 

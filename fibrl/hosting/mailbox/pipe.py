@@ -136,7 +136,7 @@ class PipeBox(Mailbox):
                 super().op_poll(reply, 0.0 if self._revoking else timeout, token)
 
     def give(self, payload: Any) -> None:
-        if not self._broken:   # (see op_put)
+        if not self._broken:   # (see _put)
             super().give(payload)
 
     def take_here(self) -> Any:
@@ -158,13 +158,13 @@ class PipeBox(Mailbox):
             self.hub.wait_reading(handle, feeder)
         return handle.get()
 
-    def op_put(self, reply: ReplySink, payload: Any, timeout: Optional[float] = None) -> None:
+    def _put(self, reply: ReplySink, payload: Any, timeout: Optional[float]) -> None:
         if self._broken:
             # no reader is left: the sender raises BrokenPipeError once its watch is
             # answered; what it sent meanwhile goes nowhere, as into a widowed OS pipe
             reply(None)
             return
-        super().op_put(reply, payload, timeout)
+        super()._put(reply, payload, timeout)
 
     def _check_eof(self) -> None:
         if self._writers or self._eof:
