@@ -11,7 +11,7 @@ Data flow::
 
     caller: for x in pool.imap(f, huge):      Feeder thread
         IMapIterator.next() --poke every----> wait until fed - taken < limit
-        (results from the service)   limit/4   islice(huge, chunksize) -> dumps
+        (results from the service)   limit/2   islice(huge, chunksize) -> dumps
                                                  -> service.add_chunks(job, start, chunks)
                                                  end of input -> service.end_inputs(job, n)
 
@@ -53,9 +53,9 @@ class Feeder:
         self._service = service
         self._name = name
         self._backlog = backlog
-        # chunks handed over at once: a quarter of the backlog, so a large pool's idle
+        # chunks handed over at once: half the backlog, so a large pool's idle
         # workers get batches, not one chunk each
-        self._round = max(_CHUNKS_PER_ROUND, backlog // 4)
+        self._round = max(_CHUNKS_PER_ROUND, backlog // 2)
         self._cond = threading.Condition()
         self._inputs: list[_Lazy] = []
         self._unbounded = False   # the pool was closed: feed everything
@@ -70,7 +70,7 @@ class Feeder:
             self._service.end_inputs(job, 1)
             return
         lazy = _Lazy(job, sink, it, chunksize, self._backlog * chunksize)
-        sink._watch(max(1, lazy.limit // 4), self._poke)
+        sink._watch(max(1, lazy.limit // 2), self._poke)
         with self._cond:
             self._inputs.append(lazy)
             if self._thread is None:
