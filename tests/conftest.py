@@ -134,6 +134,8 @@ _FAULTS_CORE = {
     "test_manager_faults": ("test_killed_server_fails_pending_and_later_calls",),
     "test_queue_faults": ("test_consumers_killed_at_random_lose_nothing",),
     "test_process_faults": ("test_daemonic_children_end_when_parent_exits",),
+    "test_partitions": ("test_partition_shorter_than_parent_timeout_changes_nothing",
+                        "test_partition_past_parent_timeout_loses_the_worker_once"),
 }
 CROSS_BACKEND = {
     "docker": {
@@ -151,6 +153,7 @@ CROSS_BACKEND = {
     "kubernetes": {
         "test_process": "*",
         "test_pool_faults": _FAULTS_CORE["test_pool_faults"][:2],
+        "test_partitions": _FAULTS_CORE["test_partitions"][1:],
     },
 }
 
@@ -866,9 +869,11 @@ LONG_LIVED_THREADS = (
               "reads a local fork server's replies: one a fork server (_held_by_the_process)"),
     LongLived(r"fibrl-docker-orphans", 1, "the docker backend's one sweep of a previous run's "
                                           "containers, at its first use"),
-    LongLived(r"fake-apiserver-.*|Thread-\d+ \(process_request_thread\)", 64,
-              "the fake API server of kube_cluster (session scope) and its threads for the "
-              "clients' kept-alive connections (at most the clients' pools)"),
+    LongLived(r"fake-apiserver-.*|fake-controller-manager|"
+              r"Thread-\d+ \(process_request_thread\)", 64,
+              "the fake API server of kube_cluster (session scope), its controller thread "
+              "and its threads for the clients' kept-alive connections (at most the "
+              "clients' pools)"),
 )
 
 LONG_LIVED_FDS = (
