@@ -1203,14 +1203,7 @@ class Listener:
         try:
             while not peer.closed:
                 data = aio.recv(peer._sock, None)
-                if data is None:
-                    continue
-                peer._handling(generation, True)
-                try:
-                    self._on_frame(peer, data)
-                finally:
-                    reading = peer._handling(generation, False)
-                if not reading:
+                if data is not None and not self._handle(peer, generation, data):
                     return   # handed off: the new reader holds the lead now
         finally:
             if peer._reader == generation:
@@ -1225,17 +1218,22 @@ class Listener:
                 data = _recv_frame_nowait(sock)
                 if data is None:
                     return True
-                peer._handling(generation, True)
-                try:
-                    self._on_frame(peer, data)
-                finally:
-                    reading = peer._handling(generation, False)
-                if not reading:
+                if not self._handle(peer, generation, data):
                     return False
         except BaseException:
             if peer._reader == generation:
                 peer.lead.release()
             raise
+
+    def _handle(self, peer: Peer, generation: int, data: Frame) -> bool:
+        """Run the frame handler on ``data``; False once reader ``generation`` was handed
+        off meanwhile (it reads no more)."""
+        peer._handling(generation, True)
+        try:
+            self._on_frame(peer, data)
+        finally:
+            reading = peer._handling(generation, False)
+        return reading
 
     def _lost(self, peer: Peer) -> None:
         with self._lock:
