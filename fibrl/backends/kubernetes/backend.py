@@ -245,11 +245,11 @@ class KubernetesBackend(Backend):
         refusal = self._fatal or self._bad_images.get(image)
         if refusal:   # a queued pod that would fail like the ones before it
             job.fail(1, str(refusal))
-            return self._forget(job)
+            return self.forget(job)
         try:
             self._post_pod(job)
         except KubeApiError as exc:
-            self._forget(job)
+            self.forget(job)
             if raise_errors:
                 raise
             if exc.status in (401, 403, 404) and "exceeded quota" not in str(exc):
@@ -448,9 +448,10 @@ class KubernetesBackend(Backend):
                 log.warning("could not delete worker pod %s/%s: %s", self.namespace, name, exc)
         finally:
             if forget is not None:
-                self._forget(forget)
+                self.forget(forget)
 
-    def _forget(self, job: KubernetesJob) -> None:
+    def forget(self, job: KubernetesJob) -> None:
+        """Stop tracking ``job`` (its pod is gone, or will never be made)."""
         with self._lock:
             if self._jobs.get(job.name) is job:
                 del self._jobs[job.name]

@@ -354,6 +354,7 @@ class KubernetesJob(Job):
             self._code, self._reason = code, reason
             timers = (self._stuck, self._never_ran)
             self._stuck = self._never_ran = None
+            self._on_running = []   # (they hold the Process: it would live as long as this)
             self._ended.set()
         for timer in timers:
             if timer is not None:
@@ -391,7 +392,8 @@ class KubernetesJob(Job):
             self._requested = self._requested or code
             queued = self.created_seq is None
         if queued and self._end(code, ""):
-            return  # the creator skips ended jobs
+            self._owner.forget(self)   # the creator skips it: no pod will tell the end
+            return
         self._owner.delete_pod(self.name, grace)
 
     def logs(self) -> str:
