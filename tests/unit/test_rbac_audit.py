@@ -92,7 +92,17 @@ def test_a_refused_call_and_one_granted_elsewhere_are_findings():
 
 def test_a_call_the_authorizer_allowed_and_admission_refused_is_no_finding():
     assert findings(ALL_USED + [event("create", "pods", code=403)]) == []
-    assert findings(ALL_USED + [event("create", "pods", decision="", code=403)]) != []
+    assert findings(ALL_USED + [event("get", "secrets", decision="", code=403)]) != []
+
+
+def test_a_granted_call_refused_only_while_the_api_server_restarted_is_no_finding():
+    # a restarted API server refuses everything until its authorizer has read the Roles
+    assert findings(ALL_USED + [event("watch", "pods", decision="forbid", code=403)]) == []
+    assert findings(ALL_USED + [event("watch", "pods", decision="", code=403)]) == []
+    # refused every time it was made: the grant does not reach the account
+    never = [line for line in ALL_USED if '"watch"' not in line]
+    found = findings(never + [event("watch", "pods", decision="forbid", code=403)])
+    assert any("`watch pods` (/pods) was refused (403)" in f for f in found)
 
 
 def test_probes_other_accounts_other_stages_and_discovery_are_left_out():
