@@ -571,6 +571,12 @@ def freeze(pid: int, timeout: float = 60) -> None:
         time.sleep(0.01)
 
 
+def thaw(pid: int) -> None:
+    """SIGCONT ``pid`` (stopped by :func:`freeze`), if it still exists."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGCONT)
+
+
 def run_process(ctx, target, *args):
     """``ctx.Process(target=target, args=args)``, started."""
     p = ctx.Process(target=target, args=args)

@@ -21,7 +21,6 @@ the fault did happen (the process was stopped, the loss was counted).
 """
 import os
 import queue
-import signal
 import subprocess
 import sys
 import textwrap
@@ -30,20 +29,13 @@ import time
 
 import psutil
 import pytest
-from conftest import checkout_env, freeze, wait_until
+from conftest import checkout_env, freeze, thaw, wait_until
 
 import fibrl.hosting.hub
 from fibrl.managers import SyncManager
 
 TIMEOUT = 120   # only reached on a hang
 pytestmark = pytest.mark.timeout(300)
-
-
-def _thaw(pid):
-    try:
-        os.kill(pid, signal.SIGCONT)
-    except ProcessLookupError:
-        pass
 
 
 def _stopped(pid):
@@ -98,7 +90,7 @@ def test_frozen_pool_worker_is_replaced_and_its_late_result_dropped(local):
             assert service.stats["lost"] == 1 and service.stats["requeued"] == 1
             release.set()
         finally:
-            _thaw(frozen)
+            thaw(frozen)
         assert finished.get(timeout=TIMEOUT) == frozen   # the stale run went on to its end
         gone, alive = psutil.wait_procs([psutil.Process(frozen)], timeout=TIMEOUT)
         assert not alive, "the stale worker did not exit by itself"
@@ -152,7 +144,7 @@ def test_frozen_queue_consumer_holding_a_window_loses_and_repeats_nothing(config
                        "the others to drain all but the frozen consumer's window", TIMEOUT)
             assert _stopped(victim.pid)
         finally:
-            _thaw(victim.pid)
+            thaw(victim.pid)
         for _ in range(3):
             q.put(None)
         got = [item for _ in range(3) for item in results.get(timeout=TIMEOUT)]
@@ -211,7 +203,7 @@ def test_frozen_manager_server_makes_calls_wait_then_succeed(configure):
             assert later.is_alive() and inside.is_alive(), box  # both wait for the server
             assert _stopped(server)
         finally:
-            _thaw(server)
+            thaw(server)
         later.join(TIMEOUT)
         inside.join(TIMEOUT)
         assert box == {"inside": "inside", "later": 7}
@@ -275,7 +267,7 @@ def _finish(proc, tmp_path):
         proc.wait(TIMEOUT)
     finally:
         if proc.poll() is None:
-            _thaw(proc.pid)
+            thaw(proc.pid)
             proc.kill()
             proc.wait(TIMEOUT)
     err = (tmp_path / "stderr").read_text()
@@ -301,7 +293,7 @@ def test_parent_frozen_shorter_than_parent_timeout_keeps_its_workers(tmp_path):
             assert _stopped(proc.pid)
             assert all(psutil.pid_exists(pid) for pid in workers)
         finally:
-            _thaw(proc.pid)
+            thaw(proc.pid)
         outcomes, err = _finish(proc, tmp_path)
     finally:
         if proc.poll() is None:
@@ -324,7 +316,7 @@ def test_parent_frozen_past_parent_timeout_loses_its_workers_once(tmp_path):
             assert _stopped(proc.pid)
             (tmp_path / "go").touch()
         finally:
-            _thaw(proc.pid)
+            thaw(proc.pid)
         outcomes, err = _finish(proc, tmp_path)
     finally:
         if proc.poll() is None:

@@ -18,7 +18,7 @@ import gymnasium
 import numpy as np
 import psutil
 import pytest
-from conftest import freeze, wait_until
+from conftest import freeze, thaw, wait_until
 
 import fibrl
 from fibrl.rl import RemoteVectorEnv, ReplayStore
@@ -26,13 +26,6 @@ from fibrl.rl.replay import Fifo
 
 pytestmark = pytest.mark.timeout(180)
 FROZEN_S = 3.0
-
-
-def _thaw(pid):
-    try:
-        os.kill(pid, 18)   # SIGCONT
-    except ProcessLookupError:
-        pass
 
 
 class SaysWhenInside(gymnasium.Wrapper):
@@ -79,7 +72,7 @@ def test_an_env_worker_frozen_inside_a_step_gives_the_same_results_once_resumed(
         freeze(pid)
         assert psutil.Process(pid).status() == psutil.STATUS_STOPPED
         open(go, "w").close()
-        threading.Timer(FROZEN_S, _thaw, (pid,)).start()
+        threading.Timer(FROZEN_S, thaw, (pid,)).start()
         got.append(envs.step_wait(timeout=60)[:4])
         for a in actions[5:]:
             got.append(envs.step(a)[:4])
@@ -92,7 +85,7 @@ def test_an_env_worker_frozen_inside_a_step_gives_the_same_results_once_resumed(
             recursive=True)]
     finally:
         if "pid" in locals():
-            _thaw(pid)
+            thaw(pid)
         envs.close()
         reference.close()
 
@@ -116,7 +109,7 @@ def test_a_replay_server_frozen_under_writers_and_a_learner_loses_nothing(config
         wait_until(lambda: len(store) > 50, "the writers to be inserting")
         freeze(server)
         assert psutil.Process(server).status() == psutil.STATUS_STOPPED
-        threading.Timer(FROZEN_S, _thaw, (server,)).start()
+        threading.Timer(FROZEN_S, thaw, (server,)).start()
         batch = store.sample(16, timeout=60)     # made while the server is stopped
         assert len(batch["x"]) == 16
         assert sorted(done.get(timeout=120) for _ in writers) == [300, 300]
