@@ -622,7 +622,7 @@ class PoolService(Service, Policy):
                 or (self._state != RUN and not self._jobs))
 
     def _answer(self, worker: _Worker, effects: _Effects) -> None:
-        if (self._pending or self._careful) and not self._should_stop(worker):
+        if self._has_work() and not self._should_stop(worker):
             tasks = self._grant(worker, effects)
             if tasks:
                 self._send(worker, self._batch(worker, tasks), effects)
