@@ -431,9 +431,11 @@ ITEMS = 200
 _GOT = re.compile(r"consume: got (\d+) at ([\d.]+)")
 
 
-def consume(q, pause):
-    """Take items until the queue's owner cannot be reached; print each (with when) on
-    the output, which the engine relays whatever the network does."""
+def consume(q, fast, pause):
+    """Take items until the queue's owner cannot be reached, the first ``fast`` at once
+    (its window grows: the owner pushes items ahead), then one every ``pause`` s; print
+    each (with when) on the output, which the engine relays whatever the network does."""
+    taken = 0
     while True:
         try:
             item = q.get(timeout=TIMEOUT)
@@ -441,7 +443,9 @@ def consume(q, pause):
             print(f"consume: stopped: {type(exc).__name__}: {exc}", flush=True)
             return
         print(f"consume: got {item} at {time.monotonic():.4f}", flush=True)
-        time.sleep(pause)
+        taken += 1
+        if taken > fast:
+            time.sleep(pause)
 
 
 @pytest.mark.timeout(180)
@@ -452,15 +456,16 @@ def test_a_consumer_cut_off_loses_nothing_and_repeats_only_its_last_items(
     q = fibrl.Queue()
     for i in range(ITEMS):
         q.put(i)
-    consumer = fibrl.Process(target=consume, args=(q, 0.01))
+    consumer = fibrl.Process(target=consume, args=(q, 40, 0.02))
     consumer.start()
     partition = None
     try:
         job = consumer._popen.job
-        wait_until(lambda: len(_GOT.findall(job.logs())) >= 30,
+        wait_until(lambda: len(_GOT.findall(job.logs())) >= 60,
                    "the consumer to take items", TIMEOUT, interval=0.05)   # inside its loop
         cut_at = time.monotonic()
         partition = netcut(consumer, "drop")
+        cut_done = time.monotonic()
         # cut off, it gives up its parent at parent_timeout and exits 3 s later
         consumer.join(limit + 15)
         assert consumer.exitcode is not None, "the cut-off consumer did not end by itself"
@@ -489,6 +494,10 @@ def test_a_consumer_cut_off_loses_nothing_and_repeats_only_its_last_items(
         assert again == set(first[len(first) - len(again):]), (
             f"returned again, not the consumer's last items: {sorted(again)}; "
             f"its last: {first[-len(again) - 2:]}")
+        during = {item for item, at in taken if at > cut_done}
+        assert during, "the consumer's window held nothing at the cut: nothing to give back"
+        assert during <= again, "an item the consumer took during the partition was not " \
+                                "returned again: its acknowledgement went through"
         assert all(at > cut_at - 1.0 for item, at in taken if item in again), (
             "an item taken well before the cut was returned again",
             [(item, round(cut_at - at, 3)) for item, at in taken if item in again])
@@ -499,3 +508,4 @@ def test_a_consumer_cut_off_loses_nothing_and_repeats_only_its_last_items(
         if consumer.exitcode is None:
             consumer.kill()
             consumer.join(TIMEOUT)
+        consumer.close()   # (its sentinel: a failure's traceback keeps the object)
