@@ -783,7 +783,7 @@ def _held_by_the_process() -> tuple:
     and that stay for the session: this process's hubs (its own, and one per other
     authkey it has talked to a manager with: fibrl.managers.lines), each with its timers'
     thread and its listener (accept and idle-peer threads, its gate's thread, selector,
-    wake pair and listening ports), each local
+    wake pair and listening ports, its handshakes in progress: _add_handshakes), each local
     backend's fork server (its request socket and reply pipe; one backend per config),
     the docker reaper's pipe (one per process), nng's own threads that ran Python
     callbacks and the stdlib multiprocessing heap's arenas. Found on the objects
@@ -806,6 +806,7 @@ def _held_by_the_process() -> tuple:
             threads.add(gate._thread)
             fds.update(_fileno(obj) for obj in (gate._selector, gate._wake_r, gate._wake_w))
             fds.update(_fileno(port.sock) for port in list(gate._ports))
+        _add_handshakes(listener, fds, threads)
     for backend in list(backends._instances.values()):
         server = getattr(backend, "_server", None)
         if server is not None and server.alive:
@@ -817,6 +818,34 @@ def _held_by_the_process() -> tuple:
                    if isinstance(thread, threading._DummyThread) and _in_nng(thread))
     fds.update(_stdlib_heap_fds())
     return fds - {None, -1}, threads - {None}
+
+
+def _add_handshakes(listener, fds: set, threads: set) -> None:
+    """Add to ``fds`` and ``threads`` what ``listener`` holds for its handshakes still in
+    progress: a peer that proved the secret gets a data socket and a thread that waits
+    for its token (its once-port is among the gate's ports above). The listener ends each
+    within its auth_timeout even when the peer never comes (a worker killed between its
+    handshake and its data connection: a pool's worker whose start returned after
+    terminate()), so they are the listener's, not the test's."""
+    for peer in list(getattr(listener, "_opening", {}).values()):
+        threads.add(getattr(peer, "thread", None))
+        # its readiness pipe, if it made one (_watch: asking nng for it would make one)
+        pipe = _recv_pipe(peer._sock) if getattr(peer, "_poll", None) else None
+        if pipe is None:
+            continue
+        for name in os.listdir("/proc/self/fd"):   # both of its ends
+            with contextlib.suppress(OSError):
+                if os.readlink(f"/proc/self/fd/{name}") == pipe:
+                    fds.add(int(name))
+
+
+def _recv_pipe(sock) -> Optional[str]:
+    """The ``/proc`` link (``pipe:[N]``) of nng socket ``sock``'s readiness descriptor,
+    or None once the socket is closed."""
+    try:
+        return os.readlink(f"/proc/self/fd/{sock.recv_fd}")
+    except Exception:   # pynng.Closed meanwhile, or the descriptor went with it
+        return None
 
 
 def _stdlib_heap_fds() -> set:

@@ -73,3 +73,27 @@ def test_what_a_process_wide_object_holds_is_not_counted():
     with _running("held") as (thread,):
         assert _leaked_after(before, held=(set(), {thread})) == []
         assert _leaked_after(before) == ["thread held"]
+
+
+def test_a_handshake_in_progress_on_the_hub_is_its_listeners_not_the_tests():
+    # A worker killed between its handshake and its data connection (a pool's worker
+    # whose start returned after terminate()) leaves the hub's listener waiting for its
+    # token, up to auth_timeout: that thread and readiness pipe are the listener's.
+    from conftest import _held_by_the_process
+    from fibrl.hosting.hub import get_hub
+
+    hub = get_hub()
+    _ = hub.address   # (the hub listens from its first use on)
+    listener = hub._listener
+    before = Resources.now()
+    listener._open_peer(b"t" * 32, None)   # (what an accepted handshake does)
+    (peer,) = listener._opening.values()
+    try:
+        assert _leaked_after(before, held=_held_by_the_process()) == []
+        found = _leaked_after(before)
+        assert f"thread fibrl-peer-{peer.id}" in found, found
+        assert any("pipe:[" in entry for entry in found), found
+    finally:
+        peer.close()   # (its thread then ends at once: the token can no longer come)
+        peer.thread.join(10)
+    assert not peer.thread.is_alive()
