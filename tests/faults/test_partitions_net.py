@@ -26,10 +26,11 @@ What must hold (the properties of test_partitions.py, with a real network):
   exact; once the partition heals, the stale worker's late result reaches the parent
   and is dropped (each result delivered once), and the container exits by itself
   (nobody kills it);
-* a Queue consumer in a container cut off until it gave up its parent and exited: no
-  item is lost, and the only items returned again (to the next consumer) are the last
-  ones the cut-off consumer's ``get()`` returned: just before the cut (their
-  acknowledgement was lost with the network) or during it, from what its window held.
+* a Queue consumer in a container, cut off while its window holds items pushed ahead,
+  takes nothing more, gives up its parent and exits: no item is lost (once healed, the
+  owner takes back what the window held), and the only items returned again (to the
+  next consumer) are the last ones the cut-off consumer's ``get()`` returned, just
+  before the cut or during it: their acknowledgement was held by the partition.
 
 Each fault starts once the worker is known to be where it matters (it reported from
 inside its task), each test checks that the rules lost packets (their counters), and
@@ -53,7 +54,6 @@ import pytest
 from conftest import REQUIRE_DOCKER, skip_or_fail, wait_until
 
 import fibrl
-from fibrl.errors import RemoteObjectError
 from fibrl.hosting.hub import get_hub
 from fibrl.wire import faults
 
@@ -427,25 +427,31 @@ def test_network_partition_past_parent_timeout_loses_the_worker_once(
 
 # -- a Queue consumer cut off ----------------------------------------------------------------
 
-ITEMS = 200
+ITEMS = 300   # (one line of output each: the engine keeps 500 of a container)
 _GOT = re.compile(r"consume: got (\d+) at ([\d.]+)")
 
 
 def consume(q, fast, pause):
-    """Take items until the queue's owner cannot be reached, the first ``fast`` at once
-    (its window grows: the owner pushes items ahead), then one every ``pause`` s; print
-    each (with when) on the output, which the engine relays whatever the network does."""
+    """Take items, the first ``fast`` at once (its window grows: the owner pushes items
+    ahead), then one every ``pause`` s, until its connection to the queue's owner loses
+    packets (the partition is in place): from then on take nothing more (what its
+    window holds stays there) and wait to give up its parent. Print each item (with
+    when) on the output, which the engine relays whatever the network does."""
+    local, remote = _parent_connection()   # (the owner is the parent)
     taken = 0
-    while True:
+    deadline = time.monotonic() + TIMEOUT
+    while not _retransmitting(local, remote):
+        assert time.monotonic() < deadline, "no partition came"
         try:
-            item = q.get(timeout=TIMEOUT)
-        except (RemoteObjectError, queue.Empty) as exc:
-            print(f"consume: stopped: {type(exc).__name__}: {exc}", flush=True)
-            return
+            item = q.get(timeout=0.05)   # (a window that ran dry: look again)
+        except queue.Empty:
+            continue
         print(f"consume: got {item} at {time.monotonic():.4f}", flush=True)
         taken += 1
         if taken > fast:
             time.sleep(pause)
+    print(f"consume: cut off at {time.monotonic():.4f}", flush=True)
+    time.sleep(TIMEOUT)   # (it exits once it gives up its parent)
 
 
 @pytest.mark.timeout(180)
@@ -456,16 +462,15 @@ def test_a_consumer_cut_off_loses_nothing_and_repeats_only_its_last_items(
     q = fibrl.Queue()
     for i in range(ITEMS):
         q.put(i)
-    consumer = fibrl.Process(target=consume, args=(q, 40, 0.02))
+    consumer = fibrl.Process(target=consume, args=(q, 12, 0.05))
     consumer.start()
     partition = None
     try:
         job = consumer._popen.job
-        wait_until(lambda: len(_GOT.findall(job.logs())) >= 60,
+        wait_until(lambda: len(_GOT.findall(job.logs())) >= 30,
                    "the consumer to take items", TIMEOUT, interval=0.05)   # inside its loop
         cut_at = time.monotonic()
         partition = netcut(consumer, "drop")
-        cut_done = time.monotonic()
         # cut off, it gives up its parent at parent_timeout and exits 3 s later
         consumer.join(limit + 15)
         assert consumer.exitcode is not None, "the cut-off consumer did not end by itself"
@@ -475,8 +480,9 @@ def test_a_consumer_cut_off_loses_nothing_and_repeats_only_its_last_items(
         first = [item for item, _ in taken]
         assert len(first) < ITEMS, "the consumer took every item before the partition"
         assert len(set(first)) == len(first), "the consumer got an item twice"
-        # the owner takes back what the consumer's window held once its connection
-        # closes (after the heal): the parent drains the rest
+        assert "consume: cut off" in job.logs(), "the consumer did not see the partition"
+        # the owner takes back what the consumer's window held (pushed ahead, never
+        # returned) once its connection closes (after the heal): the parent drains the rest
         then, deadline = [], time.monotonic() + TIMEOUT
         while set(first) | set(then) != set(range(ITEMS)):
             assert time.monotonic() < deadline, (
@@ -489,15 +495,12 @@ def test_a_consumer_cut_off_loses_nothing_and_repeats_only_its_last_items(
         assert len(set(then)) == len(then), "the queue returned an item twice after the cut"
         again = set(first) & set(then)
         # returned again: the last ones the cut-off consumer took, from just before the
-        # cut (acknowledged within ACK_DELAY, but the acknowledgement was lost) or during
-        # it (its window's items, never acknowledged)
+        # cut or during it, before it saw it: their acknowledgement (sent within ACK_DELAY)
+        # was held by the partition, and the consumer exited before the heal (its socket
+        # still sends what it held once healed, so some may arrive)
         assert again == set(first[len(first) - len(again):]), (
             f"returned again, not the consumer's last items: {sorted(again)}; "
             f"its last: {first[-len(again) - 2:]}")
-        during = {item for item, at in taken if at > cut_done}
-        assert during, "the consumer's window held nothing at the cut: nothing to give back"
-        assert during <= again, "an item the consumer took during the partition was not " \
-                                "returned again: its acknowledgement went through"
         assert all(at > cut_at - 1.0 for item, at in taken if item in again), (
             "an item taken well before the cut was returned again",
             [(item, round(cut_at - at, 3)) for item, at in taken if item in again])
