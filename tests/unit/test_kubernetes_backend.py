@@ -919,3 +919,25 @@ def test_the_watch_waits_as_long_as_the_server_asks(kube_cluster, fake):
         assert time.monotonic() - begin >= 2.5, "Retry-After: 3 was not honoured"
     finally:
         watcher.stop()
+
+
+def test_stop_while_the_watch_request_is_in_flight_ends_the_watch(kube_cluster, fake):
+    # stop() finds no stream to close while the watch request is still unanswered; the
+    # stream that comes afterwards must not be read on (until its next event or bookmark,
+    # a minute on a quiet run)
+    from fibrl.backends.kubernetes.api import Api, connect
+    from fibrl.backends.kubernetes.watch import PodWatcher
+
+    settings = KubeSettings.from_config(Config(kubernetes_kubeconfig=kube_cluster.kubeconfig))
+    fake.slow_requests("watch", "pods", 2.0)
+    api = Api(connect(settings, PodIdentity()))
+    watcher = PodWatcher(api, "stop-in-flight", "app=stop-in-flight", lambda kind, pod: None,
+                         lambda pods, seq: None, lambda exc: None, lambda: 0)
+    watcher.start()
+    try:
+        wait_until(lambda: watcher.watches >= 1, "the watch request", WAIT)
+        watcher.stop()   # (waits up to 5 s for its thread)
+        wait_until(lambda: not watcher._thread.is_alive(), "the watch thread's end", 10)
+    finally:
+        watcher.stop()
+        api.client.close()

@@ -71,8 +71,8 @@ class PodWatcher:
         self._thread.start()
 
     def stop(self) -> None:
-        self._stop.set()
-        resp = self._resp
+        self._stop.set()   # (before reading _resp: _watch stores its stream before it
+        resp = self._resp  # reads _stop, so one of the two closes a stream opening now)
         if resp is not None:
             _close(resp)
         self._thread.join(5.0)
@@ -126,6 +126,10 @@ class PodWatcher:
         self._resp = resp
         self.ready.set()
         try:
+            if self._stop.is_set():
+                # stop() came while the request was in flight: it found no stream to close,
+                # and this one would be read until its next event (minutes on a quiet run)
+                return rv
             return self._consume(resp, rv)
         finally:
             self._resp = None
