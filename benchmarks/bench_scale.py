@@ -1,4 +1,5 @@
-"""Pools at scale: fibrl against multiprocessing (spawn), measured in one run.
+"""Pools at scale: fibrl against multiprocessing (spawn) and the bare pynng floor,
+measured in one run.
 
 For each pool size and task length (sleep tasks at chunksize=1) this reports:
 
@@ -10,6 +11,11 @@ For each pool size and task length (sleep tasks at chunksize=1) this reports:
   CPU per task (user + system, from /proc); CPU time is what to compare on a shared
   machine, where other load stretches wall time far more;
 - threads and PSS per idle worker (fibrl's PSS counts its zygote's share).
+
+The floor (``pynng``) is the least any pool on pynng pays for the same layout: spawned
+workers pull pickled ``(index, function, argument)`` tasks from one Push0 socket and push
+pickled results to one Pull0 socket over TCP loopback, with two tasks in flight per
+worker and no heartbeats, no recovery and no accounting.
 
     python benchmarks/bench_scale.py                      # 2 8 32 128 512, 10 ms and 1 ms
     python benchmarks/bench_scale.py --sizes 2 8 32 --plot docs/img/scale.png
@@ -43,6 +49,67 @@ def nap(seconds: float) -> tuple:
     if _process[0] != os.getpid():   # a process forked after this module was imported
         _process = (os.getpid(), os.urandom(8).hex())
     return _process
+
+
+def _floor_worker(tasks: str, results: str) -> None:
+    import pickle
+
+    import pynng
+    with pynng.Pull0(dial=tasks, recv_buffer_size=1) as pull, \
+            pynng.Push0(dial=results) as push:
+        while True:
+            index, func, arg = pickle.loads(pull.recv())
+            if func is None:
+                return
+            push.send(pickle.dumps((index, func(arg)), pickle.HIGHEST_PROTOCOL))
+
+
+class FloorPool:
+    """The bare pynng floor of a pool (see the module docstring): map and
+    imap_unordered of a one-argument function at chunksize 1, nothing else."""
+
+    AHEAD = 2   # tasks in flight per worker
+
+    def __init__(self, workers: int) -> None:
+        import pynng
+        self._pickle = __import__("pickle")
+        self._push = pynng.Push0(listen="tcp://127.0.0.1:0", send_buffer_size=1)
+        self._pull = pynng.Pull0(listen="tcp://127.0.0.1:0")
+        addr = ["tcp://" + str(s.listeners[0].local_address)
+                for s in (self._push, self._pull)]
+        ctx = multiprocessing.get_context("spawn")
+        self._procs = [ctx.Process(target=_floor_worker, args=tuple(addr), daemon=True)
+                       for _ in range(workers)]
+        for proc in self._procs:
+            proc.start()
+
+    def imap_unordered(self, func, args, chunksize: int = 1):
+        dumps, loads = self._pickle.dumps, self._pickle.loads
+        todo = list(args)
+        sent = done = 0
+        while sent < min(len(todo), len(self._procs) * self.AHEAD):
+            self._push.send(dumps((sent, func, todo[sent])))
+            sent += 1
+        while done < len(todo):
+            yield loads(self._pull.recv())
+            done += 1
+            if sent < len(todo):
+                self._push.send(dumps((sent, func, todo[sent])))
+                sent += 1
+
+    def map(self, func, args, chunksize: int = 1) -> list:
+        out = dict(self.imap_unordered(func, args, chunksize))
+        return [out[i] for i in range(len(out))]
+
+    def terminate(self) -> None:
+        for proc in self._procs:
+            proc.terminate()
+
+    def join(self) -> None:
+        for proc in self._procs:
+            proc.join(10)
+        self._push.close()
+        self._pull.close()
 
 
 def _cpu(pid: int) -> float:
@@ -103,7 +170,8 @@ def _containers(parent: int) -> int:
 
 
 def measure(lib: str, workers: int, task: float, rounds: int, backend: str = "local") -> dict:
-    make = fibrl.Pool if lib == "fibrl" else multiprocessing.get_context("spawn").Pool
+    make = {"fibrl": fibrl.Pool, "mp": multiprocessing.get_context("spawn").Pool,
+            "pynng": FloorPool}[lib]
     local = lib != "fibrl" or backend == "local"
     t0 = time.perf_counter()
     pool = make(workers)
@@ -156,7 +224,7 @@ def plot(rows: list[dict], path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for lib, style in (("fibrl", "-o"), ("mp", "--s")):
+    for lib, style in (("fibrl", "-o"), ("mp", "--s"), ("pynng", ":^")):
         for task in sorted({r["task_ms"] for r in rows}):
             pts = [r for r in rows if r["lib"] == lib and r["task_ms"] == task]
             if not pts:
@@ -183,7 +251,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--tasks-ms", type=float, nargs="+", default=[10.0, 1.0])
     parser.add_argument("--rounds", type=int, default=20,
                         help="tasks per worker in the timed map (default 20)")
-    parser.add_argument("--libs", nargs="+", default=["fibrl", "mp"], choices=["fibrl", "mp"])
+    parser.add_argument("--libs", nargs="+", default=["fibrl", "mp", "pynng"],
+                        choices=["fibrl", "mp", "pynng"])
     parser.add_argument("--plot", help="write a PNG of efficiency and parent CPU per task")
     parser.add_argument("--backend", default="local", choices=["local", "docker"],
                         help="fibrl's backend (docker: worker CPU, threads and PSS are not "
@@ -212,17 +281,21 @@ def main(argv: list[str]) -> int:
                       f"threads={row['threads']:.1f}  pss={row['pss_mb']:.1f} MB"
                       + (f"  leftover containers={row['leftover']}" if "leftover" in row
                          else ""), flush=True)
-    print("\n| workers | task | lib | start s | efficiency | fibrl/mp | parent us/task "
-          "| parent us/task imap_unordered | worker us/task | threads | PSS MB |")
-    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for r in rows:
-        peer = [m for m in rows if m["lib"] == "mp" and m["workers"] == r["workers"]
+    print("\n| workers | task | lib | start s | efficiency | fibrl/mp | fibrl/pynng floor "
+          "| parent us/task | parent us/task imap_unordered | worker us/task | threads "
+          "| PSS MB |")
+    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+
+    def versus(r: dict, lib: str) -> str:
+        peer = [m for m in rows if m["lib"] == lib and m["workers"] == r["workers"]
                 and m["task_ms"] == r["task_ms"]]
-        ratio = (f"{r['efficiency'] / peer[0]['efficiency']:.2f}x"
-                 if r["lib"] == "fibrl" and peer else "")
+        return (f"{r['efficiency'] / peer[0]['efficiency']:.2f}x"
+                if r["lib"] == "fibrl" and peer else "")
+
+    for r in rows:
         print(f"| {r['workers']} | {r['task_ms']:g} ms | {r['lib']} | {r['start_s']:.2f} | "
-              f"{r['efficiency']:.2f} | {ratio} | {r['parent_us']:.0f} | "
-              f"{r['unordered_us']:.0f} | {r['worker_us']:.0f} | "
+              f"{r['efficiency']:.2f} | {versus(r, 'mp')} | {versus(r, 'pynng')} | "
+              f"{r['parent_us']:.0f} | {r['unordered_us']:.0f} | {r['worker_us']:.0f} | "
               f"{r['threads']:.1f} | {r['pss_mb']:.1f} |")
     if opts.plot and rows:
         plot(rows, opts.plot)
