@@ -6,6 +6,8 @@ the newest policy they took from the learner's ``PolicyStore``, and send each
 rollout, tagged with that policy's version, through a fibrl Queue. The learner
 trains on ``rollouts_per_update`` rollouts per update and keeps them on-policy:
 a rollout more than ``max_lag`` versions behind its policy is dropped and counted.
+The learner trains once every worker holds the first policy (a worker that
+starts late, a pod waiting for a node, would otherwise miss the first versions).
 After each update it publishes the new policy; a worker whose last rollout used
 the latest policy waits for the next one (the store answers as soon as it is
 published) instead of making a rollout that would be dropped.
@@ -14,9 +16,10 @@ published) instead of making a rollout that would be dropped.
     python examples/ppo_remote_rollouts.py --num-workers 3 --total-steps 512  # smoke size
 
 With more workers than ``rollouts_per_update``, the extra rollouts of each version
-arrive after the update and are dropped: the count shows what strict on-policy
-training costs; ``--max-lag 1`` trains on them instead (slightly off-policy, which
-PPO's clipped ratio tolerates). Needs ``pip install 'fibrl[rl]' torch``.
+arrive after the update and are dropped (so are stale ones still queued when
+training ends): the count shows what strict on-policy training costs;
+``--max-lag 1`` trains on them instead (slightly off-policy, which PPO's clipped
+ratio tolerates). Needs ``pip install 'fibrl[rl]' torch``.
 """
 from __future__ import annotations
 
@@ -56,8 +59,10 @@ class Args:
 
 
 # -- a rollout worker -------------------------------------------------------------------
-def rollout_worker(index: int, args: Args, policy: PolicyStore, rollouts, stop) -> None:
-    """Make rollouts with the newest policy of ``policy`` until ``stop`` is set."""
+def rollout_worker(index: int, args: Args, policy: PolicyStore, rollouts, stop,
+                   started) -> None:
+    """Make rollouts with the newest policy of ``policy`` until ``stop`` is set;
+    release ``started`` once it holds its first policy."""
     import gymnasium as gym
     from gymnasium.vector import AutoresetMode
     torch.set_num_threads(1)
@@ -75,6 +80,8 @@ def rollout_worker(index: int, args: Args, policy: PolicyStore, rollouts, stop) 
         wait = 1.0 if args.max_lag == 0 or follower.version == 0 else None
         if follower.refresh(timeout=wait):
             agent.load_state_dict(follower.params)
+            if follower.version == 1:
+                started.release()   # the learner trains once every worker holds it
         elif wait is not None:
             continue
         rollout, state = collect(agent, envs, state, args)
@@ -112,11 +119,13 @@ def collect(agent: Agent, envs, state: tuple, args: Args) -> tuple:
 
 
 # -- the learner ------------------------------------------------------------------------
-def learn(args: Args, policy: PolicyStore, rollouts, workers: list) -> dict:
+def learn(args: Args, policy: PolicyStore, rollouts, workers: list, started) -> dict:
     """Train on the rollouts of the current policy; returns what it reached."""
     agent = Agent(4, 2)
     optimizer = torch.optim.Adam(agent.parameters(), lr=args.lr, eps=1e-5)
     policy.publish(agent.state_dict())
+    for _ in workers:   # each makes a rollout of this first policy
+        wait_for_worker(started, workers)
     recent: collections.deque = collections.deque(maxlen=20)
     steps, updates, dropped, mean, start = 0, 0, 0, 0.0, time.monotonic()
     while steps < args.total_steps:
@@ -150,10 +159,21 @@ def next_rollout(rollouts, workers: list) -> dict:
         try:
             return rollouts.get(timeout=10)
         except queue.Empty:
-            dead = [w.exitcode for w in workers if not w.is_alive()]
-            if dead:
-                raise RuntimeError(f"rollout workers exited (exit codes {dead}); see "
-                                   f"their output above") from None
+            check_alive(workers)
+
+
+def wait_for_worker(started, workers: list) -> None:
+    """Wait for one more worker to hold the first policy (importing torch takes a
+    while); a clear error if the workers died instead."""
+    while not started.acquire(timeout=10):
+        check_alive(workers)
+
+
+def check_alive(workers: list) -> None:
+    dead = [w.exitcode for w in workers if not w.is_alive()]
+    if dead:
+        raise RuntimeError(f"rollout workers exited (exit codes {dead}); see "
+                           f"their output above")
 
 
 def train(args: Args) -> dict:
@@ -161,13 +181,15 @@ def train(args: Args) -> dict:
     torch.set_num_threads(1)
     fibrl.init(backend=args.backend)
     with PolicyStore() as policy:
-        rollouts, stop = fibrl.Queue(), fibrl.Event()
-        workers = [fibrl.Process(target=rollout_worker, args=(i, args, policy, rollouts, stop))
+        rollouts, stop, started = fibrl.Queue(), fibrl.Event(), fibrl.Semaphore(0)
+        workers = [fibrl.Process(target=rollout_worker,
+                                 args=(i, args, policy, rollouts, stop, started))
                    for i in range(args.num_workers)]
         for worker in workers:
             worker.start()
+        result = None
         try:
-            return learn(args, policy, rollouts, workers)
+            result = learn(args, policy, rollouts, workers, started)
         finally:
             stop.set()
             for worker in workers:
@@ -177,9 +199,12 @@ def train(args: Args) -> dict:
                     worker.join(10)
             while True:   # leave nothing behind in the queue's buffers
                 try:
-                    rollouts.get_nowait()
+                    left = rollouts.get_nowait()
                 except queue.Empty:
                     break
+                if result is not None and policy.is_stale(left["version"], args.max_lag):
+                    result["dropped"] += 1   # stale too: made before the last updates
+        return result
 
 
 def main() -> None:

@@ -20,8 +20,10 @@ def test_ppo_remote_rollouts_example_smoke(tmp_path):
     pytest.importorskip("torch")
     pytest.importorskip("gymnasium")
     env = checkout_env()
-    # three workers for two rollouts per update: each version's third rollout comes
-    # after the update that made it stale, so the learner must drop some
+    # three workers for two rollouts per update: the learner trains once all three hold
+    # the first policy, so each makes a rollout of it and the third of them is stale
+    # after the first update, however late it comes (dropped when read, or when the
+    # queue is emptied at the end)
     run = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "ppo_remote_rollouts.py"),
          "--num-workers", "3", "--envs-per-worker", "2", "--num-steps", "16",
