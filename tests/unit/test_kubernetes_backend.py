@@ -726,6 +726,7 @@ def test_watch_recovers_from_410_and_from_failed_lists(kube_cluster):
             wait_until(lambda: events, "an event of the new pod", WAIT)
         finally:
             watcher.stop()
+            api.client.close()   # its kept-alive connections to this test's own server
 
 
 @pytest.mark.fake_kube
@@ -907,9 +908,9 @@ def test_the_watch_waits_as_long_as_the_server_asks(kube_cluster, fake):
     # 500, not 503 or 429: urllib3 itself retries those when they carry Retry-After
     fake.inject_errors(500, count=1, verb="watch", resource="pods", retry_after=3,
                        namespace=space)
-    watcher = PodWatcher(Api(connect(settings, PodIdentity())), space, "app=retry-after",
-                         lambda kind, pod: None, lambda pods, seq: None, lambda exc: None,
-                         lambda: 0)
+    api = Api(connect(settings, PodIdentity()))
+    watcher = PodWatcher(api, space, "app=retry-after", lambda kind, pod: None,
+                         lambda pods, seq: None, lambda exc: None, lambda: 0)
     begin = time.monotonic()
     watcher.start()
     try:
@@ -919,6 +920,7 @@ def test_the_watch_waits_as_long_as_the_server_asks(kube_cluster, fake):
         assert time.monotonic() - begin >= 2.5, "Retry-After: 3 was not honoured"
     finally:
         watcher.stop()
+        api.client.close()
 
 
 def test_stop_while_the_watch_request_is_in_flight_ends_the_watch(kube_cluster, fake):
