@@ -14,6 +14,7 @@ import base64
 import copy
 import json
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from typing import Iterator
@@ -184,8 +185,10 @@ class Api:
     # ------------------------------------------------------------------ watch
 
     def watch(self, rt: ResourceType, namespace: str | None, selectors: Selectors, resource_version: str | None,
-              timeout: float | None, bookmarks: bool = False, initial_events: bool | None = None) -> Iterator[dict]:
-        """Watch events as dicts ``{"type", "object"}``, ending at the timeout.
+              timeout: float | None, bookmarks: bool = False, initial_events: bool | None = None,
+              cancelled: threading.Event | None = None) -> Iterator[dict]:
+        """Watch events as dicts ``{"type", "object"}``, ending at the timeout, or as soon as
+        ``cancelled`` is set and :meth:`wake_watches` is called (its client hung up).
 
         A resourceVersion newer than the store's is refused at once (504, as an API
         server whose cache lags behind, after a failover, refuses it); with ``bookmarks``
@@ -200,11 +203,16 @@ class Api:
                                             "message": "Too large resource version"}],
                                 "retryAfterSeconds": 1}, {"Retry-After": "1"})
         return self._watch_events(rt, namespace, selectors, resource_version, timeout, bookmarks,
-                                  initial_events)
+                                  initial_events, cancelled)
+
+    def wake_watches(self) -> None:
+        """Make the watches waiting for events check whether they were cancelled."""
+        self.store.wake()
 
     def _watch_events(self, rt: ResourceType, namespace: str | None, selectors: Selectors,
                       resource_version: str | None, timeout: float | None, bookmarks: bool,
-                      initial_events: bool | None) -> Iterator[dict]:
+                      initial_events: bool | None,
+                      cancelled: threading.Event | None) -> Iterator[dict]:
         deadline = time.monotonic() + (self.settings.watch_default_timeout if timeout is None else timeout)
         if resource_version in (None, "", "0") or initial_events:
             items, cursor = self.store.list(rt.plural, namespace)
@@ -220,7 +228,7 @@ class Api:
         while True:
             wake = min(deadline, time.monotonic() + interval) if bookmarks and interval else deadline
             try:
-                events = self.store.events_after(cursor, wake)
+                events = self.store.events_after(cursor, wake, cancelled)
             except Expired as exc:
                 yield {"type": "ERROR", "object": ApiError(410, "Expired", str(exc)).status()}
                 return

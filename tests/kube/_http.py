@@ -12,7 +12,9 @@ from __future__ import annotations
 import datetime as dt
 import json
 import logging
+import os
 import re
+import selectors
 import socket
 import threading
 import time
@@ -20,7 +22,7 @@ import uuid
 from collections import deque
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Iterator
+from typing import Callable, Iterator
 from urllib.parse import parse_qsl, urlsplit
 
 from ._api import Api, DeleteOptions
@@ -41,6 +43,7 @@ class Response:
     content_type: str = "application/json"
     headers: dict = field(default_factory=dict)
     stream: Iterator[bytes] | None = None     # chunked when set
+    on_hangup: Callable[[], None] | None = None   # a stream's end, when its client hangs up
 
 
 # What a 1.20 API server negotiates for pods/log (it answers with the plain log text
@@ -315,10 +318,16 @@ class Router:
         return json_response(200, listing)
 
     def _watch(self, info, query, body, content_type) -> Response:
+        hung_up = threading.Event()
         events = self.api.watch(info.rt, info.namespace, self._selectors(info, query), query.get("resourceVersion"),
                                 _int(query, "timeoutSeconds"), _flag(query, "allowWatchBookmarks"),
-                                _flag(query, "sendInitialEvents"))
-        return Response(200, stream=(json.dumps(e).encode() + b"\n" for e in events))
+                                _flag(query, "sendInitialEvents"), cancelled=hung_up)
+
+        def end() -> None:   # as a real API server's watch ends with its client's connection
+            hung_up.set()
+            self.api.wake_watches()
+
+        return Response(200, stream=(json.dumps(e).encode() + b"\n" for e in events), on_hangup=end)
 
     def _create(self, info, query, body, content_type) -> Response:
         if info.name:
@@ -554,6 +563,8 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Transfer-Encoding", "chunked")
         self.end_headers()
         self.wfile.flush()
+        if response.on_hangup is not None:
+            self.server.hangups.watch(self.connection, response.on_hangup)
         try:
             for chunk in response.stream:
                 self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
@@ -563,7 +574,94 @@ class _Handler(BaseHTTPRequestHandler):
         except (BrokenPipeError, ConnectionResetError, OSError):
             self.close_connection = True
         finally:
+            if response.on_hangup is not None:
+                # (before the connection closes: its descriptor number may be reused)
+                if self.server.hangups.forget(self.connection):
+                    self.close_connection = True
             response.stream.close()
+
+
+class Hangups:
+    """Notices the clients that hang up on a stream the server is still sending (a watch
+    that waits for events writes nothing, so it would not see its client go until its next
+    event or bookmark, a minute later) and calls that stream's ``on_hangup``. One thread
+    for the server; a stream's client sends nothing more once the stream began, so its
+    connection turning readable means it closed (or broke)."""
+
+    def __init__(self) -> None:
+        self._selector = selectors.DefaultSelector()
+        self._lock = threading.Lock()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_w, False)
+        self._selector.register(self._wake_r, selectors.EVENT_READ, None)
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="fake-apiserver-hangups",
+                                        daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def watch(self, conn: socket.socket, on_hangup: Callable[[], None]) -> None:
+        with self._lock:
+            if not self._closed:
+                self._selector.register(conn, selectors.EVENT_READ, on_hangup)
+        self._wake()
+
+    def forget(self, conn: socket.socket) -> bool:
+        """Stop watching ``conn``; True if its client had hung up."""
+        with self._lock:
+            if self._closed:
+                return True
+            try:
+                self._selector.unregister(conn)
+            except (KeyError, ValueError):   # already found hung up (ValueError: closed)
+                return True
+        return False
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+        self._wake()
+        self._thread.join(5)
+        self._selector.close()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"w")
+        except BlockingIOError:
+            pass   # a wake-up is pending anyway
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                if self._closed:
+                    return
+            for key, _ in self._selector.select():
+                if key.data is None:
+                    try:
+                        os.read(self._wake_r, 4096)
+                    except BlockingIOError:
+                        pass
+                    continue
+                with self._lock:
+                    if self._closed or self._selector.get_map().get(key.fd) is not key:
+                        continue   # forgotten meanwhile: its stream ended by itself
+                    self._selector.unregister(key.fileobj)
+                if _hung_up(key.fileobj):
+                    key.data()
+                # (else it sent more: no longer watched, its stream ends as it would have)
+
+
+def _hung_up(conn: socket.socket) -> bool:
+    """Whether the client of ``conn``, which is readable, closed it (or it broke)."""
+    try:
+        return conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
 
 
 class HttpServer(ThreadingHTTPServer):
@@ -575,6 +673,7 @@ class HttpServer(ThreadingHTTPServer):
         self.router: Router | None = None
         self._connections: set[socket.socket] = set()
         self._lock = threading.Lock()
+        self.hangups = Hangups()
         self._thread = threading.Thread(target=self.serve_forever, kwargs={"poll_interval": 0.2},
                                         name="fake-apiserver-http", daemon=True)
 
@@ -583,6 +682,7 @@ class HttpServer(ThreadingHTTPServer):
         return self.server_address[1]
 
     def start(self) -> None:
+        self.hangups.start()
         self._thread.start()
 
     def process_request(self, request, client_address) -> None:
@@ -606,3 +706,4 @@ class HttpServer(ThreadingHTTPServer):
                 pass
         self.server_close()
         self._thread.join(timeout=5)
+        self.hangups.close()

@@ -129,15 +129,17 @@ class Store:
 
     # ------------------------------------------------------------------ watch
 
-    def events_after(self, rv: int, deadline: float) -> list[WatchEvent] | None:
+    def events_after(self, rv: int, deadline: float,
+                     cancelled: threading.Event | None = None) -> list[WatchEvent] | None:
         """Events newer than ``rv``, blocking until there are some.
 
-        Returns ``[]`` at the deadline, ``None`` once the store is closed, and
-        raises :class:`Expired` when events after ``rv`` were already dropped.
+        Returns ``[]`` at the deadline, ``None`` once the store is closed or ``cancelled``
+        is set (then :meth:`wake` ends the wait), and raises :class:`Expired` when events
+        after ``rv`` were already dropped.
         """
         with self._cond:
             while True:
-                if self._closed:
+                if self._closed or (cancelled is not None and cancelled.is_set()):
                     return None
                 if rv < self._compacted_rv:
                     raise Expired(rv, self._history[0].rv if self._history else self._rv)
@@ -148,6 +150,11 @@ class Store:
                 if remaining <= 0:
                     return []
                 self._cond.wait(remaining)
+
+    def wake(self) -> None:
+        """Make every :meth:`events_after` waiting now check its ``cancelled`` again."""
+        with self._cond:
+            self._cond.notify_all()
 
     def close(self) -> None:
         with self._cond:

@@ -17,7 +17,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from conftest import require_module
+from conftest import require_module, wait_until
 
 require_module("kubernetes")
 from kubernetes import client, config, watch  # noqa: E402
@@ -251,6 +251,18 @@ def test_watch_too_old_resource_version_is_410():
         event = json.loads(response.data.splitlines()[0])
         assert event["type"] == "ERROR" and event["object"]["code"] == 410
         assert event["object"]["reason"] == "Expired"
+
+
+def test_a_watch_ends_on_the_server_as_soon_as_its_client_hangs_up():
+    # as a real API server's: the fake's went on waiting for its next event or bookmark
+    # (here none comes before the watch's 290 s), holding its thread and connection
+    with FakeApiServer(bookmark_interval=0) as server, server.api_client() as api:
+        response = client.CoreV1Api(api).list_namespaced_pod(
+            "default", watch=True, timeout_seconds=290, allow_watch_bookmarks=True,
+            _preload_content=False, _request_timeout=10)
+        assert len(server._http._connections) == 1
+        response.close()
+        wait_until(lambda: not server._http._connections, "the server's end of the watch", WAIT)
 
 
 # --------------------------------------------------------------------------- pods really run
