@@ -25,6 +25,7 @@ their own connections and exit too.
 """
 from __future__ import annotations
 
+import gc
 import importlib
 import json
 import os
@@ -44,6 +45,7 @@ def _preload(modules) -> None:
 
 
 def _child(request: dict, stdio: list, keep_fds: tuple) -> None:
+    gc.enable()   # the zygote runs without (see main); its objects stay frozen here
     signal.set_wakeup_fd(-1)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)   # as a spawned child's
@@ -153,6 +155,7 @@ def serve(requests_fd: int, replies_fd: int) -> None:
 def _fork(request: dict, stdio: list, out, fds: tuple) -> None:
     try:
         _preload(request.get("preload", ()))
+        gc.freeze()   # see main()
         pid = os.fork()
     except Exception as exc:  # a module that does not import, or no fork
         _write(out, {"id": request["id"], "error": f"{type(exc).__name__}: {exc}"})
@@ -170,6 +173,10 @@ def main() -> None:
     # ends when its parent closes the request pipe, so it neither dies of it nor prints a
     # traceback (its children get Python's handler back, see _child).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # What the zygote imported stays shared with its children only while no one writes
+    # to it: no collection in the zygote leaves holes for new objects to fill, and
+    # gc.freeze() before each fork keeps the children's collections off those objects.
+    gc.disable()
     _preload(sys.argv[3:])
     requests_fd, replies_fd = int(sys.argv[1]), int(sys.argv[2])
     serve(requests_fd, replies_fd)
