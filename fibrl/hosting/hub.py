@@ -689,6 +689,21 @@ class Client:
         for cb in self._lost_callbacks:
             cb()
 
+    @property
+    def channel(self) -> Channel:
+        """The connection itself: its ``closed`` turns True the moment this side closes
+        it, before the reader thread fails this client's calls and streams."""
+        return self._channel
+
+    def lost_now(self) -> bool:
+        """Whether the connection dropped. One that this side closed a moment ago (its
+        reader found a frame it could not decode, a test's fault seam cut it) and whose
+        loss the reader thread has not handled yet is handled here first: its calls and
+        streams fail now, so a caller never goes on as if what came on it still held."""
+        if not self.lost and self._channel.closed:
+            self._on_lost()
+        return self.lost
+
     def on_lost(self, callback: Callable[[], None]) -> None:
         """Run ``callback`` once when the connection drops."""
         self._lost_callbacks.append(callback)

@@ -34,6 +34,7 @@ class Client:
         self.lost = False
         self.sent: list = []
         self.streams: dict = {}
+        self.channel = Channel()
 
     def stream(self, oid, method, args, on_reply):
         rid = len(self.streams) + 1
@@ -53,8 +54,22 @@ class Client:
     def drop(self) -> None:
         """The connection dropped: every stream on it fails (as ``hub.Client._on_lost``)."""
         self.lost = True
+        self.channel.closed = True
         for on_reply in list(self.streams.values()):
             on_reply(False, RemoteObjectError("its connection dropped"))
+
+    def cut(self) -> None:
+        """This side closed the connection; its reader thread has not seen it yet."""
+        self.channel.closed = True
+
+    def lost_now(self) -> bool:
+        if not self.lost and self.channel.closed:
+            self.drop()   # (handled here, as ``hub.Client.lost_now`` does)
+        return self.lost
+
+
+class Channel:
+    closed = False
 
 
 class Hub:
@@ -101,6 +116,17 @@ def test_a_window_whose_connection_dropped_returns_none_of_what_it_held(hub):
     threading.Timer(0.05, lambda: hub.clients[1].push(b"b", b"c")).start()
     assert [win.get(WAIT), win.get(WAIT)] == [b"b", b"c"]
     assert len(hub.clients) == 2 and not hub.clients[1].lost
+
+
+def test_a_window_whose_connection_was_closed_here_returns_none_of_what_it_held(hub):
+    """Closed on this side (a fault seam's cut, in any thread), the loss not yet handled
+    by the connection's reader: what the window holds is dropped all the same."""
+    win = _window_holding(hub, b"a", b"b", b"c")
+    hub.clients[0].cut()
+    threading.Timer(0.05, lambda: hub.clients[1].push(b"b", b"c")).start()
+    assert [win.get(WAIT), win.get(WAIT)] == [b"b", b"c"]
+    assert len(hub.clients) == 2, "returned from the window of the closed connection"
+    assert hub.clients[0].lost and not hub.clients[1].lost
 
 
 def test_a_get_waiting_when_the_connection_drops_raises_it(hub):

@@ -70,6 +70,7 @@ class Window:
         self.stream: Optional[object] = None   # the open stream's token; None: closed
         self.rid = 0
         self.client: Any = None  # the connection the stream is on (never a new one)
+        self.conn: Any = None    # its channel (closed: see _servable)
         self.size = 1          # items this process asks the owner to hold for it
         self.returned = 0      # items get() returned from this stream
         self.reported = 0      # the count the owner was last told
@@ -132,6 +133,7 @@ class Window:
         self.items.clear()
         self.stale = 0
         self.client = hub.client(self.address)
+        self.conn = self.client.channel
         rid = self.client.stream(
             self.oid, "window", (self.size,), lambda ok, value: self._on_reply(token, ok, value))
         if self.stream is token:
@@ -182,6 +184,22 @@ class Window:
             self.items.clear()
         self.error = exc
         self.cond.notify_all()
+
+    def _servable(self) -> bool:
+        """Whether get() may return what the window holds (cond held, items held): not
+        once the stream's connection was closed on this side (a frame it could not
+        decode, a test's fault seam cut it: in any thread), though the reader thread
+        may not have handled that yet. The owner puts those items back when it sees the drop,
+        so they are dropped here, as :meth:`_lost` does: only what get() returned
+        before the close can come twice."""
+        if self.stream is None or not self.conn.closed:
+            return True
+        self.client.lost_now()   # (fails the stream here, unless another thread does now)
+        if self.stream is not None:
+            log.debug("window on %s at %s: dropped %d item(s) pushed ahead; its connection "
+                      "closed", self.oid, self.address, len(self.items))
+            self.items.clear()
+        return False
 
     def _on_reply(self, token: object, ok: bool, value: Any) -> None:
         with self.cond:
@@ -248,8 +266,10 @@ class Window:
     def get(self, timeout: Optional[float]) -> Any:
         """Return the next item pushed here; ``queue.Empty`` after ``timeout`` seconds."""
         with self.lock:
+            if self.items and (self.stream is None or not self.conn.closed):
+                return self._pop()   # (the usual case; the rest as in _servable)
             if self.items:
-                return self._pop()
+                self._servable()
             hub = get_hub()
             if self.error is not None and self.stream is None:
                 self.error = None  # a new stream: the owner may be back (a reconnect)
@@ -259,7 +279,7 @@ class Window:
                 self.size *= 2  # it ran dry: ask for more ahead
             if timeout is not None and timeout <= 0:
                 self._want(hub, ASKING)  # the owner pushes an item stored, then answers
-                if self.items:
+                if self.items and self._servable():
                     payload = self._pop()
                     if self.returned != self.reported:
                         self._want(hub, IDLE)  # a request went to the owner anyway: ack now
@@ -270,7 +290,7 @@ class Window:
             deadline = None if timeout is None else time.monotonic() + timeout
             self.waiters += 1
             try:
-                while not self.items:
+                while not (self.items and self._servable()):
                     self._raise_error()
                     left = None if deadline is None else deadline - time.monotonic()
                     if left is not None and left <= 0:
