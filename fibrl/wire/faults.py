@@ -243,7 +243,7 @@ class _Seam:
                 _counts["dropped"] += 1
                 return True
             if action == "cut":
-                _counts["cut"] += 1
+                pass   # (counted below, once closed)
             elif conn in _queues or action in ("hold", "delay"):
                 _enqueue(conn, frame, active, now)   # (order: behind what waits)
                 if action == "duplicate":
@@ -256,6 +256,8 @@ class _Seam:
                 _counts["duplicated"] += 1
         if action == "cut":
             conn.close()
+            with _lock:   # (a cut counted is one closed: a test that sees it, sees that)
+                _counts["cut"] += 1
             return True
         _send(conn, frame)   # the copy first: both are the same bytes
         return False
