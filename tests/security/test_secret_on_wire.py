@@ -80,7 +80,11 @@ def _run_program(marker: str) -> dict:
 
 # alone: beside three other test processes, loopback carried more than the capture
 # kept up with, and this run's own packets were missed
+# The capture holds every byte that crossed loopback meanwhile, this machine's other
+# programs' included; searching it for six forms of the secret takes a few seconds on an
+# idle machine, far more on one also busy with others' work.
 @needs_capture
+@pytest.mark.timeout(240)
 @pytest.mark.alone
 @pytest.mark.parametrize("ctx", ["local"], indirect=True)
 def test_secret_never_crosses_the_wire(ctx, configure):
