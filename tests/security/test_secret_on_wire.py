@@ -79,10 +79,10 @@ def _run_program(marker: str) -> dict:
 
 
 # alone: beside three other test processes, loopback carried more than the capture
-# kept up with, and this run's own packets were missed
-# The capture holds every byte that crossed loopback meanwhile, this machine's other
-# programs' included; searching it for six forms of the secret takes a few seconds on an
-# idle machine, far more on one also busy with others' work.
+# kept up with, and this run's own packets were missed. The limit: the capture still
+# holds every byte that crossed loopback meanwhile, other programs' included, and
+# searching it for six forms of the secret takes seconds on an idle machine, far more
+# on a busy one.
 @needs_capture
 @pytest.mark.timeout(240)
 @pytest.mark.alone
