@@ -226,17 +226,23 @@ class _Owner:
         self.queue = self.handover.get(timeout=TIMEOUT)
         self.largest = 1   # (see drain)
 
-    def drain(self, seam, timeout=3.0):
-        """Every item ``get()`` returns until none comes for ``timeout`` s, how many of
-        them came before the seam cut a connection (counting the one whose call the
-        cut happened in), and the errors raised meanwhile. ``self.largest``: the
-        largest size the window asked for up to the cut."""
+    def drain(self, seam, timeout=3.0, seen=None):
+        """Every item ``get()`` returns until none comes for ``timeout`` s (given
+        ``seen``, the items returned before: once every item was returned, a missing
+        one is waited for up to ``TIMEOUT``, since a late item is not a lost one), how
+        many of them came before the seam cut a connection (counting the one whose
+        call the cut happened in), and the errors raised meanwhile. ``self.largest``:
+        the largest size the window asked for up to the cut."""
         got, before_cut, errors = [], None, []
+        deadline = time.monotonic() + TIMEOUT
         while len(got) < 2 * ITEMS:
             try:
                 got.append(self.queue.get(timeout=timeout))
             except queue.Empty:
-                break
+                if seen is None or set(seen) | set(got) == set(range(ITEMS)) or \
+                        time.monotonic() > deadline:
+                    break
+                continue
             except RemoteObjectError as exc:   # (the call the cut caught)
                 errors.append(exc)
                 assert len(errors) == 1, errors
@@ -293,7 +299,7 @@ def test_a_consumers_message_lost_or_repeated_changes_nothing(owner, seam, actio
     owner = owner()
     first = [owner.queue.get(timeout=TIMEOUT) for _ in range(3)]   # its window is open
     seam.install(faults.Rule(action, side="channel", after=2, count=1))
-    got, _, errors = owner.drain(seam)
+    got, _, errors = owner.drain(seam, seen=first)
     assert seam.counts()[{"drop": "dropped", "duplicate": "duplicated"}[action]] == 1
     assert errors == []
     _once_each(first + got)
@@ -305,7 +311,7 @@ def test_a_cut_connection_loses_nothing_and_repeats_only_what_get_returned_befor
     owner = owner()
     first = [owner.queue.get(timeout=TIMEOUT) for _ in range(3)]
     seam.install(faults.Rule("cut", side="channel", after=5, count=1))
-    got, before_cut, errors = owner.drain(seam)
+    got, before_cut, errors = owner.drain(seam, seen=first)
     assert seam.counts()["cut"] == 1 and before_cut is not None
     assert all("connection dropped" in str(exc) for exc in errors), errors
     # returned by get() before the cut, and over the new connection after it
@@ -335,7 +341,7 @@ def test_a_cut_connection_repeats_nothing_get_returned_after_it(owner, seam):
     with contextlib.suppress(RemoteObjectError):   # (the call the cut caught, if it did)
         owner.queue.qsize()   # a frame to the owner: the cut takes it
     assert seam.counts()["cut"] == 1
-    got, _, errors = owner.drain(seam)
+    got, _, errors = owner.drain(seam, seen=first)
     assert errors == []
     after = [x for x in got if x not in first]   # (those came back: acks lost in the cut)
     assert sorted(set(first + got)) == list(range(ITEMS))
@@ -377,7 +383,7 @@ def test_a_cut_seen_here_before_the_reader_sees_it_repeats_nothing_after_it(
         next_one = owner.queue.get(timeout=TIMEOUT)
     finally:
         gate.set()
-    got, _, errors = owner.drain(seam)
+    got, _, errors = owner.drain(seam, seen=first + [next_one])
     after = [next_one] + got
     assert errors == []
     assert sorted(set(first + after)) == list(range(ITEMS)), "an item was lost"
