@@ -822,13 +822,16 @@ def _held_by_the_process() -> tuple:
 
 def _add_handshakes(listener, fds: set, threads: set) -> None:
     """Add to ``fds`` and ``threads`` what ``listener`` holds for its handshakes still in
-    progress: a peer that proved the secret gets a data socket and a thread that waits
-    for its token (its once-port is among the gate's ports above). The listener ends each
-    within its auth_timeout even when the peer never comes (a worker killed between its
-    handshake and its data connection: a pool's worker whose start returned after
-    terminate()), so they are the listener's, not the test's."""
+    progress: a peer that proved the secret gets a data socket, a once-port (the gate's
+    thread lists it among its ports a moment later) and a thread that waits for its
+    token. The listener ends each within its auth_timeout even when the peer never comes
+    (a worker killed between its handshake and its data connection: a pool's worker
+    whose start returned after terminate()), so they are the listener's, not the test's."""
     for peer in list(getattr(listener, "_opening", {}).values()):
         threads.add(getattr(peer, "thread", None))
+        port = getattr(peer, "port", None)
+        if port is not None:
+            fds.add(_fileno(port.sock))
         # its readiness pipe, if it made one (_watch: asking nng for it would make one)
         pipe = _recv_pipe(peer._sock) if getattr(peer, "_poll", None) else None
         if pipe is None:
