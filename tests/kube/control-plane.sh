@@ -10,6 +10,7 @@
 #   tests/kube/control-plane.sh crash-one NAME   SIGKILL one of them and every process under it,
 #                                       as a machine that loses power (node-agent: its pods too)
 #   tests/kube/control-plane.sh start-one NAME   start it again with the command `up` gave it
+#                                       (kube-apiserver: and wait until it is ready)
 #                                       (the tests of outages use these)
 #   tests/kube/control-plane.sh audit-log  print the path of the API server's audit log
 #
@@ -30,6 +31,9 @@ CACHE=${FIBRL_KUBE_CACHE:-/var/cache/fibrl-kube}
 STATE=${FIBRL_KUBE_STATE:-/tmp/fibrl-kube-plane}
 BIN=$CACHE/$KUBE_SRC_VERSION/bin
 READY_TIMEOUT=${FIBRL_KUBE_READY_TIMEOUT:-300}   # the API server alone took 140 s on a loaded 2-core machine
+# start-one kube-apiserver waits this long for it (its data is there already: a restart is
+# quicker than the first start); under the 120 s the outage tests give one call of this script
+RESTART_TIMEOUT=${FIBRL_KUBE_RESTART_TIMEOUT:-100}
 BUILD_PACKAGES="golang-go golang-github-modern-go-reflect2-dev dpkg-dev"
 RUN_PACKAGES="etcd-server openssl curl"
 COMPONENTS="kube-apiserver kube-controller-manager kube-scheduler"
@@ -374,12 +378,21 @@ stop_one() {  # stop_one NAME [crash]: stop (or crash) one component and forget 
     printf '%s' "$kept" > "$STATE/pids"
 }
 
-start_one() {  # start_one NAME: start a stopped component again, as `up` started it
+start_one() {  # start_one NAME: start a stopped component again, as `up` started it; the
+    # API server: wait until it is ready, as `up` does (tests that follow an outage test would
+    # otherwise find it refusing connections while it starts)
     [ -f "$STATE/commands/$1" ] || die "no command recorded for $1"
     if cut -d' ' -f2 "$STATE/pids" | grep -qx "$1"; then die "$1 runs already"; fi
     local -a argv
     mapfile -d '' argv < "$STATE/commands/$1"
     start "$1" "${argv[@]}"
+    if [ "$1" = kube-apiserver ]; then
+        local pki=$STATE/pki
+        DEADLINE=$((SECONDS + RESTART_TIMEOUT))
+        ready "https://127.0.0.1:$(cat "$STATE/api-port")/readyz" --cacert "$pki/ca.crt" \
+            --cert "$pki/admin.crt" --key "$pki/admin.key" \
+            || die "kube-apiserver not ready ${RESTART_TIMEOUT}s after its start"
+    fi
     log "started $1 again"
 }
 
