@@ -408,6 +408,10 @@ class KubeCluster:
         return config.new_client_from_config(config_file=self.admin_kubeconfig or self.kubeconfig)
 
 
+# the fake API server kube_cluster started (session scope): see _held_by_the_process
+_SESSION_API_SERVERS: list = []
+
+
 @pytest.fixture(scope="session")
 def kube_cluster():
     """A cluster for kubernetes tests, for the whole session.
@@ -441,6 +445,7 @@ def kube_cluster():
     from tests.kube.fake_apiserver import FakeApiServer
 
     server = FakeApiServer(runtime="process").start()
+    _SESSION_API_SERVERS.append(server)
     cluster = KubeCluster(server.write_kubeconfig(), KUBE_TEST_NAMESPACE, "fibrl:latest",
                           "127.0.0.1", server)
     HTTP_POOL_PEERS.add(f"127.0.0.1:{server.port}")
@@ -452,6 +457,7 @@ def kube_cluster():
     finally:
         _close_kubernetes_backends()
         server.stop()
+        _SESSION_API_SERVERS.remove(server)
 
 
 def _api_server_addresses(cluster: KubeCluster) -> set:
@@ -785,6 +791,7 @@ def _held_by_the_process() -> tuple:
     thread and its listener (accept and idle-peer threads, its gate's thread, selector,
     wake pair and listening ports, its handshakes in progress: _add_handshakes), each local
     backend's fork server (its request socket and reply pipe; one backend per config),
+    the session's fake API server's hang-up watcher (its thread, selector and wake pipe),
     the docker reaper's pipe (one per process), nng's own threads that ran Python
     callbacks and the stdlib multiprocessing heap's arenas. Found on the objects
     themselves, so they count only while they are live."""
@@ -811,6 +818,10 @@ def _held_by_the_process() -> tuple:
         server = getattr(backend, "_server", None)
         if server is not None and server.alive:
             fds.update((_fileno(server._requests), server._rep_r))
+    for api_server in _SESSION_API_SERVERS:   # its hang-up watcher's selector and wake pipe
+        hangups = api_server._http.hangups
+        threads.add(hangups._thread)
+        fds.update((_fileno(hangups._selector), hangups._wake_r, hangups._wake_w))
     reaper = sys.modules.get("fibrl.backends.docker.reaper")
     if reaper is not None:   # the docker reaper's pipe: it waits for this process to end
         fds.add(reaper._reapers.get(os.getpid()))
