@@ -299,6 +299,7 @@ class _CutRun:
         self.workers = wait_until(lambda: _both(supervisor.processes()), "both workers")
         self.ids = [p._popen.job.id for p in self.workers]
         self.worker = _worker_at(self.workers, self.end, netcut.engine)
+        self.worker_id = self.worker._popen.job.id   # (a process forgets it once it ended)
         self.cut_at = time.monotonic()
         self.partition = netcut(self.worker, kind)
         self.cut_done = time.monotonic()
@@ -415,7 +416,7 @@ def test_network_partition_past_parent_timeout_loses_the_worker_once(
             assert cut.result.get(0) == out
             # it ends by itself (told to stop, or its parent lost), well before the pool
             # would kill it (30 s after the loss)
-            stale_id = cut.worker._popen.job.id
+            stale_id = cut.worker_id
             wait_until(lambda: _container_ended(docker_engine, stale_id),
                        "the stale worker's container to exit", timeout=20)
             others = [i for i in cut.ids if i != stale_id]

@@ -727,8 +727,11 @@ def test_istio_injection_adds_a_sidecar_that_never_exits(v1):
         pod = v1.create_namespaced_pod(namespace, pod_body(name="w", container={"name": "worker"}),
                                        _request_timeout=5)
         assert [c.name for c in pod.spec.containers] == ["worker", "istio-proxy"]
-        done = wait_pod(v1, namespace, "w", lambda p: any(
-            cs.name == "worker" and cs.state.terminated for cs in p.status.container_statuses or []))
+        # the worker ends, the sidecar runs on (it may start after the worker ended)
+        done = wait_pod(v1, namespace, "w", lambda p: {
+            cs.name: ("ended" if cs.state.terminated else "running" if cs.state.running else "")
+            for cs in p.status.container_statuses or []} == {"worker": "ended",
+                                                             "istio-proxy": "running"})
         assert [cs.name for cs in done.status.container_statuses] == ["istio-proxy", "worker"]
         assert done.status.phase == "Running"          # the sidecar still runs
         opted_out = v1.create_namespaced_pod(namespace, pod_body(
