@@ -8,7 +8,9 @@ network gone, until it comes back. What must hold:
   worker's late result is dropped and the worker exits by itself (nobody kills it);
 * a Queue consumer frozen while it holds a window of pushed-ahead items: the others
   go on with the rest, and after it resumes every one of 3,000 items was taken
-  exactly once;
+  exactly once; frozen past ``parent_timeout`` while the others wait, its window's
+  items go to them (its connection is cut, as if its process were gone), and once
+  resumed it exits by itself;
 * a manager server frozen for less than ``parent_timeout``: a call made meanwhile
   waits, then succeeds, and so does a call that was inside the server;
 * the parent itself frozen for less than ``parent_timeout``: its pool workers carry
@@ -160,6 +162,64 @@ def test_frozen_queue_consumer_holding_a_window_loses_and_repeats_nothing(config
                               f"{total - len(set(got))} missing"
     assert sorted(got) == list(range(total))
     assert q.qsize() == 0
+
+
+def take_one_then_hold(q, results, started):
+    """Take one item, report it, then hold the window pushed ahead to this consumer
+    without taking more (until the process ends)."""
+    results.put([q.get(timeout=TIMEOUT)])
+    started.put(os.getpid())
+    time.sleep(TIMEOUT)
+
+
+def test_queue_consumer_frozen_past_parent_timeout_hands_its_window_to_the_others(configure):
+    limit = 3.0
+    configure(backend="local", heartbeat_interval=0.5, parent_timeout=limit)
+    total = 500
+    q, results, started = fibrl.Queue(), fibrl.Queue(), fibrl.Queue()
+    for i in range(total):
+        q.put(i)
+    victim = fibrl.Process(target=take_one_then_hold, args=(q, results, started))
+    victim.start()
+    others = [fibrl.Process(target=consume_until_none, args=(q, results, started))
+              for _ in range(2)]
+    try:
+        assert started.get(timeout=TIMEOUT) == victim.pid
+        (first,) = results.get(timeout=TIMEOUT)   # what the victim took
+        wait_until(lambda: _held_in_windows(q) >= 1, "items pushed ahead to the consumer")
+        freeze(victim.pid)
+        try:
+            assert _stopped(victim.pid)
+            held = _held_in_windows(q)
+            assert held >= 1, "the consumer held no window when it froze"
+            for p in others:
+                p.start()
+            # Everything, the frozen consumer's window included, is taken by the others
+            # once its recall stays unanswered for parent_timeout; without the cut this
+            # waits until the freeze ends.
+            wait_until(lambda: q.qsize() == 0 and _held_in_windows(q) == 0,
+                       "the frozen consumer's window to go to the others", 15 * limit)
+            assert _stopped(victim.pid), "the consumer was resumed before the check"
+        finally:
+            thaw(victim.pid)
+        victim.join(TIMEOUT)   # its connection to its parent was cut: it ends by itself
+        assert victim.exitcode == 255
+        for _ in others:
+            q.put(None)
+        got = [first] + [item for _ in others for item in results.get(timeout=TIMEOUT)]
+        for p in others:
+            p.join(TIMEOUT)
+            assert p.exitcode == 0
+    finally:
+        for p in [victim] + others:
+            if p.is_alive():
+                p.kill()
+                p.join(TIMEOUT)
+    assert sorted(set(got)) == list(range(total)), f"{total - len(set(got))} missing"
+    twice = sorted(item for item in set(got) if got.count(item) > 1)
+    # only what the frozen consumer returned from get() may come again (its
+    # acknowledgement may not have reached the owner before the cut)
+    assert set(twice) <= {first} and all(got.count(item) <= 2 for item in twice), twice
 
 
 # -- a manager server ----------------------------------------------------------------------

@@ -10,6 +10,7 @@ gives back.
 """
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -27,6 +28,8 @@ if TYPE_CHECKING:
     from ...wire.transport import Peer
 
 __all__ = ["Mailbox"]
+
+log = logging.getLogger(__name__)
 
 #: Most bytes a window holds; one item always fits, however large. 4 MiB (four 1 MB items)
 #: ran dry between acknowledgements at 800 MB/s.
@@ -68,7 +71,7 @@ class _Win:
     acknowledged (``held``, oldest first), and how much more may be pushed."""
 
     __slots__ = ("sink", "peer", "size", "held", "nbytes", "base", "top", "waiting",
-                 "heard", "recalling", "gap")
+                 "heard", "recalling", "recalled", "gap")
 
     def __init__(self, sink: ReplySink, peer: Peer, size: int) -> None:
         self.sink = sink
@@ -81,6 +84,7 @@ class _Win:
         self.waiting = True      # its consumer is inside get() with nothing to return
         self.heard = time.monotonic()
         self.recalling = False
+        self.recalled = 0.0      # when the recall now unanswered was sent
         self.gap = RECALL_IDLE / RECALL_GAPS   # its consumer's usual silence (average)
 
     def heard_from(self, now: float) -> None:
@@ -329,19 +333,24 @@ class Mailbox(SharedService):
 
     def _plan_recall(self) -> None:
         """Recall windows silent for RECALL_IDLE while others wait; check again when
-        the next one would be (lock held)."""
+        the next one would be, or when a recall sent goes unanswered for
+        ``parent_timeout`` (lock held; see :meth:`_recall_check`)."""
         if self._items or not self._waiters():
             return
         now = time.monotonic()
         later = None
         for win in list(self._windows.values()):
-            if not win.held or win.recalling or win.waiting:
+            if not win.held or win.waiting:
                 continue
-            due = win.recall_due()
-            if due <= now:
-                win.recalling = True
-                self._outgoing.setdefault(win, []).append("recall")
-            elif later is None or due < later:
+            if win.recalling:
+                due = win.recalled + self.hub.parent_timeout
+            else:
+                due = win.recall_due()
+                if due <= now:
+                    win.recalling, win.recalled = True, now
+                    self._outgoing.setdefault(win, []).append("recall")
+                    due = now + self.hub.parent_timeout
+            if later is None or due < later:
                 later = due
         if later is None:
             return
@@ -353,9 +362,28 @@ class Mailbox(SharedService):
         self._recall_timer = self.hub.timers.call_at(later, self._recall_check)
 
     def _recall_check(self) -> None:
+        """Send the recalls due; and cut the connection of a consumer that left one
+        unanswered for ``parent_timeout`` while others wait: its process is frozen, or
+        its machine or network is gone (a consumer that is merely busy answers from its
+        reader thread). The cut puts what its window held back for the others now, as
+        the loss of its process would (see :meth:`drop_peer`), instead of when TCP gives
+        up on the connection, minutes later or never; a consumer that comes back finds
+        its connection closed, as after any lost connection."""
         with self._lock:
             self._recall_timer = None
             self._plan_recall()
+            limit = self.hub.parent_timeout
+            now = time.monotonic()
+            silent = [win for win in self._windows.values()
+                      if win.recalling and win.held and now >= win.recalled + limit
+                      and self._waiters() and not self._items]
+        for win in silent:
+            log.warning("queue %s: a consumer holding %d items did not answer for %.0f s "
+                        "(parent_timeout): its process is frozen or its machine or network "
+                        "is gone. Its connection is closed and the items go to other "
+                        "consumers; any it returned from get() just before may come again.",
+                        self.oid, len(win.held), limit)
+            win.peer.close()
         self._send_outgoing()
 
     def _send_outgoing(self) -> None:
