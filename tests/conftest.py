@@ -732,6 +732,30 @@ def wait_until(predicate, what: str, timeout: float = 60, interval: float = 0.01
         time.sleep(interval)
 
 
+def kills_of(pool) -> list:
+    """The ids of the workers ``pool``'s supervisor is asked to kill from now on, in
+    order (a fault test checks that a stale worker exits by itself, unkilled)."""
+    kills: list = []
+    supervisor = pool._engine.supervisor
+    kill = supervisor.kill
+    supervisor.kill = lambda wid: (kills.append(wid), kill(wid))[1]
+    return kills
+
+
+def deliveries_of(result) -> list:
+    """The task indexes an async pool result delivers from now on, in order, each once
+    per delivery (a result delivered twice shows twice)."""
+    seen: list = []
+    deliver = result.sink_deliver
+
+    def spy(index, outcomes, *args, **kwargs):
+        seen.extend(range(index, index + len(outcomes)))
+        return deliver(index, outcomes, *args, **kwargs)
+
+    result.sink_deliver = spy
+    return seen
+
+
 def _quietly(method, *args):
     """``method(*args)`` on a Process that its owner (a pool ending its workers) may
     close at any moment: a closed one has ended, so it counts as not running."""

@@ -31,7 +31,7 @@ import time
 
 import psutil
 import pytest
-from conftest import checkout_env, freeze, thaw, wait_until
+from conftest import checkout_env, deliveries_of, freeze, kills_of, thaw, wait_until
 
 import fibrl.hosting.hub
 from fibrl.managers import SyncManager
@@ -76,13 +76,9 @@ def test_frozen_pool_worker_is_replaced_and_its_late_result_dropped(local):
     token.put("first")
     with fibrl.Pool(2, max_task_retries=1) as pool:
         service = pool._engine.service
-        kills = []
-        real_kill = pool._engine.supervisor.kill
-        pool._engine.supervisor.kill = lambda wid: (kills.append(wid), real_kill(wid))
+        kills = kills_of(pool)
         result = pool.apply_async(stall_first_run, (token, started, release, finished))
-        deliveries = []
-        real_deliver = result.sink_deliver
-        result.sink_deliver = lambda *a, **k: (deliveries.append(a), real_deliver(*a, **k))
+        deliveries = deliveries_of(result)
         frozen = started.get(timeout=TIMEOUT)        # the first run is inside the task
         freeze(frozen)
         try:
@@ -117,6 +113,19 @@ def consume_until_none(q, results, started):
     results.put(got)
 
 
+def _victim_and_others(total: int, victim_target) -> tuple:
+    """A queue of ``total`` items; the victim consumer started on it, and two others to
+    start later; ``(queue, results, started, victim, others)``."""
+    q, results, started = fibrl.Queue(), fibrl.Queue(), fibrl.Queue()
+    for i in range(total):
+        q.put(i)
+    victim = fibrl.Process(target=victim_target, args=(q, results, started))
+    victim.start()
+    others = [fibrl.Process(target=consume_until_none, args=(q, results, started))
+              for _ in range(2)]
+    return q, results, started, victim, others
+
+
 def _held_in_windows(q) -> int:
     return fibrl.hosting.hub.get_hub().service(q._oid)._held
 
@@ -125,13 +134,7 @@ def test_frozen_queue_consumer_holding_a_window_loses_and_repeats_nothing(config
     # parent_timeout well above the freeze: the consumer must come back, not give up
     configure(backend="local", heartbeat_interval=0.5, parent_timeout=120.0)
     total = 3000
-    q, results, started = fibrl.Queue(), fibrl.Queue(), fibrl.Queue()
-    for i in range(total):
-        q.put(i)
-    victim = fibrl.Process(target=consume_until_none, args=(q, results, started))
-    victim.start()
-    others = [fibrl.Process(target=consume_until_none, args=(q, results, started))
-              for _ in range(2)]
+    q, results, started, victim, others = _victim_and_others(total, consume_until_none)
     try:
         assert started.get(timeout=TIMEOUT) == victim.pid
         wait_until(lambda: _held_in_windows(q) >= 1, "items pushed ahead to the consumer")
@@ -176,13 +179,7 @@ def test_queue_consumer_frozen_past_parent_timeout_hands_its_window_to_the_other
     limit = 3.0
     configure(backend="local", heartbeat_interval=0.5, parent_timeout=limit)
     total = 500
-    q, results, started = fibrl.Queue(), fibrl.Queue(), fibrl.Queue()
-    for i in range(total):
-        q.put(i)
-    victim = fibrl.Process(target=take_one_then_hold, args=(q, results, started))
-    victim.start()
-    others = [fibrl.Process(target=consume_until_none, args=(q, results, started))
-              for _ in range(2)]
+    q, results, started, victim, others = _victim_and_others(total, take_one_then_hold)
     try:
         assert started.get(timeout=TIMEOUT) == victim.pid
         (first,) = results.get(timeout=TIMEOUT)   # what the victim took

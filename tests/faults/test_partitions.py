@@ -42,7 +42,7 @@ import threading
 import time
 
 import pytest
-from conftest import wait_until
+from conftest import deliveries_of, kills_of, wait_until
 
 import fibrl
 from fibrl.errors import RemoteObjectError
@@ -107,18 +107,12 @@ class _Partition:
         self.token.put("cut off")
         self.items = items
         # (closures over lists only: a cycle through self would keep the queues alive)
-        self.kills = kills = []
+        self.kills = kills_of(pool)
         supervisor = pool._engine.supervisor
-        real_kill = supervisor.kill
-        supervisor.kill = lambda wid: (kills.append(wid), real_kill(wid))
         probe = functools.partial(partition_probe, token=self.token, started=self.started,
                                   runs=self.runs, seconds=seconds)
         self.result = pool.map_async(probe, range(items), chunksize=1)
-        self.deliveries = deliveries = []
-        real_deliver = self.result.sink_deliver
-        self.result.sink_deliver = lambda index, outcomes, *a, **k: (
-            deliveries.extend(range(index, index + len(outcomes))),
-            real_deliver(index, outcomes, *a, **k))
+        self.deliveries = deliveries_of(self.result)
         # the worker is inside its task: the parent's half of the partition starts
         self.x, self.pid, self.end, self.heals = self.started.get(timeout=TIMEOUT)
         rule = faults.Rule("hold", side="peer", address=self.end,

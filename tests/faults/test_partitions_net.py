@@ -53,7 +53,7 @@ import uuid
 
 import psutil
 import pytest
-from conftest import REQUIRE_DOCKER, skip_or_fail, wait_until
+from conftest import REQUIRE_DOCKER, deliveries_of, kills_of, skip_or_fail, wait_until
 
 import fibrl
 from fibrl.hosting.hub import get_hub
@@ -276,10 +276,8 @@ class _CutRun:
         self.token, self.started, self.runs = fibrl.Queue(), fibrl.Queue(), fibrl.Queue()
         self.token.put("cut off")
         # (closures over lists and dicts only: a cycle through self keeps the queues alive)
-        self.kills = kills = []
+        self.kills = kills_of(pool)
         supervisor = pool._engine.supervisor
-        real_kill = supervisor.kill
-        supervisor.kill = lambda wid: (kills.append(wid), real_kill(wid))
         self.service = service = pool._engine.service
         self.stale = stale = []   # reports of tasks done already: late results
         tasks, real_record = service._tasks, service._record
@@ -289,11 +287,7 @@ class _CutRun:
         probe = functools.partial(net_probe, token=self.token, started=self.started,
                                   runs=self.runs)
         self.result = pool.map_async(probe, range(items), chunksize=1)
-        self.deliveries = deliveries = []
-        real_deliver = self.result.sink_deliver
-        self.result.sink_deliver = lambda index, outcomes, *a, **k: (
-            deliveries.extend(range(index, index + len(outcomes))),
-            real_deliver(index, outcomes, *a, **k))
+        self.deliveries = deliveries_of(self.result)
         # the worker is inside its task: the partition starts
         self.x, self.end = self.started.get(timeout=TIMEOUT)
         self.workers = wait_until(lambda: _both(supervisor.processes()), "both workers")
