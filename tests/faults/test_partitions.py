@@ -443,8 +443,12 @@ def test_a_producer_cut_off_from_its_owner_loses_nothing_silently(configure, joi
     assert got[:10] == list(range(10)) and len(set(got)) == len(got), got
     lost = ITEMS - len(got)
     assert lost > 0, "the cut lost nothing: no test"
-    assert p.exitcode == 1, p.exitcode   # (not 0: it did not do all it was asked)
-    if join:
+    # Not 0: it did not do all it was asked. 1: it said how many items were not
+    # delivered. The queue's owner is its parent, so the cut also lost it its parent,
+    # and a child that lost its parent ends PARENT_LOST_GRACE (3 s) later, saying so,
+    # with 255: that is what a machine too busy to finish the puts in 3 s gives.
+    assert p.exitcode in (1, 255), p.exitcode
+    if join and p.exitcode == 1:
         says = report.get(timeout=TIMEOUT)
         assert f"{lost} item(s) put on queue" in says and "not delivered" in says, says
 
