@@ -8,6 +8,7 @@ import collections
 import socket
 import struct
 import threading
+import time
 
 _ETH_P_ALL = 0x0003
 _PACKET_OUTGOING = 4   # lo shows each packet twice (out, then in): keep one copy
@@ -37,6 +38,7 @@ class Sniffer:
         self._sock.bind(("lo", 0))
         self._sock.settimeout(0.2)
         self._stop = threading.Event()
+        self._stopped_at = 0.0
         self.streams = collections.defaultdict(bytearray)   # (src, sport, dst, dport) -> bytes
         self._thread = threading.Thread(target=self._read, daemon=True, name="sniffer")
 
@@ -45,17 +47,25 @@ class Sniffer:
         return self
 
     def stop(self) -> dict:
+        self._stopped_at = time.monotonic()
         self._stop.set()
-        self._thread.join(10)
+        self._thread.join(120)   # (what is queued: up to the 64 MiB buffer)
         self._sock.close()
         return self.streams
 
     def _read(self):
-        while not self._stop.is_set():
+        # after stop(), on until the buffer is empty: a reader that fell behind (a busy
+        # machine) still has the last packets queued, and they are the run's last words
+        # (bounded: a loopback that others keep busy never goes quiet)
+        while True:
             try:
                 packet, where = self._sock.recvfrom(1 << 17)
             except socket.timeout:
+                if self._stop.is_set():
+                    return
                 continue
+            if self._stop.is_set() and time.monotonic() > self._stopped_at + 60:
+                return
             if where[2] != _PACKET_OUTGOING:
                 self._record(packet)
 
