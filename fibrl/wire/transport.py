@@ -40,11 +40,12 @@ authenticated in the last ``_SILENCE_WINDOW`` seconds if that is more (on a load
 machine a peer may take a while to answer; a stranger cannot stretch it, as only
 peers that know the secret count). With TLS nng accepts by itself: past the limit
 an idle connection is closed for the new one, or the new one is refused and its peer
-tries again (:func:`_authenticate_retrying`). A data socket exists only for a peer that
-authenticated and takes one connection: its port stops listening once that
-connection is handed on (with TLS, where nng listens itself, the port stays open
-and every later connection is closed as it arrives), and only the end of that
-connection ends the peer.
+tries again (:func:`_authenticate_retrying`); so does a peer whose connection waited
+in the queue longer than nng's own negotiation limit (``_NEGOTIATION_S``). A data
+socket exists only for a peer that authenticated and takes one connection: its port
+stops listening once that connection is handed on (with TLS, where nng listens
+itself, the port stays open and every later connection is closed as it arrives), and
+only the end of that connection ends the peer.
 Every dropped or refused peer is logged with its address and the reason, at most
 ``_LOG_BURST`` times per ``_LOG_WINDOW`` seconds per listener.
 
@@ -117,6 +118,11 @@ _SILENCE_WINDOW = 30.0
 # strangers, or refusing past its limit with TLS) starts it again until its timeout,
 # pausing this long, doubled each time (at most 1 s), with jitter.
 _RETRY_PAUSE = 0.05
+# nng's TCP transport gives up on a connection whose peer has not sent its 8-byte header
+# within this long (fixed in nng): a dial to a full listener, whose connection waits in
+# its queue (the kernel's listen backlog, or the gate's) longer than that, fails with
+# a timeout and is started again (a slow listener, not a lost connection).
+_NEGOTIATION_S = 10.0
 
 
 # -- frames: one copy into nng's message on send, none out of it on receive ------------------
@@ -1459,27 +1465,47 @@ def _authenticate_retrying(address: str, secret: bytes, timeout: float,
                            tls: bool) -> tuple[str, bytes]:
     """:func:`_authenticate`, tried again until ``timeout`` (pausing a little longer each
     time, at most 1 s) when the listener closed our
-    connection mid-way: a listener full of strangers closes an idle one for a waiting
-    one, and with TLS refuses new ones past its limit. A listener that is gone fails
-    the retry at once; the first error is the one raised."""
-    deadline = time.monotonic() + timeout
+    connection mid-way (a listener full of strangers closes an idle one for a waiting
+    one, and with TLS refuses new ones past its limit), or had not taken it when nng's
+    negotiation limit ended it (it waited that long in a full listener's queue). A
+    listener that is gone fails the retry at once; the first error is the one raised."""
+    start = time.monotonic()
+    deadline = start + timeout
     first: Optional[TransportError] = None
+    not_taken: Optional[_NotTaken] = None
     for attempt in itertools.count():
         left = deadline - time.monotonic()
         if left <= 0:
             break
         try:
             return _authenticate(address, secret, left, tls)
+        except _NotTaken as exc:
+            not_taken = exc   # waited in a full listener's queue: in line again, if
+            if deadline - time.monotonic() < _NEGOTIATION_S:   # a try fits the timeout
+                break
         except TransportError as exc:
             first = first or exc
             if not _closed_under_us(exc.__cause__):
                 break
         pause = _RETRY_PAUSE * (2 ** min(attempt, 5)) * (0.5 + random.random())
         time.sleep(max(0.0, min(pause, 1.0, deadline - time.monotonic())))
+    if first is None and not_taken is not None:
+        raise TransportError(
+            f"{address} did not take the connection within {time.monotonic() - start:.1f} s "
+            f"(timeout {timeout:g} s): each try waited in its queue until nng's "
+            f"{_NEGOTIATION_S:g} s negotiation limit, as at a listener that holds its "
+            f"pending-connection limit (max_pending) while it answers others on a busy "
+            f"machine (connect with a longer timeout, or raise max_pending), or at a host "
+            f"that does not answer at all.") from not_taken
     if first is None:
         raise TransportError(f"no time left to connect to {address} (timeout {timeout} s); "
                              f"give connect a positive timeout")
     raise first
+
+
+class _NotTaken(TransportError):
+    """A handshake connection the listener had not taken when nng's negotiation limit
+    ended it (it waited in the queue of a full listener): worth a new try."""
 
 
 def _closed_under_us(cause: Optional[BaseException]) -> bool:
@@ -1498,7 +1524,14 @@ def _authenticate(address: str, secret: bytes, timeout: float,
     _close_on_disconnect(req)  # as in Channel.connect
     nonce = os.urandom(_NONCE)
     try:
-        req.dial(address, block=True)
+        try:
+            req.dial(address, block=True)
+        except pynng.Timeout as exc:
+            # TCP connected, but the listener did not take the connection within nng's
+            # own negotiation limit (10 s): it waited in the queue of a full listener
+            raise _NotTaken(f"{address} did not take the connection within nng's "
+                            f"{_NEGOTIATION_S:g} s negotiation limit (a listener busy with "
+                            f"other handshakes)") from exc
         req.send(HELLO + nonce)
         challenge = req.recv()
         ticket = _check_challenge(challenge, secret, nonce, address)
