@@ -16,7 +16,7 @@ import time
 import pytest
 
 from attacker import sp_header
-from conftest import require_module
+from conftest import require_module, wait_until
 from fibrl.wire import transport
 from fibrl.wire.transport import Channel, Listener
 
@@ -123,6 +123,9 @@ def test_with_tls_a_full_listener_refuses_a_busy_slot_and_the_peer_tries_again(c
     holder = transport._make(transport.pynng.Req0, SECRET, True, False)
     try:
         holder.dial(listener.address, block=True)   # a TLS peer that says nothing
+        # (the listener learns of it a moment after the dial returned: a new connection
+        # that came first would have the slot, and the holder would be the one refused)
+        wait_until(lambda: listener.pending == 1, "the listener to hold the silent peer")
         # in within 20 s, so not by the holder's auth_timeout (60 s) running out
         with caplog.at_level(logging.WARNING, logger="fibrl.wire"):
             ch = Channel.connect(listener.address, SECRET, timeout=20)
