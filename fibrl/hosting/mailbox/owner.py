@@ -71,7 +71,7 @@ class _Win:
     acknowledged (``held``, oldest first), and how much more may be pushed."""
 
     __slots__ = ("sink", "peer", "size", "held", "nbytes", "base", "top", "waiting",
-                 "heard", "recalling", "recalled", "gap")
+                 "heard", "recalling", "recalled", "cut", "gap")
 
     def __init__(self, sink: ReplySink, peer: Peer, size: int) -> None:
         self.sink = sink
@@ -85,6 +85,7 @@ class _Win:
         self.heard = time.monotonic()
         self.recalling = False
         self.recalled = 0.0      # when the recall now unanswered was sent
+        self.cut = False         # its connection was closed for leaving it unanswered
         self.gap = RECALL_IDLE / RECALL_GAPS   # its consumer's usual silence (average)
 
     def heard_from(self, now: float) -> None:
@@ -340,8 +341,8 @@ class Mailbox(SharedService):
         now = time.monotonic()
         later = None
         for win in list(self._windows.values()):
-            if not win.held or win.waiting:
-                continue
+            if not win.held or win.waiting or win.cut:
+                continue   # (a cut one goes once its reader sees the close: drop_peer)
             if win.recalling:
                 due = win.recalled + self.hub.parent_timeout
             else:
@@ -371,12 +372,14 @@ class Mailbox(SharedService):
         its connection closed, as after any lost connection."""
         with self._lock:
             self._recall_timer = None
-            self._plan_recall()
             limit = self.hub.parent_timeout
             now = time.monotonic()
             silent = [win for win in self._windows.values()
-                      if win.recalling and win.held and now >= win.recalled + limit
-                      and self._waiters() and not self._items]
+                      if win.recalling and win.held and not win.cut
+                      and now >= win.recalled + limit and self._waiters() and not self._items]
+            for win in silent:
+                win.cut = True
+            self._plan_recall()
         for win in silent:
             log.warning("queue %s: a consumer holding %d items did not answer for %.0f s "
                         "(parent_timeout): its process is frozen or its machine or network "
