@@ -565,19 +565,26 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.flush()
         if response.on_hangup is not None:
             self.server.hangups.watch(self.connection, response.on_hangup)
+        watched = response.on_hangup is not None
         try:
             for chunk in response.stream:
                 self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
                 self.wfile.flush()
-            self.wfile.write(b"0\r\n\r\n")
-            self.wfile.flush()
+            # Unwatched before the last chunk: once its client has that, it may send its
+            # next request on this connection, which is no hang-up.
+            watched = False
+            if response.on_hangup is not None and self.server.hangups.forget(self.connection):
+                self.close_connection = True
+            else:
+                self.wfile.write(b"0\r\n\r\n")
+                self.wfile.flush()
         except (BrokenPipeError, ConnectionResetError, OSError):
             self.close_connection = True
         finally:
-            if response.on_hangup is not None:
+            if watched:
                 # (before the connection closes: its descriptor number may be reused)
-                if self.server.hangups.forget(self.connection):
-                    self.close_connection = True
+                self.server.hangups.forget(self.connection)
+                self.close_connection = True
             response.stream.close()
 
 
@@ -595,6 +602,7 @@ class Hangups:
         os.set_blocking(self._wake_w, False)
         self._selector.register(self._wake_r, selectors.EVENT_READ, None)
         self._closed = False
+        self._gone: set = set()   # connections found hung up, until forgotten
         self._thread = threading.Thread(target=self._run, name="fake-apiserver-hangups",
                                         daemon=True)
 
@@ -614,8 +622,11 @@ class Hangups:
                 return True
             try:
                 self._selector.unregister(conn)
-            except (KeyError, ValueError):   # already found hung up (ValueError: closed)
-                return True
+            except (KeyError, ValueError):   # found readable already (ValueError: closed)
+                if conn in self._gone:
+                    self._gone.discard(conn)
+                    return True
+                return not isinstance(conn, socket.socket) or conn.fileno() < 0
         return False
 
     def close(self) -> None:
@@ -650,6 +661,8 @@ class Hangups:
                         continue   # forgotten meanwhile: its stream ended by itself
                     self._selector.unregister(key.fileobj)
                 if _hung_up(key.fileobj):
+                    with self._lock:
+                        self._gone.add(key.fileobj)
                     key.data()
                 # (else it sent more: no longer watched, its stream ends as it would have)
 
