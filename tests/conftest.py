@@ -732,6 +732,21 @@ def wait_until(predicate, what: str, timeout: float = 60, interval: float = 0.01
         time.sleep(interval)
 
 
+def echo_once(address: str, secret: bytes, timeout: float, results: list) -> None:
+    """Connect a channel to the echo listener at ``address``, send one frame and append
+    "ok" to ``results`` when it comes back, else what went wrong (after how long)."""
+    from fibrl.wire.transport import Channel
+
+    start = time.monotonic()
+    try:
+        ch = Channel.connect(address, secret, timeout=timeout)
+        ch.send(b"hi")
+        results.append("ok" if ch.recv(timeout) == b"hi" else "wrong echo")
+        ch.close()
+    except Exception as exc:
+        results.append(f"{type(exc).__name__} after {time.monotonic() - start:.1f} s: {exc}")
+
+
 def kills_of(pool) -> list:
     """The ids of the workers ``pool``'s supervisor is asked to kill from now on, in
     order (a fault test checks that a stale worker exits by itself, unkilled)."""

@@ -11,23 +11,13 @@ import threading
 import time
 
 import pytest
+from conftest import echo_once
 
 from fibrl.wire import transport
-from fibrl.wire.transport import Channel, Listener
+from fibrl.wire.transport import Listener
 
 SECRET = b"n" * 32
 HOLD_S = transport._NEGOTIATION_S + 2   # the one slot is busy longer than nng waits
-
-
-def _echo_once(address: str, timeout: float, results: list) -> None:
-    start = time.monotonic()
-    try:
-        ch = Channel.connect(address, SECRET, timeout=timeout)
-        ch.send(b"hi")
-        results.append("ok" if ch.recv(timeout) == b"hi" else "wrong echo")
-        ch.close()
-    except Exception as exc:
-        results.append(f"{type(exc).__name__} after {time.monotonic() - start:.1f} s: {exc}")
 
 
 @pytest.mark.slow
@@ -47,11 +37,11 @@ def test_a_peer_queued_past_nngs_negotiation_limit_tries_again(caplog):
     first: list = []
     queued: list = []
     try:
-        holder = threading.Thread(target=_echo_once, args=(listener.address, 60, first))
+        holder = threading.Thread(target=echo_once, args=(listener.address, SECRET, 60, first))
         holder.start()
         assert answering.wait(30)
         # the listener is full and busy: this one waits in its queue past nng's limit
-        _echo_once(listener.address, 60, queued)
+        echo_once(listener.address, SECRET, 60, queued)
         holder.join(70)
         assert first == ["ok"], first
         assert queued == ["ok"], queued

@@ -16,7 +16,7 @@ import time
 import pytest
 
 from attacker import sp_header
-from conftest import require_module, wait_until
+from conftest import echo_once, require_module, wait_until
 from fibrl.wire import transport
 from fibrl.wire.transport import Channel, Listener
 
@@ -26,16 +26,8 @@ SECRET = b"q" * 32
 def _connect_all(address: str, count: int, timeout: float) -> list:
     results: list = []
 
-    def one() -> None:
-        try:
-            ch = Channel.connect(address, SECRET, timeout=timeout)
-            ch.send(b"hi")
-            results.append("ok" if ch.recv(timeout) == b"hi" else "wrong echo")
-            ch.close()
-        except Exception as exc:
-            results.append(f"{type(exc).__name__}: {exc}")
-
-    threads = [threading.Thread(target=one) for _ in range(count)]
+    threads = [threading.Thread(target=echo_once, args=(address, SECRET, timeout, results))
+               for _ in range(count)]
     for thread in threads:
         thread.start()
     for thread in threads:
