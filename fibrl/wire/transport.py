@@ -123,6 +123,11 @@ _RETRY_PAUSE = 0.05
 # its queue (the kernel's listen backlog, or the gate's) longer than that, fails with
 # a timeout and is started again (a slow listener, not a lost connection).
 _NEGOTIATION_S = 10.0
+# While a handshake waits for the listener's answer, how often it checks that its
+# connection still stands: nng's TLS transport can lose a connection the listener closed
+# as it arrived (past its limit) without closing the pipe, whose request then waits for
+# its whole timeout; the check finds such a pipe, closes it and the handshake tries again.
+_HANDSHAKE_CHECK_S = 0.25
 
 
 # -- frames: one copy into nng's message on send, none out of it on receive ------------------
@@ -1532,11 +1537,12 @@ def _authenticate(address: str, secret: bytes, timeout: float,
             raise _NotTaken(f"{address} did not take the connection within nng's "
                             f"{_NEGOTIATION_S:g} s negotiation limit (a listener busy with "
                             f"other handshakes)") from exc
+        deadline = time.monotonic() + timeout
         req.send(HELLO + nonce)
-        challenge = req.recv()
+        challenge = _answer_of(req, deadline)
         ticket = _check_challenge(challenge, secret, nonce, address)
         req.send(_AUTH + nonce + ticket + _mac(secret, b"C", ticket + nonce))
-        answer = req.recv()
+        answer = _answer_of(req, deadline)
     except pynng.Closed as exc:
         raise _closed_in_handshake(address) from exc
     except pynng.ConnectionRefused as exc:
@@ -1550,6 +1556,39 @@ def _authenticate(address: str, secret: bytes, timeout: float,
     finally:
         req.close()
     return _data_address(answer, address), _mac(secret, b"D", ticket + nonce)
+
+
+def _answer_of(req: pynng.Socket, deadline: float) -> bytes:
+    """The listener's answer to the request ``req`` just sent, by ``deadline``. Waits on
+    the socket's readiness descriptor (a timed-out receive would abandon the request)
+    and checks every ``_HANDSHAKE_CHECK_S`` that the connection still stands: a pipe
+    whose socket is no longer connected is closed here, and the handshake fails as
+    closed under us (and is tried again) instead of waiting out its timeout."""
+    poll = select.poll()
+    poll.register(req.recv_fd, select.POLLIN)
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise pynng.Timeout("Timed out", _lib.NNG_ETIMEDOUT)
+        if poll.poll(min(left, _HANDSHAKE_CHECK_S) * 1000):
+            try:
+                answer: bytes = req.recv(block=False)
+                return answer
+            except pynng.TryAgain:
+                continue   # (readiness seen before the answer could be taken)
+        for pipe in req.pipes:
+            if not _connected(pipe):
+                _close_pipe(pipe)
+                raise pynng.Closed("the handshake connection was lost", _lib.NNG_ECLOSED)
+
+
+def _connected(pipe: pynng.Pipe) -> bool:
+    """Whether a pipe's socket still has its peer (a pipe nng has not closed yet may
+    have lost it)."""
+    try:
+        return pipe.remote_address is not None
+    except pynng.NNGException:   # not connected any more, or the pipe is gone
+        return False
 
 
 def _check_challenge(challenge: bytes, secret: bytes, nonce: bytes, address: str) -> bytes:

@@ -141,3 +141,47 @@ def test_a_handshake_closed_under_the_peer_is_tried_again_but_not_a_refusal(caus
              "refused": pynng.ConnectionRefused("Connection refused", lib.NNG_ECONNREFUSED),
              }[cause]
     assert transport._closed_under_us(error) is (cause != "refused")
+
+
+def test_a_handshake_whose_connection_died_unnoticed_fails_as_closed_at_once(monkeypatch):
+    """nng's TLS transport can keep a pipe whose socket the listener closed as it
+    arrived (past its limit): the request then waited its whole timeout (20 s in the
+    full-listener test above, under load). The wait checks the connection and fails as
+    closed under us, which the handshake tries again."""
+    import pynng
+
+    silent = pynng.Rep0(listen="tcp://127.0.0.1:0")   # takes requests, never answers
+    req = transport._make(pynng.Req0, SECRET, False, False, resend_time=-1)
+    try:
+        req.dial(transport._address_of(silent, "tcp"), block=True)
+        req.send(b"hello")
+        dead = req.pipes[0]
+        assert transport._connected(dead)
+        monkeypatch.setattr(transport, "_connected", lambda pipe: pipe is not dead)
+        with pytest.raises(pynng.Closed) as caught:
+            transport._answer_of(req, time.monotonic() + 120)   # (past the test's time limit)
+        assert transport._closed_under_us(caught.value)
+        monkeypatch.undo()
+        wait_until(lambda: dead not in req.pipes, "the dead pipe to be closed")
+    finally:
+        req.close()
+        silent.close()
+
+
+def test_the_handshake_wait_returns_the_answer_and_keeps_its_deadline():
+    import pynng
+
+    with pynng.Rep0(listen="tcp://127.0.0.1:0") as rep:
+        req = transport._make(pynng.Req0, SECRET, False, False, resend_time=-1)
+        try:
+            req.dial(transport._address_of(rep, "tcp"), block=True)
+            req.send(b"ping")
+            assert rep.recv() == b"ping"
+            with pytest.raises(pynng.Timeout):   # nothing answered yet
+                transport._answer_of(req, time.monotonic() + 0.3)
+            req.send(b"again")
+            assert rep.recv() == b"again"
+            rep.send(b"pong")
+            assert transport._answer_of(req, time.monotonic() + 60) == b"pong"
+        finally:
+            req.close()
