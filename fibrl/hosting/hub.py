@@ -1004,13 +1004,26 @@ class Hub:
             ping = self.call_async(address, "hub", "ping")
         except TransportError as exc:
             raise owner_gone(address, exc) from exc
-        if not ping.wait(limit):
+        if not self._answered(ping, address, limit):
             raise RemoteObjectError(
                 f"the process at {address} that hosts this object did not answer a liveness "
                 f"ping within {limit:.0f} s (parent_timeout): its machine or network is gone. "
                 f"Objects it hosted are lost; restart the work, or raise parent_timeout if the "
                 f"network is only slow.")
         ping.get(0)
+
+    def _answered(self, ping: Handle, address: str, limit: float) -> bool:
+        """Whether ``ping`` is answered before the connection to ``address`` has received
+        nothing for ``limit`` seconds. An answer waits behind the frames sent before it:
+        while a large one is still arriving, its bytes show the peer is there."""
+        wait = limit
+        while not ping.wait(wait):
+            client = self._clients.get(address)
+            silence = None if client is None else client.channel.silence()
+            if silence is None or silence >= limit:
+                return False
+            wait = limit - silence
+        return True
 
     def send(self, address: Optional[str], oid: str, method: str, *args: Any,
              inline: bool = False) -> None:

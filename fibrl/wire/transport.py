@@ -1353,6 +1353,21 @@ class Channel(_Reading):
             raise
         return cls(sock, address)
 
+    def silence(self) -> Optional[float]:
+        """Seconds since this connection last received any bytes (a frame still arriving
+        counts), from the kernel's TCP state; None where that is unknown (not Linux, or
+        the connection is gone). A frame of gigabytes can take longer than a liveness
+        limit to arrive, and what is sent after it (an answer to a ping) waits behind
+        it: a connection that keeps receiving has a live peer."""
+        pipes = self._sock.pipes
+        if not pipes:
+            return None
+        try:
+            local, remote = str(pipes[0].local_address), str(pipes[0].remote_address)
+        except pynng.NNGException:
+            return None
+        return tcp_silence(local, remote)
+
     def on_lost(self, callback: Callable[[], None]) -> None:
         """Run ``callback`` once when the connection drops (now, if it already has)."""
         self._lost_cb = callback
@@ -1556,6 +1571,58 @@ def _authenticate(address: str, secret: bytes, timeout: float,
     finally:
         req.close()
     return _data_address(answer, address), _mac(secret, b"D", ticket + nonce)
+
+
+def tcp_silence(local: str, remote: str) -> Optional[float]:
+    """Seconds since the TCP connection of this process from ``local`` to ``remote``
+    (``"host:port"``, IPv4) last received data: the kernel's ``tcpi_last_data_recv``.
+    None where that cannot be read (not Linux, not IPv4, no such connection)."""
+    try:
+        inode = _tcp_inode(_proc_address(local), _proc_address(remote))
+        fd = None if inode is None else _fd_of_socket(inode)
+        if fd is None:
+            return None
+        with socket.socket(fileno=os.dup(fd)) as sock:   # (closing a dup ends nothing)
+            info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCP_INFO_SIZE)
+    except (OSError, ValueError, AttributeError):
+        return None
+    if len(info) < _TCP_INFO_SIZE:
+        return None
+    return int(struct.unpack_from("I", info, _LAST_DATA_RECV)[0]) / 1000
+
+
+# struct tcp_info (linux/tcp.h): 8 one-byte fields, then 32-bit fields of which
+# tcpi_last_data_recv (milliseconds) is the eleventh.
+_LAST_DATA_RECV = 52
+_TCP_INFO_SIZE = _LAST_DATA_RECV + 4
+
+
+def _proc_address(address: str) -> str:
+    """``host:port`` as /proc/net/tcp writes it (hex of the address in host order)."""
+    host, port = address.rsplit(":", 1)
+    packed = socket.inet_aton(host)
+    return f"{struct.unpack('=I', packed)[0]:08X}:{int(port):04X}"
+
+
+def _tcp_inode(local: str, remote: str) -> Optional[str]:
+    with open("/proc/self/net/tcp") as table:
+        next(table)
+        for line in table:
+            fields = line.split()
+            if fields[1] == local and fields[2] == remote:
+                return fields[9]
+    return None
+
+
+def _fd_of_socket(inode: str) -> Optional[int]:
+    target = f"socket:[{inode}]"
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{name}") == target:
+                return int(name)
+        except OSError:
+            continue   # (closed meanwhile)
+    return None
 
 
 def _answer_of(req: pynng.Socket, deadline: float) -> bytes:

@@ -5,6 +5,7 @@ import pickle
 import socket
 import threading
 import time
+import types
 
 import psutil
 import pynng
@@ -516,3 +517,59 @@ def test_a_one_way_call_to_a_closed_object_is_dropped_quietly_and_a_call_fails(c
     finally:
         other.close()
         hub.close()
+
+
+def test_a_connections_silence_is_the_kernels_time_since_it_last_received(echo):
+    """What a liveness check asks when a ping goes unanswered: a frame of gigabytes
+    still arriving keeps the connection's silence at zero."""
+    from fibrl.wire import transport
+
+    listener, _, _ = echo
+    channel = Channel.connect(listener.address, SECRET, timeout=5)
+    try:
+        channel.send(b"ping")
+        assert channel.recv(5) == b"ping"
+        assert channel.silence() < 0.5
+        wait_until(lambda: channel.silence() >= 0.3, "the connection to stay silent")
+        channel.send(b"again")
+        assert channel.recv(5) == b"again"
+        assert channel.silence() < 0.3
+    finally:
+        channel.close()
+    assert channel.silence() is None   # (no connection any more)
+    assert transport.tcp_silence("127.0.0.1:1", "127.0.0.1:2") is None
+
+
+class _Ping:
+    """A ping answered after ``after`` unanswered waits."""
+
+    def __init__(self, after: int) -> None:
+        self.waits, self.after = [], after
+
+    def wait(self, timeout):
+        self.waits.append(timeout)
+        return len(self.waits) > self.after
+
+
+class _Client:
+    def __init__(self, silences) -> None:
+        self.silences = iter(silences)
+        self.channel = self
+
+    def silence(self):
+        return next(self.silences)
+
+
+@pytest.mark.parametrize("silences, after, answered", [
+    ([0.2, 1.0], 5, False),       # data stopped: the peer is lost once silent for the limit
+    ([0.2, 0.5, 0.0], 3, True),   # a large frame keeps arriving: wait for the answer
+    ([None], 5, False),           # unknown (not Linux): the limit alone decides
+])
+def test_an_unanswered_ping_waits_while_the_connection_receives(silences, after, answered):
+    hub = types.SimpleNamespace(_clients={"tcp://peer:1": _Client(silences)})
+    ping = _Ping(after)
+    assert Hub._answered(hub, ping, "tcp://peer:1", 1.0) is answered
+    assert ping.waits[0] == 1.0
+    # each further wait lasts until the limit after the last data received
+    expected = [1.0 - s for s in silences if s is not None and s < 1.0]
+    assert ping.waits[1:] == expected[:len(ping.waits) - 1]
