@@ -681,6 +681,24 @@ class _Reading:
     _send_lock: threading.Lock
     wake = staticmethod(wake_reader)   # (for a caller that imports no transport)
 
+    def silence(self) -> Optional[float]:
+        """Seconds since this connection last received any bytes (a frame still arriving
+        counts), from the kernel's TCP state; None where that is unknown (not Linux, or
+        the connection is gone). A frame of gigabytes can take longer than a liveness
+        limit to arrive, and what is sent after it (an answer to a ping) waits behind
+        it: a connection that keeps receiving has a live peer."""
+        pipes = self._sock.pipes
+        if not pipes:
+            return None
+        remote = _remote(pipes[0])
+        try:
+            local: Optional[str] = str(pipes[0].local_address)
+        except pynng.NNGException:
+            local = None
+        if local is not None and local.startswith("nng_sockaddr"):
+            local = None   # (a gate's hand-off: nng knows neither end; the gate the remote)
+        return tcp_silence(local, remote)
+
     def _readable_init(self) -> None:
         self.lead = threading.Lock()   # held by the thread that reads the frames now
 
@@ -1353,21 +1371,6 @@ class Channel(_Reading):
             raise
         return cls(sock, address)
 
-    def silence(self) -> Optional[float]:
-        """Seconds since this connection last received any bytes (a frame still arriving
-        counts), from the kernel's TCP state; None where that is unknown (not Linux, or
-        the connection is gone). A frame of gigabytes can take longer than a liveness
-        limit to arrive, and what is sent after it (an answer to a ping) waits behind
-        it: a connection that keeps receiving has a live peer."""
-        pipes = self._sock.pipes
-        if not pipes:
-            return None
-        try:
-            local, remote = str(pipes[0].local_address), str(pipes[0].remote_address)
-        except pynng.NNGException:
-            return None
-        return tcp_silence(local, remote)
-
     def on_lost(self, callback: Callable[[], None]) -> None:
         """Run ``callback`` once when the connection drops (now, if it already has)."""
         self._lost_cb = callback
@@ -1573,12 +1576,14 @@ def _authenticate(address: str, secret: bytes, timeout: float,
     return _data_address(answer, address), _mac(secret, b"D", ticket + nonce)
 
 
-def tcp_silence(local: str, remote: str) -> Optional[float]:
-    """Seconds since the TCP connection of this process from ``local`` to ``remote``
-    (``"host:port"``, IPv4) last received data: the kernel's ``tcpi_last_data_recv``.
-    None where that cannot be read (not Linux, not IPv4, no such connection)."""
+def tcp_silence(local: Optional[str], remote: str) -> Optional[float]:
+    """Seconds since the TCP connection of this process from ``local`` (None: any) to
+    ``remote`` (``"host:port"``, IPv4) last received data: the kernel's
+    ``tcpi_last_data_recv``. None where that cannot be read (not Linux, not IPv4, no
+    such connection)."""
     try:
-        inode = _tcp_inode(_proc_address(local), _proc_address(remote))
+        near = None if local is None else _proc_address(local)
+        inode = _tcp_inode(near, _proc_address(remote))
         fd = None if inode is None else _fd_of_socket(inode)
         if fd is None:
             return None
@@ -1604,13 +1609,13 @@ def _proc_address(address: str) -> str:
     return f"{struct.unpack('=I', packed)[0]:08X}:{int(port):04X}"
 
 
-def _tcp_inode(local: str, remote: str) -> Optional[str]:
+def _tcp_inode(local: Optional[str], remote: str) -> Optional[str]:
     with open("/proc/self/net/tcp") as table:
         next(table)
         for line in table:
             fields = line.split()
-            if fields[1] == local and fields[2] == remote:
-                return fields[9]
+            if fields[2] == remote and local in (None, fields[1]) and fields[3] == "01":
+                return fields[9]   # (state 01: established)
     return None
 
 
