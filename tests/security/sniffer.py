@@ -13,6 +13,9 @@ import time
 _ETH_P_ALL = 0x0003
 _PACKET_OUTGOING = 4   # lo shows each packet twice (out, then in): keep one copy
 _ETH_HEADER = 14
+# getsockopt(SOL_PACKET, PACKET_STATISTICS): struct tpacket_stats {packets, drops}, read
+# and reset by the kernel
+_SOL_PACKET, _PACKET_STATISTICS = 263, 6
 
 
 def available() -> bool:
@@ -39,6 +42,7 @@ class Sniffer:
         self._sock.settimeout(0.2)
         self._stop = threading.Event()
         self._stopped_at = 0.0
+        self.dropped = 0   # packets the kernel dropped because the reader fell behind
         self.streams = collections.defaultdict(bytearray)   # (src, sport, dst, dport) -> bytes
         self._thread = threading.Thread(target=self._read, daemon=True, name="sniffer")
 
@@ -50,8 +54,13 @@ class Sniffer:
         self._stopped_at = time.monotonic()
         self._stop.set()
         self._thread.join(120)   # (what is queued: up to the 64 MiB buffer)
+        self.dropped += self._drops()
         self._sock.close()
         return self.streams
+
+    def _drops(self) -> int:
+        _, drops = struct.unpack("II", self._sock.getsockopt(_SOL_PACKET, _PACKET_STATISTICS, 8))
+        return drops
 
     def _read(self):
         # after stop(), on until the buffer is empty: a reader that fell behind (a busy

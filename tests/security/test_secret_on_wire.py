@@ -82,20 +82,25 @@ def _run_program(marker: str) -> dict:
 # kept up with, and this run's own packets were missed. The limit: the capture still
 # holds every byte that crossed loopback meanwhile, other programs' included, and
 # searching it for six forms of the secret takes seconds on an idle machine, far more
-# on a busy one.
+# on a busy one; a capture the kernel dropped packets from (the reader fell behind on a
+# loaded machine) is taken again, up to three times.
 @needs_capture
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(420)
 @pytest.mark.alone
 @pytest.mark.parametrize("ctx", ["local"], indirect=True)
 def test_secret_never_crosses_the_wire(ctx, configure):
     configure(tls=False)
     secret = bytes(fibrl.current_process().authkey)
-    marker = "marker-" + secrets.token_hex(8)
-    sniffer = Sniffer().start()
-    try:
-        _run_program(marker)
-    finally:
-        streams = sniffer.stop()
+    for _ in range(3):   # a capture the kernel dropped packets from is run again
+        marker = "marker-" + secrets.token_hex(8)
+        sniffer = Sniffer().start()
+        try:
+            _run_program(marker)
+        finally:
+            streams = sniffer.stop()
+        if not sniffer.dropped:
+            break
+    assert not sniffer.dropped, f"every capture lost packets ({sniffer.dropped} the last time)"
     captured = b"\n".join(bytes(s) for s in streams.values())
     # the capture saw this program's data: a reader of plaintext traffic learns it
     assert f"{marker}-19".encode() in captured
