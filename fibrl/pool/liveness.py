@@ -37,10 +37,8 @@ class Liveness:
             longer than ``parent_timeout``, in a thread of its own (it may block).
     """
 
-    def __init__(self, on_silent: Callable[[int, float], None],
-                 silence: Callable[[int], Optional[float]] = lambda wid: None) -> None:
+    def __init__(self, on_silent: Callable[[int, float], None]) -> None:
         self._on_silent = on_silent
-        self._silence = silence   # a worker's connection: seconds since bytes arrived
         self._lock = threading.Lock()
         self._heard: dict[int, float] = {}
         self._timers: Any = None
@@ -101,13 +99,7 @@ class Liveness:
             silent = [(wid, now - last) for wid, last in self._heard.items()
                       if now - last > timings.parent_timeout]
             for wid, _ in silent:
-                # a large frame still arriving from it: bytes came, a frame did not yet
-                quiet = self._silence(wid)
-                if quiet is not None and quiet < timings.parent_timeout:
-                    self._heard[wid] = now - quiet
-                else:
-                    del self._heard[wid]
-            silent = [(wid, seconds) for wid, seconds in silent if wid not in self._heard]
+                del self._heard[wid]
             self._schedule()
         for wid, seconds in silent:
             self._timers.call_at(now, lambda w=wid, s=seconds: self._on_silent(w, s),

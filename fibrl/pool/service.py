@@ -271,7 +271,7 @@ class PoolService(Service, Policy):
         self._first_failure = ""   # evidence of the first failed start in a row
         self._retiring = 0   # workers in _workers that are retiring, kept as they change
         self._booting = 0    # workers in _workers not booted yet, kept as they change
-        self.liveness = Liveness(self._silent, self._silence)   # started once hosted
+        self.liveness = Liveness(self._silent)   # started by the engine once hosted
         self.stats = {"lost": 0, "requeued": 0, "failed": 0}
 
     # == caller side ======================================================================
@@ -452,12 +452,6 @@ class PoolService(Service, Policy):
         worker.booted = True
         self._booting -= 1
         return self.max_starting is not None
-
-    def _silence(self, wid: int) -> Optional[float]:
-        """Seconds since worker ``wid``'s connection received any bytes (None: unknown)."""
-        worker = self._workers.get(wid)
-        peer = None if worker is None else worker.peer
-        return None if peer is None else peer.silence()
 
     def _silent(self, wid: int, seconds: float) -> None:
         """Worker ``wid`` sent nothing for ``seconds``: its process is frozen, or its
