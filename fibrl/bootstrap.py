@@ -186,14 +186,14 @@ class _Heartbeat:
         now = time.monotonic()
         if self._ping is not None and not self._ping.ready():
             if now >= self._deadline:
-                # the answer waits behind what the parent sent before it: while a large
-                # frame is still arriving, the parent is there
-                silence = self._client.channel.silence()
-                if silence is None or silence >= self._limit:
+                from .hosting.hub import silence_left
+
+                left = silence_left(self._client.channel, self._limit)
+                if left <= 0:
                     _parent_lost(f"the parent did not answer a heartbeat within "
                                  f"{self._limit:.0f} s")
                     return
-                self._deadline = now - silence + self._limit
+                self._deadline = now + left
         else:
             self._ping = self._client.call("hub", "ping", (), inline=False)
             self._deadline = now + self._limit

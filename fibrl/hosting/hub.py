@@ -84,6 +84,15 @@ def new_oid(kind: str) -> str:
 _callback_lock = threading.RLock()
 
 
+def silence_left(channel: Any, limit: float) -> float:
+    """Seconds until ``channel`` (a :class:`~fibrl.wire.transport.Channel`) will have
+    received no bytes for ``limit`` seconds; 0 once it has, or where that is unknown.
+    What a liveness limit counts from: an answer or a heartbeat waits behind the frames
+    sent before it, and while a large one is still arriving, the peer is there."""
+    silence = channel.silence()
+    return 0.0 if silence is None else max(0.0, limit - silence)
+
+
 class Handle:
     """The pending result of a call: ``get(timeout)``, ``ready()``, ``wait(timeout)``.
 
@@ -1019,10 +1028,9 @@ class Hub:
         wait = limit
         while not ping.wait(wait):
             client = self._clients.get(address)
-            silence = None if client is None else client.channel.silence()
-            if silence is None or silence >= limit:
+            wait = 0.0 if client is None else silence_left(client.channel, limit)
+            if wait <= 0:
                 return False
-            wait = limit - silence
         return True
 
     def send(self, address: Optional[str], oid: str, method: str, *args: Any,

@@ -690,14 +690,14 @@ class _Reading:
         pipes = self._sock.pipes
         if not pipes:
             return None
-        remote = _remote(pipes[0])
-        try:
-            local: Optional[str] = str(pipes[0].local_address)
+        local: Optional[str] = None   # (a gate's hand-off: nng knows neither end, the
+        try:                          # gate the remote one)
+            address = pipes[0].local_address
+            if address.family == _lib.NNG_AF_INET:
+                local = str(address)
         except pynng.NNGException:
-            local = None
-        if local is not None and local.startswith("nng_sockaddr"):
-            local = None   # (a gate's hand-off: nng knows neither end; the gate the remote)
-        return tcp_silence(local, remote)
+            pass
+        return tcp_silence(local, _remote(pipes[0]))
 
     def _readable_init(self) -> None:
         self.lead = threading.Lock()   # held by the thread that reads the frames now
