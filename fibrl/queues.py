@@ -36,7 +36,7 @@ __all__ = ["Queue", "JoinableQueue", "SimpleQueue"]
 def _timeout(block: bool, timeout: Optional[float]) -> Optional[float]:
     if not block:
         return 0.0
-    if timeout is not None and timeout < 0:
+    if timeout is not None and not timeout >= 0:   # (NaN too)
         raise ValueError("'timeout' must be a non-negative number")
     return timeout
 

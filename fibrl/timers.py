@@ -18,6 +18,11 @@ __all__ = ["Timers"]
 
 log = logging.getLogger(__name__)
 
+# The longest single wait of the timer thread: a deadline further away (a caller's
+# timeout of a year, or of 1e12 s, which no condition can wait for at once) is
+# reached by waiting again. The heap is checked each time, so nothing is late.
+_LONGEST_WAIT_S = 3600.0
+
 
 class Timers:
     """One thread that runs callbacks at deadlines (for parked replies)."""
@@ -35,6 +40,8 @@ class Timers:
         ``blocking``: ``fn`` may wait (a backend call: logs, kill), so it runs in a
         thread of its own; the timer thread must stay free for every other deadline.
         """
+        if deadline != deadline:   # NaN: it would break the heap's order for every entry
+            raise ValueError("a deadline must be a number of seconds, not NaN")
         if blocking:
             fn = functools.partial(_in_thread, fn)
         entry = [deadline, next(self._seq), fn]
@@ -64,12 +71,26 @@ class Timers:
 
     def _run(self) -> None:
         me = threading.current_thread()
+        try:
+            self._serve(me)
+        except BaseException:
+            # never left for dead while still named as the thread: every later deadline
+            # of the process (timed waits, heartbeats) would silently never fire
+            log.exception("the timer thread failed; the next deadline starts a new one")
+            with self._cond:
+                if self._thread is me:
+                    self._thread = None
+
+    def _serve(self, me: threading.Thread) -> None:
         while True:
             with self._cond:
                 while self._thread is me and (not self._heap
                                               or self._heap[0][0] > time.monotonic()):
-                    delay = self._heap[0][0] - time.monotonic() if self._heap else None
-                    self._cond.wait(delay)
+                    if self._heap:
+                        delay = min(self._heap[0][0] - time.monotonic(), _LONGEST_WAIT_S)
+                        self._cond.wait(delay)
+                    else:
+                        self._cond.wait()
                 if self._thread is not me:
                     return   # closed
                 fn = heapq.heappop(self._heap)[2]

@@ -45,6 +45,7 @@ import functools
 import itertools
 import logging
 from _thread import allocate_lock as _allocate_lock
+from threading import TIMEOUT_MAX
 import os
 import threading
 import time
@@ -145,7 +146,9 @@ class Handle:
         if self._done:
             return True
         gate = self._gate
-        if gate.acquire(True, -1 if timeout is None else max(0.0, timeout)):
+        # (a timeout past what a lock can wait for at once is no limit, not an error)
+        if gate.acquire(True, -1 if timeout is None or timeout >= TIMEOUT_MAX
+                        else max(0.0, timeout)):
             gate.release()  # let any other waiter through too
         return self._done
 

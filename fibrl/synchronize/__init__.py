@@ -63,7 +63,12 @@ def wait_for(wait: Callable[[Optional[float]], Any], predicate: Callable[[], Any
 def _timeout_of(block: bool, timeout: Optional[float]) -> Optional[float]:
     if not block:
         return 0.0
-    return None if timeout is None else max(float(timeout), 0.0)
+    if timeout is None:
+        return None
+    seconds = float(timeout)
+    if seconds != seconds:
+        raise ValueError("timeout must be a number of seconds or None, not NaN")
+    return max(seconds, 0.0)
 
 
 class LockHandle(HostedHandle):

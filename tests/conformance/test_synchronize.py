@@ -12,6 +12,7 @@ import types
 import pytest
 
 from conftest import join_all, run_process, wait_until
+from fibrl.hosting.hub import get_hub
 
 TIMEOUT = 60
 
@@ -98,6 +99,32 @@ def test_lock_excludes_another_process_with_timeouts(ctx):
     assert 0.25 <= time.monotonic() - start < 30   # waited its timeout, and not forever
     release.set()
     assert lock.acquire(timeout=TIMEOUT) is True
+    lock.release()
+    join_all(p)
+
+
+def test_a_timeout_too_long_to_wait_at_once_waits_and_breaks_no_other_timeout(ctx):
+    """1e12 s is more than any lock or condition can wait for in one call (the stdlib's
+    raises OverflowError): it waits without limit, and every other timed wait of the
+    process still ends at its timeout; NaN is refused, as the stdlib refuses it."""
+    lock, holding, release = ctx.Lock(), ctx.Event(), ctx.Event()
+    p = run_process(ctx, W.hold, lock, holding, release)
+    assert holding.wait(TIMEOUT)
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(lock.acquire(timeout=1e12)))
+    waiter.start()
+    service = get_hub()._services[lock._oid]   # (hosted here, by the parent)
+    wait_until(lambda: len(service.waiters) == 1, "the long wait to park")
+    event = ctx.Event()
+    assert event.wait(0.2) is False   # a timed wait of this process still ends
+    assert got == []
+    for call in (lambda: lock.acquire(timeout=float("nan")),
+                 lambda: event.wait(float("nan"))):
+        with pytest.raises(ValueError, match="NaN"):
+            call()
+    release.set()   # the long wait ends by being granted
+    waiter.join(TIMEOUT)
+    assert got == [True]
     lock.release()
     join_all(p)
 

@@ -173,9 +173,11 @@ def test_partition_past_parent_timeout_loses_the_worker_once(quick_heartbeats, s
         # past the parent's limit, healed before the stale worker, which gives up its
         # parent at LIMIT too, exits (3 s later): its late result reaches the parent
         cut = _Partition(pool, seam, seconds=LIMIT + 1.5)
-        out = cut.result.get(TIMEOUT)   # the partition still holds: the task ran elsewhere
+        out = cut.result.get(TIMEOUT)
         cut.check_exact(out)
-        assert time.monotonic() < cut.heals, "the map waited for the partition to heal"
+        # the order of events, not the clock: had the map waited for the partition to
+        # heal, the cut-off worker's result (sent when it heals) would have been taken,
+        # and the worker, heard again, not lost
         value, end, held = out[cut.x]
         assert end != cut.end and held is None, "the cut-off worker's result was taken"
         assert service.stats["lost"] == 1 and service.stats["requeued"] >= 1

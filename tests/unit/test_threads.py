@@ -5,6 +5,9 @@ import threading
 import time
 import weakref
 
+import pytest
+
+from conftest import wait_until
 from fibrl.connection import _Waker
 from fibrl.managers.server import _Workers
 from fibrl.timers import Timers
@@ -20,6 +23,45 @@ def test_a_blocking_deadline_does_not_hold_up_the_others():
         assert fired.wait(5), "a deadline waited behind a blocking callback"
     finally:
         release.set()
+        timers.close()
+
+
+def test_a_deadline_further_than_one_wait_can_reach_delays_nothing():
+    """1e12 s ahead is more than a condition can wait for in one call (OverflowError):
+    the thread waits in steps, and the deadlines after it still fire."""
+    timers = Timers()
+    fired = threading.Event()
+    try:
+        timers.call_at(time.monotonic() + 1e12, lambda: None)
+        time.sleep(0.05)   # (the thread waits for the far deadline alone first)
+        timers.call_at(time.monotonic() + 0.05, fired.set)
+        assert fired.wait(5), "a far deadline stopped the timer thread"
+        with pytest.raises(ValueError, match="NaN"):
+            timers.call_at(float("nan"), lambda: None)
+    finally:
+        timers.close()
+
+
+def test_a_timer_thread_that_failed_is_replaced_by_the_next_deadline():
+    """A callback that ends its thread (SystemExit is not an Exception) leaves no dead
+    thread named as the timer thread: a later deadline still fires."""
+    timers = Timers()
+
+    ended = []
+
+    def end_thread():
+        ended.append(threading.current_thread())
+        raise SystemExit
+
+    try:
+        timers.call_at(time.monotonic(), end_thread)
+        wait_until(lambda: ended, "the callback to run")
+        ended[0].join(5)
+        assert not ended[0].is_alive()
+        fired = threading.Event()
+        timers.call_at(time.monotonic(), fired.set)
+        assert fired.wait(5), "a deadline waited for a timer thread that had ended"
+    finally:
         timers.close()
 
 
