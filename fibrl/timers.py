@@ -18,10 +18,12 @@ __all__ = ["Timers"]
 
 log = logging.getLogger(__name__)
 
-# The longest single wait of the timer thread: a deadline further away (a caller's
-# timeout of a year, or of 1e12 s, which no condition can wait for at once) is
-# reached by waiting again. The heap is checked each time, so nothing is late.
-_LONGEST_WAIT_S = 3600.0
+# The longest single wait of the timer thread; the heap is checked again after it. A
+# deadline further away is reached in steps (a timeout of 1e12 s is more than a
+# condition can wait for in one call), and a clock that was replaced for a while (a
+# test's fake clock, freezegun) cannot leave the thread asleep for hours past the
+# deadlines that came after: it is late by this much at most. One wake-up a second.
+_LONGEST_WAIT_S = 1.0
 
 
 class Timers:

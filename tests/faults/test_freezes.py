@@ -390,6 +390,11 @@ def test_parent_frozen_past_parent_timeout_loses_its_workers_once(tmp_path):
 # -- the parent's own stalls do not make its workers look frozen ----------------------------
 
 class _Clock:
+    """A clock the test moves. Given to the module under test as its ``time`` alone:
+    patching ``time.monotonic`` itself would move the clock of every thread of this
+    process, and its real timer thread, told that a deadline is hours away, would
+    sleep through the deadlines of the tests that follow."""
+
     def __init__(self):
         self.now = 100.0
 
@@ -428,7 +433,7 @@ def test_liveness_reports_a_silent_worker_but_not_after_its_own_stall(monkeypatc
     from fibrl.pool import liveness
 
     clock, timers, silent = _Clock(), _Timers(), []
-    monkeypatch.setattr(liveness.time, "monotonic", clock)
+    monkeypatch.setattr(liveness, "time", SimpleNamespace(monotonic=clock))   # (its clock alone)
     watch = liveness.Liveness(lambda wid, seconds: silent.append((wid, round(seconds))))
     watch.start(timers, SimpleNamespace(heartbeat_interval=1.0, parent_timeout=5.0))
     watch.watch(1)
@@ -467,7 +472,7 @@ def test_a_worker_keeps_its_parent_while_a_large_frame_from_it_arrives(monkeypat
     from fibrl import bootstrap
 
     clock, timers, lost = _Clock(), _Timers(), []
-    monkeypatch.setattr(bootstrap.time, "monotonic", clock)
+    monkeypatch.setattr(bootstrap, "time", SimpleNamespace(monotonic=clock))   # (its clock alone)
     monkeypatch.setattr(bootstrap, "_parent_lost", lambda reason: lost.append(clock.now))
     start = clock.now
     channel = SimpleNamespace(silence=lambda: max(0.0, clock.now - (start + arriving)))

@@ -173,3 +173,23 @@ def test_elastic_threads_run_every_task():
             workers.submit(lambda i=i: done.put(i))
         got = sorted(done.get(timeout=5) for _ in range(5))
         assert got == list(range(5)), round_
+
+
+def test_a_clock_replaced_for_a_while_does_not_leave_deadlines_behind(monkeypatch):
+    """A fake clock (a test's, freezegun's) set far behind while the thread computes its
+    wait: once the real clock is back, the deadlines pushed since still fire."""
+    timers = Timers()
+    real = time.monotonic
+    try:
+        timers.call_at(real() + 0.2, lambda: None)   # the thread waits for this one
+        woke = threading.Event()
+        with monkeypatch.context() as patched:
+            patched.setattr(time, "monotonic", lambda: 100.0)   # hours behind
+            timers.call_at(0.0, woke.set)   # due at once by any clock: wakes the thread
+            assert woke.wait(5)
+            time.sleep(0.05)   # the thread computed its next wait by the fake clock
+        fired = threading.Event()
+        timers.call_at(real() + 0.3, fired.set)   # not the first of the heap: no notify
+        assert fired.wait(10), "the timer thread slept by a clock that had been replaced"
+    finally:
+        timers.close()
