@@ -102,9 +102,7 @@ class DockerBackend(Backend):
         with self._lock:
             client = self._client
             if client is None:
-                self._client = client = connect()
-                threading.Thread(target=collect_orphans, args=(client,), daemon=True,
-                                 name="fibrl-docker-orphans").start()
+                self._client = client = _engine_client()
         start_reaper()   # once per process (its own lock); a forked child starts its own
         return client
 
@@ -368,6 +366,28 @@ class DockerBackend(Backend):
 
     def python(self) -> str:
         return "python"
+
+
+# One client per engine for the process, shared by the backends of every config: each
+# config has a backend of its own (its timings, its image), and a client each would
+# multiply the kept-alive connections to the engine (up to the pool's size per client)
+# and the sweeps for a previous run's containers. Keyed by pid too: a forked child
+# must not share its parent's connections.
+_clients: dict[tuple[int, str], Any] = {}
+_clients_lock = threading.Lock()
+
+
+def _engine_client() -> Any:
+    """The shared client of the engine in ``DOCKER_HOST``; its first use in this
+    process also sweeps a previous run's containers, in the background."""
+    key = (os.getpid(), _engine_address())
+    with _clients_lock:
+        client = _clients.get(key)
+        if client is None:
+            client = _clients[key] = connect()
+            threading.Thread(target=collect_orphans, args=(client,), daemon=True,
+                             name="fibrl-docker-orphans").start()
+    return client
 
 
 def _hand_secret(stdin: Any, secret: str) -> None:
