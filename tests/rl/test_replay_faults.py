@@ -272,6 +272,9 @@ def test_both_snapshot_methods_report_a_full_disk_the_same_way(small_disk, metho
 
 
 # -- a store killed while it writes a snapshot -------------------------------------------
+# up to 20 snapshots to catch the writer mid-file, then a restore: 2 s on a quiet
+# machine, over a minute under `stress --cpu 4` beside three other test processes
+@pytest.mark.timeout(240)
 def test_a_store_killed_mid_snapshot_restores_every_acknowledged_insert(tmp_path):
     """kill -9 of the store server while its snapshot writer is half-way: the writer
     dies with it (it does not finish the file later), the last good snapshot is left
