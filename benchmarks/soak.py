@@ -88,16 +88,18 @@ def square(x):
 def consume(q, results, journal, cid):
     """Take items until a None; journal each one, then report it on ``results``."""
     fd = os.open(journal, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    reported = 0
     while True:
         try:
             item = q.get(timeout=1.0)
         except queue.Empty:
             continue
         if item is None:
-            results.put(("done", cid))
+            results.put(("done", (cid, reported)))   # (what it put: a loss is located)
             return
         os.write(fd, b"%d\n" % item)
         results.put((cid, item))
+        reported += 1
 
 
 def update_manager(shared_list, shared_dict, stop):
@@ -141,6 +143,8 @@ class Soak:
         self.produced = 0
         self.reported: dict[int, list[int]] = collections.defaultdict(list)
         self.done: set[int] = set()
+        self.sent_by: dict[int, int] = {}            # cid -> reports it put (at its end)
+        self.got_from: collections.Counter = collections.Counter()   # cid -> reports got
         self.consumers: list = [None] * CONSUMERS   # (cid, Process) per slot
         self.next_cid = 0
         self.died: dict[int, int] = {}               # cid -> exit code
@@ -221,9 +225,12 @@ class Soak:
                 continue
             with self.lock:
                 if who == "done":
-                    self.done.add(item)
+                    cid, sent = item
+                    self.done.add(cid)
+                    self.sent_by[cid] = sent
                 else:
                     self.reported[item].append(who)
+                    self.got_from[who] += 1
                     self.ops["queue_items_reported"] += 1
 
     # -- faults ------------------------------------------------------------------------
@@ -300,6 +307,16 @@ def queue_verdict(soak: Soak) -> tuple[list[int], list[tuple[int, list[int]]], i
     return lost, bad, allowed, len(taken_unreported)
 
 
+def journaled_by(soak: Soak, item: int) -> list[int]:
+    """The consumers whose journal holds ``item`` (they took it from the queue)."""
+    holders = []
+    for name in sorted(os.listdir(soak.journals)):
+        with open(os.path.join(soak.journals, name)) as f:
+            if any(line.strip() == str(item) for line in f):
+                holders.append(int(name.split(".")[0]))
+    return holders
+
+
 def pool_verdict(soak: Soak) -> tuple[list[int], list[int]]:
     missing = sorted(x for x in soak.pool_sent if soak.pool_got[x] == 0)
     doubled = sorted(x for x, n in soak.pool_got.items() if n > 1)
@@ -326,6 +343,13 @@ def drain(soak: Soak, q, results, bound: float) -> None:
         if p.is_alive():
             soak.error(f"consumer {p.name} still alive after its stop marker")
             p.kill()
+        elif p.exitcode != 0:   # (1: it found items it put undelivered, and said so)
+            soak.error(f"consumer {p.name} reached its stop marker but exited with "
+                       f"{p.exitcode}")
+    for cid, sent in sorted(soak.sent_by.items()):
+        if soak.got_from[cid] != sent:
+            soak.error(f"consumer {cid} put {sent} reports on the results queue; "
+                       f"{soak.got_from[cid]} arrived")
     leftover = q.qsize()
     if leftover:
         soak.error(f"{leftover} items still in the queue after every stop marker was taken")
@@ -457,6 +481,11 @@ def summary(soak: Soak) -> int:
     print(f"results duplicated: {duplicated}")
     if lost:
         print("  queue items lost:", lost[:50])
+        for item in lost[:10]:   # where each went: a consumer took it, or none did
+            holders = journaled_by(soak, item)
+            print(f"    {item}: journaled by consumer(s) {holders or 'none'}"
+                  + "".join(f" ({cid} {'died' if cid in soak.died else 'alive to the end'})"
+                            for cid in holders))
     if bad_dups:
         print("  queue items reported twice (item, consumer ids):", bad_dups[:50])
     if pool_missing:

@@ -320,14 +320,17 @@ def test_a_cut_connection_loses_nothing_and_repeats_only_what_get_returned_befor
     assert len(set(after)) == len(after), "returned twice after the cut"
     # what the window held was dropped and put back; the only items that come again
     # are the last ones get() returned before the cut, whose acknowledgement the cut
-    # lost: a quarter of the window at most (acknowledged every quarter of the size it
-    # asks for, or sooner; it doubles each time get() finds it empty, so under load a
-    # 200-item drain reaches 128 and more)
+    # lost: those since the last acknowledgement sent before the cut (one goes every
+    # quarter of the size the window asks for, or sooner), and those get() took from
+    # the window after it, before the consumer saw the connection gone (on a loaded
+    # machine, up to what the window held). The size doubles each time get() finds
+    # the window empty, so under load a 200-item drain reaches 128 and more.
     again = set(before) & set(after)
     assert again == set(before[len(before) - len(again):]), (
         f"returned again, not the last ones before the cut: {sorted(again)}; the last: "
         f"{before[-len(again) - 2:]}")
-    assert len(again) <= max(1, owner.largest // 4), (sorted(again), owner.largest)
+    assert len(again) <= max(1, owner.largest // 4) + owner.largest, (
+        sorted(again), owner.largest)
     owner.finish()
 
 
