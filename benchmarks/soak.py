@@ -95,7 +95,13 @@ def consume(q, results, journal, cid):
         except queue.Empty:
             continue
         if item is None:
-            results.put(("done", (cid, reported)))   # (what it put: a loss is located)
+            # what it put, and the connection its puts counted on (the owner keeps a
+            # count per connection): a loss is located in this process, on the way, or
+            # in the owner
+            from fibrl.hosting.mailbox.producer import Ledger
+            binding = Ledger.of(results._address, results._oid).binding
+            token, sent = (binding.token, binding.sent + 1) if binding else (None, 0)
+            results.put(("done", (cid, reported, token, sent)))
             return
         os.write(fd, b"%d\n" % item)
         results.put((cid, item))
@@ -144,6 +150,7 @@ class Soak:
         self.reported: dict[int, list[int]] = collections.defaultdict(list)
         self.done: set[int] = set()
         self.sent_by: dict[int, int] = {}            # cid -> reports it put (at its end)
+        self.tokens: dict[int, tuple] = {}           # cid -> (its connection's token, puts on it)
         self.got_from: collections.Counter = collections.Counter()   # cid -> reports got
         self.consumers: list = [None] * CONSUMERS   # (cid, Process) per slot
         self.next_cid = 0
@@ -225,9 +232,10 @@ class Soak:
                 continue
             with self.lock:
                 if who == "done":
-                    cid, sent = item
+                    cid, sent, token, on_token = item
                     self.done.add(cid)
                     self.sent_by[cid] = sent
+                    self.tokens[cid] = (token, on_token)
                 else:
                     self.reported[item].append(who)
                     self.got_from[who] += 1
@@ -458,8 +466,22 @@ def check_late_reports(soak: Soak, results) -> None:
                    f"(out of order): {late[:10]}")
     for cid, sent in sorted(soak.sent_by.items()):
         if soak.got_from[cid] != sent:
+            token, on_token = soak.tokens.get(cid, (None, 0))
             soak.error(f"consumer {cid} put {sent} reports on the results queue; "
-                       f"{soak.got_from[cid]} arrived")
+                       f"{soak.got_from[cid]} arrived; of the {on_token} puts its last "
+                       f"connection carried, the queue's owner counted "
+                       f"{received_on(results, token)}")
+
+
+def received_on(q, token) -> "int | None":
+    """How many puts the owner of ``q`` (this process) counted on the connection named
+    ``token`` (None: unknown)."""
+    from fibrl.hosting.hub import get_hub
+    mailbox = get_hub().service(q._oid)
+    with mailbox._lock:
+        if token in mailbox._delivered:
+            return mailbox._delivered[token]
+        return next((n for t, n in mailbox._tallies.values() if t == token), None)
 
 
 def check_manager(soak: Soak, updater, shared_list, shared_dict) -> None:
