@@ -272,18 +272,33 @@ class _Aio:
     takes the message before nng marks the socket readable, so a reader thread that
     waits for readability (:class:`Channel`) is not woken for it."""
 
-    __slots__ = ("aio",)
+    __slots__ = ("aio", "busy")
 
     def __init__(self) -> None:
         holder = _ffi.new("nng_aio **")
         check_err(_lib.nng_aio_alloc(holder, _ffi.NULL, _ffi.NULL))
         self.aio = holder[0]
+        self.busy = False   # a receive is posted on it, or its message not taken yet
 
     def recv(self, sock: pynng.Socket, timeout: Optional[float],
              ready: Optional[Callable[[], bool]] = None) -> Optional[Frame]:
         """The next frame, or None when none came within ``timeout`` seconds, or when
         :meth:`cancel` was called (or ``ready()`` was true once the receive was posted:
         a ``cancel`` just before it would have been missed)."""
+        if self.busy:
+            # Entered again before the receive in progress took its message: Python
+            # code that ran inside it on this thread (a collection's callback, a signal
+            # handler) receives too. Posting this aio again would make nng panic, or
+            # drop the frame that the receive in progress got; a spare one is used.
+            return _reentered(self, sock, timeout, ready)
+        self.busy = True
+        try:
+            return self._recv(sock, timeout, ready)
+        finally:
+            self.busy = False
+
+    def _recv(self, sock: pynng.Socket, timeout: Optional[float],
+              ready: Optional[Callable[[], bool]]) -> Optional[Frame]:
         aio = self.aio
         # The aio keeps pointing at the message it last received, which the caller has
         # freed since: a receive that ends with no error and no message (nng ends one so
@@ -314,11 +329,30 @@ class _Aio:
 
     def __del__(self, _free: Callable[[Any], None] = _lib.nng_aio_free,
                 _finalizing: Callable[[], bool] = sys.is_finalizing) -> None:
-        if not (_nng_down or _finalizing()):   # at exit a daemon thread may still wait on it
+        # (at exit a daemon thread may still wait on it; None: freed already)
+        if self.aio is not None and not (_nng_down or _finalizing()):
             _free(self.aio)
 
 
 _aios = threading.local()
+_reentries = 0
+
+
+def _reentered(outer: _Aio, sock: pynng.Socket, timeout: Optional[float],
+               ready: Optional[Callable[[], bool]]) -> Optional[Frame]:
+    """A receive on a thread whose own aio is in use by a receive in progress: on an aio
+    of its own (the first such case logs where it came from)."""
+    global _reentries
+    _reentries += 1
+    if _reentries == 1:
+        log.warning("a receive started inside another on the same thread (it uses an aio "
+                    "of its own); where it came from:", stack_info=True)
+    spare = _Aio()
+    try:
+        return spare.recv(sock, timeout, ready)
+    finally:
+        _lib.nng_aio_free(spare.aio)
+        spare.aio = None
 
 
 def _thread_aio() -> _Aio:

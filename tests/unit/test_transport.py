@@ -573,3 +573,46 @@ def test_an_unanswered_ping_waits_while_the_connection_receives(silences, after,
     # each further wait lasts until the limit after the last data received
     expected = [1.0 - s for s in silences if s is not None and s < 1.0]
     assert ping.waits[1:] == expected[:len(ping.waits) - 1]
+
+
+_RECEIVE_INSIDE_A_RECEIVE = """
+import sys, threading
+import pynng
+from fibrl.wire import transport
+
+def pair():
+    server = pynng.Pair1(listen="tcp://127.0.0.1:0")
+    client = pynng.Pair1(dial=f"tcp://{server.listeners[0].local_address}",
+                         block_on_dial=True)
+    return server, client
+
+outer_end, outer_peer = pair()
+inner_end, inner_peer = pair()
+inner_peer.send(b"inner")
+got = {}
+
+def ready():   # Python code that runs while the outer receive is posted
+    if "inner" not in got:
+        got["inner"] = transport._thread_aio().recv(inner_end, 10.0)
+        threading.Timer(0.1, outer_peer.send, (b"outer",)).start()
+    return False
+
+got["outer"] = transport._thread_aio().recv(outer_end, 10.0, ready)
+print(sorted(got.items()))
+"""
+
+
+def test_a_receive_inside_a_receive_on_one_thread_gets_both_frames():
+    """Python code that runs inside a receive on the same thread (a collection's
+    callback, a signal handler, here the ``ready`` check) and receives too: the
+    thread's aio was posted twice (nng panics: 'appending node already on a list'),
+    or the inner receive cleared the frame the outer one got (lost, silently). In a
+    process of its own: the broken version aborts it."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _RECEIVE_INSIDE_A_RECEIVE],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == "[('inner', b'inner'), ('outer', b'outer')]", out
+    assert "started inside another" in out.stderr   # said once, with where it came from
