@@ -272,20 +272,21 @@ class _Aio:
     takes the message before nng marks the socket readable, so a reader thread that
     waits for readability (:class:`Channel`) is not woken for it."""
 
-    __slots__ = ("aio", "busy")
+    __slots__ = ("aio", "busy", "thread")
 
     def __init__(self) -> None:
         holder = _ffi.new("nng_aio **")
         check_err(_lib.nng_aio_alloc(holder, _ffi.NULL, _ffi.NULL))
         self.aio = holder[0]
         self.busy = False   # a receive is posted on it, or its message not taken yet
+        self.thread = threading.get_ident()   # the one thread that receives with it
 
     def recv(self, sock: pynng.Socket, timeout: Optional[float],
              ready: Optional[Callable[[], bool]] = None) -> Optional[Frame]:
         """The next frame, or None when none came within ``timeout`` seconds, or when
         :meth:`cancel` was called (or ``ready()`` was true once the receive was posted:
         a ``cancel`` just before it would have been missed)."""
-        if self.busy:
+        if self.busy or self.thread != threading.get_ident():
             # Entered again before the receive in progress took its message: Python
             # code that ran inside it on this thread (a collection's callback, a signal
             # handler) receives too. Posting this aio again would make nng panic, or
@@ -345,8 +346,9 @@ def _reentered(outer: _Aio, sock: pynng.Socket, timeout: Optional[float],
     global _reentries
     _reentries += 1
     if _reentries == 1:
-        log.warning("a receive started inside another on the same thread (it uses an aio "
-                    "of its own); where it came from:", stack_info=True)
+        log.warning("a receive started inside another on the same thread, or on another "
+                    "thread's aio (it uses an aio of its own); where it came from:",
+                    stack_info=True)
     spare = _Aio()
     try:
         return spare.recv(sock, timeout, ready)
