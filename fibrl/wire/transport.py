@@ -272,7 +272,7 @@ class _Aio:
     takes the message before nng marks the socket readable, so a reader thread that
     waits for readability (:class:`Channel`) is not woken for it."""
 
-    __slots__ = ("aio", "busy", "thread")
+    __slots__ = ("aio", "busy", "thread", "posting")
 
     def __init__(self) -> None:
         holder = _ffi.new("nng_aio **")
@@ -280,6 +280,13 @@ class _Aio:
         self.aio = holder[0]
         self.busy = False   # a receive is posted on it, or its message not taken yet
         self.thread = threading.get_ident()   # the one thread that receives with it
+        # Held while a receive is being posted. nng's cancel of an aio that its protocol
+        # has begun but not yet scheduled (inside nng_recv_aio) ends the caller's wait
+        # while the receive goes on: the aio stays queued on the socket, takes the next
+        # frame for nobody (it is cleared by the next receive: lost), and posting it
+        # again makes nng panic ("appending node already on a list"). A cancel from
+        # another thread waits until the receive is posted, or finished.
+        self.posting = threading.Lock()
 
     def recv(self, sock: pynng.Socket, timeout: Optional[float],
              ready: Optional[Callable[[], bool]] = None) -> Optional[Frame]:
@@ -306,9 +313,10 @@ class _Aio:
         # at times when a peer is killed) must not hand that one out again.
         _lib.nng_aio_set_msg(aio, _ffi.NULL)
         _lib.nng_aio_set_timeout(aio, -1 if timeout is None else max(1, int(timeout * 1000)))
-        _lib.nng_recv_aio(sock.socket, aio)
+        with self.posting:
+            _lib.nng_recv_aio(sock.socket, aio)
         if ready is not None and ready():
-            _lib.nng_aio_cancel(aio)
+            _lib.nng_aio_cancel(aio)   # (this thread: the receive is posted, or done)
         _lib.nng_aio_wait(aio)
         err = _lib.nng_aio_result(aio)
         if err in _AIO_TIMEOUT:
@@ -326,7 +334,8 @@ class _Aio:
 
     def cancel(self) -> None:
         """End the receive this aio waits for now, if any (from any thread)."""
-        _lib.nng_aio_cancel(self.aio)
+        with self.posting:   # (never in the middle of posting one: see __init__)
+            _lib.nng_aio_cancel(self.aio)
 
     def __del__(self, _free: Callable[[Any], None] = _lib.nng_aio_free,
                 _finalizing: Callable[[], bool] = sys.is_finalizing) -> None:
