@@ -56,6 +56,12 @@ def exit_with(code):
     raise SystemExit(code)
 
 
+def exit_with_when(go, code):
+    """Exit with ``code`` once ``go`` is set (its pod stays up until the test read it)."""
+    go.wait(60)
+    raise SystemExit(code)
+
+
 def start_grandchild(out, go):
     child = fibrl.Process(target=report_pod_then_wait, args=(out, go), daemon=True)
     child.start()
@@ -780,17 +786,34 @@ def test_a_service_mesh_sidecar_does_not_hide_the_workers_exit(kube_init, core, 
     namespace = _namespace(core, **{"istio-injection": "enabled"})
     try:
         kube_init(kubernetes_namespace=namespace, kubernetes_mesh_annotations="")
-        p = _started(exit_with, 3)
+        go = fibrl.Event()
+        p = _started(exit_with_when, go, 3)
+        # read while the worker runs: once it exits, its pod is deleted (under load,
+        # before a read after join() got to it)
+        pod = wait_until(lambda: _running_pod(core, p._popen.job.name, namespace),
+                         "the worker's pod to run")
+        assert [c.name for c in pod.status.container_statuses] == ["istio-proxy", "worker"]
+        go.set()
         p.join(WAIT)
         assert p.exitcode == 3, p._popen.job.failure_reason()
-        pod = core.read_namespaced_pod(p._popen.job.name, namespace, _request_timeout=10)
-        assert [c.name for c in pod.status.container_statuses] == ["istio-proxy", "worker"]
         kube_init(kubernetes_namespace=namespace)     # default: opted out of the mesh
         q = _started(exit_with, 0)
         q.join(WAIT)
         assert q.exitcode == 0
     finally:
         core.delete_namespace(namespace, _request_timeout=10)
+
+
+def _running_pod(core, name, namespace):
+    from kubernetes.client.exceptions import ApiException
+
+    try:
+        pod = core.read_namespaced_pod(name, namespace, _request_timeout=10)
+    except ApiException as exc:
+        if exc.status == 404:
+            return None   # not created yet (pods are created in the background)
+        raise
+    return pod if pod.status.phase == "Running" and pod.status.container_statuses else None
 
 
 def test_pod_security_denial_is_not_reported_as_missing_rbac():
