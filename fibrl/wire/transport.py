@@ -542,10 +542,44 @@ def _make(kind: type, secret: bytes, tls: bool, server: bool,
     if not _nng_started:
         set_nng_threads()   # FIBRL_NNG_THREADS, if set, before nng starts
         _nng_started = True
-    sock = kind(**options)
+    sock = _closed_apart(kind)(**options)
     if tls:
         sock.tls_config = _tls_config(secret, server)
     return sock
+
+
+class _ClosedApart:
+    """Mixed into every nng socket fibrl makes: one that is collected unclosed is closed
+    on a short-lived thread of its own, never by the thread that collects it.
+
+    pynng closes a socket in ``__del__``, on whichever thread the collection happens to
+    run, and ``nng_close`` waits until nng's reaper thread has removed the socket's
+    connections. A collection on the reaper thread itself (a pipe callback allocates, so
+    it may collect) or on a thread that holds a lock a pipe callback waits for would then
+    never return, and every later connection of the process would wait behind it."""
+
+    _closing = False
+
+    def close(self) -> None:
+        self._closing = True
+        super().close()  # type: ignore[misc]
+
+    def __del__(self) -> None:
+        if self._closing or _nng_down or not hasattr(self, "_socket"):
+            return   # (closed; at exit nng is shut down; or its constructor failed)
+        self._closing = True
+        _call_soon(self.close)   # (the thread holds the socket until it is closed)
+
+
+_closed_apart_kinds: dict[type, type] = {}
+
+
+def _closed_apart(kind: type) -> type:
+    """``kind`` (a pynng socket class) with :class:`_ClosedApart` mixed in."""
+    made = _closed_apart_kinds.get(kind)
+    if made is None:
+        made = _closed_apart_kinds[kind] = type(kind.__name__, (_ClosedApart, kind), {})
+    return made
 
 
 class _DropLog:

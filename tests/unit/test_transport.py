@@ -670,3 +670,46 @@ def test_receives_cancelled_from_another_thread_lose_no_frame():
                          capture_output=True, text=True, timeout=150)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split() == ["20000", "True"], (out.stdout, out.stderr[-2000:])
+
+
+_COLLECTED_ON_NNG_THREAD = """
+import gc, sys, threading
+import pynng
+from fibrl.wire import transport
+
+gc.disable()   # (the collection below is the only one)
+kind = pynng.Pair1 if sys.argv[1] == "pynng" else transport._closed_apart(pynng.Pair1)
+# an unclosed socket with a connection, reachable only from a reference cycle
+lost = kind(listen="tcp://127.0.0.1:0")
+other = pynng.Pair1(dial=f"tcp://{lost.listeners[0].local_address}", block_on_dial=True)
+lost.cycle = lost
+del lost
+# a pipe callback (it runs on nng's reaper thread) that collects it
+watched = pynng.Pair1(listen="tcp://127.0.0.1:0")
+collected = threading.Event()
+def removed(pipe):
+    gc.collect()
+    collected.set()
+watched.add_post_pipe_remove_cb(removed)
+peer = pynng.Pair1(dial=f"tcp://{watched.listeners[0].local_address}", block_on_dial=True)
+threading.Thread(target=peer.close, daemon=True).start()
+print("collected" if collected.wait(10) else "stuck", flush=True)
+import os
+os._exit(0)   # (a stuck nng cannot shut down)
+"""
+
+
+@pytest.mark.parametrize("kind, outcome", [("fibrl", "collected"), ("pynng", "stuck")])
+def test_a_socket_collected_on_nngs_reaper_thread_is_closed_apart(kind, outcome):
+    """A socket left unclosed and collected by nng's reaper thread (inside a pipe
+    callback, which allocates and so may collect): pynng closes it there, and the close
+    waits for that same thread to remove the socket's connection, so the reaper never
+    runs again and no connection of the process is ever removed. Every socket fibrl
+    makes is closed on a thread of its own instead. The plain pynng socket shows that
+    the scenario happens (it hangs)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _COLLECTED_ON_NNG_THREAD, kind],
+                         capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == outcome, (out.stdout, out.stderr[-3000:])
