@@ -211,31 +211,42 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)
 def pytest_runtest_protocol(item, nextitem):
+    """Each test in turn: under pytest-xdist, waits until it may run beside the tests
+    running now (``alone``), then runs within its time limit (``backstop``). One hook
+    (a module keeps one function of a name: a second ``pytest_runtest_protocol`` here
+    would replace the first); the outermost wrapper, so the wait is not part of the
+    test's timeout."""
+    with alone(item), backstop(item):
+        yield
+
+
+@contextlib.contextmanager
+def alone(item):
     """Under pytest-xdist, a test marked ``alone`` runs with no other test beside it.
 
     Every test holds a shared lock on a file of this run while it runs (setup and
     teardown included); an ``alone`` test takes it exclusively. A second file is the
     turnstile that makes it writer-first: an ``alone`` test holds it while it waits, so
-    no new test starts meanwhile. Outermost wrapper: the wait is not part of the test's
-    timeout. Without xdist (one process) there is nothing to wait for.
+    no new test starts meanwhile. Without xdist (one process) there is nothing to wait
+    for.
     """
     run = getattr(item.config, "workerinput", {}).get("testrunuid")
     if run is None:
         yield
         return
     turnstile, room = _run_locks(run)
-    alone = item.get_closest_marker("alone") is not None
+    exclusive = item.get_closest_marker("alone") is not None
     fcntl.flock(turnstile, fcntl.LOCK_EX)
     try:
-        fcntl.flock(room, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        fcntl.flock(room, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
     finally:
-        if not alone:
+        if not exclusive:
             fcntl.flock(turnstile, fcntl.LOCK_UN)
     try:
         yield
     finally:
         fcntl.flock(room, fcntl.LOCK_UN)
-        if alone:
+        if exclusive:
             fcntl.flock(turnstile, fcntl.LOCK_UN)
 
 
@@ -248,8 +259,8 @@ def pytest_runtest_protocol(item, nextitem):
 BACKSTOP_S = 30
 
 
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_protocol(item, nextitem):
+@contextlib.contextmanager
+def backstop(item):
     limit = time_limit(item)
     if limit:
         faulthandler.dump_traceback_later(limit + BACKSTOP_S, file=sys.__stderr__,
