@@ -272,12 +272,10 @@ class _Aio:
     takes the message before nng marks the socket readable, so a reader thread that
     waits for readability (:class:`Channel`) is not woken for it."""
 
-    __slots__ = ("aio", "busy", "thread", "posting")
+    __slots__ = ("aio", "busy", "thread", "posting", "cancelled")
 
     def __init__(self) -> None:
-        holder = _ffi.new("nng_aio **")
-        check_err(_lib.nng_aio_alloc(holder, _ffi.NULL, _ffi.NULL))
-        self.aio = holder[0]
+        self.aio = _new_aio()
         self.busy = False   # a receive is posted on it, or its message not taken yet
         self.thread = threading.get_ident()   # the one thread that receives with it
         # Held while a receive is being posted. nng's cancel of an aio that its protocol
@@ -287,6 +285,15 @@ class _Aio:
         # again makes nng panic ("appending node already on a list"). A cancel from
         # another thread waits until the receive is posted, or finished.
         self.posting = threading.Lock()
+        # A cancel was made during the receive in progress. One that lands just as nng
+        # completes that receive (between its marking the aio done and its accounting
+        # of the completion, on nng's thread) ends the wait early; the accounting that
+        # follows then lands on whatever the aio does next: the next receive's wait
+        # ends at once while that receive stays queued on the socket (its frame is
+        # cleared by the one after: lost), or posting again makes nng panic. An aio
+        # whose receive was cancelled and still ended with a frame, or ended with
+        # neither a frame nor an error, is therefore retired (see _retire).
+        self.cancelled = False
 
     def recv(self, sock: pynng.Socket, timeout: Optional[float],
              ready: Optional[Callable[[], bool]] = None) -> Optional[Frame]:
@@ -314,18 +321,22 @@ class _Aio:
         _lib.nng_aio_set_msg(aio, _ffi.NULL)
         _lib.nng_aio_set_timeout(aio, -1 if timeout is None else max(1, int(timeout * 1000)))
         with self.posting:
+            self.cancelled = False
             _lib.nng_recv_aio(sock.socket, aio)
         if ready is not None and ready():
+            self.cancelled = True
             _lib.nng_aio_cancel(aio)   # (this thread: the receive is posted, or done)
         _lib.nng_aio_wait(aio)
         err = _lib.nng_aio_result(aio)
         if err in _AIO_TIMEOUT:
-            return None
+            return None   # (ended by its cancel or its timeout: nng is done with the aio)
         check_err(err)
         msg = _lib.nng_aio_get_msg(aio)
+        _lib.nng_aio_set_msg(aio, _ffi.NULL)
+        if self.cancelled or msg == _ffi.NULL:
+            self._retire()
         if msg == _ffi.NULL:
             return None   # nothing came (the caller asks again unless it has what it waits for)
-        _lib.nng_aio_set_msg(aio, _ffi.NULL)
         size = _lib.nng_msg_len(msg)
         if not size:
             _drop_empty(msg)
@@ -335,13 +346,53 @@ class _Aio:
     def cancel(self) -> None:
         """End the receive this aio waits for now, if any (from any thread)."""
         with self.posting:   # (never in the middle of posting one: see __init__)
+            self.cancelled = True
             _lib.nng_aio_cancel(self.aio)
+
+    def _retire(self) -> None:
+        """Go on with a new nng aio. The old one may still have nng's accounting of its
+        completion to come, or (ended with neither frame nor error) still be queued on
+        the socket: it is cancelled (which takes it off the socket's queue) and freed
+        only ``_RETIRED_S`` later, when nng is long done with it."""
+        fresh = _new_aio()
+        with self.posting:
+            old, self.aio = self.aio, fresh
+        _lib.nng_aio_cancel(old)
+        _retired_add(old)
 
     def __del__(self, _free: Callable[[Any], None] = _lib.nng_aio_free,
                 _finalizing: Callable[[], bool] = sys.is_finalizing) -> None:
         # (at exit a daemon thread may still wait on it; None: freed already)
         if self.aio is not None and not (_nng_down or _finalizing()):
             _free(self.aio)
+
+
+def _new_aio() -> Any:
+    holder = _ffi.new("nng_aio **")
+    check_err(_lib.nng_aio_alloc(holder, _ffi.NULL, _ffi.NULL))
+    return holder[0]
+
+
+_RETIRED_S = 5.0   # how long a retired aio waits before it is freed (nng needs microseconds)
+_retired: collections.deque[tuple[float, Any]] = collections.deque()   # (when, aio), oldest first
+_retired_lock = threading.Lock()
+
+
+def _retired_add(aio: Any) -> None:
+    """Keep ``aio`` (retired by :meth:`_Aio._retire`) for ``_RETIRED_S``; free those
+    retired longer ago."""
+    now = time.monotonic()
+    with _retired_lock:
+        _retired.append((now, aio))
+        while _retired and now - _retired[0][0] >= _RETIRED_S and not _nng_down:
+            _, old = _retired.popleft()
+            msg = _lib.nng_aio_get_msg(old)
+            if msg != _ffi.NULL:   # (a frame the queued receive took before its cancel)
+                log.error("a frame received by a receive that had already ended was "
+                          "dropped; the connection it came on may have lost it")
+                _lib.nng_msg_free(msg)
+                _lib.nng_aio_set_msg(old, _ffi.NULL)
+            _lib.nng_aio_free(old)
 
 
 _aios = threading.local()
@@ -936,12 +987,6 @@ class _Pending:
         self.since = now         # since when the listener waits for it to speak
         self.answering = False   # its request is being answered now
         self.silence = 0.0       # the longest it made the listener wait so far
-
-
-def _new_aio() -> Any:
-    holder = _ffi.new("nng_aio **")
-    check_err(_lib.nng_aio_alloc(holder, _ffi.NULL, _ffi.NULL))
-    return holder[0]
 
 
 class Listener:
