@@ -195,15 +195,21 @@ class Soak:
         p.start()
         self.consumers[slot] = (cid, p)
 
-    def replace_dead_consumers(self, q, results) -> None:
+    def replace_dead_consumers(self, q, results, draining: bool = False) -> None:
+        """Start a consumer in the place of each one that died; while ``draining``, not
+        of one that ended with status 0 (it took its stop marker: ``consume`` returns only
+        then)."""
         for slot, (cid, p) in enumerate(list(self.consumers)):
-            if p.is_alive():
+            if p.is_alive() or (draining and p.exitcode == 0):
                 continue
             p.join(10)
             with self.lock:
                 self.died[cid] = p.exitcode
             self.ops["consumer_restarts"] += 1
             self.start_consumer(slot, q, results)
+            if draining:
+                q.put(None)   # (the dead one may have taken its marker: one more; a
+                              # marker left over at the end is not work left undone)
 
     def watch_consumers(self, q, results) -> None:
         while not self.stop.wait(0.2):
@@ -336,10 +342,13 @@ def drain(soak: Soak, q, results, bound: float) -> None:
     soak.replace_dead_consumers(q, results)
     for _ in range(CONSUMERS):
         q.put(None)
-    cids = {cid for cid, _ in soak.consumers}
     deadline = time.monotonic() + bound
     while time.monotonic() < deadline:
+        # (a consumer frozen near the end of the load may be cut off by the queue's owner
+        # only now: the one that takes its place takes its stop marker)
+        soak.replace_dead_consumers(q, results, draining=True)
         with soak.lock:
+            cids = {cid for cid, _ in soak.consumers}
             if cids <= soak.done:
                 break
         time.sleep(0.1)
@@ -354,9 +363,17 @@ def drain(soak: Soak, q, results, bound: float) -> None:
         elif p.exitcode != 0:   # (1: it found items it put undelivered, and said so)
             soak.error(f"consumer {p.name} reached its stop marker but exited with "
                        f"{p.exitcode}")
-    leftover = q.qsize()
+    leftover = []
+    while True:
+        try:
+            item = q.get(timeout=1.0)
+        except queue.Empty:
+            break
+        if item is not None:
+            leftover.append(item)
     if leftover:
-        soak.error(f"{leftover} items still in the queue after every stop marker was taken")
+        soak.error(f"{len(leftover)} items still in the queue after every stop marker was "
+                   f"taken: {leftover[:10]}")
 
 
 def thread(target, *args) -> threading.Thread:
