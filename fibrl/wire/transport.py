@@ -390,8 +390,7 @@ def _retired_add(aio: Any) -> None:
             if msg != _ffi.NULL:   # (a frame the queued receive took before its cancel)
                 log.error("a frame received by a receive that had already ended was "
                           "dropped; the connection it came on may have lost it")
-                _lib.nng_msg_free(msg)
-                _lib.nng_aio_set_msg(old, _ffi.NULL)
+                _lib.nng_msg_free(msg)   # (nng_aio_free leaves an aio's message alone)
             _lib.nng_aio_free(old)
 
 
