@@ -6,7 +6,12 @@ with one thread) trains for a fixed number of env steps on each of:
 
 - fibrl: ``RemoteVectorEnv("CartPole-v1", 8, envs_per_worker=4)`` (2 workers);
 - ``AsyncVectorEnv(8)`` (started with spawn: fork aborts in nng once fibrl runs);
-- ``SyncVectorEnv(8)`` (every env in this process).
+- ``SyncVectorEnv(8)`` (every env in this process);
+- the bare pynng loop of fibrl's layout (:class:`BareVectorEnv`: 2 spawned processes
+  of 4 CartPoles each, raw actions out and raw result bytes back on a ``Pair0`` per
+  worker, no authentication, no validation, no infos): the transport's floor for
+  this program, so its ratio to AsyncVectorEnv is the least any vector env that
+  steps its CartPoles in other processes over these sockets could reach here.
 
 Each is started once; a round then trains on each in turn (every other round in
 reverse order, so a burst of load from elsewhere hits all alike), and a ratio is
@@ -73,7 +78,9 @@ from fibrl.rl import RemoteVectorEnv  # noqa: E402
 SEED = 1
 NUM_ENVS, PER_WORKER = 8, 4
 SWEEP = (1, 2, 4, 8, 16)   # envs per worker, 2 workers
-NAMES = {"fibrl": "RemoteVectorEnv", "async": "AsyncVectorEnv", "sync": "SyncVectorEnv"}
+NAMES = {"fibrl": "RemoteVectorEnv", "async": "AsyncVectorEnv", "sync": "SyncVectorEnv",
+         "bare": "bare pynng loop"}
+SWEPT = ("fibrl", "async", "sync")   # the sweep's contenders
 
 
 def cartpole():
@@ -86,6 +93,8 @@ def make(kind: str, num_envs: int, per_worker: int):
     if kind == "fibrl":
         return RemoteVectorEnv("CartPole-v1", num_envs, envs_per_worker=per_worker,
                                autoreset_mode=mode, seed=SEED)
+    if kind == "bare":
+        return BareVectorEnv(num_envs // per_worker, per_worker)
     if kind == "async":
         # spawn: a child forked after nng started aborts in nng ("not fork-reentrant safe")
         return gymnasium.vector.AsyncVectorEnv([cartpole] * num_envs, context="spawn",
@@ -111,6 +120,100 @@ def start(kinds: list, num_envs: int, per_worker: int) -> tuple:
 def close(envs: dict) -> None:
     for env in envs.values():
         env.close()
+
+
+# -- the floor: the same layout on bare pynng sockets --------------------------------------
+def _bare_worker(address: str, k: int) -> None:
+    """``k`` CartPoles behind a ``Pair0``: a frame of ``k`` int64 actions is a step
+    (autoreset in the same step, as SyncVectorEnv's SAME_STEP), of ``b"R" + seed`` a
+    reset (env ``i`` seeded ``seed + i``); the reply is the observations, rewards and
+    terminated and truncated flags, as raw bytes."""
+    import pynng
+
+    envs = [cartpole() for _ in range(k)]
+    obs = np.empty((k, 4), dtype=np.float32)
+    rewards = np.zeros(k, dtype=np.float64)
+    flags = np.zeros((2, k), dtype=np.bool_)
+    with pynng.Pair0(dial=address) as sock:
+        while True:
+            frame = sock.recv()
+            if frame == b"stop":
+                return
+            if frame[:1] == b"R":
+                seed = int(frame[1:])
+                for i, env in enumerate(envs):
+                    obs[i] = env.reset(seed=seed + i)[0]
+                rewards[:], flags[:] = 0.0, False
+            else:
+                for i, (env, a) in enumerate(zip(envs, np.frombuffer(frame, np.int64))):
+                    obs[i], rewards[i], flags[0, i], flags[1, i], _ = env.step(int(a))
+                    if flags[0, i] or flags[1, i]:
+                        obs[i] = env.reset()[0]
+            sock.send(obs.tobytes() + rewards.tobytes() + flags.tobytes())
+
+
+class BareVectorEnv(gymnasium.vector.VectorEnv):
+    """``workers`` x ``k`` CartPoles stepped over bare pynng: only what a PPO loop
+    reads (observations, rewards, flags; empty infos), for :func:`train` to measure the
+    floor of fibrl's layout with the same learner."""
+
+    def __init__(self, workers: int, k: int) -> None:
+        import multiprocessing
+
+        import pynng
+
+        one = cartpole()
+        self.single_observation_space = one.observation_space
+        self.single_action_space = one.action_space
+        one.close()
+        self.num_envs, self.k = workers * k, k
+        self.metadata = {"autoreset_mode": AutoresetMode.SAME_STEP}
+        self.observation_space = gymnasium.vector.utils.batch_space(
+            self.single_observation_space, self.num_envs)
+        self.action_space = gymnasium.vector.utils.batch_space(self.single_action_space,
+                                                               self.num_envs)
+        self.socks, self.procs = [], []
+        for _ in range(workers):
+            sock = pynng.Pair0(listen="tcp://127.0.0.1:0", recv_timeout=60_000)
+            address = "tcp://" + str(sock.listeners[0].local_address)
+            proc = multiprocessing.get_context("spawn").Process(
+                target=_bare_worker, args=(address, k), daemon=True)
+            proc.start()
+            self.socks.append(sock)
+            self.procs.append(proc)
+
+    def _exchange(self, frames: list) -> tuple:
+        for sock, frame in zip(self.socks, frames):
+            sock.send(frame)
+        replies = b"".join(sock.recv() for sock in self.socks)
+        k, n = self.k, len(self.socks)
+        size = k * (16 + 8 + 2)
+        parts = [replies[w * size:(w + 1) * size] for w in range(n)]
+        obs = np.concatenate([np.frombuffer(p, np.float32, 4 * k).reshape(k, 4)
+                              for p in parts])
+        rewards = np.concatenate([np.frombuffer(p, np.float64, k, 16 * k) for p in parts])
+        flags = np.concatenate([np.frombuffer(p, np.bool_, 2 * k, 24 * k).reshape(2, k)
+                                for p in parts], axis=1)
+        return obs, rewards, flags[0].copy(), flags[1].copy()
+
+    def reset(self, *, seed: Any = None, options: Any = None) -> tuple:
+        base = 0 if seed is None else int(seed)
+        frames = [b"R%d" % (base + w * self.k) for w in range(len(self.socks))]
+        return self._exchange(frames)[0], {}
+
+    def step(self, actions: Any) -> tuple:
+        acts = np.asarray(actions, dtype=np.int64)
+        frames = [acts[w * self.k:(w + 1) * self.k].tobytes() for w in range(len(self.socks))]
+        obs, rewards, terms, truncs = self._exchange(frames)
+        return obs, rewards, terms, truncs, {}
+
+    def close_extras(self, **kwargs: Any) -> None:
+        for sock in self.socks:
+            sock.send(b"stop")
+        for proc in self.procs:
+            proc.join(30)
+        for sock in self.socks:
+            sock.close()
 
 
 class Timed(VectorWrapper):
@@ -268,7 +371,7 @@ def sweep(per_worker: tuple, rounds: int, seconds: float) -> dict:
 
     torch.manual_seed(SEED)
     agent = Agent(4, 2)
-    kinds = list(NAMES)
+    kinds = list(SWEPT)
     points = {}
     for k in per_worker:
         envs, _ = start(kinds, 2 * k, k)
@@ -289,9 +392,9 @@ def plot(points: dict, path: str, title: str) -> None:
 
     ks = sorted(points)
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for kind, name in NAMES.items():
+    for kind in SWEPT:
         label = ("fibrl RemoteVectorEnv(2k), 2 workers x k" if kind == "fibrl"
-                 else f"{name}(2k)")
+                 else f"{NAMES[kind]}(2k)")
         ax.plot(ks, [_median(points[k], kind) for k in ks], marker="o", label=label)
     ax.set_xscale("log", base=2)
     ax.set_xticks(ks, [str(k) for k in ks])
@@ -314,12 +417,17 @@ SPLIT = ("wall", "env", "env_cpu", "workers_cpu", "learner", "learner_cpu", "upd
 
 def ratio_table(rounds: list) -> str:
     wall = attrgetter("wall")
-    lines = ["| measure | fibrl | peer | ratio | better | target |",
+    lines = ["| measure | this | against | ratio | better | target |",
              "|---|---|---|---|---|---|"]
-    for peer, target in (("async", "<= 0.5x"), ("sync", "")):
-        ratio = float(np.median([r["fibrl"].wall / r[peer].wall for r in rounds]))
-        lines.append(f"| PPO wall time, {LAYOUT} vs {NAMES[peer]}({NUM_ENVS}), s | "
-                     f"{_median(rounds, 'fibrl', wall):.2f} | {_median(rounds, peer, wall):.2f} "
+    rows = (("fibrl", f"{LAYOUT}", "async", f"{NAMES['async']}({NUM_ENVS})", "<= 0.5x"),
+            ("fibrl", f"{LAYOUT}", "sync", f"{NAMES['sync']}({NUM_ENVS})", ""),
+            ("fibrl", f"{LAYOUT}", "bare", f"the {NAMES['bare']} {LAYOUT}", ""),
+            ("bare", f"the {NAMES['bare']} {LAYOUT}", "async", f"{NAMES['async']}({NUM_ENVS})",
+             ""))
+    for kind, who, peer, against, target in rows:
+        ratio = float(np.median([r[kind].wall / r[peer].wall for r in rounds]))
+        lines.append(f"| PPO wall time, {who} vs {against}, s | "
+                     f"{_median(rounds, kind, wall):.2f} | {_median(rounds, peer, wall):.2f} "
                      f"| {ratio:.2f}x | lower | {target} |")
     return "\n".join(lines)
 
@@ -329,7 +437,8 @@ def split_table(rounds: list, started: dict) -> str:
              "workers' CPU s | learner s | learner CPU s | of which update s | "
              "env steps/s | started in s |", "|" + "---|" * 10]
     for kind, name in NAMES.items():
-        label = f"{name}({NUM_ENVS})" + (f", {LAYOUT}" if kind == "fibrl" else "")
+        label = (f"{name}, {LAYOUT}" if kind == "bare"
+                 else f"{name}({NUM_ENVS})" + (f", {LAYOUT}" if kind == "fibrl" else ""))
         cells = [_median(rounds, kind, attrgetter(field)) for field in SPLIT]
         rate = _median(rounds, kind, lambda run: run.steps / run.wall)
         lines.append(f"| {label} | " + " | ".join(f"{c:.2f}" if np.isfinite(c) else "—"
@@ -388,7 +497,7 @@ def main() -> None:
           f"{os.getloadavg()[0]:.1f} after")
     print(f"PPO (examples/ppo_cartpole.py's, seed {SEED}): {reference.steps:,} env steps per "
           f"run, {NUM_ENVS} envs; medians of {args.rounds} rounds (ratio: median of the "
-          f"rounds' ratios); the {3 * args.rounds} runs all learned the same: "
+          f"rounds' ratios); the {len(NAMES) * args.rounds} runs all learned the same: "
           f"{len(reference.returns)} episodes, mean return {np.mean(reference.returns):.1f}, "
           f"final weights bit-identical")
     print()
