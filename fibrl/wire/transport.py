@@ -1483,8 +1483,12 @@ class Channel(_Reading):
         # handshake fails at once instead of after ``timeout``.
         _close_on_disconnect(sock)
         try:
-            sock.dial(data_address, block=True)
+            _dial(sock, data_address, timeout)
             _present_token(sock, token, timeout, address)
+        except _DialTimeout as exc:
+            raise TransportError(f"cannot connect to {address}'s data socket: {exc} "
+                                 f"(the process that owns it is too busy, or the network "
+                                 f"between drops packets)") from None
         except pynng.NNGException as exc:
             sock.close()
             raise TransportError(f"cannot connect to {address}'s data socket "
@@ -1607,6 +1611,51 @@ def _close_on_disconnect(sock: pynng.Socket) -> None:
     sock.add_post_pipe_remove_cb(lambda _pipe: _call_soon(sock.close))
 
 
+class _DialTimeout(TransportError):
+    """A dial that did not finish within the caller's timeout (:func:`_dial`)."""
+
+
+def _dial(sock: pynng.Socket, address: str, timeout: float) -> None:
+    """``sock.dial(address, block=True)``, given up after ``timeout`` seconds.
+
+    nng's blocking dial waits for the TCP connect (the kernel's limit, minutes, towards
+    a host that drops packets) and then up to its own 10 s for the other end to take the
+    connection, whatever the caller's timeout. Past ``timeout`` the socket is closed,
+    which ends the dial.
+
+    Raises:
+        _DialTimeout: not connected within ``timeout`` (``sock`` is closed then).
+        pynng.NNGException: the dial failed (refused, nng's negotiation limit, ...).
+    """
+    lock = threading.Lock()
+    state = {"done": False, "expired": False}
+
+    def expire() -> None:
+        with lock:
+            if state["done"]:
+                return
+            state["expired"] = True
+        sock.close()   # (a timer thread of its own: closing may wait for nng's threads)
+
+    timer = threading.Timer(max(0.0, timeout), expire)
+    timer.daemon = True
+    timer.start()
+    failure: Optional[pynng.NNGException] = None
+    try:
+        sock.dial(address, block=True)
+    except pynng.NNGException as exc:
+        failure = exc
+    finally:
+        timer.cancel()
+        with lock:
+            state["done"] = True
+            expired = state["expired"]
+    if expired:
+        raise _DialTimeout(f"{address} did not take the connection within {timeout:.3g} s")
+    if failure is not None:
+        raise failure
+
+
 def _authenticate_retrying(address: str, secret: bytes, timeout: float,
                            tls: bool) -> tuple[str, bytes]:
     """:func:`_authenticate`, tried again until ``timeout`` (pausing a little longer each
@@ -1671,7 +1720,13 @@ def _authenticate(address: str, secret: bytes, timeout: float,
     nonce = os.urandom(_NONCE)
     try:
         try:
-            req.dial(address, block=True)
+            _dial(req, address, timeout)
+        except _DialTimeout:
+            raise TransportError(
+                f"{address} did not take the connection within {timeout:.3g} s: no fibrl "
+                f"listener answered there (a host that drops packets, a program of another "
+                f"kind on that port), or it is too busy to take new connections (connect "
+                f"with a longer timeout).") from None
         except pynng.Timeout as exc:
             # TCP connected, but the listener did not take the connection within nng's
             # own negotiation limit (10 s): it waited in the queue of a full listener

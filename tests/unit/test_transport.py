@@ -371,6 +371,40 @@ def test_nothing_listening_is_a_clear_error():
         Channel.connect("tcp://127.0.0.1:9", SECRET, timeout=2)
 
 
+def test_a_connect_gives_up_at_its_timeout_when_nothing_takes_the_connection():
+    """Something accepts TCP on the port and never answers (a program of another kind;
+    a host that drops packets stalls a connect the same way): the connect ends at its own
+    timeout with a clear error, not after nng's fixed 10 s negotiation limit."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(8)
+    server.settimeout(0.2)
+    taken, stop = [], threading.Event()
+
+    def accept():
+        while not stop.is_set():
+            try:
+                taken.append(server.accept()[0])
+            except socket.timeout:
+                pass
+
+    thread = threading.Thread(target=accept)
+    thread.start()
+    try:
+        start = time.monotonic()
+        with pytest.raises(TransportError, match="did not take the connection within 1 s: "
+                                                 "no fibrl listener answered"):
+            Channel.connect(f"tcp://127.0.0.1:{server.getsockname()[1]}", SECRET, timeout=1)
+        assert time.monotonic() - start < 8   # (nng's own limit alone: 10 s)
+        assert taken   # the TCP connection was made: the wait was for an answer
+    finally:
+        stop.set()
+        thread.join()
+        for sock in taken:
+            sock.close()
+        server.close()
+
+
 def _closed_by_peer(sock) -> bool:
     """Read what ``sock`` still holds; True once the other side closed it (FIN or RST)."""
     try:
