@@ -1627,15 +1627,11 @@ def _dial(sock: pynng.Socket, address: str, timeout: float) -> None:
         _DialTimeout: not connected within ``timeout`` (``sock`` is closed then).
         pynng.NNGException: the dial failed (refused, nng's negotiation limit, ...).
     """
-    lock = threading.Lock()
-    state = {"done": False, "expired": False}
+    claim = threading.Lock()   # taken by the timer or by the dial's end, whichever is first
 
     def expire() -> None:
-        with lock:
-            if state["done"]:
-                return
-            state["expired"] = True
-        sock.close()   # (a timer thread of its own: closing may wait for nng's threads)
+        if claim.acquire(blocking=False):
+            sock.close()   # (a timer thread of its own: closing may wait for nng's threads)
 
     timer = threading.Timer(max(0.0, timeout), expire)
     timer.daemon = True
@@ -1647,10 +1643,7 @@ def _dial(sock: pynng.Socket, address: str, timeout: float) -> None:
         failure = exc
     finally:
         timer.cancel()
-        with lock:
-            state["done"] = True
-            expired = state["expired"]
-    if expired:
+    if not claim.acquire(blocking=False):   # the timer took it: it closed the socket
         raise _DialTimeout(f"{address} did not take the connection within {timeout:.3g} s")
     if failure is not None:
         raise failure
