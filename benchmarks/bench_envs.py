@@ -45,6 +45,7 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
     p for p in (str(HERE.parent), os.environ.get("PYTHONPATH")) if p)
 
 from fibrl.rl import RemoteVectorEnv  # noqa: E402
+from floor import serve_envs  # noqa: E402
 
 # Uber Fiber's interpreter: $FIBER_PYTHON, else the venv benchmarks/install_fiber.sh makes
 FIBER_PYTHON = Path(os.environ.get("FIBER_PYTHON") or HERE / ".fiber-venv" / "bin" / "python")
@@ -96,27 +97,6 @@ class Vector:
 
 
 # -- the bare pynng loop --------------------------------------------------------------------
-def _bare_worker(address: str, k: int, make) -> None:
-    envs = [make() for _ in range(k)]
-    for i, env in enumerate(envs):
-        env.reset(seed=i)
-    with pynng.Pair0(dial=address) as sock:
-        sock.send(b"ready")   # its envs are made: nothing of its start-up overlaps a measure
-        while True:
-            frame = sock.recv()
-            if len(frame) < 8:  # the stop byte
-                return
-            actions = np.frombuffer(frame, dtype=np.int64)
-            obs = np.empty((k, 4), dtype=np.float32)
-            rewards = np.empty(k, dtype=np.float64)
-            flags = np.empty((2, k), dtype=np.bool_)
-            for j, (env, a) in enumerate(zip(envs, actions)):
-                obs[j], rewards[j], flags[0, j], flags[1, j], _ = env.step(a)
-                if flags[0, j] or flags[1, j]:
-                    env.reset()
-            sock.send(obs.tobytes() + rewards.tobytes() + flags.tobytes())
-
-
 class Bare:
     """One pynng ``Pair0`` per worker, actions out and raw result bytes back."""
 
@@ -127,13 +107,13 @@ class Bare:
         for _ in range(workers):
             sock = pynng.Pair0(listen="tcp://127.0.0.1:0", recv_timeout=30000)
             address = "tcp://" + str(sock.listeners[0].local_address)
-            proc = ctx.Process(target=_bare_worker, args=(address, k, make), daemon=True)
+            proc = ctx.Process(target=serve_envs, args=(address, k, make), daemon=True)
             proc.start()
             self.socks.append(sock)
             self.procs.append(proc)
         for sock in self.socks:
             assert sock.recv() == b"ready"
-        self.actions = np.zeros(k, dtype=np.int64).tobytes()
+        self.actions = b"S" + np.zeros(k, dtype=np.int64).tobytes()
         self.obs = np.empty((workers * k, 4), dtype=np.float32)
 
     def step(self) -> None:
@@ -146,7 +126,7 @@ class Bare:
 
     def close(self) -> None:
         for sock in self.socks:
-            sock.send(b"x")  # shorter than an action: stop
+            sock.send(b"Q")
         for proc in self.procs:
             proc.join(10)
         for sock in self.socks:

@@ -70,6 +70,7 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
     p for p in (str(HERE.parent), os.environ.get("PYTHONPATH")) if p)
 
 from fibrl.rl import RemoteVectorEnv  # noqa: E402
+from floor import serve_envs  # noqa: E402
 
 # torch and the example are imported where they are used: env workers (fibrl's and
 # AsyncVectorEnv's, both started with spawn semantics) rebuild this module as their
@@ -123,35 +124,6 @@ def close(envs: dict) -> None:
 
 
 # -- the floor: the same layout on bare pynng sockets --------------------------------------
-def _bare_worker(address: str, k: int) -> None:
-    """``k`` CartPoles behind a ``Pair0``: a frame of ``k`` int64 actions is a step
-    (autoreset in the same step, as SyncVectorEnv's SAME_STEP), of ``b"R" + seed`` a
-    reset (env ``i`` seeded ``seed + i``); the reply is the observations, rewards and
-    terminated and truncated flags, as raw bytes."""
-    import pynng
-
-    envs = [cartpole() for _ in range(k)]
-    obs = np.empty((k, 4), dtype=np.float32)
-    rewards = np.zeros(k, dtype=np.float64)
-    flags = np.zeros((2, k), dtype=np.bool_)
-    with pynng.Pair0(dial=address) as sock:
-        while True:
-            frame = sock.recv()
-            if frame == b"stop":
-                return
-            if frame[:1] == b"R":
-                seed = int(frame[1:])
-                for i, env in enumerate(envs):
-                    obs[i] = env.reset(seed=seed + i)[0]
-                rewards[:], flags[:] = 0.0, False
-            else:
-                for i, (env, a) in enumerate(zip(envs, np.frombuffer(frame, np.int64))):
-                    obs[i], rewards[i], flags[0, i], flags[1, i], _ = env.step(int(a))
-                    if flags[0, i] or flags[1, i]:
-                        obs[i] = env.reset()[0]
-            sock.send(obs.tobytes() + rewards.tobytes() + flags.tobytes())
-
-
 class BareVectorEnv(gymnasium.vector.VectorEnv):
     """``workers`` x ``k`` CartPoles stepped over bare pynng: only what a PPO loop
     reads (observations, rewards, flags; empty infos), for :func:`train` to measure the
@@ -177,10 +149,12 @@ class BareVectorEnv(gymnasium.vector.VectorEnv):
             sock = pynng.Pair0(listen="tcp://127.0.0.1:0", recv_timeout=60_000)
             address = "tcp://" + str(sock.listeners[0].local_address)
             proc = multiprocessing.get_context("spawn").Process(
-                target=_bare_worker, args=(address, k), daemon=True)
+                target=serve_envs, args=(address, k, cartpole), daemon=True)
             proc.start()
             self.socks.append(sock)
             self.procs.append(proc)
+        for sock in self.socks:
+            assert sock.recv() == b"ready"
 
     def _exchange(self, frames: list) -> tuple:
         for sock, frame in zip(self.socks, frames):
@@ -203,13 +177,14 @@ class BareVectorEnv(gymnasium.vector.VectorEnv):
 
     def step(self, actions: Any) -> tuple:
         acts = np.asarray(actions, dtype=np.int64)
-        frames = [acts[w * self.k:(w + 1) * self.k].tobytes() for w in range(len(self.socks))]
+        frames = [b"S" + acts[w * self.k:(w + 1) * self.k].tobytes()
+                  for w in range(len(self.socks))]
         obs, rewards, terms, truncs = self._exchange(frames)
         return obs, rewards, terms, truncs, {}
 
     def close_extras(self, **kwargs: Any) -> None:
         for sock in self.socks:
-            sock.send(b"stop")
+            sock.send(b"Q")
         for proc in self.procs:
             proc.join(30)
         for sock in self.socks:

@@ -11,7 +11,9 @@ against:
 - :class:`PickledEcho`: :class:`NngEcho` with the object pickled before each
   send and unpickled after each receive, on both sides: the least that any
   Python library sending objects over nng pays, with nothing else (no
-  envelope, dispatch, ordering or end-of-file bookkeeping).
+  envelope, dispatch, ordering or end-of-file bookkeeping);
+- :func:`serve_envs`: the worker of the bare vector-env loops (``bench_envs``,
+  ``bench_ppo``): envs stepped on raw actions, raw results back.
 
 No authentication and no dispatch; no pickling but in :class:`PickledEcho`.
 The worker is a stdlib spawn process, so nothing of fibrl runs on either side.
@@ -62,6 +64,49 @@ def serve(address: str, pickled: bool = False) -> None:
             sock.send(ACK)
         else:
             sock.send(msg)
+
+
+def serve_envs(address: str, k: int, make) -> None:
+    """Worker of a bare vector-env loop: ``k`` envs made by ``make`` (4-float
+    observations, as CartPole's) behind a ``Pair0`` that dials ``address``. It resets
+    env ``i`` with seed ``i`` and sends ``b"ready"``, then answers each frame:
+
+    - ``b"S"`` + ``k`` int64 actions: a step; an env whose episode ends is reset in
+      the same step and its new first observation returned (gymnasium's SAME_STEP);
+    - ``b"R"`` + a seed: a reset, env ``i`` seeded ``seed + i``;
+    - ``b"Q"``: the end.
+
+    The answer: the observations (float32), rewards (float64) and terminated and
+    truncated flags, as raw bytes.
+    """
+    import numpy as np
+    import pynng
+
+    envs = [make() for _ in range(k)]
+    for i, env in enumerate(envs):
+        env.reset(seed=i)
+    obs = np.empty((k, 4), dtype=np.float32)
+    rewards = np.zeros(k, dtype=np.float64)
+    flags = np.zeros((2, k), dtype=np.bool_)
+    with pynng.Pair0(dial=address) as sock:
+        sock.send(b"ready")   # its envs are made: nothing of its start-up overlaps a measure
+        while True:
+            frame = sock.recv()
+            kind = frame[:1]
+            if kind == b"Q":
+                return
+            if kind == b"R":
+                seed = int(frame[1:])
+                for i, env in enumerate(envs):
+                    obs[i] = env.reset(seed=seed + i)[0]
+                rewards[:], flags[:] = 0.0, False
+            else:
+                actions = np.frombuffer(frame, np.int64, offset=1)
+                for i, (env, a) in enumerate(zip(envs, actions)):
+                    obs[i], rewards[i], flags[0, i], flags[1, i], _ = env.step(a)
+                    if flags[0, i] or flags[1, i]:
+                        obs[i] = env.reset()[0]
+            sock.send(obs.tobytes() + rewards.tobytes() + flags.tobytes())
 
 
 class _Worker:
