@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
 import os
 import subprocess
 import sys
@@ -36,7 +35,6 @@ from pathlib import Path
 
 import gymnasium
 import numpy as np
-import pynng
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
@@ -45,7 +43,7 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
     p for p in (str(HERE.parent), os.environ.get("PYTHONPATH")) if p)
 
 from fibrl.rl import RemoteVectorEnv  # noqa: E402
-from floor import serve_envs  # noqa: E402
+from floor import start_env_workers, stop_env_workers  # noqa: E402
 
 # Uber Fiber's interpreter: $FIBER_PYTHON, else the venv benchmarks/install_fiber.sh makes
 FIBER_PYTHON = Path(os.environ.get("FIBER_PYTHON") or HERE / ".fiber-venv" / "bin" / "python")
@@ -101,18 +99,8 @@ class Bare:
     """One pynng ``Pair0`` per worker, actions out and raw result bytes back."""
 
     def __init__(self, workers: int, k: int, make=cartpole) -> None:
-        ctx = multiprocessing.get_context("spawn")
         self.k, self.num_envs = k, workers * k
-        self.socks, self.procs = [], []
-        for _ in range(workers):
-            sock = pynng.Pair0(listen="tcp://127.0.0.1:0", recv_timeout=30000)
-            address = "tcp://" + str(sock.listeners[0].local_address)
-            proc = ctx.Process(target=serve_envs, args=(address, k, make), daemon=True)
-            proc.start()
-            self.socks.append(sock)
-            self.procs.append(proc)
-        for sock in self.socks:
-            assert sock.recv() == b"ready"
+        self.socks, self.procs = start_env_workers(workers, k, make)
         self.actions = b"S" + np.zeros(k, dtype=np.int64).tobytes()
         self.obs = np.empty((workers * k, 4), dtype=np.float32)
 
@@ -125,12 +113,7 @@ class Bare:
             self.obs[w * k:(w + 1) * k] = np.frombuffer(reply, np.float32, k * 4).reshape(k, 4)
 
     def close(self) -> None:
-        for sock in self.socks:
-            sock.send(b"Q")
-        for proc in self.procs:
-            proc.join(10)
-        for sock in self.socks:
-            sock.close()
+        stop_env_workers(self.socks, self.procs)
 
 
 # -- Fiber's AsyncManager demo -------------------------------------------------------------------

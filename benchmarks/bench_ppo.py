@@ -70,7 +70,7 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
     p for p in (str(HERE.parent), os.environ.get("PYTHONPATH")) if p)
 
 from fibrl.rl import RemoteVectorEnv  # noqa: E402
-from floor import serve_envs  # noqa: E402
+from floor import start_env_workers, stop_env_workers  # noqa: E402
 
 # torch and the example are imported where they are used: env workers (fibrl's and
 # AsyncVectorEnv's, both started with spawn semantics) rebuild this module as their
@@ -130,10 +130,6 @@ class BareVectorEnv(gymnasium.vector.VectorEnv):
     floor of fibrl's layout with the same learner."""
 
     def __init__(self, workers: int, k: int) -> None:
-        import multiprocessing
-
-        import pynng
-
         one = cartpole()
         self.single_observation_space = one.observation_space
         self.single_action_space = one.action_space
@@ -144,17 +140,7 @@ class BareVectorEnv(gymnasium.vector.VectorEnv):
             self.single_observation_space, self.num_envs)
         self.action_space = gymnasium.vector.utils.batch_space(self.single_action_space,
                                                                self.num_envs)
-        self.socks, self.procs = [], []
-        for _ in range(workers):
-            sock = pynng.Pair0(listen="tcp://127.0.0.1:0", recv_timeout=60_000)
-            address = "tcp://" + str(sock.listeners[0].local_address)
-            proc = multiprocessing.get_context("spawn").Process(
-                target=serve_envs, args=(address, k, cartpole), daemon=True)
-            proc.start()
-            self.socks.append(sock)
-            self.procs.append(proc)
-        for sock in self.socks:
-            assert sock.recv() == b"ready"
+        self.socks, self.procs = start_env_workers(workers, k, cartpole)
 
     def _exchange(self, frames: list) -> tuple:
         for sock, frame in zip(self.socks, frames):
@@ -183,12 +169,7 @@ class BareVectorEnv(gymnasium.vector.VectorEnv):
         return obs, rewards, terms, truncs, {}
 
     def close_extras(self, **kwargs: Any) -> None:
-        for sock in self.socks:
-            sock.send(b"Q")
-        for proc in self.procs:
-            proc.join(30)
-        for sock in self.socks:
-            sock.close()
+        stop_env_workers(self.socks, self.procs)
 
 
 class Timed(VectorWrapper):

@@ -13,7 +13,8 @@ against:
   Python library sending objects over nng pays, with nothing else (no
   envelope, dispatch, ordering or end-of-file bookkeeping);
 - :func:`serve_envs`: the worker of the bare vector-env loops (``bench_envs``,
-  ``bench_ppo``): envs stepped on raw actions, raw results back.
+  ``bench_ppo``): envs stepped on raw actions, raw results back; started and
+  stopped with :func:`start_env_workers` and :func:`stop_env_workers`.
 
 No authentication and no dispatch; no pickling but in :class:`PickledEcho`.
 The worker is a stdlib spawn process, so nothing of fibrl runs on either side.
@@ -107,6 +108,32 @@ def serve_envs(address: str, k: int, make) -> None:
                     if flags[0, i] or flags[1, i]:
                         obs[i] = env.reset()[0]
             sock.send(obs.tobytes() + rewards.tobytes() + flags.tobytes())
+
+
+def start_env_workers(workers: int, k: int, make) -> tuple[list, list]:
+    """``(sockets, processes)``: ``workers`` spawned :func:`serve_envs` processes of
+    ``k`` envs each, a listening ``Pair0`` per process, once every one is ready."""
+    socks, procs = [], []
+    for _ in range(workers):
+        sock, address = _listen()
+        sock.recv_timeout = 60_000
+        proc = multiprocessing.get_context("spawn").Process(
+            target=serve_envs, args=(address, k, make), daemon=True)
+        proc.start()
+        socks.append(sock)
+        procs.append(proc)
+    for sock in socks:
+        assert sock.recv() == b"ready"
+    return socks, procs
+
+
+def stop_env_workers(socks: list, procs: list) -> None:
+    for sock in socks:
+        sock.send(b"Q")
+    for proc in procs:
+        proc.join(30)
+    for sock in socks:
+        sock.close()
 
 
 class _Worker:
