@@ -14,6 +14,7 @@ from conftest import wait_until
 
 from fibrl.rl.replay import (Fifo, Lifo, MaxHeap, MinHeap, MinSize, NStep, Prioritized, Queue,
                              RateLimiterTimeout, SampleToInsertRatio, Stack, Uniform)
+from fibrl.rl.replay.packed import RawSample
 from fibrl.rl.replay.selectors import SumTree
 from fibrl.rl.replay.table import ReplayTable, TableConfig
 
@@ -117,6 +118,51 @@ def test_a_priority_update_carried_by_sample_applies_first():
     ids = t.insert(items(4), np.ones(4))
     out = t.sample(1, update=(ids[2:3], np.array([7.0])))
     assert out["ids"].tolist() == [ids[2]] and t.stats()["stale_updates"] == 0
+
+
+def _pickled_and_back(out):
+    from fibrl.wire import serialization
+    return serialization.loads(serialization.dumps(out))
+
+
+@pytest.mark.parametrize("sampler", [Prioritized(alpha=0.6, beta=0.4), Uniform()])
+def test_a_sample_sent_as_one_buffer_arrives_as_the_same_writable_arrays(sampler):
+    t = table(64, sampler=sampler, seed=3)
+    batch = {"obs": np.arange(40 * 6, dtype=np.float32).reshape(40, 2, 3),
+             "action": np.arange(40, dtype=np.int64), "done": np.arange(40) % 3 == 0,
+             "reward": np.arange(40, dtype=np.float16), "tag": np.array(["a", "bc"] * 20)}
+    t.insert(batch, np.arange(40) + 1.0)
+    for k in (1, 3, 37, 3000):   # odd sizes: arrays start after padding; the last is
+        out = t.sample(k)         # too large to be joined (its arrays go as they are)
+        assert isinstance(out, RawSample) == (k < 3000)
+        back = _pickled_and_back(out)
+        assert type(back) is dict and list(back) == list(out)
+        assert back["data"].keys() == out["data"].keys()
+        arrays = [(back["data"][n], out["data"][n]) for n in out["data"]]
+        arrays += [(back[n], out[n]) for n in ("ids", "priorities", "probabilities")
+                   if out[n] is not None]
+        for got, sent in arrays:
+            assert got.dtype == sent.dtype and got.shape == sent.shape
+            np.testing.assert_array_equal(got, sent)
+            assert got.flags.writeable and (got.flags.aligned or k == 3000)
+        assert (back["probabilities"] is None) == (out["probabilities"] is None)
+        for n in ("size", "mass", "beta", "min_probability", "weights"):
+            assert back[n] == out[n]
+
+
+def test_a_sample_whose_arrays_have_no_plain_bytes_is_pickled_array_by_array():
+    t = table(16, seed=0)
+    t.insert({"obj": np.array([{"a": 1}, None, "x", 2.5], dtype=object),
+              "pair": np.zeros(4, dtype=[("a", "i4"), ("b", "f8")])})
+    out = t.sample(6)
+    assert type(out) is dict   # not the one-buffer form
+    back = _pickled_and_back(out)
+    assert list(back["data"]["obj"]) == list(out["data"]["obj"])
+    assert back["data"]["pair"].dtype == out["data"]["pair"].dtype
+    empty = table(16, seed=0)
+    empty.insert({"nothing": np.zeros((4, 0), np.float32), "x": np.arange(4)})
+    out = empty.sample(5)
+    assert _pickled_and_back(out)["data"]["nothing"].shape == (5, 0)
 
 
 def test_uniform_sampling_is_uniform():

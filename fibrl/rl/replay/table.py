@@ -39,6 +39,7 @@ from numpy.typing import ArrayLike
 
 from .errors import RateLimiterTimeout, ReplayStorageError
 from .limiters import Limiter, LimiterSpec
+from .packed import gather
 from .persist import WriteAheadLog, read_log, read_snapshot, write_snapshot
 from .selectors import Fifo, Prioritized, SelectorSpec, Uniform, index_key, make_index
 
@@ -270,14 +271,14 @@ class ReplayTable:
             self._admit("sample", int(k), timeout)
             size = self.size()
             slots, probs = self.sampler_index.select(int(k), self.rng)
-            # take() gathers rows two to three times faster than fancy indexing
             mass = self.sampler_index.mass()
             low = self.sampler_index.min_weight()
-            out = dict(data={name: col.take(slots, axis=0) for name, col in self.columns.items()},
-                       ids=self.slot_ids.take(slots), priorities=self.priorities.take(slots),
-                       probabilities=probs, size=size, mass=mass, beta=beta,
-                       min_probability=None if low is None else low / mass,
-                       weights=getattr(self.config.sampler, "weights", None))
+            # (rows gathered by take(), two to three times faster than fancy indexing,
+            # into one buffer that is also what is sent: see .packed)
+            out = gather(self.columns, slots, self.slot_ids, self.priorities, probs,
+                         size=size, mass=mass, beta=beta,
+                         min_probability=None if low is None else low / mass,
+                         weights=getattr(self.config.sampler, "weights", None))
             self.counters["samples"] += len(slots)
             self._count_samples(slots)
             self.cond.notify_all()

@@ -1,0 +1,138 @@
+"""A drawn sample's arrays in one buffer: how a store server hands a batch out.
+
+Pickled as a dict of numpy arrays, a sample costs pickle's reduction of each of its
+arrays (the columns, ids, priorities, probabilities): about 25 us for a CartPole
+batch of 256, most of a store server's encoding time per sample. :func:`gather`
+returns a :class:`RawSample` instead: the same dict, which also joins a copy of its
+arrays into one buffer and pickles as that buffer and a small layout tuple (about 6 us
+with the join). Unpickled, it is a plain dict again, its arrays writable, aligned views
+of the received buffer (about 11 us for that batch, against 17 for the arrays)::
+
+    buffer: [column 0][column 1]...[ids:i8][priorities:f8][probabilities:f8]
+            each array at an offset rounded up to 16 bytes, C order
+    layout: (k, column names, dtype strings, row shapes, has probabilities)
+
+A sample larger than 64 KiB (its large arrays are sent out of band, uncopied), or with
+an array whose dtype has no plain binary form (object, structured), or an empty one,
+stays a dict of arrays, pickled array by array.
+"""
+from __future__ import annotations
+
+import pickle
+from typing import Any, Optional
+
+import numpy as np
+
+from ...wire.serialization import OOB_THRESHOLD
+
+__all__ = ["RawSample", "gather"]
+
+_ALIGN = 16
+# the largest sample joined: a larger one's copy costs more than pickle's per-array work
+# saves, and its large arrays are sent out of band, without a copy, as they are
+_JOIN_MAX = OOB_THRESHOLD - 1
+_CACHE_MAX = 256
+_plans: dict = {}   # layout -> ([(dtype, shape, offset, count)], total bytes)
+_codes: dict = {}   # dtype -> dtype.str, or None (see _code)
+_SCALARS = ("size", "mass", "beta", "min_probability", "weights")
+
+
+def _plan(layout: tuple) -> Optional[tuple]:
+    """Where each array of a sample with this layout lies in its buffer (cached); None
+    when an array is empty (numpy reads no empty array at the end of a buffer)."""
+    plan = _plans.get(layout)
+    if plan is None:
+        k, _names, dtypes, rows, _has_probs = layout
+        places, at = [], 0
+        for code, row in zip(dtypes, rows):
+            dtype = np.dtype(code)
+            shape = (k,) + tuple(row)
+            count = int(np.prod(shape, dtype=np.int64))
+            if not count:
+                return None
+            places.append((dtype, shape, at, count))
+            at += -(-count * dtype.itemsize // _ALIGN) * _ALIGN
+        plan = (places, at)
+        if len(_plans) < _CACHE_MAX:
+            _plans[layout] = plan
+    return plan
+
+
+class RawSample(dict):
+    """A sample (the dict :meth:`ReplayTable.sample` returns) that carries a copy of its
+    arrays joined in one buffer, and pickles as that buffer. Built by :func:`gather`
+    only: its pickle is the arrays as drawn, so the dict is not to be changed before it
+    is sent."""
+
+    __slots__ = ("_buffer", "_layout")
+    _buffer: bytearray
+    _layout: tuple
+
+    def __reduce__(self) -> tuple:
+        return (_rebuilt, (self._layout, pickle.PickleBuffer(self._buffer),
+                           tuple(self[name] for name in _SCALARS)))
+
+
+def _rebuilt(layout: tuple, buffer: Any, scalars: tuple) -> dict:
+    """The sample dict, its arrays views of ``buffer``: a bytearray (pickled in band:
+    allocated aligned), or a memoryview of the received frame (a large sample, sent out
+    of band), copied once into an aligned buffer when its place in the frame is not."""
+    places, _total = _plan(layout)  # type: ignore[misc]  # (made with one by gather)
+    if type(buffer) is not bytearray:
+        flat = np.frombuffer(buffer, np.uint8)
+        if flat.ctypes.data % _ALIGN:
+            buffer = flat.copy()
+    arrays = [np.frombuffer(buffer, dtype, count, at).reshape(shape)
+              for dtype, shape, at, count in places]
+    names, has_probs = layout[1], layout[4]
+    n = len(names)
+    raw = dict(data=dict(zip(names, arrays[:n])), ids=arrays[n], priorities=arrays[n + 1],
+               probabilities=arrays[n + 2] if has_probs else None)
+    raw.update(zip(_SCALARS, scalars))
+    return raw
+
+
+def _code(dtype: np.dtype) -> Optional[str]:
+    """``dtype.str``, or None for a dtype with no plain binary form (cached)."""
+    code = _codes.get(dtype, False)
+    if code is False:
+        code = None if dtype.kind in "OV" else dtype.str
+        if len(_codes) < _CACHE_MAX:
+            _codes[dtype] = code
+    return code
+
+
+def gather(columns: dict, slots: np.ndarray, slot_ids: np.ndarray, priorities: np.ndarray,
+           probabilities: Optional[np.ndarray], **scalars: Any) -> dict:
+    """The sample of rows ``slots``: ``data`` (each column's rows), ``ids``,
+    ``priorities``, ``probabilities`` and the ``scalars`` (size, mass, beta,
+    min_probability, weights); a :class:`RawSample` when every dtype allows it."""
+    # take() gathers rows two to three times faster than fancy indexing
+    data = {name: col.take(slots, axis=0) for name, col in columns.items()}
+    ids, prios = slot_ids.take(slots), priorities.take(slots)
+    out = RawSample(data=data, ids=ids, priorities=prios, probabilities=probabilities,
+                    **scalars)
+    arrays = [*data.values(), ids, prios]
+    if probabilities is not None:
+        arrays.append(np.ascontiguousarray(probabilities))
+    codes = tuple([_code(a.dtype) for a in arrays])
+    if None in codes:
+        return dict(out)
+    rows = tuple([a.shape[1:] for a in data.values()])
+    layout = (len(slots), tuple(data), codes, rows + ((),) * (len(arrays) - len(rows)),
+              probabilities is not None)
+    plan = _plan(layout)
+    if plan is None or plan[1] > _JOIN_MAX:
+        return dict(out)   # (large arrays travel out of band, uncopied: see OOB_THRESHOLD)
+    pieces: list = []
+    end = 0
+    for a, (_dtype, _shape, at, _count) in zip(arrays, plan[0]):
+        if at > end:
+            pieces.append(_PAD[:at - end])
+        pieces.append(a)   # (C-contiguous: taken, or made so)
+        end = at + a.nbytes
+    out._buffer, out._layout = bytearray().join(pieces), layout
+    return out
+
+
+_PAD = bytes(_ALIGN)
