@@ -1668,9 +1668,12 @@ def _authenticate_retrying(address: str, secret: bytes, timeout: float,
         try:
             return _authenticate(address, secret, left, tls)
         except _NotTaken as exc:
-            not_taken = exc   # waited in a full listener's queue: in line again, if
-            if deadline - time.monotonic() < _NEGOTIATION_S:   # a try fits the timeout
-                break
+            not_taken = exc   # waited in a full listener's queue: in line again (a try
+            # ends at this connect's timeout when less than nng's limit is left of it)
+        except _NotTakenInTime as exc:
+            if not_taken is None:
+                first = exc
+            break
         except TransportError as exc:
             first = first or exc
             if not _closed_under_us(exc.__cause__):
@@ -1680,8 +1683,9 @@ def _authenticate_retrying(address: str, secret: bytes, timeout: float,
     if first is None and not_taken is not None:
         raise TransportError(
             f"{address} did not take the connection within {time.monotonic() - start:.1f} s "
-            f"(timeout {timeout:g} s): each try waited in its queue until nng's "
-            f"{_NEGOTIATION_S:g} s negotiation limit, as at a listener that holds its "
+            f"(timeout {timeout:g} s): it waited in the listener's queue, tried again "
+            f"each time nng's {_NEGOTIATION_S:g} s negotiation limit ended a try, as at a "
+            f"listener that holds its "
             f"pending-connection limit (max_pending) while it answers others on a busy "
             f"machine (connect with a longer timeout, or raise max_pending), or at a host "
             f"that does not answer at all.") from not_taken
@@ -1694,6 +1698,10 @@ def _authenticate_retrying(address: str, secret: bytes, timeout: float,
 class _NotTaken(TransportError):
     """A handshake connection the listener had not taken when nng's negotiation limit
     ended it (it waited in the queue of a full listener): worth a new try."""
+
+
+class _NotTakenInTime(TransportError):
+    """A handshake connection the listener had not taken by the connect's timeout."""
 
 
 def _closed_under_us(cause: Optional[BaseException]) -> bool:
@@ -1715,7 +1723,7 @@ def _authenticate(address: str, secret: bytes, timeout: float,
         try:
             _dial(req, address, timeout)
         except _DialTimeout:
-            raise TransportError(
+            raise _NotTakenInTime(
                 f"{address} did not take the connection within {timeout:.3g} s: no fibrl "
                 f"listener answered there (a host that drops packets, a program of another "
                 f"kind on that port), or it is too busy to take new connections (connect "
