@@ -1476,6 +1476,7 @@ class Channel(_Reading):
             TransportError: nothing listens there, or it did not answer in time.
         """
         tls = address.startswith("tls+tcp://")
+        deadline = time.monotonic() + timeout   # the whole connect, both sockets
         data_address, token = _authenticate_retrying(address, secret, timeout, tls)
         sock = _make(pynng.Pair1, secret, tls, False, recv_max_size=0)
         # A listener that dies mid-handshake closes the pipe, but a Pair1 recv does not
@@ -1483,8 +1484,8 @@ class Channel(_Reading):
         # handshake fails at once instead of after ``timeout``.
         _close_on_disconnect(sock)
         try:
-            _dial(sock, data_address, timeout)
-            _present_token(sock, token, timeout, address)
+            _dial(sock, data_address, _left(deadline))
+            _present_token(sock, token, _left(deadline), address)
         except _DialTimeout as exc:
             raise TransportError(f"cannot connect to {address}'s data socket: {exc} "
                                  f"(the process that owns it is too busy, or the network "
@@ -1719,6 +1720,7 @@ def _authenticate(address: str, secret: bytes, timeout: float,
                 recv_max_size=HANDSHAKE_MAX_SIZE)
     _close_on_disconnect(req)  # as in Channel.connect
     nonce = os.urandom(_NONCE)
+    deadline = time.monotonic() + timeout
     try:
         try:
             _dial(req, address, timeout)
@@ -1734,7 +1736,6 @@ def _authenticate(address: str, secret: bytes, timeout: float,
             raise _NotTaken(f"{address} did not take the connection within nng's "
                             f"{_NEGOTIATION_S:g} s negotiation limit (a listener busy with "
                             f"other handshakes)") from exc
-        deadline = time.monotonic() + timeout
         req.send(HELLO + nonce)
         challenge = _answer_of(req, deadline)
         ticket = _check_challenge(challenge, secret, nonce, address)
@@ -1873,6 +1874,11 @@ def _closed_in_handshake(address: str) -> TransportError:
         f"auth_timeout (a machine too busy to finish one in time; raise auth_timeout).")
 
 
+def _left(deadline: float) -> float:
+    """Seconds left until ``deadline`` (at least a millisecond: nng reads 0 as no wait)."""
+    return max(0.001, deadline - time.monotonic())
+
+
 def _present_token(sock: pynng.Pair1, token: bytes, timeout: float, address: str) -> None:
     sock.recv_timeout = int(timeout * 1000)
     try:
@@ -1881,8 +1887,8 @@ def _present_token(sock: pynng.Pair1, token: bytes, timeout: float, address: str
     except pynng.Closed as exc:
         raise _closed_in_handshake(address) from exc
     except pynng.Timeout as exc:
-        raise TransportError(f"{address} did not confirm the connection within "
-                             f"{timeout} s.") from exc
+        raise TransportError(f"{address} did not confirm the connection within the "
+                             f"{timeout:.3g} s left of the connect's timeout.") from exc
     finally:
         sock.recv_timeout = -1
     if verdict != _OK:

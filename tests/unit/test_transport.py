@@ -1,6 +1,7 @@
 """The authenticated transport: handshake, refusal of strangers, no unpickling before auth."""
 import hashlib
 import hmac
+import contextlib
 import pickle
 import socket
 import threading
@@ -12,7 +13,7 @@ import pynng
 import pytest
 
 from conftest import PickleCanary, wait_until
-from fibrl.wire import serialization
+from fibrl.wire import serialization, transport
 from fibrl.errors import AuthenticationError, TransportError
 from fibrl.hosting.hub import Hub
 from fibrl.wire.transport import HELLO, Channel, Listener
@@ -371,10 +372,10 @@ def test_nothing_listening_is_a_clear_error():
         Channel.connect("tcp://127.0.0.1:9", SECRET, timeout=2)
 
 
-def test_a_connect_gives_up_at_its_timeout_when_nothing_takes_the_connection():
-    """Something accepts TCP on the port and never answers (a program of another kind;
-    a host that drops packets stalls a connect the same way): the connect ends at its own
-    timeout with a clear error, not after nng's fixed 10 s negotiation limit."""
+@contextlib.contextmanager
+def _silent_server():
+    """A port where something accepts TCP and never answers; yields ``(port, taken)``,
+    ``taken`` the connections it accepted."""
     server = socket.socket()
     server.bind(("127.0.0.1", 0))
     server.listen(8)
@@ -391,18 +392,49 @@ def test_a_connect_gives_up_at_its_timeout_when_nothing_takes_the_connection():
     thread = threading.Thread(target=accept)
     thread.start()
     try:
-        start = time.monotonic()
-        with pytest.raises(TransportError, match="did not take the connection within 1 s: "
-                                                 "no fibrl listener answered"):
-            Channel.connect(f"tcp://127.0.0.1:{server.getsockname()[1]}", SECRET, timeout=1)
-        assert time.monotonic() - start < 8   # (nng's own limit alone: 10 s)
-        assert taken   # the TCP connection was made: the wait was for an answer
+        yield server.getsockname()[1], taken
     finally:
         stop.set()
         thread.join()
         for sock in taken:
             sock.close()
         server.close()
+
+
+def test_a_connect_gives_up_at_its_timeout_when_nothing_takes_the_connection():
+    """Something accepts TCP on the port and never answers (a program of another kind;
+    a host that drops packets stalls a connect the same way): the connect ends at its own
+    timeout with a clear error, not after nng's fixed 10 s negotiation limit."""
+    with _silent_server() as (port, taken):
+        start = time.monotonic()
+        with pytest.raises(TransportError, match="did not take the connection within 1 s: "
+                                                 "no fibrl listener answered"):
+            Channel.connect(f"tcp://127.0.0.1:{port}", SECRET, timeout=1)
+        assert time.monotonic() - start < 8   # (nng's own limit alone: 10 s)
+        assert taken   # the TCP connection was made: the wait was for an answer
+
+
+def test_the_data_socket_gets_what_the_handshake_left_of_the_timeout(monkeypatch):
+    """A connect is two connections: the handshake, then the data socket. The data
+    socket's dial waits for what is left of the connect's timeout, not for the whole
+    timeout again (a connect could last twice its timeout, or more)."""
+    with _silent_server() as (port, _taken):
+        def slow_handshake(address, secret, timeout, tls):
+            time.sleep(1.0)   # the handshake took half the timeout; its data port is silent
+            return f"tcp://127.0.0.1:{port}", b"t" * 32
+
+        dials: list = []
+        dial = transport._dial
+
+        def recorded_dial(sock, address, timeout):
+            dials.append(timeout)
+            return dial(sock, address, timeout)
+
+        monkeypatch.setattr(transport, "_authenticate_retrying", slow_handshake)
+        monkeypatch.setattr(transport, "_dial", recorded_dial)
+        with pytest.raises(TransportError, match="data socket"):
+            Channel.connect(f"tcp://127.0.0.1:{port}", SECRET, timeout=2)
+        assert len(dials) == 1 and dials[0] <= 1.0, dials
 
 
 def _closed_by_peer(sock) -> bool:
