@@ -139,6 +139,7 @@ class Worker:
             slot.options, slot.why, slot.last = opts, why, last
             slot.needs_reset = bool(done) and mode == NEXT_STEP
         self.obs_rows: Any = None   # reused batch of observations, when the space allows
+        self.stats: dict = {}       # envs stepped -> reused rewards, terminated, truncated
         self.dynamic = False        # observations travel as an object array (see .spaces)
         self.blank: Any = None      # an observation standing in for an env that raised
 
@@ -200,7 +201,7 @@ class Worker:
         """Answer ``msg`` (on ``outbox``, by default the worker's); False: stop serving."""
         if outbox is not None:
             self.outbox = outbox
-        if isinstance(msg, Step):
+        if type(msg) is Step:   # (the common message first)
             return self._step(msg)
         if isinstance(msg, Reset):
             return self._reset(msg)
@@ -263,18 +264,20 @@ class Worker:
 
     def _step(self, msg: Step) -> bool:
         n = len(msg.slots)
-        cut = n // 2 if self.split and n >= self.split else n
-        for lo, hi in ((0, cut), (cut, n)):
-            if hi > lo and not self._step_part(msg, lo, hi):
-                return False
-        return True
+        if not self.split or n < self.split:
+            return self._step_part(msg, 0, n)
+        cut = n // 2
+        return self._step_part(msg, 0, cut) and self._step_part(msg, cut, n)
 
     def _step_part(self, msg: Step, lo: int, hi: int) -> bool:
         m = hi - lo
         obs, infos = [], []
         restarts: list[Failure] = []
-        rewards = np.empty(m, dtype=np.float64)
-        terms, truncs = np.empty(m, dtype=np.bool_), np.empty(m, dtype=np.bool_)
+        stats = self.stats.get(m)
+        if stats is None:   # reused: the reply holds copies (its frame is built here)
+            stats = self.stats[m] = (np.empty(m, dtype=np.float64), np.empty(m, dtype=np.bool_),
+                                     np.empty(m, dtype=np.bool_))
+        rewards, terms, truncs = stats
         actions = msg.actions
         plain = type(actions) is np.ndarray
         for k in range(m):
