@@ -341,12 +341,11 @@ def encode_result(worker: int, gen: int, seq: int, slots: tuple, obs: Any, rewar
         if len(_result_middles) < _CACHE_MAX:
             _result_middles[key] = middle
     tail = dumps((infos, restarts)) if restarts or any(infos) else b""
-    parts = [_RESULT.pack(_RESULT_TAG, worker, gen, seq, n), middle, obs.tobytes(),
-             _f64(rewards), _b1(terminated), _b1(truncated), _U32.pack(len(tail)), tail]
+    head = _RESULT.pack(_RESULT_TAG, worker, gen, seq, n)
+    stats = (_f64(rewards), _b1(terminated), _b1(truncated), _U32.pack(len(tail)), tail)
     if obs.nbytes <= _JOIN_MAX:
-        return b"".join(parts)
-    parts[2] = memoryview(obs).cast("B")
-    return [parts[0] + parts[1], parts[2], b"".join(parts[3:])]
+        return b"".join((head, middle, obs.tobytes(), *stats))
+    return [head + middle, memoryview(obs).cast("B"), b"".join(stats)]
 
 
 _result_middles: dict = {}   # (slots, dtype, shape) -> packed slots + array header

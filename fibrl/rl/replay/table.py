@@ -273,8 +273,8 @@ class ReplayTable:
             slots, probs = self.sampler_index.select(int(k), self.rng)
             mass = self.sampler_index.mass()
             low = self.sampler_index.min_weight()
-            # (rows gathered by take(), two to three times faster than fancy indexing,
-            # into one buffer that is also what is sent: see .packed)
+            # (the rows taken, and a small sample's arrays joined in the one buffer
+            # that is sent: see .packed)
             out = gather(self.columns, slots, self.slot_ids, self.priorities, probs,
                          size=size, mass=mass, beta=beta,
                          min_probability=None if low is None else low / mass,
