@@ -23,14 +23,13 @@ from typing import Any, Optional
 
 import numpy as np
 
-from ...wire.serialization import OOB_THRESHOLD
-
 __all__ = ["RawSample", "gather"]
 
 _ALIGN = 16
-# the largest sample joined: a larger one's copy costs more than pickle's per-array work
-# saves, and its large arrays are sent out of band, without a copy, as they are
-_JOIN_MAX = OOB_THRESHOLD - 1
+# The largest sample joined: a larger one's copy costs more than pickle's per-array work
+# saves, and fibrl sends a buffer of 64 KiB or more out of band, without a copy (a
+# joined buffer that went so anyway is read back as well: see _rebuilt).
+_JOIN_MAX = 64 * 1024 - 1
 _CACHE_MAX = 256
 _plans: dict = {}   # layout -> ([(dtype, shape, offset, count)], total bytes)
 _codes: dict = {}   # dtype -> dtype.str, or None (see _code)
@@ -123,7 +122,7 @@ def gather(columns: dict, slots: np.ndarray, slot_ids: np.ndarray, priorities: n
               probabilities is not None)
     plan = _plan(layout)
     if plan is None or plan[1] > _JOIN_MAX:
-        return dict(out)   # (large arrays travel out of band, uncopied: see OOB_THRESHOLD)
+        return dict(out)   # (its large arrays travel out of band, uncopied)
     pieces: list = []
     end = 0
     for a, (_dtype, _shape, at, _count) in zip(arrays, plan[0]):
