@@ -62,7 +62,7 @@ from ..wire import serialization
 from ..errors import (BackendUnavailableError, SerializationError, TaskFailedError, WorkerLostError,
                       describe_exitcode)
 from ..backends.base import Backend
-from ..wire.gate import descriptor_shortage
+from ..wire.gate import descriptor_room, descriptor_shortage
 from ..hosting.hub import ReplySink, Service
 from .protocol import (CLOSE, LOADING, RUN, STOP, TERMINATE, Batch, Kind, Report, TaskSpec,
                        describe, shorten, unpack)
@@ -87,6 +87,11 @@ HORIZON_S = 0.05        # estimated work a worker may hold (hides the round trip
 MESSAGES_PER_S = 2000.0
 # The least time a result may wait in its worker (the worker's FLUSH_S).
 _HOLD_S = 0.02
+# Descriptors a worker holds in this process once it runs (its sentinel, its connection,
+# the fork server's and the supervisor's share: 4-6 measured), and those a starting one
+# still needs to connect (the handshake's connection, its data port, its connection).
+_FDS_PER_WORKER = 6
+_FDS_TO_CONNECT = 3
 # A worker that went silent is killed this long after its tasks were requeued (at
 # least twice parent_timeout): time to end by itself if it was only stalled.
 _KILL_SILENT_AFTER_S = 30.0
@@ -517,6 +522,8 @@ class PoolService(Service, Policy):
         worker.connected = True
         if self._booted(worker):   # (its booted message was lost, or comes later)
             effects.wake = True
+        if len(self._workers) - self._retiring < self.processes:
+            effects.wake = True   # starts held back for want of descriptors may fit now
         self.liveness.watch(worker.wid)
         worker.peer = peer
         if peer is not None:
@@ -784,6 +791,7 @@ class PoolService(Service, Policy):
                 wanted = min(wanted, self.max_starting - self._booting)
             if wanted > 0 and self._short_of_descriptors():
                 return []
+            wanted = self._within_descriptors(wanted)
             wids = [next(self._ids) for _ in range(wanted)]
             for wid in wids:
                 self._workers[wid] = _Worker(wid)
@@ -975,6 +983,30 @@ class PoolService(Service, Policy):
         self._go_on_with(f"this process refused connections: {shortage}", running,
                          len(self._workers) - self._retiring)
         return True
+
+    def _within_descriptors(self, wanted: int) -> int:
+        """``wanted`` cut to the starts this process has descriptors for. Each worker holds
+        a few here, more while it connects, and this process's listener refuses
+        connections once fewer than its reserve are left: a start past that makes a
+        worker that cannot connect, and holds descriptors (others' too) until it gives
+        up; with no worker running yet, none might ever connect. A pool held back so, with
+        nothing starting, goes on with the workers it has and says so."""
+        left = descriptor_room()
+        if left is None or wanted <= 0:
+            return wanted
+        room, reserve = left
+        starting = sum(1 for w in self._workers.values() if not w.connected)
+        fit = (room - starting * _FDS_TO_CONNECT) // _FDS_PER_WORKER
+        if fit > 0:
+            return min(wanted, fit)
+        running = len(self._workers) - self._retiring - starting
+        if not self._workers:
+            return 1   # nothing runs or starts: one start, whose failure says why
+        if not starting and running > 0:
+            self._go_on_with(f"fewer than {reserve + _FDS_PER_WORKER} file descriptors "
+                             f"are left (ulimit -n), and this process keeps {reserve} for "
+                             f"its own work", running, running)
+        return 0
 
     def _go_on_with(self, evidence: str, running: int, alive: int) -> None:
         """Keep the workers running or starting now, no more; say why once per cause."""

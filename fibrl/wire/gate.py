@@ -106,6 +106,17 @@ def descriptor_shortage(within: float = 60.0) -> Optional[str]:
     return f"fewer than {last[1]} file descriptors are left (ulimit -n)"
 
 
+def descriptor_room() -> Optional[tuple[int, int]]:
+    """``(room, reserve)``: how many more descriptors this process may open before its
+    gates refuse connections (negative once they do), and the reserve they keep then
+    (:func:`_reserve_for`); None where that cannot be told."""
+    free = _free_descriptors()
+    if free is None:
+        return None
+    reserve = _reserve_for()
+    return free - reserve, reserve
+
+
 def _reserve_for(soft: Optional[int] = None) -> int:
     """Descriptors kept for the process's own work: an eighth of ``ulimit -n``, at least 32."""
     if soft is None:
