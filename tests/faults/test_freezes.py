@@ -90,7 +90,10 @@ def test_frozen_pool_worker_is_replaced_and_its_late_result_dropped(local):
         finally:
             thaw(frozen)
         assert finished.get(timeout=TIMEOUT) == frozen   # the stale run went on to its end
-        gone, alive = psutil.wait_procs([psutil.Process(frozen)], timeout=TIMEOUT)
+        try:
+            gone, alive = psutil.wait_procs([psutil.Process(frozen)], timeout=TIMEOUT)
+        except psutil.NoSuchProcess:
+            alive = []   # it exited, and was reaped, already
         assert not alive, "the stale worker did not exit by itself"
         assert kills == [], "the stale worker was killed rather than left to exit"
         assert len(deliveries) == 1, deliveries      # its late result was dropped
