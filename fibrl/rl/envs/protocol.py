@@ -334,31 +334,15 @@ def encode_result(worker: int, gen: int, seq: int, slots: tuple, obs: Any, rewar
     n = len(slots)
     if not obs.flags.c_contiguous:
         obs = np.ascontiguousarray(obs)
-    key = (slots, obs.dtype, obs.shape)
-    middle = _result_middles.get(key)
-    if middle is None:   # the slots and the observations' header: the same every step
-        middle = _slots(n).pack(*slots) + _array_head(obs)
-        if len(_result_middles) < _CACHE_MAX:
-            _result_middles[key] = middle
     tail = dumps((infos, restarts)) if restarts or any(infos) else b""
-    head = _RESULT.pack(_RESULT_TAG, worker, gen, seq, n)
-    stats = (_f64(rewards), _b1(terminated), _b1(truncated), _U32.pack(len(tail)), tail)
+    head = (_RESULT.pack(_RESULT_TAG, worker, gen, seq, n) + _slots(n).pack(*slots)
+            + _array_head(obs))
+    stats = (np.asarray(rewards, np.float64).tobytes(),
+             np.asarray(terminated, np.bool_).tobytes(),
+             np.asarray(truncated, np.bool_).tobytes(), _U32.pack(len(tail)), tail)
     if obs.nbytes <= _JOIN_MAX:
-        return b"".join((head, middle, obs.tobytes(), *stats))
-    return [head + middle, memoryview(obs).cast("B"), b"".join(stats)]
-
-
-_result_middles: dict = {}   # (slots, dtype, shape) -> packed slots + array header
-
-
-def _f64(a: Any) -> bytes:
-    return (a if type(a) is np.ndarray and a.dtype == np.float64
-            else np.asarray(a, np.float64)).tobytes()
-
-
-def _b1(a: Any) -> bytes:
-    return (a if type(a) is np.ndarray and a.dtype == np.bool_
-            else np.asarray(a, np.bool_)).tobytes()
+        return b"".join((head, obs.tobytes(), *stats))
+    return [head, memoryview(obs).cast("B"), b"".join(stats)]
 
 
 def decode(frame: Any) -> Any:
