@@ -1672,8 +1672,8 @@ def _authenticate_retrying(address: str, secret: bytes, timeout: float,
             not_taken = exc   # waited in a full listener's queue: in line again (a try
             # ends at this connect's timeout when less than nng's limit is left of it)
         except _NotTakenInTime as exc:
-            if not_taken is None:
-                first = exc
+            if not_taken is None:   # (else the not-taken summary below says more)
+                first = first or exc
             break
         except TransportError as exc:
             first = first or exc
