@@ -127,8 +127,10 @@ class SumTree:
         self.width = self.size >> self.walk  # nodes in the top level
         self.tree = np.zeros(2 * self.size, dtype=np.float64)
         self.top = self.tree[self.width:2 * self.width]  # a view: sums kept by set()
+        self._total: Optional[float] = 0.0   # the top level's sum; None: not known
 
     def set(self, leaves: np.ndarray, values: np.ndarray) -> None:
+        self._total = None
         idx = np.asarray(leaves, dtype=np.int64) + self.size
         tree = self.tree
         children = tree.reshape(-1, 2)   # row i: the two children of node i
@@ -140,7 +142,9 @@ class SumTree:
             tree[idx] = both[:, 0] + both[:, 1]
 
     def total(self) -> float:
-        return float(self.top.sum())
+        if self._total is None:
+            self._total = float(self.top.sum())
+        return self._total
 
     def leaf(self, leaves: np.ndarray) -> np.ndarray:
         return self.tree.take(np.asarray(leaves, dtype=np.int64) + self.size)
@@ -154,7 +158,7 @@ class SumTree:
             ValueError: every weight is zero (nothing can be drawn).
         """
         sums = np.cumsum(self.top)
-        total = float(sums[-1])
+        total = self._total = float(sums[-1])
         if not total > 0:
             raise ValueError("cannot sample: every held item has weight 0 (priorities 0 "
                              "with eps=0); give Prioritized an eps > 0 or nonzero priorities")
@@ -168,7 +172,8 @@ class SumTree:
             node <<= 1
             left = tree.take(node)
             right = u >= left
-            np.subtract(u, left, out=u, where=right)
+            left *= right   # (faster than subtract(..., where=right): no masked loop)
+            u -= left
             node += right
         leaves = node - self.size
         empty = tree.take(node) <= 0
@@ -199,7 +204,8 @@ class MinTree:
         tree = self.tree
         children = tree.reshape(-1, 2)
         values = np.asarray(values, dtype=np.float64)
-        tree[idx] = np.where(values > 0, values, np.inf)
+        tree[idx] = values if values.min(initial=np.inf) > 0 else np.where(values > 0, values,
+                                                                            np.inf)
         for _level in range(self.walk):
             idx >>= 1
             both = children.take(idx, axis=0)
