@@ -150,6 +150,33 @@ def test_a_sample_sent_as_one_buffer_arrives_as_the_same_writable_arrays(sampler
             assert back[n] == out[n]
 
 
+def test_a_sample_holds_the_drawn_rows_after_the_columns_change():
+    """Where each array lies in a sample's buffer is worked out once per batch size:
+    a clear() followed by columns of other names, dtypes and shapes must not be read
+    through the old layout."""
+    t = table(64, sampler=Prioritized(), seed=5)
+
+    def check(batch: dict, ids: np.ndarray) -> None:
+        row = {int(i): r for r, i in enumerate(ids)}
+        for k in (7, 7, 20):   # the second draw of 7 reuses the layout
+            out = t.sample(k)
+            assert isinstance(out, RawSample)
+            rows = [row[int(i)] for i in out["ids"]]
+            assert list(out["data"]) == list(batch)
+            for name, column in batch.items():
+                np.testing.assert_array_equal(out["data"][name], column[rows])
+                assert out["data"][name].dtype == column.dtype
+            np.testing.assert_array_equal(out["priorities"], np.asarray(rows) + 1.0)
+
+    first = {"obs": np.arange(40 * 4, dtype=np.float32).reshape(40, 4),
+             "action": np.arange(40, dtype=np.int64)}
+    check(first, t.insert(first, np.arange(40) + 1.0))
+    t.clear()
+    second = {"frame": np.arange(30 * 6, dtype=np.uint8).reshape(30, 2, 3),
+              "value": np.linspace(0, 1, 30), "done": np.arange(30) % 2 == 0}
+    check(second, t.insert(second, np.arange(30) + 1.0))
+
+
 def test_a_sample_whose_arrays_have_no_plain_bytes_is_pickled_array_by_array():
     t = table(16, seed=0)
     t.insert({"obj": np.array([{"a": 1}, None, "x", 2.5], dtype=object),

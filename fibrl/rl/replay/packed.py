@@ -3,10 +3,10 @@
 Pickled as a dict of numpy arrays, a sample costs pickle's reduction of each of its
 arrays (the columns, ids, priorities, probabilities): about 25 us for a CartPole
 batch of 256, most of a store server's encoding time per sample. :func:`gather`
-returns a :class:`RawSample` instead: the same dict, which also joins a copy of its
-arrays into one buffer and pickles as that buffer and a small layout tuple (about 6 us
-with the join). Unpickled, it is a plain dict again, its arrays writable, aligned views
-of the received buffer (about 11 us for that batch, against 17 for the arrays)::
+returns a :class:`RawSample` instead: the same dict, whose arrays it takes straight into
+one buffer, and which pickles as that buffer and a small layout tuple (about 5 us).
+Unpickled, it is a plain dict again, its arrays writable, aligned views of the received
+buffer (about 11 us for that batch, against 17 for the arrays)::
 
     buffer: [column 0][column 1]...[ids:i8][priorities:f8][probabilities:f8]
             each array at an offset rounded up to 16 bytes, C order
@@ -32,7 +32,6 @@ _ALIGN = 16
 _JOIN_MAX = 64 * 1024 - 1
 _CACHE_MAX = 256
 _plans: dict = {}   # layout -> ([(dtype, shape, offset, count)], total bytes)
-_codes: dict = {}   # dtype -> dtype.str, or None (see _code)
 _SCALARS = ("size", "mass", "beta", "min_probability", "weights")
 
 
@@ -58,9 +57,9 @@ def _plan(layout: tuple) -> Optional[tuple]:
 
 
 class RawSample(dict):
-    """A sample (the dict :meth:`ReplayTable.sample` returns) that carries a copy of its
-    arrays joined in one buffer, and pickles as that buffer. Built by :func:`gather`
-    only: its pickle is the arrays as drawn, so the dict is not to be changed before it
+    """A sample (the dict :meth:`ReplayTable.sample` returns) whose arrays are views of
+    one buffer, and which pickles as that buffer. Built by :func:`gather` only: its
+    pickle is the buffer's arrays, so the dict is not to be given other arrays before it
     is sent."""
 
     __slots__ = ("_buffer", "_layout")
@@ -92,46 +91,63 @@ def _rebuilt(layout: tuple, buffer: Any, scalars: tuple) -> dict:
 
 
 def _code(dtype: np.dtype) -> Optional[str]:
-    """``dtype.str``, or None for a dtype with no plain binary form (cached)."""
-    code = _codes.get(dtype, False)
-    if code is False:
-        code = None if dtype.kind in "OV" else dtype.str
-        if len(_codes) < _CACHE_MAX:
-            _codes[dtype] = code
-    return code
+    """``dtype.str``, or None for a dtype with no plain binary form."""
+    return None if dtype.kind in "OV" else dtype.str
+
+
+def _joinable(columns: dict, k: int, has_probs: bool) -> Optional[tuple]:
+    """``(layout, places, total bytes)`` of a sample of ``k`` rows of ``columns``, or
+    None when it is sent as a plain dict (see the module's docstring)."""
+    arrays = [*columns.values(), _IDS, _PRIORITIES] + ([_PROBABILITIES] if has_probs else [])
+    codes = tuple([_code(a.dtype) for a in arrays])
+    if None in codes:
+        return None
+    rows = tuple([a.shape[1:] for a in columns.values()])
+    layout = (k, tuple(columns), codes, rows + ((),) * (len(arrays) - len(rows)), has_probs)
+    plan = _plan(layout)
+    if plan is None or plan[1] > _JOIN_MAX:
+        return None   # (its large arrays travel out of band, uncopied)
+    return layout, plan[0], plan[1]
+
+
+_IDS, _PRIORITIES, _PROBABILITIES = (np.zeros(0, np.int64), np.zeros(0, np.float64),
+                                     np.zeros(0, np.float64))
 
 
 def gather(columns: dict, slots: np.ndarray, slot_ids: np.ndarray, priorities: np.ndarray,
-           probabilities: Optional[np.ndarray], **scalars: Any) -> dict:
+           probabilities: Optional[np.ndarray], plans: dict, **scalars: Any) -> dict:
     """The sample of rows ``slots``: ``data`` (each column's rows), ``ids``,
     ``priorities``, ``probabilities`` and the ``scalars`` (size, mass, beta,
-    min_probability, weights); a :class:`RawSample` when every dtype allows it."""
-    # take() gathers rows two to three times faster than fancy indexing
-    data = {name: col.take(slots, axis=0) for name, col in columns.items()}
-    ids, prios = slot_ids.take(slots), priorities.take(slots)
-    out = RawSample(data=data, ids=ids, priorities=prios, probabilities=probabilities,
+    min_probability, weights); a :class:`RawSample` when every dtype allows it.
+
+    ``plans`` caches where each array lies per batch size: the caller owns it and
+    empties it whenever ``columns`` change (another dict, other dtypes or shapes).
+    """
+    has_probs = probabilities is not None
+    key = (len(slots), has_probs)
+    found = plans.get(key, False)
+    if found is False:
+        found = _joinable(columns, len(slots), has_probs)
+        if len(plans) < _CACHE_MAX:
+            plans[key] = found
+    if found is None:
+        # take() gathers rows two to three times faster than fancy indexing
+        return dict(data={name: col.take(slots, axis=0) for name, col in columns.items()},
+                    ids=slot_ids.take(slots), priorities=priorities.take(slots),
+                    probabilities=probabilities, **scalars)
+    layout, places, total = found
+    buffer = bytearray(total)
+    views = [np.ndarray(shape, dtype, buffer, at) for dtype, shape, at, _count in places]
+    n = len(columns)
+    for column, view in zip(columns.values(), views):   # rows taken straight into place
+        column.take(slots, axis=0, out=view, mode="clip")   # (clip: no buffered copy)
+    slot_ids.take(slots, out=views[n], mode="clip")
+    priorities.take(slots, out=views[n + 1], mode="clip")
+    if has_probs:
+        views[n + 2][...] = probabilities
+    out = RawSample(data=dict(zip(layout[1], views[:n])), ids=views[n],
+                    priorities=views[n + 1], probabilities=views[n + 2] if has_probs else None,
                     **scalars)
-    arrays = [*data.values(), ids, prios]
-    if probabilities is not None:
-        arrays.append(np.ascontiguousarray(probabilities))
-    codes = tuple([_code(a.dtype) for a in arrays])
-    if None in codes:
-        return dict(out)
-    rows = tuple([a.shape[1:] for a in data.values()])
-    layout = (len(slots), tuple(data), codes, rows + ((),) * (len(arrays) - len(rows)),
-              probabilities is not None)
-    plan = _plan(layout)
-    if plan is None or plan[1] > _JOIN_MAX:
-        return dict(out)   # (its large arrays travel out of band, uncopied)
-    pieces: list = []
-    end = 0
-    for a, (_dtype, _shape, at, _count) in zip(arrays, plan[0]):
-        if at > end:
-            pieces.append(_PAD[:at - end])
-        pieces.append(a)   # (C-contiguous: taken, or made so)
-        end = at + a.nbytes
-    out._buffer, out._layout = bytearray().join(pieces), layout
+    out._buffer, out._layout = buffer, layout
     return out
 
-
-_PAD = bytes(_ALIGN)

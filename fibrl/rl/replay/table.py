@@ -154,9 +154,19 @@ class ReplayTable:
             threading.Thread(target=self._periodic_snapshots, daemon=True,
                              name="fibrl-replay-snapshots").start()
 
+    @property
+    def columns(self) -> dict:
+        """Each column's array (``capacity`` rows); empty until the first insert."""
+        return self._columns
+
+    @columns.setter
+    def columns(self, columns: dict) -> None:
+        self._columns = columns
+        self._plans: dict = {}   # gather()'s layouts per batch size: for these columns only
+
     def _reset(self) -> None:
         cap = self.config.capacity
-        self.columns: dict = {}
+        self.columns = {}
         self.slot_ids = np.full(cap, -1, dtype=np.int64)
         self.priorities = np.zeros(cap, dtype=np.float64)
         self.times_sampled = np.zeros(cap, dtype=np.int64)
@@ -276,7 +286,7 @@ class ReplayTable:
             # (the rows taken, and a small sample's arrays joined in the one buffer
             # that is sent: see .packed)
             out = gather(self.columns, slots, self.slot_ids, self.priorities, probs,
-                         size=size, mass=mass, beta=beta,
+                         self._plans, size=size, mass=mass, beta=beta,
                          min_probability=None if low is None else low / mass,
                          weights=getattr(self.config.sampler, "weights", None))
             self.counters["samples"] += len(slots)
@@ -593,9 +603,9 @@ class ReplayTable:
         them (then True)."""
         if not self.columns:
             cap = self.config.capacity
-            for name, value in batch.items():
-                value = np.asarray(value)
-                self.columns[name] = np.zeros((cap,) + value.shape[1:], dtype=value.dtype)
+            self.columns = {name: np.zeros((cap,) + np.shape(value)[1:],
+                                           dtype=np.asarray(value).dtype)
+                            for name, value in batch.items()}
             return True
         if set(batch) != set(self.columns):
             raise ValueError(f"this batch has columns {sorted(batch)} but the store holds "
