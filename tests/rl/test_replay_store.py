@@ -146,6 +146,18 @@ def test_prefetched_samples_carry_updates_and_follow_the_sampler(num_shards):
         assert store.stats()["samples"] == 4
 
 
+def test_a_priority_update_travels_as_the_same_arrays():
+    import pickle
+
+    from fibrl.rl.replay.client import _update_arrays
+    for ids, priorities in ((np.arange(10)[::2], [1, 2, 3, 4, 5.5]), ([], []),
+                            (np.array([[7, 8]], np.int32), np.float32([0.25, 2]))):
+        back = pickle.loads(pickle.dumps(_update_arrays(ids, priorities), protocol=5))
+        assert [a.dtype for a in back] == [np.int64, np.float64]
+        np.testing.assert_array_equal(back[0], np.ravel(ids))
+        np.testing.assert_array_equal(back[1], np.ravel(priorities))
+
+
 def test_pending_samples_are_drawn_in_request_order():
     with ReplayStore.queue(10) as store:
         store.insert({"x": np.arange(6)})
