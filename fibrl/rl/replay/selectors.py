@@ -130,16 +130,7 @@ class SumTree:
         self._total: Optional[float] = 0.0   # the top level's sum; None: not known
 
     def set(self, leaves: np.ndarray, values: np.ndarray) -> None:
-        self._total = None
-        idx = np.asarray(leaves, dtype=np.int64) + self.size
-        tree = self.tree
-        children = tree.reshape(-1, 2)   # row i: the two children of node i
-        tree[idx] = values
-        for _level in range(self.walk):
-            # duplicates just recompute the same parent: cheaper than np.unique per level
-            idx >>= 1
-            both = children.take(idx, axis=0)
-            tree[idx] = both[:, 0] + both[:, 1]
+        _set_leaves(leaves, values, self, None)
 
     def total(self) -> float:
         if self._total is None:
@@ -200,20 +191,41 @@ class MinTree:
         self.top = self.tree[self.width:2 * self.width]
 
     def set(self, leaves: np.ndarray, values: np.ndarray) -> None:
-        idx = np.asarray(leaves, dtype=np.int64) + self.size
-        tree = self.tree
-        children = tree.reshape(-1, 2)
-        values = np.asarray(values, dtype=np.float64)
-        tree[idx] = values if values.min(initial=np.inf) > 0 else np.where(values > 0, values,
-                                                                            np.inf)
-        for _level in range(self.walk):
-            idx >>= 1
-            both = children.take(idx, axis=0)
-            tree[idx] = np.minimum(both[:, 0], both[:, 1])
+        _set_leaves(leaves, values, None, self)
 
     def min(self) -> float:
         """The smallest positive weight held (``inf`` when none is)."""
         return float(self.top.min())
+
+
+def _set_leaves(leaves: np.ndarray, values: np.ndarray, sums: Optional[SumTree],
+                mins: Optional[MinTree]) -> None:
+    """Set ``leaves`` of a sum tree, a min tree or both (of one capacity, so laid out
+    alike) to ``values``, and their ancestors up to the top level: one walk for both
+    trees, as a priority update changes both."""
+    tree = sums if sums is not None else mins
+    assert tree is not None and (sums is None or mins is None or sums.size == mins.size)
+    idx = np.asarray(leaves, dtype=np.int64) + tree.size
+    if sums is not None:
+        sums._total = None
+        added = sums.tree
+        added[idx] = values
+        add_pairs = added.reshape(-1, 2)   # row i: the two children of node i
+    if mins is not None:
+        values = np.asarray(values, dtype=np.float64)
+        least = mins.tree
+        least[idx] = values if values.min(initial=np.inf) > 0 else np.where(values > 0, values,
+                                                                             np.inf)
+        min_pairs = least.reshape(-1, 2)
+    for _level in range(tree.walk):
+        # duplicates just recompute the same parent: cheaper than np.unique per level
+        idx >>= 1
+        if sums is not None:
+            both = add_pairs.take(idx, axis=0)
+            added[idx] = both[:, 0] + both[:, 1]
+        if mins is not None:
+            both = min_pairs.take(idx, axis=0)
+            least[idx] = np.minimum(both[:, 0], both[:, 1])
 
 
 class TreeIndex:
@@ -233,9 +245,7 @@ class TreeIndex:
         return np.ones(len(priorities))
 
     def _set(self, slots: np.ndarray, weights: np.ndarray) -> None:
-        self.tree.set(slots, weights)
-        if self.low is not None:
-            self.low.set(slots, weights)
+        _set_leaves(slots, weights, self.tree, self.low)
 
     def add(self, slots: np.ndarray, ids: np.ndarray, priorities: np.ndarray) -> None:
         self._set(slots, self._weights(priorities))
