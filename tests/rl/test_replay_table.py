@@ -177,6 +177,15 @@ def test_a_sample_holds_the_drawn_rows_after_the_columns_change():
     check(second, t.insert(second, np.arange(30) + 1.0))
 
 
+def test_a_slot_out_of_range_raises_instead_of_reading_another_row():
+    from fibrl.rl.replay.packed import gather
+    columns = {"x": np.arange(10.0), "y": np.arange(20).reshape(10, 2)}
+    with pytest.raises(IndexError):
+        gather(columns, np.array([3, 10]), np.arange(10), np.ones(10), None, {}, size=10)
+    out = gather(columns, np.array([3, 9]), np.arange(10), np.ones(10), None, {}, size=10)
+    assert out["data"]["x"].tolist() == [3.0, 9.0] and out["ids"].tolist() == [3, 9]
+
+
 def test_a_sample_whose_arrays_have_no_plain_bytes_is_pickled_array_by_array():
     t = table(16, seed=0)
     t.insert({"obj": np.array([{"a": 1}, None, "x", 2.5], dtype=object),

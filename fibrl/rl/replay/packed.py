@@ -139,10 +139,12 @@ def gather(columns: dict, slots: np.ndarray, slot_ids: np.ndarray, priorities: n
     buffer = bytearray(total)
     views = [np.ndarray(shape, dtype, buffer, at) for dtype, shape, at, _count in places]
     n = len(columns)
-    for column, view in zip(columns.values(), views):   # rows taken straight into place
-        column.take(slots, axis=0, out=view, mode="clip")   # (clip: no buffered copy)
-    slot_ids.take(slots, out=views[n], mode="clip")
+    # rows taken straight into place: the first take checks every slot (a slot out of
+    # range raises IndexError), so the others can skip that ("clip": no buffered copy)
+    slot_ids.take(slots, out=views[n])
     priorities.take(slots, out=views[n + 1], mode="clip")
+    for column, view in zip(columns.values(), views):
+        column.take(slots, axis=0, out=view, mode="clip")
     if has_probs:
         views[n + 2][...] = probabilities
     out = RawSample(data=dict(zip(layout[1], views[:n])), ids=views[n],
