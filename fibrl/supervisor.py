@@ -330,6 +330,11 @@ def _kill(proc: Any) -> None:
         proc.kill()
     except ValueError:
         pass  # reaped and closed meanwhile: it is dead already
+    except AttributeError:
+        # Being closed on the supervisor thread right now: BaseProcess.close() clears
+        # _popen before it marks the process closed, and closes only one that ended.
+        if getattr(proc, "_popen", True) is not None:
+            raise
 
 
 def _failure_reason(proc: Any) -> str:

@@ -7,7 +7,7 @@ import time
 import pytest
 
 import fibrl
-from fibrl.supervisor import Policy, Supervisor
+from fibrl.supervisor import Policy, Supervisor, _kill
 
 
 def _exit_with(code):
@@ -143,3 +143,29 @@ def test_pool_and_remote_vector_env_share_the_supervisor():
         assert victim.exitcode == -9 and envs.processes[1] is not victim
     finally:
         envs.close()
+
+
+def test_killing_a_worker_while_it_is_being_closed_elsewhere_is_not_an_error():
+    """terminate() kills the workers on the caller's thread while the supervisor thread
+    reaps and closes those that ended; BaseProcess.close() sets ``_popen`` to None
+    before it marks the process closed, and a kill in between raised AttributeError
+    out of terminate() (seen with Pool(512))."""
+    proc = fibrl.Process(target=_exit_with, args=(0,))
+    proc.start()
+    proc.join(60)
+    popen = proc._popen
+    proc._popen = None   # the moment inside close(): _popen cleared, not yet closed
+    try:
+        _kill(proc)      # nothing to kill: it ended
+    finally:
+        proc._popen = popen
+    proc.close()
+    _kill(proc)          # closed: ValueError, swallowed as before
+
+    class Broken:
+        _popen = object()
+
+        def kill(self):
+            raise AttributeError("a real bug in kill()")
+    with pytest.raises(AttributeError, match="a real bug"):
+        _kill(Broken())
