@@ -5,9 +5,12 @@ For each pool size and task length (sleep tasks at chunksize=1) this reports:
 
 - start: seconds from ``Pool()`` until every worker has run a task;
 - efficiency: ideal time (tasks x task length / workers) over the measured time of a
-  ``map`` on the warm pool;
+  ``map`` on the warm pool, the median of ``--maps`` maps one after another (a map of
+  20 tasks per worker lasts 20-200 ms, and one alone swings by up to a quarter from run
+  to run; the first after the 0.2 s start-up tasks is the slowest, for fibrl and mp
+  alike, and fibrl's pool then still sizes its batches by those tasks' length);
 - parent CPU per task (user + system of the parent process alone, its children not
-  counted) of that ``map`` and of an ``imap_unordered`` of as many tasks, and worker
+  counted) of those maps and of an ``imap_unordered`` of as many tasks, and worker
   CPU per task (user + system, from /proc); CPU time is what to compare on a shared
   machine, where other load stretches wall time far more;
 - threads and PSS per idle worker (fibrl's PSS counts its zygote's share).
@@ -169,7 +172,8 @@ def _containers(parent: int) -> int:
     return len(out.stdout.split())
 
 
-def measure(lib: str, workers: int, task: float, rounds: int, backend: str = "local") -> dict:
+def measure(lib: str, workers: int, task: float, rounds: int, backend: str = "local",
+            maps: int = 5) -> dict:
     make = {"fibrl": fibrl.Pool, "mp": multiprocessing.get_context("spawn").Pool,
             "pynng": FloorPool}[lib]
     local = lib != "fibrl" or backend == "local"
@@ -194,11 +198,15 @@ def measure(lib: str, workers: int, task: float, rounds: int, backend: str = "lo
         n = workers * rounds
         cpu_w0 = sum(_cpu(p) for p in pids + helpers)
         cpu_p0 = time.process_time()
-        t1 = time.perf_counter()
-        pool.map(nap, [task] * n, chunksize=1)
-        elapsed = time.perf_counter() - t1
-        cpu_p = time.process_time() - cpu_p0
-        cpu_w = sum(_cpu(p) for p in pids + helpers) - cpu_w0 if pids else float("nan")
+        lasted = []
+        for _ in range(maps):
+            t1 = time.perf_counter()
+            pool.map(nap, [task] * n, chunksize=1)
+            lasted.append(time.perf_counter() - t1)
+        cpu_p = (time.process_time() - cpu_p0) / maps
+        cpu_w = (sum(_cpu(p) for p in pids + helpers) - cpu_w0) / maps if pids \
+            else float("nan")
+        elapsed = sorted(lasted)[maps // 2]
         cpu_u0 = time.process_time()
         got = sum(1 for _ in pool.imap_unordered(nap, [task] * n, chunksize=1))
         cpu_u = time.process_time() - cpu_u0
@@ -251,6 +259,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--tasks-ms", type=float, nargs="+", default=[10.0, 1.0])
     parser.add_argument("--rounds", type=int, default=20,
                         help="tasks per worker in the timed map (default 20)")
+    parser.add_argument("--maps", type=int, default=5,
+                        help="timed maps per point; efficiency is their median (default 5)")
     parser.add_argument("--libs", nargs="+", default=["fibrl", "mp", "pynng"],
                         choices=["fibrl", "mp", "pynng"])
     parser.add_argument("--plot", help="write a PNG of efficiency and parent CPU per task")
@@ -267,7 +277,8 @@ def main(argv: list[str]) -> int:
         for task_ms in opts.tasks_ms:
             for lib in opts.libs:
                 try:
-                    row = measure(lib, workers, task_ms / 1e3, opts.rounds, opts.backend)
+                    row = measure(lib, workers, task_ms / 1e3, opts.rounds, opts.backend,
+                                  opts.maps)
                 except Exception as exc:   # a size one library cannot reach: say so, go on
                     print(f"{lib} Pool({workers}) {task_ms:g} ms: failed: "
                           f"{type(exc).__name__}: {exc}", flush=True)
