@@ -34,10 +34,10 @@ Rules that make results right:
 * Prefetch is bounded by time, not count: a worker holds at most
   ``HORIZON_S`` of estimated work, more in a pool of hundreds (each worker's
   share of ``MESSAGES_PER_S``: see :meth:`PoolService._pace`; at least one
-  chunk; a callable whose cost
-  was not measured yet gets one chunk), never more than its fair share of
-  what is pending, and idle workers are served first, so no worker hoards
-  a queue.
+  chunk; a callable whose cost was not measured yet gets one chunk; a job's
+  cost is its own items' from its first result on, before that its
+  callable's in earlier jobs), never more than its fair share of what is
+  pending, and idle workers are served first, so no worker hoards a queue.
 * A lost worker's chunks go to the front, *careful*: from then on they are
   run alone, and the worker announces that it unpickles the chunk, then each
   item before starting it, and reports it before the next, so what was
@@ -136,13 +136,16 @@ class _Func:
 
 
 class _Job:
-    __slots__ = ("jid", "sink", "func", "kind", "open", "inputs_open", "claimed")
+    __slots__ = ("jid", "sink", "func", "kind", "open", "inputs_open", "claimed", "per_item")
 
     def __init__(self, jid: int, sink: Any, func: _Func, kind: Kind, lazy: bool) -> None:
         self.jid, self.sink, self.func, self.kind = jid, sink, func, kind
         self.open = 0                # chunks not finished
         self.inputs_open = lazy      # more chunks may come (imap)
         self.claimed = False
+        # seconds per item of this job's own results, once one came: the same callable
+        # may take far longer or shorter on another job's arguments
+        self.per_item: Optional[float] = None
 
 
 class _Task:
@@ -538,7 +541,7 @@ class PoolService(Service, Policy):
             task = self._tasks.get(report.tid)
             if task is None:
                 continue  # finished already (a duplicate from a dead worker)
-            self._learn(task.job.func, report)
+            self._learn(task.job, report)
             task.killed_loading = False  # a worker unpickled it: the payload is harmless
             end = report.lo + report.count
             if end <= task.lo:
@@ -549,10 +552,13 @@ class PoolService(Service, Policy):
             self._advance(task, end, effects)
 
     @staticmethod
-    def _learn(func: _Func, report: Report) -> None:
+    def _learn(job: _Job, report: Report) -> None:
+        """A job's first result sets its cost per item, later ones move it; the
+        callable keeps the latest, for its next job's first chunks."""
         sample = report.seconds / max(report.count, 1)
-        old = func.per_item
-        func.per_item = sample if old is None else old + _EWMA * (sample - old)
+        old = job.per_item
+        job.per_item = job.func.per_item = (sample if old is None
+                                            else old + _EWMA * (sample - old))
 
     def _advance(self, task: _Task, lo: int, effects: _Effects) -> None:
         task.lo = lo
@@ -725,7 +731,8 @@ class PoolService(Service, Policy):
         return task.cost
 
     def _cost(self, task: _Task) -> Optional[float]:
-        per_item = task.job.func.per_item
+        job = task.job
+        per_item = job.func.per_item if job.per_item is None else job.per_item
         return None if per_item is None else per_item * (task.n - task.lo)
 
     def _share(self) -> int:

@@ -160,3 +160,25 @@ def test_when_work_is_scarce_a_worker_asks_again_only_once_done():
     assert batch.refill == -1
     plenty = _paced_batch(16, 4000)
     assert plenty.refill > 0
+
+
+def test_a_new_job_is_sized_by_its_own_first_result_not_by_an_earlier_job():
+    """The same callable on other arguments: a job of 0.2 s items, then a job of
+    10 ms ones. The second job's first chunks are sized by the first job's cost (one
+    each); from its first result on, by its own: a worker then holds HORIZON_S of
+    them, not one at a time while an average of both jobs slowly comes down."""
+    service, replies = _parked_pool(2)
+    slow = Sink()
+    service.submit(slow, pack(abs), "abs", Kind.MAP, fibrl.pool.chunked(range(2), 1))
+    for wid, reply in list(replies.items()):
+        (spec,) = reply.batch.tasks
+        replies[wid] = Reply()
+        service.op_next(replies[wid], wid, [Report(spec.tid, 0, 1, pack([0]), 0.2, True)])
+    assert len(slow.outcomes) == 2
+    fast = Sink()
+    service.submit(fast, pack(abs), "abs", Kind.MAP, fibrl.pool.chunked(range(1000), 1))
+    wid = min(replies)
+    (spec,) = replies[wid].batch.tasks        # 0.2 s an item, as far as it knows: one
+    again = Reply()
+    service.op_next(again, wid, [Report(spec.tid, 0, 1, pack([0]), 0.01, True)])
+    assert HORIZON_S / 0.01 - 1 <= len(again.batch.tasks) <= HORIZON_S / 0.01
