@@ -8,7 +8,7 @@ For each pool size and task length (sleep tasks at chunksize=1) this reports:
   ``map`` on the warm pool, the median of ``--maps`` maps one after another (a map of
   20 tasks per worker lasts 20-200 ms, and one alone swings by up to a quarter from run
   to run; the first after the 0.2 s start-up tasks is the slowest, for fibrl and mp
-  alike, and fibrl's pool then still sizes its batches by those tasks' length);
+  alike, and fibrl's pool sizes its first batches by those tasks' length);
 - parent CPU per task (user + system of the parent process alone, its children not
   counted) of those maps and of an ``imap_unordered`` of as many tasks, and worker
   CPU per task (user + system, from /proc); CPU time is what to compare on a shared
