@@ -98,20 +98,22 @@ def _code(dtype: np.dtype) -> Optional[str]:
 def _joinable(columns: dict, k: int, has_probs: bool) -> Optional[tuple]:
     """``(layout, places, total bytes)`` of a sample of ``k`` rows of ``columns``, or
     None when it is sent as a plain dict (see the module's docstring)."""
-    arrays = [*columns.values(), _IDS, _PRIORITIES] + ([_PROBABILITIES] if has_probs else [])
-    codes = tuple([_code(a.dtype) for a in arrays])
+    codes = tuple([_code(c.dtype) for c in columns.values()])
     if None in codes:
         return None
-    rows = tuple([a.shape[1:] for a in columns.values()])
-    layout = (k, tuple(columns), codes, rows + ((),) * (len(arrays) - len(rows)), has_probs)
+    extra = _EXTRA_CODES[has_probs]   # ids, priorities(, probabilities)
+    rows = tuple([c.shape[1:] for c in columns.values()]) + ((),) * len(extra)
+    layout = (k, tuple(columns), codes + extra, rows, has_probs)
     plan = _plan(layout)
     if plan is None or plan[1] > _JOIN_MAX:
         return None   # (its large arrays travel out of band, uncopied)
     return layout, plan[0], plan[1]
 
 
-_IDS, _PRIORITIES, _PROBABILITIES = (np.zeros(0, np.int64), np.zeros(0, np.float64),
-                                     np.zeros(0, np.float64))
+# the dtype strings of the arrays every sample has after its columns, without and with
+# probabilities
+_EXTRA_CODES = {False: (np.dtype(np.int64).str, np.dtype(np.float64).str),
+                True: (np.dtype(np.int64).str,) + (np.dtype(np.float64).str,) * 2}
 
 
 def gather(columns: dict, slots: np.ndarray, slot_ids: np.ndarray, priorities: np.ndarray,

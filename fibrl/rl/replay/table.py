@@ -283,8 +283,8 @@ class ReplayTable:
             slots, probs = self.sampler_index.select(int(k), self.rng)
             mass = self.sampler_index.mass()
             low = self.sampler_index.min_weight()
-            # (the rows taken, and a small sample's arrays joined in the one buffer
-            # that is sent: see .packed)
+            # (a small sample's rows are taken straight into the one buffer that is
+            # sent: see .packed)
             out = gather(self.columns, slots, self.slot_ids, self.priorities, probs,
                          self._plans, size=size, mass=mass, beta=beta,
                          min_probability=None if low is None else low / mass,
