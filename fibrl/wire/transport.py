@@ -215,16 +215,6 @@ def _recv_msg(sock: pynng.Socket) -> tuple[Any, int]:   # (nng's message, its le
     return msg, _lib.nng_msg_len(msg)
 
 
-def _recv_frame(sock: pynng.Socket) -> Frame:
-    """Receive one frame: ``bytes`` when small, else a writable memoryview (of nng's
-    message itself, or of the one buffer a frame sent in pieces was gathered in)."""
-    while True:
-        msg, size = _recv_msg(sock)
-        if size:
-            return _frame_of(sock, msg, size)
-        _drop_empty(msg)
-
-
 def _drop_empty(msg: Any) -> None:
     """Free ``msg``, an empty message: no fibrl frame is empty, so one carries nothing
     (a peer speaking some other protocol); the receive goes on."""
@@ -233,7 +223,7 @@ def _drop_empty(msg: Any) -> None:
 
 
 def _frame_of(sock: pynng.Socket, msg: Any, size: int) -> Frame:
-    """The frame that starts with the received message ``msg`` (``_recv_frame``)."""
+    """The frame that starts with the received message ``msg`` (``Channel.recv``)."""
     body = _ffi.cast("char *", _lib.nng_msg_body(msg))
     if size < ZERO_COPY_MIN:
         data: bytes = _ffi.unpack(body, size)
@@ -804,6 +794,7 @@ class _Reading:
     waiting thread's receive takes."""
 
     _sock: pynng.Socket
+    _handle: Any         # _sock's nng id (pynng's ``socket``), read once
     closed: bool
     shared = True        # other threads may read_here (False: its reader thread only)
     _poll: select.poll   # made by _watch(), before any wait_readable()
@@ -894,7 +885,10 @@ class _Reading:
             return   # a test's fault seam dropped, held or cut it (fibrl.wire.faults)
         try:
             with self._send_lock:
-                _send_frame(self._sock, frame)
+                if type(frame) is bytes and len(frame) <= PIECE:   # most frames: one call
+                    check_err(_lib.nng_send(self._handle, frame, len(frame), 0))
+                else:
+                    _send_frame(self._sock, frame)
         except pynng.NNGException as exc:
             raise ChannelClosed(self._gone(exc)) from exc
 
@@ -924,6 +918,7 @@ class Peer(_Reading):
 
     def __init__(self, sock: pynng.Pair1, peer_id: int) -> None:
         self._sock = sock
+        self._handle = sock.socket   # (nng's id of it: pynng makes one per attribute read)
         self._send_lock = threading.Lock()
         self.id = peer_id
         self.closed = False
@@ -1456,6 +1451,7 @@ class Channel(_Reading):
 
     def __init__(self, sock: pynng.Pair1, address: str) -> None:
         self._sock = sock
+        self._handle = sock.socket   # (nng's id of it: pynng makes one per attribute read)
         self.address = address
         self.closed = False
         self._timeout: Optional[float] = None   # the socket's receive timeout now
@@ -1525,8 +1521,15 @@ class Channel(_Reading):
         if timeout != self._timeout:
             self._sock.recv_timeout = -1 if timeout is None else max(1, int(timeout * 1000))
             self._timeout = timeout
+        holder = _ffi.new("nng_msg **")
         try:
-            return _recv_frame(self._sock)
+            while True:
+                check_err(_lib.nng_recvmsg(self._handle, holder, 0))
+                msg = holder[0]
+                size = _lib.nng_msg_len(msg)
+                if size:
+                    return _frame_of(self._sock, msg, size)
+                _drop_empty(msg)
         except pynng.Timeout as exc:
             raise TimeoutError(f"no message from {self.address} within {timeout} s") from exc
         except FrameStalled as exc:
