@@ -136,6 +136,17 @@ class Float64Obs(gymnasium.ObservationWrapper):
         return observation.astype(np.float64) + 1e-9  # not exactly representable in float32
 
 
+class LongObs(gymnasium.Wrapper):
+    """CartPole whose steps return 5 floats while its space (and its reset) says 4."""
+
+    def __init__(self) -> None:
+        super().__init__(gymnasium.make("CartPole-v1"))
+
+    def step(self, action):
+        obs, *rest = self.env.step(action)
+        return (np.append(obs, np.float32(7.0)), *rest)
+
+
 class Counter(gymnasium.Env):
     """Discrete observations (a count modulo 10, as a Python int); ends after 9 steps."""
 

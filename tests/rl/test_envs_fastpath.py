@@ -30,13 +30,13 @@ STEPS = 40
 
 def _count_fast(monkeypatch) -> list:
     used = [0]
-    assemble = fastpath._assemble
+    finish = fastpath._Batch.finish
 
-    def counting(env, parts):
+    def counting(batch, env):
         used[0] += 1
-        return assemble(env, parts)
+        return finish(batch, env)
 
-    monkeypatch.setattr(fastpath, "_assemble", counting)
+    monkeypatch.setattr(fastpath._Batch, "finish", counting)
     return used
 
 
@@ -47,10 +47,10 @@ def test_every_path_gives_sync_vector_envs_batches(mode, path, monkeypatch):
     """12-step episodes, so that episodes end (and SAME_STEP's final_obs/final_info
     infos arrive) within the run; 3 workers of 2 envs."""
     used = _count_fast(monkeypatch)
-    if path == "handed over":   # every reply received, then the second one refused
-        read = fastpath._read
-        monkeypatch.setattr(fastpath, "_read",
-                            lambda frame, w: None if w.index == 1 else read(frame, w))
+    if path == "handed over":   # the first reply taken, then the second one refused
+        add = fastpath._Batch.add
+        monkeypatch.setattr(fastpath._Batch, "add",
+                            lambda batch, w, frame: w.index != 1 and add(batch, w, frame))
     elif path == "general":
         monkeypatch.setattr(fastpath, "_ready", lambda env: False)
     fn = functools.partial(gymnasium.make, "CartPole-v1", max_episode_steps=12)
@@ -104,6 +104,34 @@ def test_a_step_wait_timeout_leaves_the_step_pending(monkeypatch):
     finally:
         envs.close()
     assert used[0] >= 1
+
+
+def test_observations_longer_than_the_batch_raise_instead_of_filling_it():
+    """Steps that return 5 floats for a space of 4: the fast path lays the replies out in
+    one buffer, and must not read them as a batch of the space's shape (16 of the 20
+    floats, rows shifted); the general path raises."""
+    envs = RemoteVectorEnv([envs_helpers.LongObs] * 4, envs_per_worker=2)
+    try:
+        envs.reset(seed=0)
+        with pytest.raises(ValueError, match="broadcast"):
+            envs.step(np.zeros(4, dtype=np.int64))
+    finally:
+        envs.close(terminate=True)
+
+
+def test_open_requests_keep_their_own_copy_of_the_actions():
+    """A worker replaced mid-step is sent its open Step again: those actions must be the
+    ones sent, even if the caller reuses its action array right after ``step_async``."""
+    envs = RemoteVectorEnv("CartPole-v1", 4, envs_per_worker=2)
+    try:
+        envs.reset(seed=0)
+        actions = np.array([1, 0, 1, 1], dtype=np.int64)
+        envs.step_async(actions)
+        actions[:] = 0
+        assert [tuple(w.open[0][0].actions) for w in envs._workers] == [(1, 0), (1, 1)]
+        envs.step_wait(timeout=60)
+    finally:
+        envs.close()
 
 
 @pytest.mark.parametrize("dtype", [np.int64, np.int32])

@@ -36,8 +36,12 @@ __all__ = ["send_steps", "step_replies", "merge_infos"]
 def send_steps(env: RemoteVectorEnv, actions: np.ndarray) -> bool:
     """Send a full batch's Steps, one per worker, on the direct connections; False (and
     nothing sent) when the general path must: a worker without a direct connection, or
-    actions that are not a numeric array. ``actions`` is the vector env's own copy
-    (the open requests keep views of it, to send again to a replaced worker)."""
+    actions that are not a numeric array.
+
+    Each frame is sent as soon as it is made, and the open requests are recorded after
+    the last one: the time from the caller's action to the first worker's start is on
+    every step's critical path. They keep views of a copy of ``actions`` (to send again
+    to a replaced worker), never of the caller's array."""
     if actions.dtype.kind not in "biufc" or actions.ndim > 32:
         return False
     workers = env._workers
@@ -46,24 +50,25 @@ def send_steps(env: RemoteVectorEnv, actions: np.ndarray) -> bool:
             return False
     key = (actions.dtype, actions.shape[1:])
     seq = env._seq
-    now = time.monotonic()
-    frames = []
-    for w in workers:   # every frame first: the first replies do not slow the later sends
+    for w in workers:
         seq += 1
         acts = actions[w.span]
         prefix = w.prefix.get(key)
         if prefix is None:   # the slots and the array header: the same at every step
             prefix = w.prefix[key] = _slots(len(w.slots)).pack(*w.slots) + _array_head(acts)
-        frames.append(b"".join((_STEP.pack(_STEP_TAG, seq, len(w.slots)), prefix,
-                                acts.tobytes())))
-        w.open.append((Step(seq, w.slots, acts), now))
-    env._seq = seq
-    for w, frame in zip(workers, frames):
-        w.direct = True
         try:
-            w.chan.send(frame)
+            w.chan.send(b"".join((_STEP.pack(_STEP_TAG, seq, len(w.slots)), prefix,
+                                  acts.tobytes())))
         except ChannelClosed:
             pass  # the worker died: the supervisor posts the Died message that replaces it
+    held = actions.copy()
+    now = time.monotonic()
+    seq = env._seq
+    for w in workers:
+        seq += 1
+        w.open.append((Step(seq, w.slots, held[w.span]), now))
+        w.direct = True
+    env._seq = seq
     return True
 
 
@@ -97,22 +102,22 @@ def step_replies(env: RemoteVectorEnv, deadline: Optional[float],
     if not _ready(env):
         return None
     frames: list = []
-    if _receive(env, deadline, slice_s, frames):
-        parts = [_read(frame, w) for w, frame in zip(env._workers, frames)]
-        if all(part is not None for part in parts):
-            done = _assemble(env, parts)
-            if done is not None:
-                return done
+    batch = _Batch()
+    if _receive(env, deadline, slice_s, frames, batch):
+        out = batch.finish(env)
+        if out is not None:
+            return out
     for frame in frames:  # the general path takes over, with what came so far
         env._handle(decode(frame))
     return None
 
 
 def _receive(env: RemoteVectorEnv, deadline: Optional[float], slice_s: float,
-             frames: list) -> bool:
-    """Receive one compact reply per worker, in order, into ``frames``; False at the
-    first other frame, lost connection, or moment when the general path must look
-    around (something in the inbox, the caller's deadline, a hung step)."""
+             frames: list, batch: _Batch) -> bool:
+    """Receive one compact reply per worker, in order, into ``frames``, each read into
+    ``batch`` as it comes (while the later workers still step); False at the first
+    other frame, lost connection, or moment when the general path must look around
+    (something in the inbox, the caller's deadline, a hung step)."""
     bounded = deadline is not None or env._step_timeout is not None
     left = slice_s
     for w in env._workers:
@@ -131,56 +136,82 @@ def _receive(env: RemoteVectorEnv, deadline: Optional[float], slice_s: float,
                 w.chan = None  # the worker is gone: its Died message replaces it
                 return False
         frames.append(frame)
-        if frame[:2] != _RESULT_TAG:
+        if frame[:2] != _RESULT_TAG or not batch.add(w, frame):
             return False
     return True
 
 
-def _read(frame: Any, w: Any) -> Optional[tuple]:
-    """``(w, obs layout, obs bytes, rewards bytes, terminated bytes, truncated bytes,
-    infos)`` of ``w``'s reply to its open step, or None for anything else (a restart
-    included: the general path counts it)."""
-    _, worker, gen, seq, n = _RESULT.unpack_from(frame)
-    if worker != w.index or gen != w.gen or seq != w.open[0][0].seq or n != len(w.slots):
-        return None
-    at = _RESULT.size + 4 * n
-    end = at + 2 + frame[at] + 4 * frame[at + 1 + frame[at]]
-    layout = _layout(bytes(frame[at:end]))
-    at = end + layout[3]
-    size = _U32.unpack_from(frame, at + 10 * n)[0]
-    infos = None
-    if size:
-        infos, restarts = loads(memoryview(frame)[at + 10 * n + 4:at + 10 * n + 4 + size])
-        if restarts:
-            return None
-    return (w, layout, frame[end:at], frame[at:at + 8 * n], frame[at + 8 * n:at + 9 * n],
-            frame[at + 9 * n:at + 10 * n], infos)
+class _Batch:
+    """The replies of one full step, gathered as sections to copy in one join: every
+    worker's rewards, then observations, terminated and truncated flags (rewards first,
+    so each array starts aligned). The workers' envs are consecutive: worker order is
+    env order."""
 
+    __slots__ = ("layout", "rewards", "obs", "terms", "truncs", "order")
 
-def _assemble(env: RemoteVectorEnv, parts: list) -> Optional[tuple]:
-    """The batch, from the replies' bytes joined in worker order (their envs are
-    consecutive): a few array operations per step, not per worker. None if the
-    workers' observations differ in dtype or shape (the general path batches those)."""
-    dtype, shape = parts[0][1][0], parts[0][1][1][1:]
-    order: list = []
-    for w, layout, _, _, _, _, infos in parts:
-        if layout[0] != dtype or layout[1][1:] != shape:
+    def __init__(self) -> None:
+        self.layout: Any = None
+        self.rewards: list = []
+        self.obs: list = []
+        self.terms: list = []
+        self.truncs: list = []
+        self.order: list = []   # (env, info) of the envs with a non-empty info
+
+    def add(self, w: Any, frame: Any) -> bool:
+        """Take ``w``'s reply to its open step; False for anything else (a restart
+        included: the general path counts it), or observations of another dtype or
+        shape than the other workers' (the general path batches those)."""
+        _, worker, gen, seq, n = _RESULT.unpack_from(frame)
+        if worker != w.index or gen != w.gen or seq != w.open[0][0].seq or n != len(w.slots):
+            return False
+        at = _RESULT.size + 4 * n
+        head, layout = w.result_head
+        if layout is None or type(frame) is not bytes or not frame.startswith(head, at):
+            # (a first reply, or another array header than the last one: read it, keep it)
+            end = at + 2 + frame[at] + 4 * frame[at + 1 + frame[at]]
+            head = bytes(frame[at:end])
+            layout = _layout(head)
+            w.result_head = (head, layout)
+        if layout[1][:1] != (n,):
+            return False
+        if self.layout is None:
+            self.layout = layout
+        elif layout is not self.layout and (layout[0] != self.layout[0]
+                                            or layout[1][1:] != self.layout[1][1:]):
+            return False
+        at += len(head)
+        rew = at + layout[3]
+        flags = rew + 8 * n
+        size = _U32.unpack_from(frame, flags + 2 * n)[0]
+        if size:
+            infos, restarts = loads(memoryview(frame)[flags + 2 * n + 4:flags + 2 * n + 4 + size])
+            if restarts:
+                return False
+            self.order.extend((w.span.start + j, info) for j, info in enumerate(infos) if info)
+        self.rewards.append(frame[rew:flags])
+        self.obs.append(frame[at:rew])
+        self.terms.append(frame[flags:flags + n])
+        self.truncs.append(frame[flags + n:flags + 2 * n])
+        return True
+
+    def finish(self, env: RemoteVectorEnv) -> Optional[tuple]:
+        """The step's 5-tuple: the sections joined, the step's requests closed; None if
+        the observations' shape is not the batch's (the general path says what is
+        wrong)."""
+        latest: Any = env._obs   # (a numeric array: see _ready)
+        if self.layout[1][1:] != latest.shape[1:]:
             return None
-        if infos:
-            order.extend((w.span.start + j, info) for j, info in enumerate(infos) if info)
-    num = env.num_envs
-    obs = np.frombuffer(bytearray(b"".join([p[2] for p in parts])), dtype)
-    obs = obs.reshape((num,) + shape)
-    rewards = np.frombuffer(bytearray(b"".join([p[3] for p in parts])), np.float64)
-    terms = np.frombuffer(bytearray(b"".join([p[4] for p in parts])), np.bool_)
-    truncs = np.frombuffer(bytearray(b"".join([p[5] for p in parts])), np.bool_)
-    latest: Any = env._obs   # (a numeric array: see _ready)
-    latest[...] = obs
-    for w in env._workers:
-        w.open.clear()
-        w.direct = False
-    env._pending.clear()
-    return obs, rewards, terms, truncs, merge_infos(order, num)
+        num = env.num_envs
+        buf = bytearray().join(self.rewards + self.obs + self.terms + self.truncs)
+        flags = len(buf) - 2 * num
+        obs = np.ndarray(latest.shape, self.layout[0], buf, 8 * num)
+        latest[...] = obs
+        for w in env._workers:
+            w.open.clear()
+            w.direct = False
+        env._pending.clear()
+        return (obs, np.ndarray(num, np.float64, buf), np.ndarray(num, np.bool_, buf, flags),
+                np.ndarray(num, np.bool_, buf, flags + num), merge_infos(self.order, num))
 
 
 class _Infos:

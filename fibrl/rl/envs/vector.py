@@ -114,6 +114,7 @@ class _WorkerSlot:
         self.direct = False          # open requests were sent on ``chan``
         self.open: list = []         # requests sent and not fully answered: (msg, sent_at)
         self.prefix: dict = {}       # (dtype, shape) of actions -> a Step frame's middle
+        self.result_head: tuple = (None, None)   # its replies' last array header, its layout
         self.ready = False
         self.killed_for: Optional[str] = None
         self.replacing = False       # inside _replace: a loss then asks for another start
@@ -228,7 +229,8 @@ class RemoteVectorEnv(VectorEnv):
         self._error: Optional[BaseException] = None
         self.closed = False
         self._chunks: collections.deque = collections.deque()   # (env_ids, Result, rows)
-        self._pending: set = set()
+        self._pending: set = set()   # envs whose step or reset is not answered yet
+        self._every_env = frozenset(range(self.num_envs))
         self._called: dict = {}
         ids = list(range(self.num_envs))
         self._workers = [_WorkerSlot(w, ids[lo:lo + envs_per_worker])
@@ -619,12 +621,12 @@ class RemoteVectorEnv(VectorEnv):
             self._tick += 1
             if self.policy_version is not None:
                 self._versions[:] = self.policy_version
-            self._pending.update(range(self.num_envs))
+            self._pending.update(self._every_env)
             plain = type(actions) is np.ndarray
+            if plain and fastpath.send_steps(self, actions):
+                return
             if plain:   # a request may be sent again later: not a view of the caller's array
                 actions = actions.copy()
-                if fastpath.send_steps(self, actions):
-                    return
             for w in self._workers:
                 acts = actions[w.span] if plain else rows(actions, w.span)
                 posts.append((w, Step(self._next_seq(), w.slots, acts)))
