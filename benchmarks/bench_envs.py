@@ -16,8 +16,9 @@ Every peer is measured in the same run and each row prints its ratio:
   names a Python that has Fiber (skipped, saying so, otherwise), alternating runs.
 
 Every vector env is started once; each round then measures each of them for
-``--seconds`` in turn, and a ratio is the median of the rounds' ratios, so a
-burst of load from elsewhere on a shared machine hits both sides of a ratio.
+``--seconds`` in turn (its rate: the median of its 0.1 s windows), and a ratio is
+the median of the rounds' ratios, so a burst of load from elsewhere on a shared
+machine hits both sides of a ratio.
 
     python benchmarks/bench_envs.py [--seconds 1] [--rounds 7] [--demo-steps 5000]
         [--demo-runs 3]
@@ -67,16 +68,25 @@ def cartpole():
     return gymnasium.make("CartPole-v1")
 
 
+WINDOW_S = 0.1
+
+
 def rate(step, num_envs: int, seconds: float) -> float:
-    """Env steps per second of ``step()`` (after a warm-up)."""
+    """Env steps per second of ``step()`` (after a warm-up): the median over windows of
+    ``WINDOW_S``. On a shared 2-core VM the rate dips by a third for a few tenths of a
+    second at random moments (load from outside the run); a median over short windows
+    measures the machine as it is most of the time, for every contender alike."""
     for _ in range(20):
         step()
-    n, start = 0, time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        for _ in range(10):
+    rates: list = []
+    end = time.perf_counter() + seconds
+    while not rates or time.perf_counter() < end:
+        n, start = 0, time.perf_counter()
+        while time.perf_counter() - start < WINDOW_S:
             step()
-        n += 10
-    return n * num_envs / (time.perf_counter() - start)
+            n += 1
+        rates.append(n * num_envs / (time.perf_counter() - start))
+    return float(np.median(rates))
 
 
 class Vector:
@@ -146,11 +156,11 @@ def contenders() -> dict:
         "async8": Vector(gymnasium.vector.AsyncVectorEnv([cartpole] * 8, context="spawn")),
         "sync8": Vector(gymnasium.vector.SyncVectorEnv([cartpole] * 8)),
         "r64": Vector(RemoteVectorEnv("CartPole-v1", 64, envs_per_worker=32)),
-        "sync64": Vector(gymnasium.vector.SyncVectorEnv([cartpole] * 64)),
         "bare64": Bare(2, 32),
+        "sync64": Vector(gymnasium.vector.SyncVectorEnv([cartpole] * 64)),
         "rburn": Vector(RemoteVectorEnv(burn, envs_per_worker=4)),
-        "sburn": Vector(gymnasium.vector.SyncVectorEnv(burn)),
         "bareburn": Bare(2, 4, make=BurnCPU),
+        "sburn": Vector(gymnasium.vector.SyncVectorEnv(burn)),
     }
 
 
