@@ -13,7 +13,8 @@ For each pool size and task length (sleep tasks at chunksize=1) this reports:
   counted) of those maps and of an ``imap_unordered`` of as many tasks, and worker
   CPU per task (user + system, from /proc); CPU time is what to compare on a shared
   machine, where other load stretches wall time far more;
-- threads and PSS per idle worker (fibrl's PSS counts its zygote's share).
+- threads and PSS per idle worker, its share of the library's helper process
+  included (fibrl's fork server; multiprocessing's resource tracker).
 
 The floor (``pynng``) is the least any pool on pynng pays for the same layout: spawned
 workers pull pickled ``(index, function, argument)`` tasks from one Push0 socket and push
@@ -143,9 +144,13 @@ def _pss_kb(pid: int) -> int:
     return 0
 
 
+_HELPER = {"fibrl": b"fibrl.backends._zygote", "mp": b"multiprocessing.resource_tracker"}
+
+
 def _helpers(lib: str) -> list[int]:
-    """Pids of the library's helper processes that are not workers (fibrl's zygote)."""
-    if lib != "fibrl":
+    """Pids of the library's helper processes that are not workers: fibrl's fork server
+    (its zygote), multiprocessing's resource tracker (a spawn Pool's locks start it)."""
+    if lib not in _HELPER:
         return []
     found = []
     me = os.getpid()
@@ -159,7 +164,7 @@ def _helpers(lib: str) -> list[int]:
                 cmd = f.read()
         except OSError:
             continue
-        if ppid == me and b"_zygote" in cmd:
+        if ppid == me and _HELPER[lib] in cmd:
             found.append(int(entry))
     return found
 
