@@ -15,10 +15,10 @@ Every peer is measured in the same run and each row prints its ratio:
   Fiber when benchmarks/install_fiber.sh has made its venv or ``FIBER_PYTHON``
   names a Python that has Fiber (skipped, saying so, otherwise), alternating runs.
 
-Every vector env is started once; each round then measures each of them for
-``--seconds`` in turn (its rate: the median of its 0.1 s windows), and a ratio is
-the median of the rounds' ratios, so a burst of load from elsewhere on a shared
-machine hits both sides of a ratio.
+Every vector env is started once; each round then measures all of them in 0.1 s
+windows, round robin, until each has had ``--seconds`` (its rate: the median of
+its windows), and a ratio is the median of the rounds' ratios, so a burst of load
+from elsewhere on a shared machine hits both sides of a ratio.
 
     python benchmarks/bench_envs.py [--seconds 1] [--rounds 7] [--demo-steps 5000]
         [--demo-runs 3]
@@ -71,22 +71,13 @@ def cartpole():
 WINDOW_S = 0.1
 
 
-def rate(step, num_envs: int, seconds: float) -> float:
-    """Env steps per second of ``step()`` (after a warm-up): the median over windows of
-    ``WINDOW_S``. On a shared 2-core VM the rate dips by a third for a few tenths of a
-    second at random moments (load from outside the run); a median over short windows
-    measures the machine as it is most of the time, for every contender alike."""
-    for _ in range(20):
+def window(step, num_envs: int) -> float:
+    """Env steps per second of ``step()`` over one window of ``WINDOW_S``."""
+    n, start = 0, time.perf_counter()
+    while time.perf_counter() - start < WINDOW_S:
         step()
-    rates: list = []
-    end = time.perf_counter() + seconds
-    while not rates or time.perf_counter() < end:
-        n, start = 0, time.perf_counter()
-        while time.perf_counter() - start < WINDOW_S:
-            step()
-            n += 1
-        rates.append(n * num_envs / (time.perf_counter() - start))
-    return float(np.median(rates))
+        n += 1
+    return n * num_envs / (time.perf_counter() - start)
 
 
 class Vector:
@@ -165,16 +156,26 @@ def contenders() -> dict:
 
 
 def measure(rounds: int, seconds: float) -> list:
-    """Steps/s of every contender, ``rounds`` times. A round measures each one for
-    ``seconds`` in turn (every other round in reverse order), so a burst of load from
-    elsewhere on the machine hits a pair's two members alike; ratios are taken per round."""
+    """Steps/s of every contender, ``rounds`` times. A round gives each contender windows
+    of ``WINDOW_S`` in turn, round robin (every other round in reverse order), until each
+    has had ``seconds``; its rate is the median of its windows. On a shared 2-core VM the
+    rate swings by a third for seconds at a time (load from outside the run): the two
+    members of a pair, measured a window apart, see the same phases, and the median
+    sets aside the windows a burst hit. Ratios are taken per round."""
     envs = contenders()
     try:
         names = list(envs)
+        for name in names:
+            for _ in range(20):   # a warm-up
+                envs[name].step()
         results = []
         for r in range(rounds):
             order = names if r % 2 == 0 else names[::-1]
-            results.append({n: rate(envs[n].step, envs[n].num_envs, seconds) for n in order})
+            windows: dict = {name: [] for name in names}
+            for _ in range(max(1, round(seconds / WINDOW_S))):
+                for name in order:
+                    windows[name].append(window(envs[name].step, envs[name].num_envs))
+            results.append({name: float(np.median(w)) for name, w in windows.items()})
         return results
     finally:
         for env in envs.values():
