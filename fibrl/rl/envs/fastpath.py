@@ -3,16 +3,16 @@
 Most calls to ``RemoteVectorEnv.step`` are a full batch: every worker holds exactly one
 open request, sent on its direct connection, and answers with one compact ``Result``
 frame (numeric observations; see ``protocol``). This module receives those replies in
-worker order on the caller's thread and writes them straight into the batch arrays: one
-header check and a few array copies per worker, instead of a ``Result`` message, a chunk
-queue and the dispatch of the general path (about a third of the parent's time per
-worker at 8 workers x 1 env).
+worker order on the caller's thread, checking each one's header as it arrives, and cuts
+the batch arrays from one buffer joined once: a few slices per worker, instead of a
+``Result`` message, a chunk queue and the dispatch of the general path (about a third of
+the parent's time per worker at 8 workers x 1 env).
 
-It never decides anything the general path would decide differently. The replies are
-all received and checked first; anything else (a frame of another kind, a reply from
-another generation, a partial answer, a slow or lost worker, something waiting in the
-env's inbox) hands every frame received so far to the general path, in order, as if it
-had received them itself, and that path finishes the step.
+It never decides anything the general path would decide differently. Anything else (a
+frame of another kind, a reply from another generation, a partial answer, observations
+of another shape, a slow or lost worker, something waiting in the env's inbox) hands
+every frame received so far to the general path, in order, as if it had received them
+itself, and that path finishes the step.
 """
 from __future__ import annotations
 
