@@ -49,16 +49,18 @@ def send_steps(env: RemoteVectorEnv, actions: np.ndarray) -> bool:
         if w.chan is None:
             return False
     key = (actions.dtype, actions.shape[1:])
+    raw = actions.tobytes()   # (C order: each worker's envs are one run of its bytes)
+    row = len(raw) // len(actions)
     seq = env._seq
     for w in workers:
         seq += 1
-        acts = actions[w.span]
         prefix = w.prefix.get(key)
         if prefix is None:   # the slots and the array header: the same at every step
-            prefix = w.prefix[key] = _slots(len(w.slots)).pack(*w.slots) + _array_head(acts)
+            prefix = w.prefix[key] = (_slots(len(w.slots)).pack(*w.slots)
+                                      + _array_head(actions[w.span]))
         try:
             w.chan.send(b"".join((_STEP.pack(_STEP_TAG, seq, len(w.slots)), prefix,
-                                  acts.tobytes())))
+                                  raw[w.span.start * row:w.span.stop * row])))
         except ChannelClosed:
             pass  # the worker died: the supervisor posts the Died message that replaces it
     held = actions.copy()
