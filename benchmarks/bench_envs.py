@@ -238,8 +238,9 @@ def main() -> None:
                              float(np.median([o[key] / t[key]
                                               for o, t in zip(runs[a], runs[b])])),
                              "lower", target if mode == "async" else ""))
-    print(f"medians of {args.rounds} rounds of {args.seconds:g} s each (ratio: median of the "
-          f"rounds' ratios); demos: medians of {args.demo_runs} alternating runs")
+    print(f"medians of {args.rounds} rounds, each giving every vector env {args.seconds:g} s in "
+          f"{WINDOW_S:g} s windows round robin (its rate: the median of its windows; ratio: "
+          f"median of the rounds' ratios); demos: medians of {args.demo_runs} alternating runs")
     print(table(rows))
     if note:
         print(note)
