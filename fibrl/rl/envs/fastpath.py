@@ -25,7 +25,7 @@ from gymnasium.vector import VectorEnv
 from ...channel import loads
 from ...errors import ChannelClosed
 from .protocol import (_RESULT, _RESULT_TAG, _STEP, _STEP_TAG, _U32, Step, _array_head,
-                       _layout, _slots, decode)
+                       _head_at, _slots, decode)
 
 if TYPE_CHECKING:
     from .vector import RemoteVectorEnv
@@ -166,14 +166,7 @@ class _Batch:
         _, worker, gen, seq, n = _RESULT.unpack_from(frame)
         if worker != w.index or gen != w.gen or seq != w.open[0][0].seq or n != len(w.slots):
             return False
-        at = _RESULT.size + 4 * n
-        head, layout = w.result_head
-        if layout is None or type(frame) is not bytes or not frame.startswith(head, at):
-            # (a first reply, or another array header than the last one: read it, keep it)
-            end = at + 2 + frame[at] + 4 * frame[at + 1 + frame[at]]
-            head = bytes(frame[at:end])
-            layout = _layout(head)
-            w.result_head = (head, layout)
+        layout, at = _head_at(frame, _RESULT.size + 4 * n)
         if layout[1][:1] != (n,):
             return False
         if self.layout is None:
@@ -181,7 +174,6 @@ class _Batch:
         elif layout is not self.layout and (layout[0] != self.layout[0]
                                             or layout[1][1:] != self.layout[1][1:]):
             return False
-        at += len(head)
         rew = at + layout[3]
         flags = rew + 8 * n
         size = _U32.unpack_from(frame, flags + 2 * n)[0]

@@ -301,10 +301,16 @@ def _layout(head: bytes) -> tuple:
     return layout
 
 
+def _head_at(buf: Any, offset: int) -> tuple:
+    """``(layout, end)`` of the array header that starts at ``offset`` of ``buf``: its
+    ``_layout``, and where the array's bytes begin."""
+    end = offset + 2 + buf[offset] + 4 * buf[offset + 1 + buf[offset]]
+    return _layout(bytes(buf[offset:end])), end
+
+
 def _read_array(buf: Any, offset: int) -> tuple:
     """The array whose header starts at ``offset`` (a view of ``buf``) and where it ends."""
-    end = offset + 2 + buf[offset] + 4 * buf[offset + 1 + buf[offset]]
-    dtype, shape, count, nbytes = _layout(bytes(buf[offset:end]))
+    (dtype, shape, count, nbytes), end = _head_at(buf, offset)
     a = np.frombuffer(buf, dtype, count, end)
     if len(shape) != 1:
         a = a.reshape(shape)

@@ -114,7 +114,6 @@ class _WorkerSlot:
         self.direct = False          # open requests were sent on ``chan``
         self.open: list = []         # requests sent and not fully answered: (msg, sent_at)
         self.prefix: dict = {}       # (dtype, shape) of actions -> a Step frame's middle
-        self.result_head: tuple = (None, None)   # its replies' last array header, its layout
         self.ready = False
         self.killed_for: Optional[str] = None
         self.replacing = False       # inside _replace: a loss then asks for another start
