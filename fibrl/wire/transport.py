@@ -150,8 +150,10 @@ _LARGE_TAG = b"FB\x00LARGE"[:8]
 Frame = Union[bytes, memoryview]
 
 
-def _send_frame(sock: pynng.Socket, frame: FramePart | list[FramePart]) -> None:
-    """Send ``frame``: bytes, or a list of byte-like parts sent as one frame.
+def _send_frame(sock: pynng.Socket, handle: Any,
+                frame: FramePart | list[FramePart]) -> None:
+    """Send ``frame`` on ``sock`` (``handle``: its nng id, read once by the caller, as
+    pynng builds a new one per read): bytes, or a list of byte-like parts sent as one frame.
 
     Parts are copied once, straight into nng's messages; they are never joined into
     an intermediate ``bytes`` (a large array is copied once on its way out, a piece at
@@ -159,13 +161,13 @@ def _send_frame(sock: pynng.Socket, frame: FramePart | list[FramePart]) -> None:
     not interleave.
     """
     if type(frame) is bytes and len(frame) <= PIECE:   # the common case: no list made
-        check_err(_lib.nng_send(sock.socket, frame, len(frame), 0))
+        check_err(_lib.nng_send(handle, frame, len(frame), 0))
         return
     if type(frame) is not list:
         # (one part: mypy narrows on ``type(x) is list`` only where it holds)
         frame = [frame]  # type: ignore[list-item]
     if len(frame) == 1 and type(frame[0]) is bytes and len(frame[0]) <= PIECE:
-        check_err(_lib.nng_send(sock.socket, frame[0], len(frame[0]), 0))
+        check_err(_lib.nng_send(handle, frame[0], len(frame[0]), 0))
         return
     parts = [p if type(p) is bytes else memoryview(p).cast("B") for p in frame]
     total = sum(len(p) for p in parts)
@@ -208,11 +210,23 @@ def _send_msg(sock: pynng.Socket, parts: Sequence[bytes | memoryview], total: in
         check_err(err)
 
 
-def _recv_msg(sock: pynng.Socket) -> tuple[Any, int]:   # (nng's message, its length)
+def _recv_msg(handle: Any) -> tuple[Any, int]:   # (nng's message, its length)
+    """Receive one message on the socket whose nng id is ``handle``."""
     holder = _ffi.new("nng_msg **")
-    check_err(_lib.nng_recvmsg(sock.socket, holder, 0))
+    check_err(_lib.nng_recvmsg(handle, holder, 0))
     msg = holder[0]
     return msg, _lib.nng_msg_len(msg)
+
+
+def _recv_frame(sock: pynng.Socket, handle: Any) -> Frame:
+    """Receive one frame (``handle``: ``sock``'s nng id): ``bytes`` when small, else a
+    writable memoryview (of nng's message itself, or of the one buffer a frame sent in
+    pieces was gathered in)."""
+    while True:
+        msg, size = _recv_msg(handle)
+        if size:
+            return _frame_of(sock, msg, size)
+        _drop_empty(msg)
 
 
 def _drop_empty(msg: Any) -> None:
@@ -223,7 +237,7 @@ def _drop_empty(msg: Any) -> None:
 
 
 def _frame_of(sock: pynng.Socket, msg: Any, size: int) -> Frame:
-    """The frame that starts with the received message ``msg`` (``Channel.recv``)."""
+    """The frame that starts with the received message ``msg`` (``_recv_frame``)."""
     body = _ffi.cast("char *", _lib.nng_msg_body(msg))
     if size < ZERO_COPY_MIN:
         data: bytes = _ffi.unpack(body, size)
@@ -419,7 +433,7 @@ def _gather(sock: pynng.Socket, total: int) -> memoryview:
     progress = time.monotonic()
     while offset < total:
         try:
-            msg, size = _recv_msg(sock)
+            msg, size = _recv_msg(sock.socket)
         except pynng.Timeout:
             # the pieces follow each other: a receive timeout must not split them, but a
             # sender stopped mid-frame (frozen, cut off) must not hold the receiver forever
@@ -885,10 +899,7 @@ class _Reading:
             return   # a test's fault seam dropped, held or cut it (fibrl.wire.faults)
         try:
             with self._send_lock:
-                if type(frame) is bytes and len(frame) <= PIECE:   # most frames: one call
-                    check_err(_lib.nng_send(self._handle, frame, len(frame), 0))
-                else:
-                    _send_frame(self._sock, frame)
+                _send_frame(self._sock, self._handle, frame)
         except pynng.NNGException as exc:
             raise ChannelClosed(self._gone(exc)) from exc
 
@@ -1521,15 +1532,8 @@ class Channel(_Reading):
         if timeout != self._timeout:
             self._sock.recv_timeout = -1 if timeout is None else max(1, int(timeout * 1000))
             self._timeout = timeout
-        holder = _ffi.new("nng_msg **")
         try:
-            while True:
-                check_err(_lib.nng_recvmsg(self._handle, holder, 0))
-                msg = holder[0]
-                size = _lib.nng_msg_len(msg)
-                if size:
-                    return _frame_of(self._sock, msg, size)
-                _drop_empty(msg)
+            return _recv_frame(self._sock, self._handle)
         except pynng.Timeout as exc:
             raise TimeoutError(f"no message from {self.address} within {timeout} s") from exc
         except FrameStalled as exc:
