@@ -41,6 +41,7 @@ from ..errors import ChannelClosed, RemoteObjectError, TransportError, owner_gon
 from ..hosting.hub import Hub, get_hub
 from ..janitor import Finalizer
 from ..wire.messages import Call, pack, unpack, wrap_args
+from ..wire.serialization import Encoded
 
 __all__ = ["Line", "PipelinedLine", "ReplyTimeout", "line_for", "hub_for", "close_lines",
            "note_decref", "take_decrefs", "lost_error", "MANAGER_OID"]
@@ -124,6 +125,9 @@ class Line:
         self._channel.close()
 
 
+_LOOK_S = 0.005   # how often a thread waiting behind another's read looks for its reply
+
+
 class ReplyTimeout(TimeoutError):
     """:meth:`PipelinedLine.result` waited ``timeout`` seconds; the call is still awaited."""
 
@@ -143,26 +147,67 @@ class PipelinedLine(Line):
     """
 
     def __init__(self, address: str, authkey: bytes) -> None:
-        self._sending = threading.Lock()
+        self._sending = threading.Lock()   # held while a frame is sent, and for the outbox
         self._reading = threading.Lock()
         self._kept: dict = {}         # request id -> reply read for it
         self._awaited: set = set()    # request ids sent and not yet taken or forgotten
+        self._outbox: list = []       # calls for the feeder thread to send, in order
+        self._feeder: Optional[threading.Thread] = None
+        self._wake = threading.Event()
         super().__init__(address, authkey)
 
-    def submit(self, method: str, *args: Any) -> int:
-        """Send ``method(*args)`` to the server's manager service; its request id."""
+    def submit(self, method: str, *args: Any, batch: bool = False) -> int:
+        """Send ``method(*args)`` to the server's manager service; its request id.
+
+        ``batch``: while earlier calls of this line are in flight, leave the call to
+        the line's feeder thread, which packs the calls made meanwhile into one frame
+        (a burst costs a few frames); a call made when none is in flight is sent at
+        once from this thread either way.
+        """
         with self._sending:
             if self.broken:
                 raise lost_error(self.address)
             rid = next(self._rids)
-            frame = _frame(rid, method, args)
+            call = Call(rid, MANAGER_OID, method, wrap_args(args))
+            queue = bool(self._outbox) or (batch and bool(self._awaited))
             self._awaited.add(rid)
-            try:
-                self._channel.send(frame)
-            except ChannelClosed as exc:
-                self.close()
-                raise lost_error(self.address) from exc
+            if queue:
+                for arg in call.args:
+                    if type(arg) is Encoded:
+                        arg.own()   # sent later: the caller may change what it views
+                self._outbox.append(call)
+                if self._feeder is None:
+                    self._feeder = threading.Thread(target=self._feed, daemon=True,
+                                                    name=f"fibrl-line-feeder-{self.address}")
+                    self._feeder.start()
+                self._wake.set()
+                return rid
+            self._send([call])
         return rid
+
+    def _send(self, calls: list) -> None:
+        """Send ``calls`` as one frame (``self._sending`` held)."""
+        try:
+            self._channel.send(pack(calls[0] if len(calls) == 1 else calls))
+        except ChannelClosed as exc:
+            self.close()
+            raise lost_error(self.address) from exc
+
+    def _feed(self) -> None:
+        """Send what the outbox holds, as it comes; ends after a second with nothing."""
+        while True:
+            woken = self._wake.wait(1.0)
+            with self._sending:
+                self._wake.clear()
+                calls, self._outbox = self._outbox, []
+                if not calls and (not woken or self.broken):
+                    self._feeder = None
+                    return
+                if calls and not self.broken:
+                    try:
+                        self._send(calls)
+                    except RemoteObjectError:
+                        pass   # (the line is closed: its callers' waits raise it)
 
     def ready(self, rid: int) -> bool:
         """Whether the reply to ``rid`` is in (reads what has arrived, without waiting)."""
@@ -187,20 +232,32 @@ class PipelinedLine(Line):
                 call stays awaited, so asking again keeps waiting.
             RemoteObjectError: the server is gone.
         """
+        return _value(self.reply(rid, timeout))
+
+    def reply(self, rid: int, timeout: Optional[float] = None) -> Any:
+        """The reply to call ``rid`` as it came (see :meth:`result`). While another
+        thread reads the line, this one takes its reply from what that thread keeps,
+        looking every ``_LOOK_S``: a reply is never held up behind a slower one."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        if not self._reading.acquire(timeout=-1 if timeout is None else timeout):
-            raise ReplyTimeout(f"no reply from {self.address} within {timeout} s")
-        try:
-            while rid not in self._kept:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    raise ReplyTimeout(f"no reply from {self.address} within {timeout} s")
-                self._read_one(self._slice if left is None else min(self._slice, left))
-            reply = self._kept.pop(rid)
-            self._awaited.discard(rid)
-        finally:
-            self._reading.release()
-        return _value(reply)
+        while True:
+            reply = self._kept.pop(rid, None)
+            if reply is not None:
+                self._awaited.discard(rid)
+                return reply
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise ReplyTimeout(f"no reply from {self.address} within {timeout} s")
+            if not self._reading.acquire(timeout=_LOOK_S if left is None
+                                         else min(left, _LOOK_S)):
+                continue
+            try:
+                while rid not in self._kept:
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        break
+                    self._read_one(self._slice if left is None else min(self._slice, left))
+            finally:
+                self._reading.release()
 
     def forget(self, rid: int) -> None:
         """Nobody will ask for ``rid``'s reply: drop it when it comes."""
@@ -219,8 +276,9 @@ class PipelinedLine(Line):
             raise lost_error(self.address, in_flight=True) from exc
         if reply is None:
             return False
-        if reply.rid in self._awaited:
-            self._kept[reply.rid] = reply
+        for one in reply if type(reply) is list else (reply,):   # (a burst's replies)
+            if one.rid in self._awaited:
+                self._kept[one.rid] = one
         return True
 
 

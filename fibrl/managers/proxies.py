@@ -16,8 +16,11 @@ Data flow of a call::
     proxy.append(x) -> _callmethod("append", (x,))
         pickles (args, kwds) -> line.call("call", id, "append", payload, decrefs)
         <- pickled result: a value, or a ProxyRef -> a new proxy (method_to_typeid)
-    async_proxy.step(a) -> _call_async -> hub.call_async(..., "spawn", ...) -> ProxyHandle
-        ProxyHandle.get(timeout) -> unpickles, in the caller's thread
+    async_proxy.step(a) -> the object's own line (one per object and process):
+        line.submit("acall", id, "step", payload, decrefs) -> PipelinedHandle at once
+        handle.get(timeout) -> reads the line in the caller's thread, unpickles
+    proxy._call_async(...) -> hub.call_async(..., "spawn", ...) -> ProxyHandle
+        (also an async proxy's calls once OBJECT_LINES objects of that server have lines)
 """
 from __future__ import annotations
 
@@ -29,10 +32,10 @@ from multiprocessing.context import get_spawning_popen
 from typing import Any, Callable, ClassVar, Optional, cast
 
 from ..wire import serialization
-from ..errors import TransportError
+from ..errors import RemoteObjectError, TransportError
 from ..hosting.hub import Handle
-from .lines import (MANAGER_OID, PipelinedLine, ReplyTimeout, decref_queue, hub_for, line_for,
-                    lost_error, note_decref, take_decrefs)
+from .lines import (MANAGER_OID, PipelinedLine, ReplyTimeout, _value, decref_queue, hub_for,
+                    line_for, lost_error, note_decref, take_decrefs)
 from .server import ProxyRef, Token
 
 __all__ = [
@@ -319,12 +322,13 @@ class ProxyHandle:
         return f"<ProxyHandle {self._method}() of {self._proxy._token.typeid} {state}>"
 
 
-class PipelinedHandle:
-    """The pending result of :meth:`BaseProxy._call_pipelined`: ``get(timeout)``,
-    ``ready()``, as a :class:`ProxyHandle`. A handle dropped unread lets its reply
-    be discarded when it comes."""
+class PipelinedHandle(ProxyHandle):
+    """The pending result of a call on a line (an :class:`AsyncProxy`'s call, or
+    :meth:`BaseProxy._call_pipelined`): a :class:`ProxyHandle`. The reply is read by
+    whichever thread asks for it (``get``, ``wait``, ``ready``). A handle dropped
+    unread lets its reply be discarded when it comes."""
 
-    __slots__ = ("_line", "_rid", "_proxy", "_method", "_value", "_done")
+    __slots__ = ("_line", "_rid", "_done", "_ok")
 
     def __init__(self, line: PipelinedLine, rid: int, proxy: BaseProxy, method: str) -> None:
         self._line = line
@@ -333,9 +337,33 @@ class PipelinedHandle:
         self._method = method
         self._value: Any = None
         self._done = False
+        self._ok = True
 
     def ready(self) -> bool:
         return self._done or self._line.ready(self._rid)
+
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        """Wait until the result is in; returns whether it is."""
+        if not self._done:
+            try:
+                reply = self._line.reply(self._rid, timeout)
+            except ReplyTimeout:
+                return False
+            except RemoteObjectError as exc:
+                self._value, self._ok, self._done = exc, False, True
+                return True
+            try:
+                self._value = self._proxy._decode(_value(reply))
+            except Exception as exc:   # what the call raised, or an unpicklable result
+                self._value, self._ok = exc, False
+            self._done = True
+        return True
+
+    def successful(self) -> bool:
+        if not self.ready():
+            raise ValueError(f"{self!r} not ready")
+        self.wait(0)
+        return self._ok
 
     def get(self, timeout: Optional[float] = None) -> Any:
         """The result; re-raises the remote exception (traceback as ``__cause__``).
@@ -344,15 +372,30 @@ class PipelinedHandle:
             HandleTimeout: no result within ``timeout`` seconds; call again to keep waiting.
             RemoteObjectError: the manager server is gone.
         """
-        if not self._done:
-            try:
-                data = self._line.result(self._rid, timeout)
-            except ReplyTimeout:
-                raise HandleTimeout(f"{self._method}() of {self._proxy._token.typeid} "
-                                    f"{self._proxy._id} gave no result within {timeout} s"
-                                    ) from None
-            self._value, self._done = self._proxy._decode(data), True
+        if not self.wait(timeout):
+            raise HandleTimeout(f"{self._method}() of {self._proxy._token.typeid} "
+                                f"{self._proxy._id} gave no result within {timeout} s")
+        if not self._ok:
+            raise self._value
         return self._value
+
+    def add_done_callback(self, fn: Callable[["ProxyHandle"], None]) -> None:
+        """Run ``fn(handle)`` once the result is in: now if it is, else in a thread
+        that waits for it."""
+        if self.ready():
+            fn(self)
+            return
+
+        def wait_then_call() -> None:
+            self.wait()
+            fn(self)
+
+        threading.Thread(target=wait_then_call, daemon=True,
+                         name=f"fibrl-callback-{self._method}").start()
+
+    def __repr__(self) -> str:
+        state = "ready" if self.ready() else "pending"
+        return f"<ProxyHandle {self._method}() of {self._proxy._token.typeid} {state}>"
 
     def __del__(self) -> None:
         if not self._done:
@@ -361,13 +404,76 @@ class PipelinedHandle:
 
 _line_lock = threading.Lock()
 
+OBJECT_LINES = 32   # objects of one server with a line of their own, per client process
+
+
+class _ObjectLines:
+    """The lines of managed objects, one per (server, object, authkey) in this process,
+    alive while a proxy holds it (closed with the last one). At most ``OBJECT_LINES``
+    per server: each costs a connection and a thread in the server."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._lines: "weakref.WeakValueDictionary[tuple, PipelinedLine]" = \
+            weakref.WeakValueDictionary()
+
+    def line(self, address: str, ident: str, authkey: bytes) -> Optional[PipelinedLine]:
+        """The object's line (connected now if it has none); None past the limit."""
+        key = (address, ident, authkey)
+        with self._lock:
+            line = self._usable(key)
+            if line is not None:
+                return line
+            if sum(1 for k in list(self._lines.keys()) if k[0] == address) >= OBJECT_LINES:
+                return None
+        new = PipelinedLine(address, authkey)   # (connects: not under the lock)
+        with self._lock:
+            line = self._usable(key)
+            if line is None:
+                self._lines[key] = line = new
+        if line is not new:
+            new.close()
+        return line
+
+    def _usable(self, key: tuple) -> Optional[PipelinedLine]:
+        line = self._lines.get(key)
+        if line is None or line.broken or line.closed:
+            return None
+        return line
+
+
+_object_lines = _ObjectLines()
+
 
 class AsyncProxy(BaseProxy):
-    """A proxy whose method calls return a :class:`ProxyHandle` at once."""
+    """A proxy whose method calls return a :class:`ProxyHandle` at once.
+
+    A process's calls to one managed object go on a connection of that object's own
+    (shared by its proxies in this process), read back by the thread that waits for
+    a result: no reader thread is on the way. They run one at a time, in the order
+    sent, with every other asynchronous call to that object; calls to different
+    objects run in parallel. Past ``OBJECT_LINES`` objects of one server, a
+    process's calls to further objects share its hub connection instead (same
+    guarantees, a thread hand-over more per call).
+    """
+
+    _via_hub = False   # set on a proxy whose object has no line of its own
 
     def _callmethod(self, methodname: str, args: tuple = (),
                     kwds: Optional[dict] = None) -> ProxyHandle:
-        return self._call_async(methodname, args, kwds)
+        line = self._line
+        if line is None or line.broken or line.closed:
+            if self._server is not None or self._via_hub:
+                return self._call_async(methodname, args, kwds)
+            line = self._line = _object_lines.line(self._token.address, self._id,
+                                                   bytes(self._authkey))
+            if line is None:
+                self._via_hub = True
+                return self._call_async(methodname, args, kwds)
+        payload = _payload(args, kwds)
+        rid = line.submit("acall", self._id, methodname, payload,
+                          take_decrefs(self._token.address), batch=True)
+        return PipelinedHandle(line, rid, self, methodname)
 
     def _getvalue(self) -> Any:
         """A copy of the managed object (synchronously)."""

@@ -20,6 +20,11 @@ How a call runs depends on how it came::
                                              lane, runs in the peer thread; after
                                              INLINE_S a new thread reads instead
 
+    an object's own line (its async proxies in one client process)
+    peer thread -> op_acall: runs the method right here, holding the object's
+      ``exclusive`` lock, which lane calls to it hold too: a call that blocks holds
+      up only the calls sent after it to that same object
+
 Arguments travel pickled inside the call and are unpickled by the op, in
 the server's context (so a proxy to one of this server's objects becomes a
 manager-owned proxy that keeps the object alive, as in the stdlib); results
@@ -36,7 +41,7 @@ import secrets
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing import process
 from typing import Any, Callable, Optional
 
@@ -97,6 +102,9 @@ class _Entry:
     obj: Any
     exposed: frozenset
     method_to_typeid: dict
+    # held while an asynchronous call runs on the object (from a lane or an object's
+    # own line): calls of async proxies run one at a time, whichever way they came
+    exclusive: threading.Lock = field(default_factory=threading.Lock)
 
 
 def public_methods(obj: Any) -> list:
@@ -422,11 +430,37 @@ class ManagerService(Service):
                     self.overtime = _Overtime(self.hub.timers)
                 lane = self.lanes[ident] = _Lane(self.workers, self.hub.timers,
                                                  self.overtime)
-        lane.submit(reply, lambda r: answer(r, lambda: self.invoke(ident, method, payload)))
+        lane.submit(reply, lambda r: self._exclusive(r, ident, method, payload))
+
+    def op_acall(self, reply: ReplySink, ident: str, method: str, payload: bytes,
+                 decrefs: tuple = ()) -> None:
+        """An asynchronous proxy call on its object's own line: runs here, one at a
+        time with the object's other asynchronous calls (its ``exclusive`` lock)."""
+        if not self._inline(reply):   # (a line's calls come on a dedicated connection)
+            self.op_spawn(reply, ident, method, payload, decrefs)
+            return
+        if decrefs:
+            self._decref_all(decrefs)
+        if not reply.lone:   # one of a burst: its reply shares a frame (at most HOLD_S)
+            reply.hold(self.hub.timers)
+        self._exclusive(reply, ident, method, payload)
+
+    def _exclusive(self, reply: ReplySink, ident: str, method: str, payload: bytes) -> None:
+        """Run an asynchronous call and send its reply, holding the object's lock (a
+        result's buffers may be sent as views: no other call changes them meanwhile)."""
+        try:
+            entry = self._entry(ident)
+        except Exception as exc:
+            reply.fail(exc)
+            return
+        with entry.exclusive:
+            answer(reply, lambda: self._invoke(entry, method, payload))
 
     def invoke(self, ident: str, method: str, payload: Any) -> Any:
         """Run ``method`` of object ``ident``; returns the pickled result or ProxyRef."""
-        entry = self._entry(ident)
+        return self._invoke(self._entry(ident), method, payload)
+
+    def _invoke(self, entry: _Entry, method: str, payload: Any) -> Any:
         args, kwds = serialization.loads(payload)
         if method not in entry.exposed:
             fallback = _FALLBACKS.get(method)

@@ -8,6 +8,7 @@ container has no pytest, so it could not import this module.
 import multiprocessing
 import multiprocessing.pool
 import os
+import pickle
 import queue
 import socket
 import threading
@@ -63,6 +64,26 @@ def _defs():
 
         def names(self):
             return sorted(self.calcs)
+
+    class Exclusive:
+        """Records the most calls that ran in it at once."""
+
+        def __init__(self):
+            self.inside = self.most = 0
+            self.lock = threading.Lock()
+
+        def work(self, seconds):
+            with self.lock:
+                self.inside += 1
+                self.most = max(self.most, self.inside)
+            time.sleep(seconds)
+            with self.lock:
+                self.inside -= 1
+            return self.most
+
+    def call_exclusive(obj, out):
+        """A child's own proxy: its async calls on its own line to the object."""
+        out.put([obj.work(0.02).get(TIMEOUT) for _ in range(5)])
 
     class Gate:
         """Objects of one name share an event (each object has its own lane)."""
@@ -146,6 +167,7 @@ AsyncCalcManager.register("Calc", D.Calc)
 AsyncCalcManager.register("Store", D.Store, method_to_typeid={"calc": "CalcRef"})
 AsyncCalcManager.register("CalcRef", create_method=False)
 AsyncCalcManager.register("Gate", D.Gate)
+AsyncCalcManager.register("Exclusive", D.Exclusive)
 
 
 @pytest.fixture
@@ -462,6 +484,62 @@ def test_async_calls_to_one_object_run_in_order(ctx):
         assert [h.get(TIMEOUT) for h in handles] == list(range(1, 51))
         child = m.Store().calc("x").get(TIMEOUT)
         assert child.add(1, 1).get(TIMEOUT) == 2
+
+
+def test_async_calls_to_one_object_run_one_at_a_time_whichever_way_they_come(ctx):
+    """Calls on the object's own line (this process's and a child's) and calls through
+    the hub's connection never overlap in the object."""
+    with AsyncCalcManager(ctx=ctx) as m:
+        obj = m.Exclusive()
+        out = ctx.Queue()
+        child = ctx.Process(target=D.call_exclusive, args=(obj, out))
+        child.start()
+        handles = []
+        for _ in range(5):
+            handles += [obj.work(0.02), obj._call_async("work", (0.02,))]
+        assert max(h.get(TIMEOUT) for h in handles) == 1
+        assert max(out.get(timeout=TIMEOUT)) == 1
+        child.join(TIMEOUT)
+        assert child.exitcode == 0
+        assert obj.work(0).get(TIMEOUT) == 1
+
+
+def test_proxies_of_one_object_share_its_line_and_keep_their_order(ctx):
+    with AsyncCalcManager(ctx=ctx) as m:
+        calc = m.Calc()
+        twin = pickle.loads(pickle.dumps(calc))   # a second proxy of the same object
+        handles = [p.accumulate(1) for _ in range(25) for p in (calc, twin)]
+        assert [h.get(TIMEOUT) for h in handles] == list(range(1, 51))
+        assert twin._line is calc._line is not None
+
+
+def test_objects_past_the_line_limit_go_through_the_hub(ctx, monkeypatch):
+    from fibrl.managers import proxies
+
+    monkeypatch.setattr(proxies, "OBJECT_LINES", 2)
+    with AsyncCalcManager(ctx=ctx) as m:
+        calcs = [m.Calc() for _ in range(3)]
+        assert [c.add(i, 1).get(TIMEOUT) for i, c in enumerate(calcs)] == [1, 2, 3]
+        assert [c._line is not None for c in calcs] == [True, True, False]
+        assert calcs[2]._via_hub
+        assert [h.get(TIMEOUT) for h in [c.accumulate(2) for c in calcs]] == [2, 2, 2]
+
+
+def test_a_reply_read_by_another_thread_reaches_its_caller(ctx):
+    """A thread that waits for a later call reads the object's line; a reply it reads
+    for an earlier call is taken by that call's caller at once, not after the later
+    call ends."""
+    with AsyncCalcManager(ctx=ctx) as m:
+        gate, opener = m.Gate("reader"), m.Gate("reader")
+        quick = gate.wait(0)
+        blocked = gate.wait(TIMEOUT)
+        reader = threading.Thread(target=blocked.get, args=(TIMEOUT,))
+        reader.start()
+        wait_until(lambda: gate._line._reading.locked(), "the thread to read the line")
+        assert quick.get(10) is False
+        assert opener.open().get(10) is True
+        reader.join(TIMEOUT)
+        assert blocked.get(0) is True
 
 
 def test_a_pipelined_reply_is_not_held_back_by_a_slow_call_behind_it(ctx):
