@@ -777,6 +777,10 @@ class Hub:
         self.secret = secret
         self.settings = Settings(host, tls, auth_timeout, connect_timeout)
         self.port = port
+        # whether threads other than a connection's reader may read its frames
+        # (:meth:`wait_reading`); False: each is read in its reader thread only, which
+        # waits inside the receive (set before the hub first listens)
+        self.shared_peers = True
         self.heartbeat_interval = heartbeat_interval
         self.parent_timeout = parent_timeout
         self.timers = Timers()
@@ -867,7 +871,8 @@ class Hub:
                 if self._listener is None:
                     self._listener = self.settings.listener(
                         self.secret, on_frame=self._on_frame,
-                        on_lost=self._on_peer_lost, port=self.port)
+                        on_lost=self._on_peer_lost, port=self.port,
+                        shared=self.shared_peers)
         return self._listener.address
 
     def register(self, service: Service, oid: Optional[str] = None) -> str:

@@ -500,6 +500,7 @@ class Server:
         self.authkey = bytes(authkey)
         self.nonce = secrets.token_hex(4)
         self.hub = Hub.from_config(config, self.authkey, host=host, port=port)
+        self.hub.shared_peers = False   # only the manager service here: none waits reading
         self.service = ManagerService(self)
         self.hub.register(self.service, MANAGER_OID)
         self.address = self.hub.address
