@@ -7,11 +7,13 @@ thread: no reader thread, no hand-off, and the server runs it in the
 connection's own thread, so a method that blocks (``queue.get``,
 ``lock.acquire``) blocks only the thread that called it, and thread-owned
 objects (``threading.RLock``) see one server thread per client thread.
-Asynchronous calls go through the process's hub instead (request ids, replies
-in any order), to a hub keyed by the manager's authkey. A :class:`PipelinedLine`
-is a line that its owner (a proxy, not a thread) keeps, with several calls in flight and
-the replies read back in order by whichever thread waits for one: a client that
-asks for its next result early (a replay learner) without a hub's threads.
+A :class:`PipelinedLine` is a line that its owner keeps (an async proxy's
+object, or a proxy that pipelines), with several calls in flight and the
+replies read back by whichever thread waits for one, without a hub's threads;
+a burst of calls is packed into few frames by its feeder thread. An async
+proxy's calls go on its object's line (``proxies``); ``_call_async`` goes
+through the process's hub instead (request ids, replies in any order), to a
+hub keyed by the manager's authkey.
 
 Data flow::
 
@@ -20,6 +22,8 @@ Data flow::
     any thread -- hub_for(authkey).call_async ==== Client (one per process) ==== peer thread
                                                      -> ManagerService lanes (worker threads)
     a proxy's pipelined line ==== Call(rid1), Call(rid2) / replies in order ==== peer thread
+    an object's line (its async proxies) ==== "acall"s, bursts packed by its feeder
+                                   ==== peer thread, holding the object's lock
     proxy finalizer -> pending decrefs (a deque) -> sent with the next call to that address
 
 While a reply takes long, a line pings the server between slices of
