@@ -470,9 +470,11 @@ class AsyncProxy(BaseProxy):
             if line is None:
                 self._via_hub = True
                 return self._call_async(methodname, args, kwds)
-        payload = _payload(args, kwds)
-        rid = line.submit("acall", self._id, methodname, payload,
-                          take_decrefs(self._token.address), batch=True)
+        # one pickle for the whole call: a lone call's frame is then the plainest kind
+        request = serialization.encode((self._id, methodname, args, kwds))
+        decrefs = take_decrefs(self._token.address)
+        rid = (line.submit("acall", request, decrefs, batch=True) if decrefs
+               else line.submit("acall", request, batch=True))
         return PipelinedHandle(line, rid, self, methodname)
 
     def _getvalue(self) -> Any:

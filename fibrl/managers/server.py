@@ -419,7 +419,7 @@ class ManagerService(Service):
         else:
             reply(value)
 
-    def op_spawn(self, reply: ReplySink, ident: str, method: str, payload: bytes,
+    def op_spawn(self, reply: ReplySink, ident: str, method: str, payload: Any,
                  decrefs: tuple = ()) -> None:
         """An asynchronous proxy call: queued on the object's lane."""
         self._decref_all(decrefs)
@@ -432,20 +432,27 @@ class ManagerService(Service):
                                                  self.overtime)
         lane.submit(reply, lambda r: self._exclusive(r, ident, method, payload))
 
-    def op_acall(self, reply: ReplySink, ident: str, method: str, payload: bytes,
-                 decrefs: tuple = ()) -> None:
-        """An asynchronous proxy call on its object's own line: runs here, one at a
-        time with the object's other asynchronous calls (its ``exclusive`` lock)."""
-        if not self._inline(reply):   # (a line's calls come on a dedicated connection)
-            self.op_spawn(reply, ident, method, payload, decrefs)
-            return
+    def op_acall(self, reply: ReplySink, request: Any, decrefs: tuple = ()) -> None:
+        """An asynchronous proxy call on its object's own line, ``request`` the pickled
+        ``(ident, method, args, kwds)`` (one pickle, and a frame of the plainest kind):
+        runs here, one at a time with the object's other asynchronous calls (its
+        ``exclusive`` lock)."""
         if decrefs:
             self._decref_all(decrefs)
+        try:
+            ident, method, args, kwds = serialization.loads(request)
+        except Exception as exc:
+            reply.fail(exc)
+            return
+        call = (args, kwds or {})
+        if not self._inline(reply):   # (a line's calls come on a dedicated connection)
+            self.op_spawn(reply, ident, method, call)
+            return
         if not reply.lone:   # one of a burst: its reply shares a frame (at most HOLD_S)
             reply.hold(self.hub.timers)
-        self._exclusive(reply, ident, method, payload)
+        self._exclusive(reply, ident, method, call)
 
-    def _exclusive(self, reply: ReplySink, ident: str, method: str, payload: bytes) -> None:
+    def _exclusive(self, reply: ReplySink, ident: str, method: str, payload: Any) -> None:
         """Run an asynchronous call and send its reply, holding the object's lock (a
         result's buffers may be sent as views: no other call changes them meanwhile)."""
         try:
@@ -461,7 +468,8 @@ class ManagerService(Service):
         return self._invoke(self._entry(ident), method, payload)
 
     def _invoke(self, entry: _Entry, method: str, payload: Any) -> Any:
-        args, kwds = serialization.loads(payload)
+        """``payload``: the pickled ``(args, kwds)``, or the tuple itself."""
+        args, kwds = payload if type(payload) is tuple else serialization.loads(payload)
         if method not in entry.exposed:
             fallback = _FALLBACKS.get(method)
             if fallback is None:

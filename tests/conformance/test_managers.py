@@ -7,6 +7,7 @@ container has no pytest, so it could not import this module.
 """
 import multiprocessing
 import multiprocessing.pool
+import gc
 import os
 import pickle
 import queue
@@ -523,6 +524,17 @@ def test_objects_past_the_line_limit_go_through_the_hub(ctx, monkeypatch):
         assert [c._line is not None for c in calcs] == [True, True, False]
         assert calcs[2]._via_hub
         assert [h.get(TIMEOUT) for h in [c.accumulate(2) for c in calcs]] == [2, 2, 2]
+
+
+def test_an_async_call_carries_the_decrefs_of_dropped_proxies(ctx):
+    with AsyncCalcManager(ctx=ctx) as m:
+        keep, drop = m.Calc(), m.Calc()
+        assert keep.add(1, 1).get(TIMEOUT) == 2
+        base = m._number_of_objects()
+        del drop
+        gc.collect()
+        assert keep.add(2, 2).get(TIMEOUT) == 4   # the decref rides on this call
+        assert m._number_of_objects() == base - 1
 
 
 def test_a_reply_read_by_another_thread_reaches_its_caller(ctx):
