@@ -67,7 +67,7 @@ from ..timers import Timers
 if TYPE_CHECKING:   # (imported when the hub is built: transport loads pynng)
     from ..wire.transport import Channel, Frame, FrameHandler, Listener, LossHandler, Peer
 
-__all__ = ["Hub", "Handle", "Service", "SharedService", "Client", "HeldReplies",
+__all__ = ["Hub", "Handle", "Service", "SharedService", "Client", "HeldReplies", "FrameReplies",
            "get_hub", "drop_owner", "mark_pickled", "own", "QuietCondition"]
 
 log = logging.getLogger(__name__)
@@ -203,10 +203,12 @@ class ReplySink:
     def fail(self, exc: BaseException) -> bool:
         raise NotImplementedError
 
-    def hold(self, timers: Timers) -> Optional["HeldReplies"]:
+    def hold(self, timers: Timers, kind: Optional[type["HeldReplies"]] = None
+             ) -> Optional["HeldReplies"]:
         """Let this reply wait to share a frame with the next ones to the same peer
-        (see :class:`HeldReplies`); returns the holder to flush, or None when this
-        reply goes nowhere a frame could be shared (a local caller, a one-way call)."""
+        (see :class:`HeldReplies`; ``kind``: :class:`FrameReplies` for a burst its
+        reader thread runs); returns the holder to flush, or None when this reply
+        goes nowhere a frame could be shared (a local caller, a one-way call)."""
         return None
 
 
@@ -279,6 +281,26 @@ class HeldReplies:
                 pass  # the caller is gone: its calls fail on its side
 
 
+class FrameReplies(HeldReplies):
+    """Replies to the calls of one frame that the peer's reader thread runs one after
+    the other (a burst on a connection of one caller): sent as one frame once the
+    frame's calls are done (:meth:`Hub._on_frame`). A call that outlasts ``HOLD_S``
+    has the replies before it sent by a thread of their own: the timer thread never
+    waits for a peer to read."""
+
+    __slots__ = ()
+
+    def add(self, reply: Reply) -> None:
+        with self._lock:
+            self._replies.append(reply)
+            if self._timer is None:
+                self._timer = self._timers.call_at(time.monotonic() + HOLD_S,
+                                                   self._flush_apart)
+
+    def _flush_apart(self) -> None:
+        threading.Thread(target=self.flush, daemon=True, name="fibrl-held-replies").start()
+
+
 def _frame(messages: list[Call] | list[Reply]) -> list[FramePart]:
     """One frame for a batch of messages (a lone one travels unwrapped)."""
     return pack(messages[0] if len(messages) == 1 else messages)
@@ -298,10 +320,11 @@ class _PeerReply(ReplySink):
     def wanted(self) -> bool:  # type: ignore[override]
         return self.rid != 0
 
-    def hold(self, timers: Timers) -> Optional[HeldReplies]:
+    def hold(self, timers: Timers, kind: Optional[type[HeldReplies]] = None
+             ) -> Optional[HeldReplies]:
         if self.rid == 0:
             return None
-        self.holder = HeldReplies.of(self.peer, timers)
+        self.holder = (kind or HeldReplies).of(self.peer, timers)
         return self.holder
 
     def _send(self, reply: Reply) -> bool:
@@ -920,6 +943,10 @@ class Hub:
                               call.method, call.oid)
             else:
                 service.dispatch(call.method, call.args, reply)
+        if not lone:
+            held = peer.context.get(FrameReplies)
+            if held is not None:
+                held.flush()
 
     def wait_reading(self, handle: Handle, peer: Peer) -> None:
         """Wait for a local call's ``handle`` while reading ``peer``'s frames in this

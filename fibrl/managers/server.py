@@ -46,8 +46,9 @@ from multiprocessing import process
 from typing import Any, Callable, Optional
 
 from ..wire import serialization
+from ..wire.serialization import Encoded
 from ..errors import RemoteObjectError
-from ..hosting.hub import Hub, ReplySink, Service
+from ..hosting.hub import FrameReplies, Hub, ReplySink, Service
 from ..hosting.runtime import current_config
 from ..hosting.hosted import answer
 from .lines import MANAGER_OID
@@ -448,20 +449,24 @@ class ManagerService(Service):
         if not self._inline(reply):   # (a line's calls come on a dedicated connection)
             self.op_spawn(reply, ident, method, call)
             return
-        if not reply.lone:   # one of a burst: its reply shares a frame (at most HOLD_S)
-            reply.hold(self.hub.timers)
+        if not reply.lone:   # one of a burst: its reply goes in one frame with theirs
+            reply.hold(self.hub.timers, FrameReplies)
         self._exclusive(reply, ident, method, call)
 
     def _exclusive(self, reply: ReplySink, ident: str, method: str, payload: Any) -> None:
-        """Run an asynchronous call and send its reply, holding the object's lock (a
-        result's buffers may be sent as views: no other call changes them meanwhile)."""
+        """Run an asynchronous call holding the object's lock, then send its reply after
+        the lock (a caller slow to read its replies holds up no other caller of the
+        object; buffers the result borrows from the object are copied first)."""
         try:
             entry = self._entry(ident)
+            with entry.exclusive:
+                value = self._invoke(entry, method, payload)
+                if type(value) is Encoded:
+                    value.own()
         except Exception as exc:
             reply.fail(exc)
             return
-        with entry.exclusive:
-            answer(reply, lambda: self._invoke(entry, method, payload))
+        reply(value)
 
     def invoke(self, ident: str, method: str, payload: Any) -> Any:
         """Run ``method`` of object ``ident``; returns the pickled result or ProxyRef."""
