@@ -151,31 +151,40 @@ class PipelinedLine(Line):
     """
 
     def __init__(self, address: str, authkey: bytes) -> None:
-        self._sending = threading.Lock()   # held while a frame is sent, and for the outbox
+        self._sending = threading.Lock()   # held while a frame is sent
+        self._outbox_lock = threading.Lock()   # (taken after _sending, when both are)
         self._reading = threading.Lock()
         self._kept: dict = {}         # request id -> reply read for it
         self._awaited: set = set()    # request ids sent and not yet taken or forgotten
         self._outbox: list = []       # calls for the feeder thread to send, in order
         self._feeder: Optional[threading.Thread] = None
         self._wake = threading.Event()
+        self._users_lock = threading.Lock()
+        self._users = 0               # proxies that send on it (an object's line)
+        self._released: list = []    # their objects' ids, once collected
+        self.retiring = False
+        self._sent = self._answered = 0   # calls sent on it, replies read (any)
         super().__init__(address, authkey)
 
     def submit(self, method: str, *args: Any, batch: bool = False) -> int:
         """Send ``method(*args)`` to the server's manager service; its request id.
 
-        ``batch``: while earlier calls of this line are in flight, leave the call to
+        ``batch``: while an earlier call of this line is unanswered, hand the call to
         the line's feeder thread, which packs the calls made meanwhile into one frame
-        (a burst costs a few frames); a call made when none is in flight is sent at
-        once from this thread either way.
+        (a burst costs a few frames). Such a call never waits for a send: while the
+        feeder's send waits for the server to read, and the server's replies wait for
+        this side to read, the caller goes on to read them. A call made when nothing
+        is unanswered is sent at once from this thread either way.
         """
-        with self._sending:
+        with self._outbox_lock:
             if self.broken:
                 raise lost_error(self.address)
             rid = next(self._rids)
             call = Call(rid, MANAGER_OID, method, wrap_args(args))
-            queue = bool(self._outbox) or (batch and bool(self._awaited))
+            owed = self._sent - self._answered
             self._awaited.add(rid)
-            if queue:
+            self._sent += 1
+            if batch and (owed or self._outbox):
                 for arg in call.args:
                     if type(arg) is Encoded:
                         arg.own()   # sent later: the caller may change what it views
@@ -186,7 +195,11 @@ class PipelinedLine(Line):
                     self._feeder.start()
                 self._wake.set()
                 return rid
-            self._send([call])
+        with self._sending:
+            with self._outbox_lock:   # (calls queued before this one go first)
+                calls, self._outbox = self._outbox, []
+            calls.append(call)
+            self._send(calls)
         return rid
 
     def _send(self, calls: list) -> None:
@@ -198,20 +211,30 @@ class PipelinedLine(Line):
             raise lost_error(self.address) from exc
 
     def _feed(self) -> None:
-        """Send what the outbox holds, as it comes; ends after a second with nothing."""
-        while True:
-            woken = self._wake.wait(1.0)
-            with self._sending:
-                self._wake.clear()
-                calls, self._outbox = self._outbox, []
-                if not calls and (not woken or self.broken):
-                    self._feeder = None
-                    return
-                if calls and not self.broken:
-                    try:
+        """Send what the outbox holds, as it comes; ends after a second with nothing,
+        or with the line (whatever ends it: no call waits in the outbox unsent while
+        the line stays open)."""
+        idle = False
+        try:
+            while True:
+                woken = self._wake.wait(1.0)
+                with self._sending:
+                    with self._outbox_lock:
+                        self._wake.clear()
+                        calls, self._outbox = self._outbox, []
+                        if not calls and (not woken or self.broken):
+                            self._feeder = None
+                            idle = True
+                            return
+                    if calls and not self.broken:
                         self._send(calls)
-                    except RemoteObjectError:
-                        pass   # (the line is closed: its callers' waits raise it)
+        except RemoteObjectError:
+            pass   # (_send closed the line: its callers' waits raise)
+        finally:
+            if not idle:
+                self.close()
+                with self._outbox_lock:
+                    self._feeder = None
 
     def ready(self, rid: int) -> bool:
         """Whether the reply to ``rid`` is in (reads what has arrived, without waiting)."""
@@ -239,18 +262,26 @@ class PipelinedLine(Line):
         return _value(self.reply(rid, timeout))
 
     def reply(self, rid: int, timeout: Optional[float] = None) -> Any:
-        """The reply to call ``rid`` as it came (see :meth:`result`). While another
-        thread reads the line, this one takes its reply from what that thread keeps,
-        looking every ``_LOOK_S``: a reply is never held up behind a slower one."""
+        """The reply to call ``rid`` as it came (see :meth:`result`); with ``timeout``
+        0, what has arrived is read once. While another thread reads the line, this
+        one takes its reply from what that thread keeps, looking every ``_LOOK_S``: a
+        reply is never held up behind a slower one."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        looked = False
         while True:
             reply = self._kept.pop(rid, None)
             if reply is not None:
                 self._awaited.discard(rid)
                 return reply
+            if self.broken:
+                raise lost_error(self.address, in_flight=True)
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
-                raise ReplyTimeout(f"no reply from {self.address} within {timeout} s")
+                if looked:
+                    raise ReplyTimeout(f"no reply from {self.address} within {timeout} s")
+                looked = True
+                self.ready(rid)   # one look at what has arrived
+                continue
             if not self._reading.acquire(timeout=_LOOK_S if left is None
                                          else min(left, _LOOK_S)):
                 continue
@@ -280,10 +311,51 @@ class PipelinedLine(Line):
             raise lost_error(self.address, in_flight=True) from exc
         if reply is None:
             return False
-        for one in reply if type(reply) is list else (reply,):   # (a burst's replies)
-            if one.rid in self._awaited:
-                self._kept[one.rid] = one
+        self._keep(reply)
         return True
+
+    # -- an object's line: used by the async proxies of one object in this process ----
+    def adopt(self) -> bool:
+        """Count one more proxy that sends on this line; False once it is retiring."""
+        with self._users_lock:
+            if self.retiring or self.broken or self.closed:
+                return False
+            self._users += 1
+            return True
+
+    def release(self, ident: str) -> None:
+        """A proxy that sent on this line was collected (called on the janitor thread):
+        its decref goes on this line, after every call it sent here, so none of them
+        finds its object gone; the last one retires the line."""
+        with self._users_lock:
+            self._released.append(ident)
+            self._users -= 1
+            if self._users > 0:
+                return
+            self.retiring = True
+            idents, self._released = tuple(self._released), []
+        threading.Thread(target=self._retire, args=(idents,), daemon=True,
+                         name=f"fibrl-line-retire-{self.address}").start()
+
+    def _retire(self, idents: tuple) -> None:
+        """Send the decrefs and wait for their answer (the calls before them have run
+        by then), then close; a server that is gone has nothing left to release."""
+        try:
+            self.result(self.submit("decref", idents, batch=True))
+        except (RemoteObjectError, TransportError):
+            pass
+        finally:
+            self.close()
+
+    def _keep(self, reply: Any) -> None:
+        """Keep each reply of a frame that someone awaits (``self._reading`` held)."""
+        for one in reply if type(reply) is list else (reply,):   # (a burst's replies)
+            self._answered += 1
+            rid = one.rid
+            if rid in self._awaited:
+                self._kept[rid] = one
+                if rid not in self._awaited:   # forgotten meanwhile: nobody takes it
+                    self._kept.pop(rid, None)
 
 
 def _frame(rid: int, method: str, args: tuple) -> list:

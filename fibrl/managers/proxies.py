@@ -34,6 +34,7 @@ from typing import Any, Callable, ClassVar, Optional, cast
 from ..wire import serialization
 from ..errors import RemoteObjectError, TransportError
 from ..hosting.hub import Handle
+from ..janitor import Finalizer
 from .lines import (MANAGER_OID, PipelinedLine, ReplyTimeout, _value, decref_queue, hub_for,
                     line_for, lost_error, note_decref, take_decrefs)
 from .server import ProxyRef, Token
@@ -103,6 +104,7 @@ class BaseProxy:
     """
 
     _exposed_: tuple = ()
+    _decref_finalizer: Any = None   # sends this proxy's decref (a finalizer)
     # set on some proxy types and on AutoProxy instances only (read with getattr)
     _method_to_typeid_: ClassVar[dict[str, str]]
     _isauto: bool
@@ -224,8 +226,10 @@ class BaseProxy:
         if self._owned_by_manager:
             return
         decref_queue(self._address())
+        # (inline, in the collecting thread: noting a decref only appends to a deque)
         finalizer = weakref.finalize(self, note_decref, self._address(), self._id)
         finalizer.atexit = False
+        self._decref_finalizer = finalizer
 
     # -- pickling and display ---------------------------------------------------------------
     def __reduce__(self) -> tuple:
@@ -328,7 +332,7 @@ class PipelinedHandle(ProxyHandle):
     whichever thread asks for it (``get``, ``wait``, ``ready``). A handle dropped
     unread lets its reply be discarded when it comes."""
 
-    __slots__ = ("_line", "_rid", "_done", "_ok")
+    __slots__ = ("_line", "_rid", "_done", "_ok", "_reply", "_waiting")
 
     def __init__(self, line: PipelinedLine, rid: int, proxy: BaseProxy, method: str) -> None:
         self._line = line
@@ -338,31 +342,43 @@ class PipelinedHandle(ProxyHandle):
         self._value: Any = None
         self._done = False
         self._ok = True
+        self._reply: Any = None   # the reply taken from the line, until decoded
+        self._waiting = threading.Lock()   # held by the thread that takes the reply
 
     def ready(self) -> bool:
-        return self._done or self._line.ready(self._rid)
+        return self._done or self._reply is not None or self._line.ready(self._rid)
 
     def wait(self, timeout: Optional[float] = None) -> bool:
-        """Wait until the result is in; returns whether it is."""
-        if not self._done:
+        """Wait until the result is in; returns whether it is. Several threads may wait."""
+        if self._done:
+            return True
+        if not self._waiting.acquire(timeout=-1 if timeout is None else max(0.0, timeout)):
+            return self._done
+        try:
+            if not self._done:
+                self._take(timeout)
+        finally:
+            self._waiting.release()
+        return self._done
+
+    def _take(self, timeout: Optional[float]) -> None:
+        if self._reply is None:
             try:
-                reply = self._line.reply(self._rid, timeout)
+                self._reply = self._line.reply(self._rid, timeout)
             except ReplyTimeout:
-                return False
+                return
             except RemoteObjectError as exc:
                 self._value, self._ok, self._done = exc, False, True
-                return True
-            try:
-                self._value = self._proxy._decode(_value(reply))
-            except Exception as exc:   # what the call raised, or an unpicklable result
-                self._value, self._ok = exc, False
-            self._done = True
-        return True
+                return
+        try:
+            self._value = self._proxy._decode(_value(self._reply))
+        except Exception as exc:   # what the call raised, or an unpicklable result
+            self._value, self._ok = exc, False
+        self._reply, self._done = None, True
 
     def successful(self) -> bool:
-        if not self.ready():
+        if not self.wait(0):
             raise ValueError(f"{self!r} not ready")
-        self.wait(0)
         return self._ok
 
     def get(self, timeout: Optional[float] = None) -> Any:
@@ -418,27 +434,24 @@ class _ObjectLines:
             weakref.WeakValueDictionary()
 
     def line(self, address: str, ident: str, authkey: bytes) -> Optional[PipelinedLine]:
-        """The object's line (connected now if it has none); None past the limit."""
+        """The object's line, counting one more proxy that uses it (connected now if
+        it has none); None past the limit."""
         key = (address, ident, authkey)
         with self._lock:
-            line = self._usable(key)
-            if line is not None:
+            line = self._lines.get(key)
+            if line is not None and line.adopt():
                 return line
-            if sum(1 for k in list(self._lines.keys()) if k[0] == address) >= OBJECT_LINES:
+            if sum(1 for k, v in list(self._lines.items())
+                   if k[0] == address and not v.retiring) >= OBJECT_LINES:
                 return None
         new = PipelinedLine(address, authkey)   # (connects: not under the lock)
         with self._lock:
-            line = self._usable(key)
-            if line is None:
+            line = self._lines.get(key)
+            if line is None or not line.adopt():
                 self._lines[key] = line = new
+                new.adopt()
         if line is not new:
             new.close()
-        return line
-
-    def _usable(self, key: tuple) -> Optional[PipelinedLine]:
-        line = self._lines.get(key)
-        if line is None or line.broken or line.closed:
-            return None
         return line
 
 
@@ -458,18 +471,22 @@ class AsyncProxy(BaseProxy):
     """
 
     _via_hub = False   # set on a proxy whose object has no line of its own
+    _object_line: Optional[PipelinedLine] = None
 
     def _callmethod(self, methodname: str, args: tuple = (),
                     kwds: Optional[dict] = None) -> ProxyHandle:
-        line = self._line
+        line = self._object_line
         if line is None or line.broken or line.closed:
             if self._server is not None or self._via_hub:
                 return self._call_async(methodname, args, kwds)
-            line = self._line = _object_lines.line(self._token.address, self._id,
-                                                   bytes(self._authkey))
+            line = _object_lines.line(self._token.address, self._id, bytes(self._authkey))
             if line is None:
                 self._via_hub = True
                 return self._call_async(methodname, args, kwds)
+            self._object_line = line
+            # its decref goes on that line when it is collected, after its calls there
+            if self._decref_finalizer is not None and self._decref_finalizer.detach():
+                self._decref_finalizer = Finalizer(self, line.release, self._id)
         # one pickle for the whole call: a lone call's frame is then the plainest kind
         request = serialization.encode((self._id, methodname, args, kwds))
         decrefs = take_decrefs(self._token.address)

@@ -82,6 +82,32 @@ def _defs():
                 self.inside -= 1
             return self.most
 
+    class Recorder:
+        """Objects of one name share a log and a gate."""
+        logs = {}
+        gates = {}
+
+        def __init__(self, name):
+            self.log = type(self).logs.setdefault(name, [])
+            self.gate = type(self).gates.setdefault(name, threading.Event())
+
+        def hold(self):
+            return self.gate.wait(TIMEOUT)
+
+        def open(self):
+            self.gate.set()
+            return True
+
+        def add(self, item):
+            self.log.append(item)
+            return len(self.log)
+
+        def seen(self):
+            return list(self.log)
+
+        def echo(self, data):
+            return data
+
     def call_exclusive(obj, out):
         """A child's own proxy: its async calls on its own line to the object."""
         out.put([obj.work(0.02).get(TIMEOUT) for _ in range(5)])
@@ -169,6 +195,7 @@ AsyncCalcManager.register("Store", D.Store, method_to_typeid={"calc": "CalcRef"}
 AsyncCalcManager.register("CalcRef", create_method=False)
 AsyncCalcManager.register("Gate", D.Gate)
 AsyncCalcManager.register("Exclusive", D.Exclusive)
+AsyncCalcManager.register("Recorder", D.Recorder)
 
 
 @pytest.fixture
@@ -511,7 +538,7 @@ def test_proxies_of_one_object_share_its_line_and_keep_their_order(ctx):
         twin = pickle.loads(pickle.dumps(calc))   # a second proxy of the same object
         handles = [p.accumulate(1) for _ in range(25) for p in (calc, twin)]
         assert [h.get(TIMEOUT) for h in handles] == list(range(1, 51))
-        assert twin._line is calc._line is not None
+        assert twin._object_line is calc._object_line is not None
 
 
 def test_objects_past_the_line_limit_go_through_the_hub(ctx, monkeypatch):
@@ -521,7 +548,7 @@ def test_objects_past_the_line_limit_go_through_the_hub(ctx, monkeypatch):
     with AsyncCalcManager(ctx=ctx) as m:
         calcs = [m.Calc() for _ in range(3)]
         assert [c.add(i, 1).get(TIMEOUT) for i, c in enumerate(calcs)] == [1, 2, 3]
-        assert [c._line is not None for c in calcs] == [True, True, False]
+        assert [c._object_line is not None for c in calcs] == [True, True, False]
         assert calcs[2]._via_hub
         assert [h.get(TIMEOUT) for h in [c.accumulate(2) for c in calcs]] == [2, 2, 2]
 
@@ -537,6 +564,68 @@ def test_an_async_call_carries_the_decrefs_of_dropped_proxies(ctx):
         assert m._number_of_objects() == base - 1
 
 
+def test_calls_sent_without_waiting_run_before_their_dropped_proxy_releases_the_object(ctx):
+    """A proxy dropped with calls still queued behind a blocked one: they all run,
+    and only then is the object released (its decref travels after them)."""
+    with AsyncCalcManager(ctx=ctx) as m:
+        base = m._number_of_objects()
+        rec = m.Recorder("dropped")
+        rec.hold()                    # blocks the object until opened
+        for i in range(20):
+            rec.add(i)                # handles dropped unread
+        del rec
+        gc.collect()
+        assert m.Calc().add(1, 1).get(TIMEOUT) == 2   # pending decrefs ride on calls
+        opener = m.Recorder("dropped")
+        assert opener.open().get(TIMEOUT) is True
+        wait_until(lambda: opener.seen().get(TIMEOUT) == list(range(20)),
+                   "the dropped proxy's calls to run")
+        wait_until(lambda: m._number_of_objects() == base + 1,   # (opener)
+                   "the dropped proxy's object to be released")
+
+
+def test_one_handle_waited_by_several_threads_and_a_callback(ctx):
+    with AsyncCalcManager(ctx=ctx) as m:
+        calc = m.Calc()
+        handle = calc.sleep(0.2)
+        called = []
+        handle.add_done_callback(lambda h: called.append(h.get(0)))
+        results = []
+        threads = [threading.Thread(target=lambda: results.append(handle.get(TIMEOUT)))
+                   for _ in range(3)]
+        for t in threads:
+            t.start()
+        assert handle.get(TIMEOUT) == 0.2
+        for t in threads:
+            t.join(TIMEOUT)
+        assert results == [0.2] * 3
+        wait_until(lambda: called == [0.2], "the callback to run")
+        assert handle.successful() and handle.ready()
+
+
+def test_polling_a_handle_with_no_timeout_sees_its_result(ctx):
+    with AsyncCalcManager(ctx=ctx) as m:
+        handle = m.Calc().add(1, 2)
+        wait_until(lambda: handle.wait(0), "the result to be seen by wait(0)")
+        assert handle.successful() and handle.get(0) == 3
+        failing = m.Calc().fail()
+        wait_until(failing.ready, "the failure to come back")
+        assert not failing.successful()
+        with pytest.raises(KeyError):
+            failing.get(0)
+
+
+def test_a_large_burst_sent_before_any_result_is_read_completes(ctx):
+    """Calls and results of 512 KiB each, 64 of them in flight before the first is
+    read (32 MiB each way: more than the connection holds): neither side's sends may
+    wait forever for the other to read."""
+    with AsyncCalcManager(ctx=ctx) as m:
+        rec = m.Recorder("burst")
+        data = [bytes([i]) * (512 * 1024) for i in range(64)]
+        handles = [rec.echo(d) for d in data]
+        assert all(h.get(TIMEOUT) == d for h, d in zip(handles, data))
+
+
 def test_a_reply_read_by_another_thread_reaches_its_caller(ctx):
     """A thread that waits for a later call reads the object's line; a reply it reads
     for an earlier call is taken by that call's caller at once, not after the later
@@ -547,7 +636,7 @@ def test_a_reply_read_by_another_thread_reaches_its_caller(ctx):
         blocked = gate.wait(TIMEOUT)
         reader = threading.Thread(target=blocked.get, args=(TIMEOUT,))
         reader.start()
-        wait_until(lambda: gate._line._reading.locked(), "the thread to read the line")
+        wait_until(lambda: gate._object_line._reading.locked(), "the thread to read the line")
         assert quick.get(10) is False
         assert opener.open().get(10) is True
         reader.join(TIMEOUT)
