@@ -309,6 +309,9 @@ class PipelinedLine(Line):
         except ChannelClosed as exc:
             self.close()
             raise lost_error(self.address, in_flight=True) from exc
+        except RemoteObjectError:
+            self.close()   # (silent past parent_timeout: its other calls fail at once too)
+            raise
         if reply is None:
             return False
         self._keep(reply)
