@@ -163,6 +163,7 @@ class PipelinedLine(Line):
         self._users = 0               # proxies that send on it (an object's line)
         self._released: list = []    # their objects' ids, once collected
         self.retiring = False
+        self._ended = False           # retired for good: no proxy adopts it again
         self._sent = self._answered = 0   # calls sent on it, replies read (any)
         super().__init__(address, authkey)
 
@@ -319,9 +320,10 @@ class PipelinedLine(Line):
 
     # -- an object's line: used by the async proxies of one object in this process ----
     def adopt(self) -> bool:
-        """Count one more proxy that sends on this line; False once it is retiring."""
+        """Count one more proxy that sends on this line (one that is retiring carries
+        on: its calls go after the decrefs already sent); False once it is closed."""
         with self._users_lock:
-            if self.retiring or self.broken or self.closed:
+            if self.broken or self.closed or self._ended:
                 return False
             self._users += 1
             return True
@@ -333,22 +335,41 @@ class PipelinedLine(Line):
         with self._users_lock:
             self._released.append(ident)
             self._users -= 1
-            if self._users > 0:
+            if self._users > 0 or self.retiring:
                 return
             self.retiring = True
-            idents, self._released = tuple(self._released), []
-        threading.Thread(target=self._retire, args=(idents,), daemon=True,
+        threading.Thread(target=self._retire, daemon=True,
                          name=f"fibrl-line-retire-{self.address}").start()
 
-    def _retire(self, idents: tuple) -> None:
-        """Send the decrefs and wait for their answer (the calls before them have run
-        by then), then close; a server that is gone has nothing left to release."""
+    def _retire(self) -> None:
+        """Send the collected proxies' decrefs and wait for their answer (the calls
+        before them have run by then); read the replies still owed to calls whose
+        handles were dropped, so that closing cuts none of them off; then close. A
+        proxy that adopts the line meanwhile keeps it open. A server that is gone
+        has nothing left to release."""
         try:
-            self.result(self.submit("decref", idents, batch=True))
+            while True:
+                with self._users_lock:
+                    idents, self._released = tuple(self._released), []
+                if idents:
+                    self.result(self.submit("decref", idents, batch=True))
+                with self._users_lock:
+                    if self._users:
+                        self.retiring = False   # adopted again: it carries on
+                        return
+                    if not self._released:
+                        break
+            while self._sent - self._answered > 0:
+                with self._reading:
+                    self._read_one(self._slice)
         except (RemoteObjectError, TransportError):
             pass
-        finally:
-            self.close()
+        with self._users_lock:
+            if self._users and not self.broken:
+                self.retiring = False
+                return
+            self._ended = True
+        self.close()
 
     def _keep(self, reply: Any) -> None:
         """Keep each reply of a frame that someone awaits (``self._reading`` held)."""

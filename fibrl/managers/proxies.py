@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import multiprocessing
 import threading
+import time
 import weakref
 from multiprocessing import process
 from multiprocessing.context import get_spawning_popen
@@ -352,11 +353,13 @@ class PipelinedHandle(ProxyHandle):
         """Wait until the result is in; returns whether it is. Several threads may wait."""
         if self._done:
             return True
+        deadline = None if timeout is None else time.monotonic() + timeout
         if not self._waiting.acquire(timeout=-1 if timeout is None else max(0.0, timeout)):
             return self._done
         try:
             if not self._done:
-                self._take(timeout)
+                self._take(None if deadline is None
+                           else max(0.0, deadline - time.monotonic()))
         finally:
             self._waiting.release()
         return self._done
@@ -441,8 +444,7 @@ class _ObjectLines:
             line = self._lines.get(key)
             if line is not None and line.adopt():
                 return line
-            if sum(1 for k, v in list(self._lines.items())
-                   if k[0] == address and not v.retiring) >= OBJECT_LINES:
+            if sum(1 for k in list(self._lines.keys()) if k[0] == address) >= OBJECT_LINES:
                 return None
         new = PipelinedLine(address, authkey)   # (connects: not under the lock)
         with self._lock:
@@ -477,22 +479,36 @@ class AsyncProxy(BaseProxy):
                     kwds: Optional[dict] = None) -> ProxyHandle:
         line = self._object_line
         if line is None or line.broken or line.closed:
-            if self._server is not None or self._via_hub:
-                return self._call_async(methodname, args, kwds)
-            line = _object_lines.line(self._token.address, self._id, bytes(self._authkey))
+            line = self._adopt_line()
             if line is None:
-                self._via_hub = True
                 return self._call_async(methodname, args, kwds)
-            self._object_line = line
-            # its decref goes on that line when it is collected, after its calls there
-            if self._decref_finalizer is not None and self._decref_finalizer.detach():
-                self._decref_finalizer = Finalizer(self, line.release, self._id)
         # one pickle for the whole call: a lone call's frame is then the plainest kind
         request = serialization.encode((self._id, methodname, args, kwds))
         decrefs = take_decrefs(self._token.address)
         rid = (line.submit("acall", request, decrefs, batch=True) if decrefs
                else line.submit("acall", request, batch=True))
         return PipelinedHandle(line, rid, self, methodname)
+
+    def _adopt_line(self) -> Optional[PipelinedLine]:
+        """This proxy's object line from now on (its first call, or its line was lost);
+        None: its calls go through the hub (inside the server, past ``OBJECT_LINES``,
+        or a proxy that sends no decref of its own)."""
+        with _line_lock:   # (one adoption per proxy, whichever threads call at once)
+            line = self._object_line
+            if line is not None and not line.broken and not line.closed:
+                return line
+            if self._server is not None or self._via_hub or self._decref_finalizer is None:
+                return None
+            line = _object_lines.line(self._token.address, self._id, bytes(self._authkey))
+            if line is None:
+                self._via_hub = True
+                return None
+            # its decref goes on that line when it is collected, after its calls there
+            # (a proxy adopting a line again after losing one had moved it already)
+            self._decref_finalizer.detach()
+            self._decref_finalizer = Finalizer(self, line.release, self._id)
+            self._object_line = line
+            return line
 
     def _getvalue(self) -> Any:
         """A copy of the managed object (synchronously)."""

@@ -584,6 +584,24 @@ def test_calls_sent_without_waiting_run_before_their_dropped_proxy_releases_the_
                    "the dropped proxy's object to be released")
 
 
+def test_a_proxy_made_while_its_twin_is_released_keeps_the_order_of_calls(ctx):
+    """A collected proxy's line is retiring (its decref queued behind its calls) when a
+    second proxy of the same object calls: that call goes after them, on that line."""
+    with AsyncCalcManager(ctx=ctx) as m:
+        rec = m.Recorder("order")
+        twin = pickle.loads(pickle.dumps(rec))
+        rec.hold()                    # blocks the object until opened
+        rec.add(1)
+        line = rec._object_line
+        del rec
+        gc.collect()
+        wait_until(lambda: line.retiring, "the collected proxy's line to retire")
+        twin.add(2)
+        assert m.Recorder("order").open().get(TIMEOUT) is True
+        wait_until(lambda: twin.seen().get(TIMEOUT) == [1, 2], "both calls, in order")
+        assert twin._object_line is line and not line.closed
+
+
 def test_one_handle_waited_by_several_threads_and_a_callback(ctx):
     with AsyncCalcManager(ctx=ctx) as m:
         calc = m.Calc()
