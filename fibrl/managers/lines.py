@@ -331,45 +331,83 @@ class PipelinedLine(Line):
     def release(self, ident: str) -> None:
         """A proxy that sent on this line was collected (called on the janitor thread):
         its decref goes on this line, after every call it sent here, so none of them
-        finds its object gone; the last one retires the line."""
+        finds its object gone; the last one retires the line. On a line that is lost
+        the decref goes the usual way, with the next call to the server."""
         with self._users_lock:
-            self._released.append(ident)
             self._users -= 1
-            if self._users > 0 or self.retiring:
-                return
-            self.retiring = True
+            lost = self.broken or self.closed
+            if not lost:
+                self._released.append(ident)
+                if self._users > 0 or self.retiring:
+                    return
+                self.retiring = True
+        if lost:
+            note_decref(self.address, ident)
+            return
         threading.Thread(target=self._retire, daemon=True,
                          name=f"fibrl-line-retire-{self.address}").start()
 
+    def drop(self) -> None:
+        """A proxy that used this line, now lost, goes on with another: one user fewer;
+        the decrefs of those collected meanwhile go the usual way."""
+        with self._users_lock:
+            self._users -= 1
+            left, self._released = (self._released, []) if self._users <= 0 else ([], [])
+        for ident in left:
+            note_decref(self.address, ident)
+
+    @property
+    def usable(self) -> bool:
+        """Open, and not retired for good."""
+        return not (self.broken or self.closed or self._ended)
+
     def _retire(self) -> None:
-        """Send the collected proxies' decrefs and wait for their answer (the calls
-        before them have run by then); read the replies still owed to calls whose
-        handles were dropped, so that closing cuts none of them off; then close. A
-        proxy that adopts the line meanwhile keeps it open. A server that is gone
-        has nothing left to release."""
+        """Retire the line (see :meth:`_retiring`); close it unless a proxy adopted it
+        meanwhile. Decrefs it could not send go the usual way."""
+        carry_on = False
         try:
-            while True:
-                with self._users_lock:
-                    idents, self._released = tuple(self._released), []
-                if idents:
-                    self.result(self.submit("decref", idents, batch=True))
-                with self._users_lock:
-                    if self._users:
-                        self.retiring = False   # adopted again: it carries on
-                        return
-                    if not self._released:
-                        break
+            carry_on = self._retiring()
+        except (RemoteObjectError, TransportError):
+            pass   # (the server is gone or went silent: the line is closed)
+        finally:
+            with self._users_lock:
+                if carry_on:
+                    self.retiring = False
+                    left: list = []
+                else:
+                    self._ended = True
+                    left, self._released = self._released, []
+            if not carry_on:
+                for ident in left:
+                    note_decref(self.address, ident)
+                self.close()
+
+    def _retiring(self) -> bool:
+        """Send the collected proxies' decrefs and wait for their answer (the calls
+        before them have run by then), and read the replies still owed to calls whose
+        handles were dropped, so that closing cuts none of them off. True when a proxy
+        adopted the line meanwhile (it carries on)."""
+        while True:
+            with self._users_lock:
+                idents, self._released = self._released, []
+            if idents:
+                try:
+                    self.result(self.submit("decref", tuple(idents), batch=True))
+                except BaseException:
+                    with self._users_lock:
+                        self._released[:0] = idents   # (sent the usual way, see _retire)
+                    raise
             while self._sent - self._answered > 0:
+                if self._users:
+                    return True
                 with self._reading:
                     self._read_one(self._slice)
-        except (RemoteObjectError, TransportError):
-            pass
-        with self._users_lock:
-            if self._users and not self.broken:
-                self.retiring = False
-                return
-            self._ended = True
-        self.close()
+            with self._users_lock:
+                if self._users:
+                    return True
+                if not self._released:
+                    self._ended = True   # (checked with the count: no adoption after it)
+                    return False
 
     def _keep(self, reply: Any) -> None:
         """Keep each reply of a frame that someone awaits (``self._reading`` held)."""

@@ -377,7 +377,8 @@ class PipelinedHandle(ProxyHandle):
             self._value = self._proxy._decode(_value(self._reply))
         except Exception as exc:   # what the call raised, or an unpicklable result
             self._value, self._ok = exc, False
-        self._reply, self._done = None, True
+        self._done = True
+        self._reply = None
 
     def successful(self) -> bool:
         if not self.wait(0):
@@ -444,7 +445,8 @@ class _ObjectLines:
             line = self._lines.get(key)
             if line is not None and line.adopt():
                 return line
-            if sum(1 for k in list(self._lines.keys()) if k[0] == address) >= OBJECT_LINES:
+            if sum(1 for k, v in list(self._lines.items())
+                   if k[0] == address and k != key and v.usable) >= OBJECT_LINES:
                 return None
         new = PipelinedLine(address, authkey)   # (connects: not under the lock)
         with self._lock:
@@ -494,15 +496,17 @@ class AsyncProxy(BaseProxy):
         None: its calls go through the hub (inside the server, past ``OBJECT_LINES``,
         or a proxy that sends no decref of its own)."""
         with _line_lock:   # (one adoption per proxy, whichever threads call at once)
-            line = self._object_line
-            if line is not None and not line.broken and not line.closed:
-                return line
+            old = self._object_line
+            if old is not None and not old.broken and not old.closed:
+                return old
             if self._server is not None or self._via_hub or self._decref_finalizer is None:
                 return None
             line = _object_lines.line(self._token.address, self._id, bytes(self._authkey))
             if line is None:
-                self._via_hub = True
+                self._via_hub = True   # (a lost line's release sends the decref as usual)
                 return None
+            if old is not None:   # lost: this proxy goes on with the new one
+                old.drop()
             # its decref goes on that line when it is collected, after its calls there
             # (a proxy adopting a line again after losing one had moved it already)
             self._decref_finalizer.detach()
