@@ -477,6 +477,12 @@ class AsyncProxy(BaseProxy):
     _via_hub = False   # set on a proxy whose object has no line of its own
     _object_line: Optional[PipelinedLine] = None
 
+    def __init__(self, *args: Any, **kwds: Any) -> None:
+        # held while this proxy adopts a line (a connect): its own, so a server that is
+        # slow to answer holds up no other proxy's first call
+        self._adopting = threading.Lock()
+        super().__init__(*args, **kwds)
+
     def _callmethod(self, methodname: str, args: tuple = (),
                     kwds: Optional[dict] = None) -> ProxyHandle:
         line = self._object_line
@@ -495,7 +501,7 @@ class AsyncProxy(BaseProxy):
         """This proxy's object line from now on (its first call, or its line was lost);
         None: its calls go through the hub (inside the server, past ``OBJECT_LINES``,
         or a proxy that sends no decref of its own)."""
-        with _line_lock:   # (one adoption per proxy, whichever threads call at once)
+        with self._adopting:   # (one adoption per proxy, whichever threads call at once)
             old = self._object_line
             if old is not None and not old.broken and not old.closed:
                 return old
