@@ -129,9 +129,6 @@ class Line:
         self._channel.close()
 
 
-_LOOK_S = 0.005   # how often a thread waiting behind another's read looks for its reply
-
-
 class ReplyTimeout(TimeoutError):
     """:meth:`PipelinedLine.result` waited ``timeout`` seconds; the call is still awaited."""
 
@@ -154,6 +151,10 @@ class PipelinedLine(Line):
         self._sending = threading.Lock()   # held while a frame is sent
         self._outbox_lock = threading.Lock()   # (taken after _sending, when both are)
         self._reading = threading.Lock()
+        # signalled when a reading thread keeps a reply or stops reading, for the
+        # threads waiting behind it (counted: nobody to wake costs nothing)
+        self._news = threading.Condition(threading.Lock())
+        self._waiters = 0
         self._kept: dict = {}         # request id -> reply read for it
         self._awaited: set = set()    # request ids sent and not yet taken or forgotten
         self._outbox: list = []       # calls for the feeder thread to send, in order
@@ -181,7 +182,7 @@ class PipelinedLine(Line):
             if self.broken:
                 raise lost_error(self.address)
             rid = next(self._rids)
-            call = Call(rid, MANAGER_OID, method, wrap_args(args))
+            call = _call(rid, method, args)
             owed = self._sent - self._answered
             self._awaited.add(rid)
             self._sent += 1
@@ -249,7 +250,7 @@ class PipelinedLine(Line):
         except RemoteObjectError:
             return True   # result() raises at once
         finally:
-            self._reading.release()
+            self._done_reading()
         return rid in self._kept
 
     def result(self, rid: int, timeout: Optional[float] = None) -> Any:
@@ -265,7 +266,7 @@ class PipelinedLine(Line):
     def reply(self, rid: int, timeout: Optional[float] = None) -> Any:
         """The reply to call ``rid`` as it came (see :meth:`result`); with ``timeout``
         0, what has arrived is read once. While another thread reads the line, this
-        one takes its reply from what that thread keeps, looking every ``_LOOK_S``: a
+        one takes its reply from what that thread keeps, woken as it keeps one: a
         reply is never held up behind a slower one."""
         deadline = None if timeout is None else time.monotonic() + timeout
         looked = False
@@ -283,8 +284,8 @@ class PipelinedLine(Line):
                 looked = True
                 self.ready(rid)   # one look at what has arrived
                 continue
-            if not self._reading.acquire(timeout=_LOOK_S if left is None
-                                         else min(left, _LOOK_S)):
+            if not self._reading.acquire(blocking=False):
+                self._wait_news(rid, self._slice if left is None else min(left, self._slice))
                 continue
             try:
                 while rid not in self._kept:
@@ -293,7 +294,24 @@ class PipelinedLine(Line):
                         break
                     self._read_one(self._slice if left is None else min(self._slice, left))
             finally:
-                self._reading.release()
+                self._done_reading()
+
+    def _wait_news(self, rid: int, timeout: float) -> None:
+        """Wait until the thread reading now keeps ``rid``'s reply or stops reading."""
+        with self._news:
+            self._waiters += 1
+            try:
+                if rid not in self._kept and self._reading.locked():
+                    self._news.wait(timeout)
+            finally:
+                self._waiters -= 1
+
+    def _done_reading(self) -> None:
+        """Stop reading (``self._reading`` held): a waiting thread may read now."""
+        self._reading.release()
+        if self._waiters:
+            with self._news:
+                self._news.notify_all()
 
     def forget(self, rid: int) -> None:
         """Nobody will ask for ``rid``'s reply: drop it when it comes."""
@@ -400,8 +418,11 @@ class PipelinedLine(Line):
             while self._sent - self._answered > 0:
                 if self._users:
                     return True
-                with self._reading:
+                self._reading.acquire()
+                try:
                     self._read_one(self._slice)
+                finally:
+                    self._done_reading()
             with self._users_lock:
                 if self._users:
                     return True
@@ -418,11 +439,19 @@ class PipelinedLine(Line):
                 self._kept[rid] = one
                 if rid not in self._awaited:   # forgotten meanwhile: nobody takes it
                     self._kept.pop(rid, None)
+        if self._waiters:
+            with self._news:
+                self._news.notify_all()
+
+
+def _call(rid: int, method: str, args: tuple) -> Call:
+    """Call ``rid`` to the server's manager service."""
+    return Call(rid, MANAGER_OID, method, wrap_args(args))
 
 
 def _frame(rid: int, method: str, args: tuple) -> list:
     """The frame of call ``rid`` to the server's manager service."""
-    return pack(Call(rid, MANAGER_OID, method, wrap_args(args)))
+    return pack(_call(rid, method, args))
 
 
 def _value(reply: Any) -> Any:
