@@ -413,10 +413,6 @@ class PipelinedHandle(ProxyHandle):
         threading.Thread(target=wait_then_call, daemon=True,
                          name=f"fibrl-callback-{self._method}").start()
 
-    def __repr__(self) -> str:
-        state = "ready" if self.ready() else "pending"
-        return f"<ProxyHandle {self._method}() of {self._proxy._token.typeid} {state}>"
-
     def __del__(self) -> None:
         if not self._done:
             self._line.forget(self._rid)

@@ -420,7 +420,7 @@ class ManagerService(Service):
         else:
             reply(value)
 
-    def op_spawn(self, reply: ReplySink, ident: str, method: str, payload: Any,
+    def op_spawn(self, reply: ReplySink, ident: str, method: str, payload: bytes,
                  decrefs: tuple = ()) -> None:
         """An asynchronous proxy call: queued on the object's lane."""
         self._decref_all(decrefs)
@@ -446,9 +446,6 @@ class ManagerService(Service):
             reply.fail(exc)
             return
         call = (args, kwds or {})
-        if not self._inline(reply):   # (a line's calls come on a dedicated connection)
-            self.op_spawn(reply, ident, method, call)
-            return
         if not reply.lone:   # one of a burst: its reply goes in one frame with theirs
             reply.hold(self.hub.timers, FrameReplies)
         self._exclusive(reply, ident, method, call)
