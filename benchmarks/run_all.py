@@ -6,10 +6,14 @@
 
 Each benchmark runs in its own interpreter, one after the other (never two at
 once: they would measure each other), from the repository root with this
-checkout on ``PYTHONPATH``. Every benchmark measures fibrl and its peers in the
-same run (``multiprocessing``; Fiber where ``FIBER_PYTHON`` or
-``benchmarks/.fiber-venv`` has it; loky and Ray, benchmark peers only, never
-fibrl dependencies; gymnasium; cpprb), so its ratios are comparable.
+checkout on ``PYTHONPATH``, its modules byte-compiled first as installing a
+wheel leaves them (with ``PYTHONDONTWRITEBYTECODE`` set and nothing compiled,
+every process compiles fibrl from source, which costs start time and about
+2 MB of PSS in the fork server and again in each idle worker). Every benchmark
+measures fibrl and its peers in the same run (``multiprocessing``; Fiber where
+``FIBER_PYTHON`` or ``benchmarks/.fiber-venv`` has it; loky and Ray, benchmark
+peers only, never fibrl dependencies; gymnasium; cpprb), so its ratios are
+comparable.
 
 Then:
 
@@ -29,6 +33,7 @@ each benchmark measures and how (its own docstring and section of the doc).
 from __future__ import annotations
 
 import argparse
+import compileall
 import datetime
 import importlib.util
 import os
@@ -408,6 +413,7 @@ def main(argv: list) -> int:
     print(f"run_all: peers present: {', '.join(present) or 'none'}; absent: "
           + ("; ".join(f"{n} ({fix})" for n, fix in absent.items()) or "none"),
           file=sys.stderr, flush=True)
+    compileall.compile_dir(ROOT / "fibrl", quiet=1)   # see the module's docstring
     began = _now()
     load_before = os.getloadavg()[0]
     chosen = [b for b in BENCHES if not args.only or b.name in args.only]
