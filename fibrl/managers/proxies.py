@@ -179,10 +179,15 @@ class BaseProxy:
         address = self._token.address
         line = self._line
         if line is None or line.broken or line.closed:
+            # connected outside the lock: a server slow to accept holds up no other
+            # proxy; of two threads that connect at once, the second's line is closed
+            fresh = PipelinedLine(address, bytes(self._authkey))
             with _line_lock:
                 line = self._line
                 if line is None or line.broken or line.closed:
-                    line = self._line = PipelinedLine(address, bytes(self._authkey))
+                    line = self._line = fresh
+            if line is not fresh:
+                fresh.close()
         rid = line.submit("call", self._id, methodname, payload, take_decrefs(address))
         return PipelinedHandle(line, rid, self, methodname)
 
@@ -423,28 +428,53 @@ _line_lock = threading.Lock()
 OBJECT_LINES = 32   # objects of one server with a line of their own, per client process
 
 
+class OnHub:
+    """Held by every proxy of an object whose asynchronous calls go through the hub
+    (past the line limit): while one such proxy lives, the object's other proxies in
+    this process go that way too, so that all their calls stay in one order."""
+
+    __slots__ = ("__weakref__",)
+
+
 class _ObjectLines:
     """The lines of managed objects, one per (server, object, authkey) in this process,
     alive while a proxy holds it (closed with the last one). At most ``OBJECT_LINES``
-    per server: each costs a connection and a thread in the server."""
+    per server (each costs a connection and a thread in the server): further objects'
+    calls go through the hub, each object's all one way."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._lines: "weakref.WeakValueDictionary[tuple, PipelinedLine]" = \
             weakref.WeakValueDictionary()
+        self._on_hub: "weakref.WeakValueDictionary[tuple, OnHub]" = \
+            weakref.WeakValueDictionary()
+        self._connecting: dict[str, int] = {}   # server address -> lines being connected
 
-    def line(self, address: str, ident: str, authkey: bytes) -> Optional[PipelinedLine]:
+    def line(self, address: str, ident: str, authkey: bytes) -> PipelinedLine | OnHub:
         """The object's line, counting one more proxy that uses it (connected now if
-        it has none); None past the limit."""
+        it has none); past the limit, or while another proxy of the object uses the
+        hub, the object's :class:`OnHub` mark instead, for the proxy to keep."""
         key = (address, ident, authkey)
         with self._lock:
+            mark = self._on_hub.get(key)
+            if mark is not None:
+                return mark
             line = self._lines.get(key)
             if line is not None and line.adopt():
                 return line
-            if sum(1 for k, v in list(self._lines.items())
-                   if k[0] == address and k != key and v.usable) >= OBJECT_LINES:
-                return None
-        new = PipelinedLine(address, authkey)   # (connects: not under the lock)
+            used = sum(1 for k, v in list(self._lines.items())
+                       if k[0] == address and k != key and v.usable)
+            if used + self._connecting.get(address, 0) >= OBJECT_LINES:
+                mark = self._on_hub[key] = OnHub()
+                return mark
+            self._connecting[address] = self._connecting.get(address, 0) + 1
+        try:
+            new = PipelinedLine(address, authkey)   # (connects: not under the lock)
+        finally:
+            with self._lock:
+                self._connecting[address] -= 1
+                if not self._connecting[address]:
+                    del self._connecting[address]
         with self._lock:
             line = self._lines.get(key)
             if line is None or not line.adopt():
@@ -470,7 +500,7 @@ class AsyncProxy(BaseProxy):
     guarantees, a thread hand-over more per call).
     """
 
-    _via_hub = False   # set on a proxy whose object has no line of its own
+    _on_hub: Optional[OnHub] = None   # its object's calls go through the hub (held)
     _object_line: Optional[PipelinedLine] = None
 
     def __init__(self, *args: Any, **kwds: Any) -> None:
@@ -501,12 +531,14 @@ class AsyncProxy(BaseProxy):
             old = self._object_line
             if old is not None and not old.broken and not old.closed:
                 return old
-            if self._server is not None or self._via_hub or self._decref_finalizer is None:
+            if (self._server is not None or self._on_hub is not None
+                    or self._decref_finalizer is None):
                 return None
             line = _object_lines.line(self._token.address, self._id, bytes(self._authkey))
-            if line is None:
-                self._via_hub = True   # (a lost line's release sends the decref as usual)
+            if type(line) is OnHub:
+                self._on_hub = line   # (a lost line's release sends the decref as usual)
                 return None
+            assert isinstance(line, PipelinedLine)
             if old is not None:   # lost: this proxy goes on with the new one
                 old.drop()
             # its decref goes on that line when it is collected, after its calls there

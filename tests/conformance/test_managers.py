@@ -549,8 +549,47 @@ def test_objects_past_the_line_limit_go_through_the_hub(ctx, monkeypatch):
         calcs = [m.Calc() for _ in range(3)]
         assert [c.add(i, 1).get(TIMEOUT) for i, c in enumerate(calcs)] == [1, 2, 3]
         assert [c._object_line is not None for c in calcs] == [True, True, False]
-        assert calcs[2]._via_hub
+        assert calcs[2]._on_hub is not None
         assert [h.get(TIMEOUT) for h in [c.accumulate(2) for c in calcs]] == [2, 2, 2]
+
+
+def test_the_line_limit_holds_when_threads_connect_at_once(ctx, monkeypatch):
+    from fibrl.managers import proxies
+
+    monkeypatch.setattr(proxies, "OBJECT_LINES", 2)
+    with AsyncCalcManager(ctx=ctx) as m:
+        calcs = [m.Calc() for _ in range(8)]
+        start = threading.Barrier(len(calcs))
+
+        def first_call(calc):
+            start.wait(TIMEOUT)
+            return calc.add(1, 1).get(TIMEOUT)
+
+        with multiprocessing.pool.ThreadPool(len(calcs)) as threads:
+            assert threads.map(first_call, calcs) == [2] * len(calcs)
+        assert sum(c._object_line is not None for c in calcs) == 2
+
+
+def test_an_object_on_the_hub_keeps_all_its_proxies_there(ctx, monkeypatch):
+    """A proxy that went through the hub (past the limit) keeps the object's other
+    proxies there, even once a line is free: their calls stay in one order."""
+    from fibrl.managers import proxies
+
+    monkeypatch.setattr(proxies, "OBJECT_LINES", 1)
+    with AsyncCalcManager(ctx=ctx) as m:
+        first, calc = m.Calc(), m.Calc()
+        assert first.add(1, 1).get(TIMEOUT) == 2          # the one line
+        handles = [calc.accumulate(1) for _ in range(10)]  # through the hub
+        assert calc._on_hub is not None
+        del first
+        gc.collect()
+        wait_until(lambda: not any(line.usable
+                                   for line in proxies._object_lines._lines.values()),
+                   "the first object's line to close")
+        twin = pickle.loads(pickle.dumps(calc))
+        handles += [p.accumulate(1) for _ in range(10) for p in (twin, calc)]
+        assert [h.get(TIMEOUT) for h in handles] == list(range(1, 31))
+        assert twin._object_line is None and twin._on_hub is calc._on_hub
 
 
 def test_an_async_call_carries_the_decrefs_of_dropped_proxies(ctx):
