@@ -222,11 +222,23 @@ def _recv_frame(sock: pynng.Socket, handle: Any) -> Frame:
     """Receive one frame (``handle``: ``sock``'s nng id): ``bytes`` when small, else a
     writable memoryview (of nng's message itself, or of the one buffer a frame sent in
     pieces was gathered in)."""
+    holder = _ffi.new("nng_msg **")
     while True:
-        msg, size = _recv_msg(handle)
+        err = _lib.nng_recvmsg(handle, holder, 0)
+        if err:
+            check_err(err)
+        msg = holder[0]
+        size = _lib.nng_msg_len(msg)
         if size:
-            return _frame_of(sock, msg, size)
+            break
         _drop_empty(msg)
+    if size >= ZERO_COPY_MIN or size == _LARGE.size:
+        return _frame_of(sock, msg, size)
+    # the common case, as _frame_of has it, without its call: every step of a vector
+    # env receives one of these per worker
+    data: bytes = _ffi.unpack(_ffi.cast("char *", _lib.nng_msg_body(msg)), size)
+    _lib.nng_msg_free(msg)
+    return data
 
 
 def _drop_empty(msg: Any) -> None:
@@ -899,7 +911,12 @@ class _Reading:
             return   # a test's fault seam dropped, held or cut it (fibrl.wire.faults)
         try:
             with self._send_lock:
-                _send_frame(self._sock, self._handle, frame)
+                if type(frame) is bytes and len(frame) <= PIECE:   # (_send_frame's first case)
+                    err = _lib.nng_send(self._handle, frame, len(frame), 0)
+                    if err:
+                        check_err(err)
+                else:
+                    _send_frame(self._sock, self._handle, frame)
         except pynng.NNGException as exc:
             raise ChannelClosed(self._gone(exc)) from exc
 
