@@ -147,6 +147,18 @@ class LongObs(gymnasium.Wrapper):
         return (np.append(obs, np.float32(7.0)), *rest)
 
 
+class LongObsLater(LongObs):
+    """CartPole whose steps return its 4 floats at first, then 5 from its 4th step on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.steps = 0
+
+    def step(self, action):
+        self.steps += 1
+        return super().step(action) if self.steps > 3 else self.env.step(action)
+
+
 class Counter(gymnasium.Env):
     """Discrete observations (a count modulo 10, as a Python int); ends after 9 steps."""
 

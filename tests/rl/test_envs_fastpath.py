@@ -119,6 +119,21 @@ def test_observations_longer_than_the_batch_raise_instead_of_filling_it():
         envs.close(terminate=True)
 
 
+def test_observations_that_grow_mid_run_raise_too():
+    """The fast path knows each worker's reply layout from its earlier steps: a reply
+    whose observations then grow (4 floats, then 5) is read afresh, and raises."""
+    envs = RemoteVectorEnv([envs_helpers.LongObsLater] * 4, envs_per_worker=2)
+    try:
+        envs.reset(seed=0)
+        for _ in range(3):
+            obs, *_ = envs.step(np.zeros(4, dtype=np.int64))
+            assert obs.shape == (4, 4)
+        with pytest.raises(ValueError, match="broadcast"):
+            envs.step(np.zeros(4, dtype=np.int64))
+    finally:
+        envs.close(terminate=True)
+
+
 def test_open_requests_keep_their_own_copy_of_the_actions():
     """A worker replaced mid-step is sent its open Step again: those actions must be the
     ones sent, even if the caller reuses its action array right after ``step_async``."""

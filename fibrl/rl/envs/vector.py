@@ -114,6 +114,7 @@ class _WorkerSlot:
         self.direct = False          # open requests were sent on ``chan``
         self.open: list = []         # requests sent and not fully answered: (msg, sent_at)
         self.prefix: dict = {}       # (dtype, shape) of actions -> a Step frame's middle
+        self.reply: Optional[tuple] = None   # (header, layout) of its last compact reply's obs
         self.ready = False
         self.killed_for: Optional[str] = None
         self.replacing = False       # inside _replace: a loss then asks for another start
