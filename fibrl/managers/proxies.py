@@ -448,7 +448,7 @@ class _ObjectLines:
             weakref.WeakValueDictionary()
         self._on_hub: "weakref.WeakValueDictionary[tuple, OnHub]" = \
             weakref.WeakValueDictionary()
-        self._connecting: dict[str, int] = {}   # server address -> lines being connected
+        self._connecting: dict[tuple, int] = {}   # key -> its lines being connected
 
     def line(self, address: str, ident: str, authkey: bytes) -> PipelinedLine | OnHub:
         """The object's line, counting one more proxy that uses it (connected now if
@@ -462,20 +462,23 @@ class _ObjectLines:
             line = self._lines.get(key)
             if line is not None and line.adopt():
                 return line
-            used = sum(1 for k, v in list(self._lines.items())
-                       if k[0] == address and k != key and v.usable)
-            if used + self._connecting.get(address, 0) >= OBJECT_LINES:
+            # other objects of this server with a line, or with one being connected
+            # (two proxies of this object connecting at once share the one that wins)
+            others = {k for k, v in list(self._lines.items())
+                      if k[0] == address and k != key and v.usable}
+            others.update(k for k in self._connecting if k[0] == address and k != key)
+            if len(others) >= OBJECT_LINES:
                 mark = self._on_hub[key] = OnHub()
                 return mark
-            self._connecting[address] = self._connecting.get(address, 0) + 1
+            self._connecting[key] = self._connecting.get(key, 0) + 1
         try:
             new = PipelinedLine(address, authkey)   # (connects: not under the lock)
-        finally:
+        except BaseException:
             with self._lock:
-                self._connecting[address] -= 1
-                if not self._connecting[address]:
-                    del self._connecting[address]
-        with self._lock:
+                self._connected(key)
+            raise
+        with self._lock:   # (counted as connecting until it is in the table)
+            self._connected(key)
             line = self._lines.get(key)
             if line is None or not line.adopt():
                 self._lines[key] = line = new
@@ -483,6 +486,13 @@ class _ObjectLines:
         if line is not new:
             new.close()
         return line
+
+    def _connected(self, key: tuple) -> None:
+        left = self._connecting[key] - 1
+        if left:
+            self._connecting[key] = left
+        else:
+            del self._connecting[key]
 
 
 _object_lines = _ObjectLines()

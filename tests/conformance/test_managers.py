@@ -570,6 +570,27 @@ def test_the_line_limit_holds_when_threads_connect_at_once(ctx, monkeypatch):
         assert sum(c._object_line is not None for c in calcs) == 2
 
 
+def test_twin_proxies_connecting_at_once_below_the_limit_share_one_line(ctx, monkeypatch):
+    from fibrl.managers import proxies
+
+    monkeypatch.setattr(proxies, "OBJECT_LINES", 2)
+    with AsyncCalcManager(ctx=ctx) as m:
+        other = m.Calc()
+        assert other.add(1, 1).get(TIMEOUT) == 2          # one of the two lines
+        calc = m.Calc()
+        twins = [calc] + [pickle.loads(pickle.dumps(calc)) for _ in range(3)]
+        start = threading.Barrier(len(twins))
+
+        def first_call(proxy):
+            start.wait(TIMEOUT)
+            return proxy.add(1, 1).get(TIMEOUT)
+
+        with multiprocessing.pool.ThreadPool(len(twins)) as threads:
+            assert threads.map(first_call, twins) == [2] * len(twins)
+        assert all(p._on_hub is None for p in twins)
+        assert len({id(p._object_line) for p in twins}) == 1
+
+
 def test_an_object_on_the_hub_keeps_all_its_proxies_there(ctx, monkeypatch):
     """A proxy that went through the hub (past the limit) keeps the object's other
     proxies there, even once a line is free: their calls stay in one order."""
