@@ -50,17 +50,18 @@ def send_steps(env: RemoteVectorEnv, actions: np.ndarray) -> bool:
             return False
     key = (actions.dtype, actions.shape[1:])
     raw = actions.tobytes()   # (C order: each worker's envs are one run of its bytes)
-    row = len(raw) // len(actions)
     seq = env._seq
     for w in workers:
         seq += 1
-        prefix = w.prefix.get(key)
-        if prefix is None:   # the slots and the array header: the same at every step
-            prefix = w.prefix[key] = (_slots(len(w.slots)).pack(*w.slots)
-                                      + _array_head(actions[w.span]))
+        made = w.prefix.get(key)
+        if made is None:   # the same at every step: the slots and the array header, and
+            row = len(raw) // len(actions)   # where the worker's actions lie in ``raw``
+            made = w.prefix[key] = (len(w.slots), _slots(len(w.slots)).pack(*w.slots)
+                                    + _array_head(actions[w.span]),
+                                    w.span.start * row, w.span.stop * row)
+        n, middle, lo, hi = made
         try:
-            w.chan.send(b"".join((_STEP.pack(_STEP_TAG, seq, len(w.slots)), prefix,
-                                  raw[w.span.start * row:w.span.stop * row])))
+            w.chan.send(b"".join((_STEP.pack(_STEP_TAG, seq, n), middle, raw[lo:hi])))
         except ChannelClosed:
             pass  # the worker died: the supervisor posts the Died message that replaces it
     held = actions.copy()

@@ -113,7 +113,8 @@ class _WorkerSlot:
         self.chan: Any = None        # the direct Channel to its own listener (local backend)
         self.direct = False          # open requests were sent on ``chan``
         self.open: list = []         # requests sent and not fully answered: (msg, sent_at)
-        self.prefix: dict = {}       # (dtype, shape) of actions -> a Step frame's middle
+        self.prefix: dict = {}       # (dtype, shape) of actions -> (count, a Step frame's
+                                     # middle, its actions' start and end in the batch's bytes)
         self.reply: Optional[tuple] = None   # (header, layout) of its last compact reply's obs
         self.ready = False
         self.killed_for: Optional[str] = None
