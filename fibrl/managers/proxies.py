@@ -523,7 +523,8 @@ class AsyncProxy(BaseProxy):
                     kwds: Optional[dict] = None) -> ProxyHandle:
         line = self._object_line
         if line is None or line.broken or line.closed:
-            line = self._adopt_line()
+            # (a proxy on the hub stays there: no lock to take for every call)
+            line = None if self._on_hub is not None else self._adopt_line()
             if line is None:
                 return self._call_async(methodname, args, kwds)
         # one pickle for the whole call: a lone call's frame is then the plainest kind
