@@ -553,20 +553,25 @@ def test_objects_past_the_line_limit_go_through_the_hub(ctx, monkeypatch):
         assert [h.get(TIMEOUT) for h in [c.accumulate(2) for c in calcs]] == [2, 2, 2]
 
 
+def _first_calls_at_once(calcs: list) -> list:
+    """``add(1, 1)`` on each proxy, each from a thread of its own, all let go at once."""
+    start = threading.Barrier(len(calcs))
+
+    def first_call(calc):
+        start.wait(TIMEOUT)
+        return calc.add(1, 1).get(TIMEOUT)
+
+    with multiprocessing.pool.ThreadPool(len(calcs)) as threads:
+        return threads.map(first_call, calcs)
+
+
 def test_the_line_limit_holds_when_threads_connect_at_once(ctx, monkeypatch):
     from fibrl.managers import proxies
 
     monkeypatch.setattr(proxies, "OBJECT_LINES", 2)
     with AsyncCalcManager(ctx=ctx) as m:
         calcs = [m.Calc() for _ in range(8)]
-        start = threading.Barrier(len(calcs))
-
-        def first_call(calc):
-            start.wait(TIMEOUT)
-            return calc.add(1, 1).get(TIMEOUT)
-
-        with multiprocessing.pool.ThreadPool(len(calcs)) as threads:
-            assert threads.map(first_call, calcs) == [2] * len(calcs)
+        assert _first_calls_at_once(calcs) == [2] * len(calcs)
         assert sum(c._object_line is not None for c in calcs) == 2
 
 
@@ -579,14 +584,7 @@ def test_twin_proxies_connecting_at_once_below_the_limit_share_one_line(ctx, mon
         assert other.add(1, 1).get(TIMEOUT) == 2          # one of the two lines
         calc = m.Calc()
         twins = [calc] + [pickle.loads(pickle.dumps(calc)) for _ in range(3)]
-        start = threading.Barrier(len(twins))
-
-        def first_call(proxy):
-            start.wait(TIMEOUT)
-            return proxy.add(1, 1).get(TIMEOUT)
-
-        with multiprocessing.pool.ThreadPool(len(twins)) as threads:
-            assert threads.map(first_call, twins) == [2] * len(twins)
+        assert _first_calls_at_once(twins) == [2] * len(twins)
         assert all(p._on_hub is None for p in twins)
         assert len({id(p._object_line) for p in twins}) == 1
 
