@@ -24,6 +24,7 @@ Data flow of a call::
 """
 from __future__ import annotations
 
+import functools
 import multiprocessing
 import threading
 import time
@@ -498,6 +499,10 @@ class _ObjectLines:
 _object_lines = _ObjectLines()
 
 
+def _keep(mark: OnHub, _done: Handle) -> None:
+    """A call's done-callback that holds ``mark`` (bound to it) until the call is answered."""
+
+
 class AsyncProxy(BaseProxy):
     """A proxy whose method calls return a :class:`ProxyHandle` at once.
 
@@ -526,7 +531,13 @@ class AsyncProxy(BaseProxy):
             # (a proxy on the hub stays there: no lock to take for every call)
             line = None if self._on_hub is not None else self._adopt_line()
             if line is None:
-                return self._call_async(methodname, args, kwds)
+                handle = self._call_async(methodname, args, kwds)
+                mark = self._on_hub
+                if mark is not None:
+                    # the object stays on the hub until this call is answered, even if
+                    # this proxy and the handle are dropped: a twin's call cannot overtake
+                    handle._handle.add_done_callback(functools.partial(_keep, mark))
+                return handle
         # one pickle for the whole call: a lone call's frame is then the plainest kind
         request = serialization.encode((self._id, methodname, args, kwds))
         decrefs = take_decrefs(self._token.address)

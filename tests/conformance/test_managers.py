@@ -611,6 +611,31 @@ def test_an_object_on_the_hub_keeps_all_its_proxies_there(ctx, monkeypatch):
         assert twin._object_line is None and twin._on_hub is calc._on_hub
 
 
+def test_a_hub_call_still_running_keeps_its_object_on_the_hub(ctx, monkeypatch):
+    """The last proxy on the hub and its handles are dropped while its calls still wait
+    in the server: a twin that calls then goes through the hub too, after them."""
+    from fibrl.managers import proxies
+
+    monkeypatch.setattr(proxies, "OBJECT_LINES", 1)
+    with AsyncCalcManager(ctx=ctx) as m:
+        first = m.Calc()
+        assert first.add(1, 1).get(TIMEOUT) == 2          # the one line
+        rec = m.Recorder("hub-held")
+        twin = pickle.loads(pickle.dumps(rec))
+        rec.hold()                                         # through the hub; blocks the object
+        rec.add(1)
+        assert rec._on_hub is not None
+        del first, rec
+        gc.collect()
+        wait_until(lambda: not any(line.usable
+                                   for line in proxies._object_lines._lines.values()),
+                   "the first object's line to close")
+        twin.add(2)
+        assert twin._on_hub is not None and twin._object_line is None
+        assert m.Recorder("hub-held").open().get(TIMEOUT) is True
+        wait_until(lambda: twin.seen().get(TIMEOUT) == [1, 2], "both calls to run")
+
+
 def test_an_async_call_carries_the_decrefs_of_dropped_proxies(ctx):
     with AsyncCalcManager(ctx=ctx) as m:
         keep, drop = m.Calc(), m.Calc()
