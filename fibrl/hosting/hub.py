@@ -284,7 +284,7 @@ class HeldReplies:
 class FrameReplies(HeldReplies):
     """Replies to the calls of one frame that the peer's reader thread runs one after
     the other (a burst on a connection of one caller): sent as one frame once the
-    frame's calls are done (:meth:`Hub._on_frame`). A call that outlasts ``HOLD_S``
+    frame's calls are done (:meth:`Hub.dispatch_frame`). A call that outlasts ``HOLD_S``
     has the replies before it sent by a thread of their own: the timer thread never
     waits for a peer to read."""
 
@@ -656,7 +656,7 @@ class Client:
                         data = channel.recv_nowait()
                         if data is None:
                             break
-                        self._received(data)
+                        self.received(data)
         except (ChannelClosed, TransportError):
             pass
         except MemoryError:  # a frame larger than this process can hold
@@ -666,13 +666,15 @@ class Client:
         finally:
             self._on_lost()
 
-    def read_until(self, ready: Callable[[], bool], timeout: float) -> None:
+    def read_until(self, ready: Callable[[], bool], timeout: float,
+                   on_frame: Optional[Callable[[Frame], None]] = None) -> None:
         """Read the connection in this thread until ``ready()`` or ``timeout`` seconds,
         if no other thread reads it now; returns at once when one does (the caller
         then waits as usual: that thread handles what arrives). Whatever is read is
-        handled here, callbacks included (the caller must hold no lock they take)."""
+        handled here, callbacks included (the caller must hold no lock they take), by
+        ``on_frame`` if given (which hands what it does not handle to :meth:`received`)."""
         if not self.lost:
-            self._channel.read_here(ready, timeout, self._received)
+            self._channel.read_here(ready, timeout, on_frame or self.received)
 
     def wait(self, handle: Handle, timeout: float) -> bool:
         """``handle.wait(timeout)`` for a call on this connection, reading its reply in
@@ -681,7 +683,9 @@ class Client:
         self.read_until(handle.ready, timeout)
         return handle.wait(max(0.0, timeout - (time.monotonic() - start)))
 
-    def _received(self, data: Frame) -> None:
+    def received(self, data: Frame) -> None:
+        """Handle a frame of this connection: resolve the calls and run the streams it
+        answers (the reader thread does, or a thread in :meth:`read_until`)."""
         try:
             msg = unpack(data)
         except Exception:
@@ -893,7 +897,7 @@ class Hub:
             with self._listening:
                 if self._listener is None:
                     self._listener = self.settings.listener(
-                        self.secret, on_frame=self._on_frame,
+                        self.secret, on_frame=self.dispatch_frame,
                         on_lost=self._on_peer_lost, port=self.port,
                         shared=self.shared_peers)
         return self._listener.address
@@ -921,7 +925,9 @@ class Hub:
             return self._services.get(oid)
         return None
 
-    def _on_frame(self, peer: Peer, data: Frame) -> None:
+    def dispatch_frame(self, peer: Peer, data: Frame) -> None:
+        """Run the calls of one frame that ``peer`` sent (its reader thread does, or a
+        thread that waits while reading it: :meth:`wait_reading`)."""
         try:
             msg = unpack(data)
         except Exception as exc:  # an authenticated peer that sends garbage is broken
@@ -948,15 +954,18 @@ class Hub:
             if held is not None:
                 held.flush()
 
-    def wait_reading(self, handle: Handle, peer: Peer) -> None:
+    def wait_reading(self, handle: Handle, peer: Peer,
+                     on_frame: Optional[Callable[[Frame], None]] = None) -> None:
         """Wait for a local call's ``handle`` while reading ``peer``'s frames in this
         thread, when no other thread reads them (``transport._Reading``): the
         message that answers it then reaches this thread with no hand-over. Returns
         when it is answered, or as soon as this thread cannot read them (the caller
-        then waits as usual)."""
+        then waits as usual). ``on_frame``: what handles each frame read (default: the
+        hub's dispatch, as the peer's reader thread would)."""
         me = threading.get_ident()
         handle.add_done_callback(lambda _h: peer.wake(me))   # answered elsewhere
-        on_frame = functools.partial(self._on_frame, peer)
+        if on_frame is None:
+            on_frame = functools.partial(self.dispatch_frame, peer)
         while not handle.ready():
             if not peer.read_here(handle.ready, self.heartbeat_interval, on_frame):
                 return

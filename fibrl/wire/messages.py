@@ -35,7 +35,8 @@ from ..config import Config
 from ..errors import FrameError, RemoteObjectError, chain_remote
 from .serialization import OOB_THRESHOLD, Encoded, FramePart, dumps, dumps_parts, loads
 
-__all__ = ["Call", "Reply", "pack", "unpack", "COMPACT", "LONE_REPLY", "LONE_CALL",
+__all__ = ["Call", "Reply", "pack", "unpack", "one_way_head", "payload_reply_head", "COMPACT",
+           "LONE_REPLY", "LONE_CALL",
            "RemoteError", "WorkerStart", "MAIN_SOURCE", "blob", "wrap_raw", "wrap_args",
            "RAW_TYPES"]
 
@@ -288,6 +289,22 @@ def _lone(message: Any, kind: type) -> Any:
                          oid, method, data))
     except struct.error:   # a call id or a name that the header cannot hold
         return None
+
+
+def one_way_head(oid: str, method: str) -> bytes:
+    """The bytes that begin the lone frame of every one-way call of ``method`` to ``oid``
+    with one payload (the payload's bytes follow them): a receiver that waits for such
+    calls can recognize them without :func:`unpack`."""
+    name, op = oid.encode(), method.encode()
+    return _LONE_CALL.pack(LONE_CALL, 0, len(name), len(op)) + name + op
+
+
+def payload_reply_head(rid: int) -> bytes:
+    """The bytes that begin the lone frame of every successful reply to call ``rid`` that
+    carries one payload (its bytes follow them), such as a message a pipe's owner pushes
+    to its reader: a receiver that waits for those can recognize them without
+    :func:`unpack`."""
+    return _LONE_REPLY.pack(LONE_REPLY, rid, _OK | _PAYLOAD)
 
 
 def pack(message: "Call | Reply | list[Call] | list[Reply]") -> list[FramePart]:

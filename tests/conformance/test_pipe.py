@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import fibrl
+from conftest import join_all
 from fibrl.connection import wait
 
 TIMEOUT = 60
@@ -69,6 +70,29 @@ def test_eof_when_the_writer_closes_everywhere(ctx):
             got.append(r.recv())
     assert got == [1, 2, 3]
     p.join(TIMEOUT)
+
+
+def write_numbered(conn, tag, count):
+    for i in range(count):
+        conn.send((tag, i))
+
+
+def test_the_owner_reads_two_writers_each_in_order_until_eof(ctx):
+    """Two children write to the owner's end at once; the owner's recv() reads each
+    child's messages while it waits (one child's connection, then the other's): every
+    message arrives once, each writer's in order, then EOF."""
+    r, w = ctx.Pipe(duplex=False)
+    writers = [ctx.Process(target=write_numbered, args=(w, tag, 300)) for tag in "ab"]
+    for p in writers:
+        p.start()
+    w.close()
+    got: dict = {"a": [], "b": []}
+    with pytest.raises(EOFError):
+        while True:
+            tag, i = r.recv()
+            got[tag].append(i)
+    assert got == {"a": list(range(300)), "b": list(range(300))}
+    join_all(*writers)
 
 
 def test_one_way_pipe_rejects_wrong_direction():
