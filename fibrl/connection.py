@@ -42,13 +42,13 @@ import time
 import weakref
 from collections import deque
 from multiprocessing import BufferTooShort
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 from .wire import serialization
 from .hosting.hub import QuietCondition, drop_owner, get_hub, mark_pickled
 from .janitor import Finalizer
 from .hosting.mailbox import PipeBox, merge_puts, take
-from .wire.messages import blob
+from .wire.messages import blob, payload_reply_head
 from .wire.serialization import Encoded
 
 __all__ = ["Connection", "Pipe", "wait"]
@@ -400,12 +400,38 @@ class _Inbox:
             self.cond.release()
             try:
                 client.read_until(lambda: self._state() is not False or self.rid != rid,
-                                  interval)
+                                  interval, self._reading(client, rid))
             finally:
                 self.cond.acquire()
             if self._state() is not False or self.rid != rid:
                 return True
         return self.cond.wait(max(0.0, interval - (time.monotonic() - start)))
+
+    def _reading(self, client: Any, rid: int) -> Callable[[Any], None]:
+        """How :meth:`_wait` handles a frame it reads: a message the owner pushed on
+        subscription ``rid`` (a lone reply with a payload) goes straight into
+        :attr:`items`, as :meth:`_on_reply` would put it, without unpacking the frame and
+        looking up its stream; anything else, or a subscription that ended meanwhile,
+        goes through the client."""
+        head = payload_reply_head(rid)
+        size = len(head)
+        received = client.received
+
+        def on_frame(frame: Any) -> None:
+            if type(frame) is bytes and frame.startswith(head):
+                with self.lock:
+                    current = self.rid == rid
+                    if current:
+                        self.items.append(Encoded(frame[size:]))
+                        self.cond.notify_all()
+                        listeners = list(self.listeners) if self.listeners else ()
+                if current:
+                    for poke in listeners:
+                        poke()
+                    return
+            received(frame)
+
+        return on_frame
 
     def _pop(self) -> Any:
         if self.items:
