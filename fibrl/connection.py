@@ -265,6 +265,9 @@ def _rebuild(address: str, inbox: Optional[str], outbox: Optional[str]) -> Conne
     return conn
 
 
+_RELEASE_S = 5.0   # how long a closing reader waits for its subscription's release
+
+
 class _Inbox:
     """This process's end of a pipe direction whose owner (another process) pushes
     each message here: ``recv`` and ``poll`` wait on local state, not on the network.
@@ -355,7 +358,21 @@ class _Inbox:
             pass  # the owner is gone, and the pipe with it
 
     def unsubscribe(self) -> None:
+        """End the subscription (the last handle of this process closed), giving back
+        what was not read. A subscription in place is released by the owner (it sends
+        ``revoke`` after the messages already pushed here), so that those still on their
+        way when this runs come back too; waits up to ``_RELEASE_S`` for that."""
         with self.lock:
+            rid = self.rid
+            if rid > 0 and self.client is not None and not self.client.lost:
+                try:
+                    self.client.send(self.oid, "release", ())
+                except Exception:
+                    pass   # the owner is gone, and the pipe with it
+                else:
+                    self.cond.wait_for(lambda: self.rid != rid, _RELEASE_S)
+                    if self.rid != rid:
+                        return   # given back on the owner's revoke (see _on_reply)
             if self.rid != 0:
                 self._give_back()
 

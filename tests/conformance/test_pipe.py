@@ -95,6 +95,34 @@ def test_the_owner_reads_two_writers_each_in_order_until_eof(ctx):
     join_all(*writers)
 
 
+def read_one_then_close(conn, out, go):
+    out.put(conn.recv())    # subscribed: what is sent to this end is pushed here
+    go.get(timeout=TIMEOUT)
+    conn.close()            # its last handle here, while the owner keeps sending
+    out.put("closed")
+
+
+def test_a_reader_that_closes_its_end_gives_back_what_was_pushed_to_it(ctx):
+    """A child reading an end closes it while the owner sends: every message pushed to
+    the child, before its close or in flight during it, comes back to the end, which
+    another handle (here the parent's) reads afterwards, all of them in order."""
+    a, b = ctx.Pipe()
+    out, go = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=read_one_then_close, args=(b, out, go))
+    p.start()
+    a.send(-1)
+    assert out.get(timeout=TIMEOUT) == -1
+    go.put(None)
+    for i in range(5000):
+        a.send(i)
+    assert out.get(timeout=TIMEOUT) == "closed"
+    got = []
+    while b.poll(1.0):
+        got.append(b.recv())
+    assert got == list(range(5000))
+    join_all(p)
+
+
 def test_one_way_pipe_rejects_wrong_direction():
     r, w = fibrl.Pipe(duplex=False)
     assert r.readable and not r.writable and w.writable and not w.readable

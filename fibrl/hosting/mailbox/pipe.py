@@ -109,6 +109,19 @@ class PipeBox(Mailbox):
             self._flush()
             reply("ready")
 
+    def op_release(self, reply: ReplySink) -> None:
+        """The subscribed reader closes its end: take the subscription back as another
+        reader's request would (``revoke``, sent after every message pushed to it), so
+        that it gives back all it holds, the messages still on their way included;
+        nothing is handed out meanwhile."""
+        with self._lock:
+            sub = self._sub
+            if sub is not None and reply.peer is not None and sub.peer is reply.peer:
+                self._sub = None
+                if sub("revoke"):
+                    self._revoking.add(reply.peer.id)
+        reply(None)
+
     def op_giveback(self, reply: ReplySink, items: list[Any]) -> None:
         """A revoked or closing subscriber returns the messages it did not read."""
         with self._lock:
