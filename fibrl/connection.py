@@ -437,7 +437,7 @@ class _Inbox:
         def on_frame(frame: Any) -> None:
             if type(frame) is bytes and frame.startswith(head):
                 with self.lock:
-                    current = self.rid == rid
+                    current = self.rid == rid and self.client is client
                     if current:
                         self.items.append(Encoded(frame[size:]))
                         self.cond.notify_all()
