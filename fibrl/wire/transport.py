@@ -158,11 +158,9 @@ def _send_frame(sock: pynng.Socket, handle: Any,
     Parts are copied once, straight into nng's messages; they are never joined into
     an intermediate ``bytes`` (a large array is copied once on its way out, a piece at
     a time). The caller holds the connection's send lock: pieces of two frames must
-    not interleave.
+    not interleave. (The commonest frame, ``bytes`` of up to ``PIECE``, the caller
+    :meth:`_Reading.send` sends itself, without this call.)
     """
-    if type(frame) is bytes and len(frame) <= PIECE:   # the common case: no list made
-        check_err(_lib.nng_send(handle, frame, len(frame), 0))
-        return
     if type(frame) is not list:
         # (one part: mypy narrows on ``type(x) is list`` only where it holds)
         frame = [frame]  # type: ignore[list-item]
@@ -911,7 +909,7 @@ class _Reading:
             return   # a test's fault seam dropped, held or cut it (fibrl.wire.faults)
         try:
             with self._send_lock:
-                if type(frame) is bytes and len(frame) <= PIECE:   # (_send_frame's first case)
+                if type(frame) is bytes and len(frame) <= PIECE:   # the commonest frame
                     err = _lib.nng_send(self._handle, frame, len(frame), 0)
                     if err:
                         check_err(err)
