@@ -293,6 +293,7 @@ class _Inbox:
         self.eof = False
         self.error: Optional[BaseException] = None
         self.listeners: set = set()
+        self._reader_of: Optional[tuple] = None   # (client, rid, _wait's frame handler)
 
     @classmethod
     def use(cls, address: str, oid: str) -> "_Inbox":
@@ -430,6 +431,9 @@ class _Inbox:
         :attr:`items`, as :meth:`_on_reply` would put it, without unpacking the frame and
         looking up its stream; anything else, or a subscription that ended meanwhile,
         goes through the client."""
+        made = self._reader_of
+        if made is not None and made[0] is client and made[1] == rid:
+            return made[2]   # (the same subscription as last time: made once for it)
         head = payload_reply_head(rid)
         size = len(head)
         received = client.received
@@ -448,6 +452,7 @@ class _Inbox:
                     return
             received(frame)
 
+        self._reader_of = (client, rid, on_frame)
         return on_frame
 
     def _pop(self) -> Any:

@@ -46,7 +46,8 @@ class PipeBox(Mailbox):
     """
 
     _ordered = False  # one reader at a time: a giveback goes in front as it is
-    _put_head: Optional[bytes] = None   # how a frame of one of its writers' sends begins
+    # (peer, take_here's frame handler for it)
+    _reader_of: Optional[tuple[Peer, Callable[[Frame], None]]] = None
 
     def __init__(self) -> None:
         super().__init__(pipe_end=True)
@@ -185,9 +186,10 @@ class PipeBox(Mailbox):
         us warm); any other frame, or a put that ``op_put`` would not simply store (no
         reader left, a tally asked for), goes through the hub's dispatch. An error in
         storing it is logged, as the dispatch of a one-way call logs it."""
-        head = self._put_head
-        if head is None:
-            head = self._put_head = one_way_head(self.oid, "put")
+        made = self._reader_of
+        if made is not None and made[0] is peer:
+            return made[1]   # (the same writer as last time: made once for it)
+        head = one_way_head(self.oid, "put")
         size = len(head)
         dispatch = self.hub.dispatch_frame
 
@@ -208,6 +210,7 @@ class PipeBox(Mailbox):
                     return
             dispatch(peer, frame)
 
+        self._reader_of = (peer, on_frame)
         return on_frame
 
     def _put(self, reply: ReplySink, payload: Any, timeout: Optional[float]) -> None:
