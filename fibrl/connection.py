@@ -48,7 +48,7 @@ from .wire import serialization
 from .hosting.hub import QuietCondition, drop_owner, get_hub, mark_pickled
 from .janitor import Finalizer
 from .hosting.mailbox import PipeBox, merge_puts, take
-from .wire.messages import blob, payload_reply_head
+from .wire.messages import blob, one_way_head, payload_reply_head
 from .wire.serialization import Encoded
 
 __all__ = ["Connection", "Pipe", "wait"]
@@ -67,6 +67,7 @@ class Connection:
         self._finalizer: Optional[Finalizer] = None
         self._watch: Any = None  # a Handle answered when no reader is left: BrokenPipeError
         self._pushed: Optional[_Inbox] = None  # this process's inbox (reader elsewhere)
+        self._put_head: Optional[bytes] = None   # how each of its puts' frame begins
 
     # -- lifetime ----------------------------------------------------------------
     def _attach(self, adopt: bool = False) -> None:
@@ -184,7 +185,14 @@ class Connection:
             box.give(payload)  # type: ignore[attr-defined]
             return
         # inline: a pipe is used for request/response, where latency matters most
-        hub.client(self._address).send(outbox, "put", (payload,), inline=True)
+        client = hub.client(self._address)
+        if type(payload) is Encoded:
+            head = self._put_head
+            if head is None:
+                head = self._put_head = one_way_head(outbox, "put")
+            if client.send_lone(head, payload):
+                return
+        client.send(outbox, "put", (payload,), inline=True)
 
     # -- receiving -----------------------------------------------------------------
     def _get(self, inbox: str) -> Any:

@@ -47,6 +47,7 @@ import logging
 from _thread import allocate_lock as _allocate_lock
 from threading import TIMEOUT_MAX
 import os
+import struct
 import threading
 import time
 import weakref
@@ -60,7 +61,8 @@ from ..wire import serialization
 from ..config import Config
 from ..errors import ChannelClosed, RemoteObjectError, TransportError, object_gone, owner_gone
 from ..janitor import Finalizer
-from ..wire.messages import RAW_TYPES, Call, RemoteError, Reply, blob, pack, unpack, wrap_args
+from ..wire.messages import (RAW_TYPES, Call, RemoteError, Reply, blob, inline_payload, pack,
+                             payload_reply_head, unpack, wrap_args)
 from ..wire.serialization import Encoded, FramePart
 from ..timers import Timers
 
@@ -306,8 +308,16 @@ def _frame(messages: list[Call] | list[Reply]) -> list[FramePart]:
     return pack(messages[0] if len(messages) == 1 else messages)
 
 
+def _lone_reply_head(rid: int) -> bytes:
+    """``payload_reply_head(rid)``; empty for a call id that a lone frame cannot carry."""
+    try:
+        return payload_reply_head(rid)
+    except struct.error:
+        return b""
+
+
 class _PeerReply(ReplySink):
-    __slots__ = ("rid", "holder", "lone")
+    __slots__ = ("rid", "holder", "lone", "head")
     peer: Peer
 
     def __init__(self, peer: Peer, rid: int, lone: bool) -> None:
@@ -315,6 +325,7 @@ class _PeerReply(ReplySink):
         self.rid = rid
         self.holder: Optional[HeldReplies] = None  # set: the reply waits there (see above)
         self.lone = lone   # its call came alone in its frame, not in a burst
+        self.head: Optional[bytes] = None   # how its lone payload replies begin (made once)
 
     @property
     def wanted(self) -> bool:  # type: ignore[override]
@@ -345,6 +356,21 @@ class _PeerReply(ReplySink):
         if self.rid == 0:
             return True
         kind = type(value)
+        if kind is Encoded and self.holder is None:
+            # the commonest on a stream (a pushed message or queue item): its lone frame,
+            # built here without the Reply that pack() would make of it
+            data = inline_payload(value)
+            head = self.head
+            if head is None:
+                head = self.head = _lone_reply_head(self.rid)
+            if head and data is not None:
+                if self.peer.closed:
+                    return False
+                try:
+                    self.peer.send(head + data)
+                    return True
+                except ChannelClosed:
+                    return False
         if kind is Encoded or kind in RAW_TYPES:
             return self._send(Reply(self.rid, True, blob(value)))
         if value is None or kind in _PLAIN:
@@ -563,6 +589,28 @@ class Client:
         if self.lost:
             raise self._lost_error()
         self._submit(Call(0, oid, method, wrap_args(args)), inline=inline)
+
+    def send_lone(self, head: bytes, payload: Encoded) -> bool:
+        """Send the one-way call whose lone frame begins with ``head`` (see
+        :func:`~fibrl.wire.messages.one_way_head`) and carries ``payload``, from this
+        thread, as ``send(..., inline=True)`` would: the same frame, without building
+        the message. False when it must take :meth:`send` (something is queued or being
+        sent, the payload travels out of band, the connection is lost)."""
+        data = inline_payload(payload)
+        if data is None:
+            return False
+        with self._lock:
+            if self._outbox or self._sending or self.lost:
+                return False
+            self._sending = True
+            self.one_way_sent += 1
+        try:
+            self._channel.send(head + data)
+        except ChannelClosed:
+            self._on_lost()
+        finally:
+            self._done_sending()
+        return True
 
     def _submit(self, call: Call, inline: bool) -> None:
         borrowed = False

@@ -35,7 +35,8 @@ from ..config import Config
 from ..errors import FrameError, RemoteObjectError, chain_remote
 from .serialization import OOB_THRESHOLD, Encoded, FramePart, dumps, dumps_parts, loads
 
-__all__ = ["Call", "Reply", "pack", "unpack", "one_way_head", "payload_reply_head", "COMPACT",
+__all__ = ["Call", "Reply", "pack", "unpack", "one_way_head", "payload_reply_head",
+           "inline_payload", "COMPACT",
            "LONE_REPLY", "LONE_CALL",
            "RemoteError", "WorkerStart", "MAIN_SOURCE", "blob", "wrap_raw", "wrap_args",
            "RAW_TYPES"]
@@ -219,9 +220,9 @@ def _plain(value: Any) -> bool:
     return False
 
 
-def _inline(payload: Encoded) -> Any:
-    """The bytes of ``payload`` to embed in a compact frame, or None when it must travel
-    out of band (it has buffers, or it is large)."""
+def inline_payload(payload: Encoded) -> Any:
+    """The bytes of ``payload`` to embed in a compact or lone frame, or None when it must
+    travel out of band (it has buffers, or it is large)."""
     data = payload.data
     if payload.buffers or len(data) >= OOB_THRESHOLD:
         return None
@@ -240,7 +241,7 @@ def _compact(message: Any) -> Any:
         return None
     if len(values) == 1 and type(values[0]) is Encoded:
         # the commonest: one payload alone (a put, a pushed message, a call's result)
-        data = _inline(values[0])
+        data = inline_payload(values[0])
         if data is None:
             return None
         if kind is Reply:
@@ -250,7 +251,7 @@ def _compact(message: Any) -> Any:
     for i, value in enumerate(values):
         kind_of = type(value)
         if kind_of is Encoded:
-            value = _inline(value)
+            value = inline_payload(value)
             if value is None:
                 return None
             mask |= 1 << i
@@ -269,7 +270,7 @@ def _lone(message: Any, kind: type) -> Any:
         if kind is Reply:
             value = message.value
             if type(value) is Encoded:
-                data, flags = _inline(value), _PAYLOAD
+                data, flags = inline_payload(value), _PAYLOAD
                 if data is None:
                     return None
             elif type(value) is bytes and len(value) < OOB_THRESHOLD:
@@ -281,7 +282,7 @@ def _lone(message: Any, kind: type) -> Any:
         args = message.args
         if len(args) != 1 or type(args[0]) is not Encoded:
             return None
-        data = _inline(args[0])
+        data = inline_payload(args[0])
         if data is None:
             return None
         oid, method = message.oid.encode(), message.method.encode()
