@@ -301,7 +301,7 @@ class _Inbox:
         self.eof = False
         self.error: Optional[BaseException] = None
         self.listeners: set = set()
-        self._reader_of: Optional[tuple] = None   # (client, rid, _wait's frame handler)
+        self._reader_of: Optional[tuple] = None   # (client, rid, _reading's pair for them)
 
     @classmethod
     def use(cls, address: str, oid: str) -> "_Inbox":
@@ -401,10 +401,9 @@ class _Inbox:
             hub = get_hub()
             revokes = self.revokes
             while True:
-                state = self._state()
-                if state:
+                if self.items or self.eof or self.error is not None:
                     return self._pop()
-                if state is None:
+                if self.rid == 0:
                     if self.revokes != revokes:
                         break  # another reader took it meanwhile: queue up with a get
                     self._subscribe()
@@ -423,28 +422,33 @@ class _Inbox:
         interval, start = hub.heartbeat_interval, time.monotonic()
         rid, client = self.rid, self.client
         if rid > 0 and client is not None:
+            ready, on_frame = self._reading(client, rid)
             self.cond.release()
             try:
-                client.read_until(lambda: self._state() is not False or self.rid != rid,
-                                  interval, self._reading(client, rid))
+                client.read_until(ready, interval, on_frame)
             finally:
                 self.cond.acquire()
-            if self._state() is not False or self.rid != rid:
+            if ready():
                 return True
         return self.cond.wait(max(0.0, interval - (time.monotonic() - start)))
 
-    def _reading(self, client: Any, rid: int) -> Callable[[Any], None]:
-        """How :meth:`_wait` handles a frame it reads: a message the owner pushed on
-        subscription ``rid`` (a lone reply with a payload) goes straight into
-        :attr:`items`, as :meth:`_on_reply` would put it, without unpacking the frame and
-        looking up its stream; anything else, or a subscription that ended meanwhile,
-        goes through the client."""
+    def _reading(self, client: Any, rid: int) -> tuple[Callable[[], Any], Callable[[Any], None]]:
+        """``(ready, on_frame)`` for :meth:`_wait` on subscription ``rid``: whether news
+        came (a message, EOF, an error, the subscription ended), and how a frame read is
+        handled: a message the owner pushed on ``rid`` (a lone reply with a payload) goes
+        straight into :attr:`items`, as :meth:`_on_reply` would put it, without unpacking
+        the frame and looking up its stream; anything else, or a subscription that ended
+        meanwhile, goes through the client."""
         made = self._reader_of
         if made is not None and made[0] is client and made[1] == rid:
             return made[2]   # (the same subscription as last time: made once for it)
         head = payload_reply_head(rid)
         size = len(head)
         received = client.received
+        items = self.items
+
+        def ready() -> Any:
+            return items or self.eof or self.error is not None or self.rid != rid
 
         def on_frame(frame: Any) -> None:
             if type(frame) is bytes and frame.startswith(head):
@@ -460,8 +464,8 @@ class _Inbox:
                     return
             received(frame)
 
-        self._reader_of = (client, rid, on_frame)
-        return on_frame
+        self._reader_of = (client, rid, (ready, on_frame))
+        return ready, on_frame
 
     def _pop(self) -> Any:
         if self.items:

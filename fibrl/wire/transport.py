@@ -342,9 +342,10 @@ class _Aio:
             _lib.nng_aio_cancel(aio)   # (this thread: the receive is posted, or done)
         _lib.nng_aio_wait(aio)
         err = _lib.nng_aio_result(aio)
-        if err in _AIO_TIMEOUT:
-            return None   # (ended by its cancel or its timeout: nng is done with the aio)
-        check_err(err)
+        if err:
+            if err in _AIO_TIMEOUT:
+                return None   # (ended by its cancel or its timeout: nng is done with the aio)
+            check_err(err)
         msg = _lib.nng_aio_get_msg(aio)
         _lib.nng_aio_set_msg(aio, _ffi.NULL)
         if self.cancelled or msg == _ffi.NULL:
