@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import queue
+from threading import get_ident
 from collections import deque
 from collections.abc import Hashable
 from typing import TYPE_CHECKING, Any, Callable, Optional
@@ -171,11 +172,17 @@ class PipeBox(Mailbox):
                 return self._popleft()[0]
             else:
                 handle, feeder = Handle(), self.feeder
-                self._getters.append(_Parked(LocalReply(handle)))
+                if feeder is None:
+                    self._getters.append(_Parked(LocalReply(handle)))
+                else:
+                    self._getters.append(_Parked(_Woken(handle, feeder, get_ident())))
         if handle is None:
             return take(self.hub, None, self.oid, None)
-        if feeder is not None:
-            self.hub.wait_reading(handle, feeder, self._reading(feeder))
+        if feeder is not None:   # (as Hub.wait_reading, the answer waking this reader)
+            ready, interval, on_frame = handle.ready, self.hub.heartbeat_interval, \
+                self._reading(feeder)
+            while not ready() and feeder.read_here(ready, interval, on_frame):
+                pass
         return handle.get()
 
     def _reading(self, peer: Peer) -> Callable[[Frame], None]:
@@ -296,6 +303,29 @@ class PipeBox(Mailbox):
 
             sub.fail(object_gone(self.oid, "its process", "closed"))
         super().closed()
+
+
+class _Woken(LocalReply):
+    """The answer to :meth:`PipeBox.take_here`'s get, which also ends the wait of the
+    thread reading ``peer``'s frames meanwhile (``reader``) when another thread
+    answers it."""
+
+    __slots__ = ("reader", "waker")
+
+    def __init__(self, handle: Handle, peer: Peer, reader: int) -> None:
+        super().__init__(handle)
+        self.reader = reader
+        self.waker = peer.wake
+
+    def __call__(self, value: Any = None) -> bool:
+        self.handle._resolve(True, value)
+        self.waker(self.reader)   # (nothing to do when the reader itself answers)
+        return True
+
+    def fail(self, exc: BaseException) -> bool:
+        super().fail(exc)
+        self.waker(self.reader)
+        return True
 
 
 def _take_one(counts: dict[Hashable, int], owner: Hashable) -> None:
