@@ -68,6 +68,10 @@ class Connection:
         self._watch: Any = None  # a Handle answered when no reader is left: BrokenPipeError
         self._pushed: Optional[_Inbox] = None  # this process's inbox (reader elsewhere)
         self._put_head: Optional[bytes] = None   # how each of its puts' frame begins
+        # where its messages go, found once: (the PipeBox written, when this process owns
+        # it, else the connection to its owner), and the PipeBox read (owner only)
+        self._out: tuple[Optional[PipeBox], Any] = (None, None)
+        self._box_in: Optional[PipeBox] = None
 
     # -- lifetime ----------------------------------------------------------------
     def _attach(self, adopt: bool = False) -> None:
@@ -176,16 +180,16 @@ class Connection:
                 f"[Errno 32] Broken pipe: every reader of {self!r} was closed or its process "
                 f"died; nothing can read what is sent. Keep a reader open (do not close the "
                 f"other end, or end the process holding it) while sending.")
-        hub = get_hub()
-        box = hub.local_service(self._address, outbox)
+        box, client = self._out
+        if (box is None or box.retired) and (client is None or client.lost):
+            box, client = self._out = _route(self._address, outbox)
         if box is not None:   # this process owns the pipe: no call, no reply
             if type(payload) is Encoded:
                 payload.own()  # the pipe may keep it: the caller may change the original
-            # (a PipeBox, as Pipe() made it; a cast would cost a call per message)
-            box.give(payload)  # type: ignore[attr-defined]
+            box.give(payload)
             return
         # inline: a pipe is used for request/response, where latency matters most
-        client = hub.client(self._address)
+        assert client is not None   # (see _route)
         if type(payload) is Encoded:
             head = self._put_head
             if head is None:
@@ -198,12 +202,14 @@ class Connection:
     def _get(self, inbox: str) -> Any:
         if self._pushed is not None:
             return self._pushed.take()
-        hub = get_hub()
-        box = hub.local_service(self._address, inbox)
-        if box is not None:
-            # (a PipeBox, as Pipe() made it; a cast would cost a call per message)
-            return box.take_here()  # type: ignore[attr-defined]
-        return take(hub, self._address, inbox, None)
+        box = self._box_in
+        if box is None or box.retired:
+            hub = get_hub()
+            # (a PipeBox, as Pipe() made it; a cast would cost a call)
+            box = self._box_in = hub.local_service(self._address, inbox)  # type: ignore
+            if box is None:
+                return take(hub, self._address, inbox, None)
+        return box.take_here()
 
     def recv(self) -> Any:
         """Receive an object sent with :meth:`send`; ``EOFError`` when the other end closed."""
@@ -239,6 +245,17 @@ class Connection:
         if self._pushed is not None:
             return self._pushed.poll(timeout)
         return get_hub().call(self._address, inbox, "poll", timeout)
+
+
+def _route(address: str, oid: str) -> tuple[Optional[PipeBox], Any]:
+    """``(box, None)`` when this process hosts the pipe direction ``oid`` (its PipeBox),
+    else ``(None, client)``: the connection to its owner at ``address``."""
+    hub = get_hub()
+    box = hub.local_service(address, oid)
+    if box is not None:
+        # (a PipeBox, as Pipe() made it)
+        return box, None   # type: ignore[return-value]
+    return None, hub.client(address)
 
 
 def _detach(address: str, inbox: Optional[str], outbox: Optional[str]) -> None:

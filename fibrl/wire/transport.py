@@ -264,6 +264,7 @@ _GONE = select.POLLHUP | select.POLLERR | select.POLLNVAL   # a polled descripto
 # Closing a socket wakes a thread that polls its descriptor; this bounds the wait anyway.
 _POLL_MS = 5000
 _AIO_TIMEOUT = {_lib.NNG_ETIMEDOUT, _lib.NNG_ECANCELED}
+_NULL = _ffi.NULL
 
 
 def _recv_frame_nowait(sock: pynng.Socket) -> Optional[Frame]:
@@ -321,42 +322,45 @@ class _Aio:
             # drop the frame that the receive in progress got; a spare one is used.
             return _reentered(self, sock, timeout, ready)
         self.busy = True
+        aio = self.aio
         try:
-            return self._recv(sock, timeout, ready)
+            # The aio keeps pointing at the message it last received, which the caller
+            # has freed since: a receive that ends with no error and no message (nng
+            # ends one so at times when a peer is killed) must not hand that one out.
+            _lib.nng_aio_set_msg(aio, _NULL)
+            _lib.nng_aio_set_timeout(aio, -1 if timeout is None
+                                     else max(1, int(timeout * 1000)))
+            with self.posting:
+                self.cancelled = False
+                _lib.nng_recv_aio(sock.socket, aio)
+            if ready is not None and ready():
+                self.cancelled = True
+                _lib.nng_aio_cancel(aio)   # (this thread: the receive is posted, or done)
+            _lib.nng_aio_wait(aio)
+            err = _lib.nng_aio_result(aio)
+            if err:
+                if err in _AIO_TIMEOUT:
+                    return None   # (ended by its cancel or timeout: nng is done with the aio)
+                check_err(err)
+            msg = _lib.nng_aio_get_msg(aio)
+            _lib.nng_aio_set_msg(aio, _NULL)
+            if self.cancelled or msg == _NULL:
+                self._retire()
+                if msg == _NULL:
+                    return None   # nothing came (the caller asks again unless it has what
+                                  # it waits for)
         finally:
             self.busy = False
-
-    def _recv(self, sock: pynng.Socket, timeout: Optional[float],
-              ready: Optional[Callable[[], bool]]) -> Optional[Frame]:
-        aio = self.aio
-        # The aio keeps pointing at the message it last received, which the caller has
-        # freed since: a receive that ends with no error and no message (nng ends one so
-        # at times when a peer is killed) must not hand that one out again.
-        _lib.nng_aio_set_msg(aio, _ffi.NULL)
-        _lib.nng_aio_set_timeout(aio, -1 if timeout is None else max(1, int(timeout * 1000)))
-        with self.posting:
-            self.cancelled = False
-            _lib.nng_recv_aio(sock.socket, aio)
-        if ready is not None and ready():
-            self.cancelled = True
-            _lib.nng_aio_cancel(aio)   # (this thread: the receive is posted, or done)
-        _lib.nng_aio_wait(aio)
-        err = _lib.nng_aio_result(aio)
-        if err:
-            if err in _AIO_TIMEOUT:
-                return None   # (ended by its cancel or its timeout: nng is done with the aio)
-            check_err(err)
-        msg = _lib.nng_aio_get_msg(aio)
-        _lib.nng_aio_set_msg(aio, _ffi.NULL)
-        if self.cancelled or msg == _ffi.NULL:
-            self._retire()
-        if msg == _ffi.NULL:
-            return None   # nothing came (the caller asks again unless it has what it waits for)
         size = _lib.nng_msg_len(msg)
+        if size >= ZERO_COPY_MIN or size == _LARGE.size:
+            return _frame_of(sock, msg, size)
         if not size:
             _drop_empty(msg)
             return None   # (the caller asks again unless what it waits for happened)
-        return _frame_of(sock, msg, size)
+        # the common case, as _frame_of has it, without its call (see _recv_frame)
+        data: bytes = _ffi.unpack(_ffi.cast("char *", _lib.nng_msg_body(msg)), size)
+        _lib.nng_msg_free(msg)
+        return data
 
     def cancel(self) -> None:
         """End the receive this aio waits for now, if any (from any thread)."""
@@ -866,7 +870,7 @@ class _Reading:
         thread would, until ``ready()`` (whichever thread makes it true elsewhere calls
         :func:`wake_reader`) or ``timeout`` seconds. Returns False at once when another
         thread reads now. A broken socket is closed (the reader thread reports it)."""
-        if ready() or self.closed or not self.shared or not self.lead.acquire(False):
+        if self.closed or not self.shared or not self.lead.acquire(False):
             return False
         me = threading.get_ident()
         aio = _thread_aio()

@@ -177,7 +177,7 @@ class Mailbox(SharedService):
         self._last_push = 0.0
         self._sender: Optional[threading.Thread] = None
         self._sender_wake: Optional[threading.Event] = None
-        self._retired = False
+        self.retired = False   # closed: no longer hosted (see closed())
 
     # -- helpers ---------------------------------------------------------------
     def _park(self, where: MutableSequence[_Parked], parked: _Parked, timeout: Optional[float],
@@ -424,7 +424,7 @@ class Mailbox(SharedService):
             wake.set()
 
     def _send_loop(self, wake: threading.Event) -> None:
-        while not self._retired:
+        while not self.retired:
             wake.wait()
             wake.clear()
             time.sleep(0)  # let a producer that is putting add more to this frame
@@ -797,7 +797,7 @@ class Mailbox(SharedService):
         from ...errors import object_gone
 
         err = object_gone(self.oid, "its process", "closed")
-        self._retired = True
+        self.retired = True
         if self._sender_wake is not None:
             self._sender_wake.set()
         with self._lock:
