@@ -156,7 +156,9 @@ class Connection:
     # -- sending -------------------------------------------------------------------
     def send(self, obj: Any) -> None:
         """Send a picklable object to the other end."""
-        outbox = self._check_writable()
+        outbox = self._outbox
+        if self._closed or outbox is None:
+            outbox = self._check_writable()   # (raises)
         self._put(outbox, serialization.encode(obj))
 
     def send_bytes(self, buf: Any, offset: int = 0, size: Optional[int] = None) -> None:
@@ -213,7 +215,11 @@ class Connection:
 
     def recv(self) -> Any:
         """Receive an object sent with :meth:`send`; ``EOFError`` when the other end closed."""
-        return serialization.loads(self._get(self._check_readable()))
+        inbox = self._inbox
+        if self._closed or inbox is None:
+            inbox = self._check_readable()   # (raises)
+        payload = self._get(inbox)
+        return payload.load() if type(payload) is Encoded else serialization.loads(payload)
 
     def recv_bytes(self, maxlength: Optional[int] = None) -> bytes:
         """Receive one message as bytes; ``OSError`` if it is longer than ``maxlength``."""
