@@ -131,14 +131,17 @@ class BaseProxy:
     # -- calls ---------------------------------------------------------------------------
     def _callmethod(self, methodname: str, args: tuple = (), kwds: Optional[dict] = None) -> Any:
         """Call ``methodname`` of the managed object and return its result."""
-        payload = _payload(args, kwds)
         address = self._address()
         if self._server is not None:
             data = self._server.hub.call(address, MANAGER_OID, "call", self._id, methodname,
-                                         payload, take_decrefs(address))
+                                         _payload(args, kwds), take_decrefs(address))
         else:
-            data = line_for(address, bytes(self._authkey)).call(
-                "call", self._id, methodname, payload, take_decrefs(address))
+            # one pickle for the whole call: a lone call's frame is then the plainest kind
+            request = serialization.encode((self._id, methodname, args, kwds))
+            line = line_for(address, bytes(self._authkey))
+            decrefs = take_decrefs(address)
+            data = (line.call("scall", request, decrefs) if decrefs
+                    else line.call("scall", request))
         return self._decode(data)
 
     def _call_async(self, methodname: str, args: tuple = (),

@@ -405,9 +405,10 @@ class ManagerService(Service):
                 f"{self.server.address}: its last proxy was garbage-collected.")
         return entry
 
-    def op_call(self, reply: ReplySink, ident: str, method: str, payload: bytes,
+    def op_call(self, reply: ReplySink, ident: str, method: str, payload: Any,
                 decrefs: tuple = ()) -> None:
-        """A synchronous proxy call (runs here on a dedicated line)."""
+        """A synchronous proxy call (runs here on a dedicated line); ``payload``: the
+        pickled ``(args, kwds)``, or the tuple itself."""
         if decrefs:
             self._decref_all(decrefs)
         if not self._inline(reply):
@@ -433,6 +434,15 @@ class ManagerService(Service):
                                                  self.overtime)
         lane.submit(reply, lambda r: self._exclusive(r, ident, method, payload))
 
+    def op_scall(self, reply: ReplySink, request: Any, decrefs: tuple = ()) -> None:
+        """A synchronous proxy call (:meth:`op_call`) whose ``request`` is the pickled
+        ``(ident, method, args, kwds)``: one pickle, and a frame of the plainest kind."""
+        if decrefs:
+            self._decref_all(decrefs)
+        call = _request(reply, request)
+        if call is not None:
+            self.op_call(reply, *call)
+
     def op_acall(self, reply: ReplySink, request: Any, decrefs: tuple = ()) -> None:
         """An asynchronous proxy call on its object's own line, ``request`` the pickled
         ``(ident, method, args, kwds)`` (one pickle, and a frame of the plainest kind):
@@ -440,15 +450,12 @@ class ManagerService(Service):
         ``exclusive`` lock)."""
         if decrefs:
             self._decref_all(decrefs)
-        try:
-            ident, method, args, kwds = serialization.loads(request)
-        except Exception as exc:
-            reply.fail(exc)
+        call = _request(reply, request)
+        if call is None:
             return
-        call = (args, kwds or {})
         if not reply.lone:   # one of a burst: its reply goes in one frame with theirs
             reply.hold(self.hub.timers, FrameReplies)
-        self._exclusive(reply, ident, method, call)
+        self._exclusive(reply, *call)
 
     def _exclusive(self, reply: ReplySink, ident: str, method: str, payload: Any) -> None:
         """Run an asynchronous call holding the object's lock, then send its reply after
@@ -488,6 +495,17 @@ class ManagerService(Service):
         elif isinstance(result, _VIEWS):
             result = list(result)
         return serialization.encode(result)  # sent before the reply returns: no copy
+
+
+def _request(reply: ReplySink, request: Any) -> Optional[tuple[str, str, tuple]]:
+    """``(ident, method, (args, kwds))`` of a call that came as one pickle of ``(ident,
+    method, args, kwds)``; None when it cannot be unpickled (``reply`` says why)."""
+    try:
+        ident, method, args, kwds = serialization.loads(request)
+    except Exception as exc:
+        reply.fail(exc)
+        return None
+    return ident, method, (args, kwds or {})
 
 
 _FALLBACKS: dict[str, Callable[[Any], Any]] = {
