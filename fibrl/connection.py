@@ -185,6 +185,7 @@ class Connection:
         box, client = self._out
         if (box is None or box.retired) and (client is None or client.lost):
             box, client = self._out = _route(self._address, outbox)
+            _routed.add(self)
         if box is not None:   # this process owns the pipe: no call, no reply
             if type(payload) is Encoded:
                 payload.own()  # the pipe may keep it: the caller may change the original
@@ -211,6 +212,7 @@ class Connection:
             box = self._box_in = hub.local_service(self._address, inbox)  # type: ignore
             if box is None:
                 return take(hub, self._address, inbox, None)
+            _routed.add(self)
         return box.take_here()
 
     def recv(self) -> Any:
@@ -251,6 +253,21 @@ class Connection:
         if self._pushed is not None:
             return self._pushed.poll(timeout)
         return get_hub().call(self._address, inbox, "poll", timeout)
+
+
+# Connections that keep where their messages go (see _put, _get): a forked child
+# forgets that, as it forgets the parent's hub (the boxes and connections it found were
+# the parent's)
+_routed: "weakref.WeakSet[Connection]" = weakref.WeakSet()
+
+
+def _forget_routes_in_child() -> None:
+    for conn in list(_routed):
+        conn._out, conn._box_in = (None, None), None
+    _routed.clear()
+
+
+os.register_at_fork(after_in_child=_forget_routes_in_child)
 
 
 def _route(address: str, oid: str) -> tuple[Optional[PipeBox], Any]:

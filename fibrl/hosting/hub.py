@@ -346,8 +346,13 @@ class _PeerReply(ReplySink):
                 reply.value.own()  # sent later: the service may change the objects it views
             self.holder.add(reply)
             return True
+        return self._send_frame(pack(reply))
+
+    def _send_frame(self, frame: Any) -> bool:
+        if self.peer.closed:
+            return False
         try:
-            self.peer.send(pack(reply))
+            self.peer.send(frame)
             return True
         except ChannelClosed:
             return False
@@ -364,13 +369,7 @@ class _PeerReply(ReplySink):
             if head is None:
                 head = self.head = _lone_reply_head(self.rid)
             if head and data is not None:
-                if self.peer.closed:
-                    return False
-                try:
-                    self.peer.send(head + data)
-                    return True
-                except ChannelClosed:
-                    return False
+                return self._send_frame(head + data)
         if kind is Encoded or kind in RAW_TYPES:
             return self._send(Reply(self.rid, True, blob(value)))
         if value is None or kind in _PLAIN:
@@ -605,9 +604,7 @@ class Client:
             self._sending = True
             self.one_way_sent += 1
         try:
-            self._channel.send(head + data)
-        except ChannelClosed:
-            self._on_lost()
+            self._transmit_frame(head + data)
         finally:
             self._done_sending()
         return True
@@ -673,8 +670,11 @@ class Client:
                 self._done_sending()
 
     def _transmit(self, calls: list[Call]) -> None:
+        self._transmit_frame(_frame(calls))
+
+    def _transmit_frame(self, frame: Any) -> None:
         try:
-            self._channel.send(_frame(calls))
+            self._channel.send(frame)
         except ChannelClosed:
             self._on_lost()
 
@@ -1003,15 +1003,18 @@ class Hub:
                 held.flush()
 
     def wait_reading(self, handle: Handle, peer: Peer,
-                     on_frame: Optional[Callable[[Frame], None]] = None) -> None:
+                     on_frame: Optional[Callable[[Frame], None]] = None,
+                     woken: bool = False) -> None:
         """Wait for a local call's ``handle`` while reading ``peer``'s frames in this
         thread, when no other thread reads them (``transport._Reading``): the
         message that answers it then reaches this thread with no hand-over. Returns
         when it is answered, or as soon as this thread cannot read them (the caller
         then waits as usual). ``on_frame``: what handles each frame read (default: the
-        hub's dispatch, as the peer's reader thread would)."""
-        me = threading.get_ident()
-        handle.add_done_callback(lambda _h: peer.wake(me))   # answered elsewhere
+        hub's dispatch, as the peer's reader thread would); ``woken``: what answers the
+        handle wakes this thread itself (``peer.wake``), so no callback is added."""
+        if not woken:
+            me = threading.get_ident()
+            handle.add_done_callback(lambda _h: peer.wake(me))   # answered elsewhere
         if on_frame is None:
             on_frame = functools.partial(self.dispatch_frame, peer)
         while not handle.ready():

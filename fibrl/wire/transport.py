@@ -873,7 +873,7 @@ class _Reading:
         if self.closed or not self.shared or not self.lead.acquire(False):
             return False
         me = threading.get_ident()
-        aio = getattr(_aios, "aio", None) or _thread_aio()
+        aio = _thread_aio()
         with _waiting_lock:
             # (a frame handler of an outer read_here of this thread may read here too:
             # the same aio, entered once, left by the outer call)

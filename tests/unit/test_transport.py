@@ -166,7 +166,7 @@ def test_a_waiting_thread_reads_a_peers_frames_in_order_with_the_reader_thread()
 
         def ready():
             asked.append(1)
-            if len(asked) == 2:   # (the first call comes before read_here takes the lead)
+            if len(asked) == 2:   # (the loop's first test, then the one after posting)
                 sender.start()
             return len(handled) >= 100
 

@@ -178,11 +178,8 @@ class PipeBox(Mailbox):
                     self._getters.append(_Parked(_Woken(handle, feeder, get_ident())))
         if handle is None:
             return take(self.hub, None, self.oid, None)
-        if feeder is not None:   # (as Hub.wait_reading, the answer waking this reader)
-            ready, interval, on_frame = handle.ready, self.hub.heartbeat_interval, \
-                self._reading(feeder)
-            while not ready() and feeder.read_here(ready, interval, on_frame):
-                pass
+        if feeder is not None:   # (the answer wakes this reader: see _Woken)
+            self.hub.wait_reading(handle, feeder, self._reading(feeder), woken=True)
         return handle.get()
 
     def _reading(self, peer: Peer) -> Callable[[Frame], None]:
@@ -293,6 +290,7 @@ class PipeBox(Mailbox):
             self._flush()
 
     def closed(self) -> None:
+        self.retired = True   # (first: a Connection that kept this box finds it retired)
         with self._lock:
             watchers, self._watchers = self._watchers, []
             sub, self._sub = self._sub, None
