@@ -387,10 +387,15 @@ class _Inbox:
                 self.revokes += 1
             else:
                 self.items.append(value)
-            self.cond.notify_all()
-            listeners = list(self.listeners) if self.listeners else ()
+            listeners = self._news()
         for poke in listeners:
             poke()
+
+    def _news(self) -> tuple:
+        """Wake this inbox's waiters (cond held); the ``wait()`` listeners to poke once
+        the lock is let go."""
+        self.cond.notify_all()
+        return tuple(self.listeners) if self.listeners else ()
 
     def _give_back(self) -> None:
         """End the subscription and return what was not read, in order (cond held)."""
@@ -496,8 +501,7 @@ class _Inbox:
                     current = self.rid == rid and self.client is client
                     if current:
                         self.items.append(Encoded(frame[size:]))
-                        self.cond.notify_all()
-                        listeners = list(self.listeners) if self.listeners else ()
+                        listeners = self._news()
                 if current:
                     for poke in listeners:
                         poke()

@@ -364,11 +364,11 @@ class _PeerReply(ReplySink):
         if kind is Encoded and self.holder is None:
             # the commonest on a stream (a pushed message or queue item): its lone frame,
             # built here without the Reply that pack() would make of it
-            data = inline_payload(value)
             head = self.head
             if head is None:
                 head = self.head = _lone_reply_head(self.rid)
-            if head and data is not None:
+            data = inline_payload(value) if head else None
+            if data is not None:
                 return self._send_frame(head + data)
         if kind is Encoded or kind in RAW_TYPES:
             return self._send(Reply(self.rid, True, blob(value)))
