@@ -170,7 +170,7 @@ class Popen:
             labels=job_labels(getattr(process_obj, "_fibrl_role", "process")),
             name=process_obj.name, workdir=os.getcwd(),
             probe=(python, "-c", "import fibrl.bootstrap"), preload=WORKER_PRELOAD,
-            code_dirs=_main_dirs())
+            defer=WORKER_DEFER, code_dirs=_main_dirs())
 
     def _connected(self, pid: Optional[int]) -> None:
         log.debug("job %s connected back (pid %s)", getattr(self._job, "id", "?"), pid)
@@ -442,6 +442,10 @@ def _log_missing_guard_once(error: str) -> None:
 # runs as __main__, as with `python -m`.
 WORKER_PRELOAD = ("fibrl.hosting.hub", "fibrl.wire.messages", "fibrl.wire.transport",
                   "fibrl.pool.worker", "fibrl.queues", "multiprocessing.spawn")
+# pynng imports asyncio for its async API, which fibrl does not use; with it come ssl
+# and OpenSSL. A worker forked from the fork server imports asyncio only if its own
+# code does (JobSpec.defer).
+WORKER_DEFER = ("asyncio",)
 
 def _preparation(process_obj: Any, elsewhere: bool) -> dict:
     """What spawn needs to rebuild this process's state in the worker.

@@ -6,7 +6,11 @@ parent, imports the modules a job spec names in its ``preload`` (they must
 start no thread and no socket at import: nng, for one, cannot survive a fork
 once started), and then forks one child per request. A child runs its
 ``python -m module args...`` command with ``runpy``, as the interpreter would.
-It knows nothing of what the module does.
+It knows nothing of what the module does. Modules a spec names in its ``defer``
+get a stand-in while the preload runs: a preloaded module that imports one but
+uses it only on demand holds the stand-in, which imports the real module the
+first time an attribute of it is read, so a child that never needs it neither
+carries nor shares its pages.
 
 Protocol with the parent (private to the two processes): requests are
 datagrams on a unix SOCK_SEQPACKET socket carrying the parent's current
@@ -14,7 +18,7 @@ stdout and stderr descriptors (so a job prints where the parent prints
 *now*, as a spawned child would); replies are JSON lines on a pipe::
 
     parent -> zygote   {"id": n, "module": m, "argv": [...], "preload": [...],
-                        "env": {...}, "cwd": "..."} + fds 1, 2
+                        "defer": [...], "env": {...}, "cwd": "..."} + fds 1, 2
     zygote -> parent   {"id": n, "pid": p} | {"id": n, "error": "..."}
     zygote -> parent   {"exit": p, "code": c}          (c < 0: killed by signal -c)
 
@@ -34,14 +38,38 @@ import selectors
 import signal
 import socket
 import sys
+import types
 from typing import Callable
 
 
-def _preload(modules) -> None:
-    """Import ``modules`` here, once, so every child forked later has them."""
-    for name in modules:
-        if name not in sys.modules:
-            importlib.import_module(name)
+class _OnFirstUse(types.ModuleType):
+    """What a preloaded module gets for a deferred one (see the module's docstring).
+    Only the modules imported during the preload hold it: it leaves ``sys.modules``
+    when the preload ends, so a later ``import`` finds the real module."""
+
+    def __getattr__(self, attr: str):
+        name = self.__name__
+        module = sys.modules.get(name)
+        if module is None or module is self:
+            if module is self:   # read during the preload itself: the real one replaces it
+                del sys.modules[name]
+            module = importlib.import_module(name)
+        return getattr(module, attr)
+
+
+def _preload(modules, defer=()) -> None:
+    """Import ``modules`` here, once, so every child forked later has them; those of
+    ``defer`` not imported yet stand in as :class:`_OnFirstUse` while they import."""
+    stand_ins = {name: _OnFirstUse(name) for name in defer if name not in sys.modules}
+    sys.modules.update(stand_ins)
+    try:
+        for name in modules:
+            if name not in sys.modules:
+                importlib.import_module(name)
+    finally:
+        for name, stand_in in stand_ins.items():
+            if sys.modules.get(name) is stand_in:
+                del sys.modules[name]
 
 
 def _child(request: dict, stdio: list, keep_fds: tuple) -> None:
@@ -154,7 +182,7 @@ def serve(requests_fd: int, replies_fd: int) -> None:
 
 def _fork(request: dict, stdio: list, out, fds: tuple) -> None:
     try:
-        _preload(request.get("preload", ()))
+        _preload(request.get("preload", ()), request.get("defer", ()))
         gc.freeze()   # see main()
         pid = os.fork()
     except Exception as exc:  # a module that does not import, or no fork
@@ -177,7 +205,7 @@ def main() -> None:
     # to it: no collection in the zygote leaves holes for new objects to fill, and
     # gc.freeze() before each fork keeps the children's collections off those objects.
     gc.disable()
-    _preload(sys.argv[3:])
+    _preload(sys.argv[4:], [name for name in sys.argv[3].split(",") if name])
     requests_fd, replies_fd = int(sys.argv[1]), int(sys.argv[2])
     serve(requests_fd, replies_fd)
 

@@ -78,6 +78,9 @@ class JobSpec:
             it fails (``()``: no probe).
         preload: modules a fork server may import ahead of time for a
             ``python -m module ...`` command, to start it faster (local backend).
+        defer: modules that the preloaded ones import but use only on demand: while
+            it preloads, a fork server gives them a stand-in that imports the real
+            module on first use, so a job that never uses them does not carry them.
         code_dirs: host directories of the program's code besides ``workdir`` (the
             main script's folder, which spawn puts on ``sys.path``); a container
             backend that mounts the working directory mounts these too, read-only.
@@ -95,6 +98,7 @@ class JobSpec:
     workdir: str = ""
     probe: tuple = ()
     preload: tuple = ()
+    defer: tuple = ()
     code_dirs: tuple = ()
 
 

@@ -132,13 +132,13 @@ class _Reply:
 class _ForkServer:
     """The parent's side of the zygote: requests (with our stdio), pids, exit codes."""
 
-    def __init__(self, preload: tuple = ()) -> None:
+    def __init__(self, preload: tuple = (), defer: tuple = ()) -> None:
         self._requests, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._rep_r, rep_w = os.pipe()
         try:
             self._proc = subprocess.Popen(
                 [sys.executable, "-m", "fibrl.backends._zygote", str(theirs.fileno()),
-                 str(rep_w), *preload],
+                 str(rep_w), ",".join(defer), *preload],
                 pass_fds=(theirs.fileno(), rep_w), stdin=subprocess.DEVNULL, close_fds=True)
         finally:
             theirs.close()
@@ -162,7 +162,7 @@ class _ForkServer:
             self._waiting[request_id] = slot
         request = json.dumps({"id": request_id, "module": spec.command[2],
                               "argv": list(spec.command[3:]), "preload": list(spec.preload),
-                              "env": env, "cwd": spec.workdir}).encode()
+                              "defer": list(spec.defer), "env": env, "cwd": spec.workdir}).encode()
         with self._lock:
             socket.send_fds(self._requests, [request], [1, 2])  # our stdout/stderr now
         if not slot.done.wait(timeout):
@@ -241,7 +241,7 @@ class LocalBackend(Backend):
         env = dict(os.environ)
         env.update(spec.env)
         if self.config.local_fork_server and _forkable(spec):
-            return self._fork_server(spec.preload).spawn(spec, env, self.config.start_timeout)
+            return self._fork_server(spec).spawn(spec, env, self.config.start_timeout)
         secret_fd = _secret_through_pipe(env)
         try:
             proc = subprocess.Popen(list(spec.command), env=env, cwd=spec.workdir or None,
@@ -256,11 +256,11 @@ class LocalBackend(Backend):
                 os.close(secret_fd)
         return LocalJob(spec, proc)
 
-    def _fork_server(self, preload: tuple) -> _ForkServer:
+    def _fork_server(self, spec: JobSpec) -> _ForkServer:
         with self._lock:
             if self._server is None or not self._server.alive \
                     or self._server.owner != os.getpid():
-                self._server = _ForkServer(preload)
+                self._server = _ForkServer(spec.preload, spec.defer)
             return self._server
 
 
