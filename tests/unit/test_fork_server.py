@@ -2,7 +2,9 @@
 and OpenSSL) for an async API fibrl never calls. A worker forked from the fork server
 does not carry asyncio until its own code imports it; then it is the real module, and
 pynng's async API, which holds the stand-in, works through it."""
+import subprocess
 import sys
+import textwrap
 
 import pytest
 
@@ -30,6 +32,9 @@ def _pynng_async_round_trip():
     import asyncio
 
     import pynng
+    import pynng._aio
+
+    held = type(pynng._aio.asyncio).__name__   # what pynng imported in the fork server
 
     async def trip():
         with pynng.Pair0(listen="inproc://fork-server-async") as a, \
@@ -37,7 +42,7 @@ def _pynng_async_round_trip():
             await a.asend(b"ping")
             return await b.arecv()
 
-    return asyncio.run(trip())
+    return held, asyncio.run(trip())
 
 
 @pytest.fixture
@@ -57,28 +62,74 @@ def test_a_worker_that_imports_asyncio_gets_the_real_module(forked_pool):
 
 
 def test_pynngs_async_api_works_through_the_stand_in(forked_pool):
-    assert forked_pool.apply(_pynng_async_round_trip) == b"ping"
+    assert forked_pool.apply(_pynng_async_round_trip) == ("_OnFirstUse", b"ping")
 
 
-def test_a_stand_in_read_during_the_preload_becomes_the_real_module(monkeypatch, tmp_path):
-    """A preloaded module that reads an attribute of a deferred one while it imports
-    gets the real module, which stays in sys.modules; one that does not leaves no
-    stand-in behind."""
-    (tmp_path / "eager_reader.py").write_text(
-        "import json_stand_in_target as target\nDUMPS = target.dumps\n")
-    (tmp_path / "lazy_holder.py").write_text("import colorsys as held\n")
-    (tmp_path / "json_stand_in_target.py").write_text("from json import dumps\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    for name in ("eager_reader", "lazy_holder", "json_stand_in_target", "colorsys"):
-        monkeypatch.delitem(sys.modules, name, raising=False)
-    _zygote._preload(["eager_reader", "lazy_holder"], ["json_stand_in_target", "colorsys"])
-    import eager_reader
-    import lazy_holder
+def _preloaded(tmp_path, modules: dict, preload: list, defer: list, then: str) -> str:
+    """Run, in a fresh interpreter, the fork server's preload of ``preload`` (modules
+    written from ``modules``) with ``defer``, then the code ``then``; its output."""
+    for name, source in modules.items():
+        (tmp_path / f"{name}.py").write_text(textwrap.dedent(source))
+    script = textwrap.dedent(f"""
+        import importlib.util, sys
+        sys.path.insert(0, {str(tmp_path)!r})
+        spec = importlib.util.spec_from_file_location("zygote", {_zygote.__file__!r})
+        zygote = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(zygote)
+        assert not set({defer!r}) & set(sys.modules), "imported before the preload"
+        zygote._preload({preload!r}, {defer!r})
+    """) + textwrap.dedent(then)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=TIMEOUT)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
 
-    import json
-    assert eager_reader.DUMPS is json.dumps
-    assert type(sys.modules["json_stand_in_target"]) is type(json)
-    assert "colorsys" not in sys.modules
-    assert isinstance(lazy_holder.held, _zygote._OnFirstUse)
-    assert lazy_holder.held.rgb_to_hsv(1.0, 0.0, 0.0) == (0.0, 1.0, 1.0)
-    assert type(sys.modules["colorsys"]) is type(json)
+
+def test_a_deferred_module_imports_on_first_use_and_is_then_the_real_one(tmp_path):
+    out = _preloaded(tmp_path, {"holder": "import colorsys as held\n"}, ["holder"],
+                     ["colorsys"], """
+        import holder
+        print("colorsys" in sys.modules, type(holder.held).__name__, repr(holder.held))
+        hsv = holder.held.rgb_to_hsv(1.0, 0.0, 0.0)
+        print("colorsys" in sys.modules, hsv)
+        import colorsys
+        print(holder.held.rgb_to_hsv is colorsys.rgb_to_hsv, type(colorsys).__name__)
+    """)
+    first, used, same = out.splitlines()
+    assert first.startswith("False _OnFirstUse <module 'colorsys' from ")
+    assert used == "True (0.0, 1.0, 1.0)"
+    assert same == "True module"
+
+
+def test_a_deferred_module_read_during_the_preload_becomes_the_real_one(tmp_path):
+    out = _preloaded(tmp_path, {"eager": "from colorsys import rgb_to_hsv\n"}, ["eager"],
+                     ["colorsys"], """
+        import colorsys, eager
+        print(type(colorsys).__name__, eager.rgb_to_hsv is colorsys.rgb_to_hsv)
+    """)
+    assert out.split() == ["module", "True"]
+
+
+def test_a_submodule_imported_during_the_preload_is_loaded_once(tmp_path):
+    """``import asyncio.events`` while asyncio stands in: the real asyncio loads it, and
+    the import does not run it again (two AbstractEventLoop classes, two policies)."""
+    out = _preloaded(tmp_path, {"sub": "import asyncio.events\n"}, ["sub"], ["asyncio"], """
+        import asyncio, asyncio.base_events
+        print(type(asyncio).__name__,
+              asyncio.base_events.events is asyncio.events is sys.modules["asyncio.events"],
+              isinstance(asyncio.new_event_loop(), asyncio.events.AbstractEventLoop))
+    """)
+    assert out.split() == ["module", "True", "True"]
+
+
+def test_a_deferred_module_that_is_not_installed_is_an_import_error_as_without(tmp_path):
+    out = _preloaded(tmp_path, {"optional": """
+        try:
+            import fibrl_no_such_module as opt
+        except ImportError:
+            opt = None
+    """}, ["optional"], ["fibrl_no_such_module"], """
+        import optional
+        print(optional.opt, "fibrl_no_such_module" in sys.modules)
+    """)
+    assert out.split() == ["None", "False"]
