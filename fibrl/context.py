@@ -193,7 +193,9 @@ class BaseContext:
         spawn.set_executable(executable)
 
     def set_forkserver_preload(self, module_names) -> None:
-        """Accepted for compatibility; fibrl has no fork server."""
+        """Accepted for compatibility, and ignored: the local backend's fork server
+        preloads fibrl's own modules (a worker imports the rest itself, as a spawned
+        one does)."""
 
     def get_context(self, method: Optional[str] = None) -> "BaseContext":
         if method is None:
