@@ -14,7 +14,11 @@ For each pool size and task length (sleep tasks at chunksize=1) this reports:
   CPU per task (user + system, from /proc); CPU time is what to compare on a shared
   machine, where other load stretches wall time far more;
 - threads and PSS per idle worker, its share of the library's helper process
-  included (fibrl's fork server; multiprocessing's resource tracker).
+  included (fibrl's fork server; multiprocessing's resource tracker), measured on a
+  fresh pool in a process of its own (``--footprint``): PSS splits a shared page among
+  all the processes that map it, and each library's helper lives as long as the
+  process that started it, so in this one it would lower the PSS of every library
+  measured after it.
 
 The floor (``pynng``) is the least any pool on pynng pays for the same layout: spawned
 workers pull pickled ``(index, function, argument)`` tasks from one Push0 socket and push
@@ -30,6 +34,8 @@ Run it from the repository root with PYTHONPATH=. so that workers import this ch
 from __future__ import annotations
 
 import argparse
+import functools
+import json
 import multiprocessing
 import os
 import subprocess
@@ -177,29 +183,66 @@ def _containers(parent: int) -> int:
     return len(out.stdout.split())
 
 
+def _pool(lib: str, workers: int):
+    return {"fibrl": fibrl.Pool, "mp": multiprocessing.get_context("spawn").Pool,
+            "pynng": FloorPool}[lib](workers)
+
+
+def _every_worker_ran_a_task(pool, lib: str, workers: int, t0: float) -> set:
+    """The ``(pid, tag)`` of each worker, once each has run a task (tasks long enough
+    that no worker takes two)."""
+    seen: set[tuple] = set()
+    while len(seen) < workers:
+        seen.update(pool.map(nap, [0.2] * workers, chunksize=1))
+        if time.perf_counter() - t0 > 600:
+            raise RuntimeError(f"{lib} Pool({workers}): only {len(seen)} workers ran a "
+                               f"task within 600 s")
+    return seen
+
+
+def _idle_footprint(lib: str, pids: list) -> dict:
+    """Threads and PSS (MB) per idle worker, the library's helper process counted in."""
+    time.sleep(0.5)   # idle
+    helpers = _helpers(lib)
+    return {"threads": sum(_threads(p) for p in pids) / len(pids),
+            "pss_mb": sum(_pss_kb(p) for p in pids + helpers) / len(pids) / 1024}
+
+
+def footprint_here(lib: str, workers: int) -> dict:
+    """``--footprint``: a fresh ``Pool(workers)`` of ``lib`` in this process, idle."""
+    pool = _pool(lib, workers)
+    try:
+        seen = _every_worker_ran_a_task(pool, lib, workers, time.perf_counter())
+        return _idle_footprint(lib, sorted(pid for pid, _ in seen))
+    finally:
+        pool.terminate()
+        pool.join()
+
+
+@functools.lru_cache(maxsize=None)
+def footprint(lib: str, workers: int) -> dict:
+    """What :func:`footprint_here` measures, in a process of its own (see the module's
+    docstring); the same for every task length."""
+    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--footprint", lib,
+                          str(workers)], capture_output=True, text=True, timeout=900)
+    if out.returncode != 0:
+        raise RuntimeError(f"{lib} Pool({workers}) footprint failed:\n{out.stderr[-2000:]}")
+    return json.loads(out.stdout.splitlines()[-1])
+
+
 def measure(lib: str, workers: int, task: float, rounds: int, backend: str = "local",
             maps: int = 5) -> dict:
-    make = {"fibrl": fibrl.Pool, "mp": multiprocessing.get_context("spawn").Pool,
-            "pynng": FloorPool}[lib]
     local = lib != "fibrl" or backend == "local"
     t0 = time.perf_counter()
-    pool = make(workers)
+    pool = _pool(lib, workers)
     try:
-        # every worker has run a task: tasks long enough that no worker takes two
-        seen: set[tuple] = set()
-        while len(seen) < workers:
-            seen.update(pool.map(nap, [0.2] * workers, chunksize=1))
-            if time.perf_counter() - t0 > 600:
-                raise RuntimeError(f"{lib} Pool({workers}): only {len(seen)} workers ran a "
-                                   f"task within 600 s")
+        seen = _every_worker_ran_a_task(pool, lib, workers, t0)
         start = time.perf_counter() - t0
         # a container's pids are its own: its processes cannot be read from here
         pids = sorted(pid for pid, _ in seen) if local else []
-        time.sleep(0.5)   # idle
-        threads = sum(_threads(p) for p in pids) / len(pids) if pids else float("nan")
         helpers = _helpers(lib)
-        pss = (sum(_pss_kb(p) for p in pids + helpers)) / len(pids) / 1024 if pids \
-            else float("nan")
+        size = footprint(lib, workers) if pids else {"threads": float("nan"),
+                                                      "pss_mb": float("nan")}
         n = workers * rounds
         cpu_w0 = sum(_cpu(p) for p in pids + helpers)
         cpu_p0 = time.process_time()
@@ -222,7 +265,7 @@ def measure(lib: str, workers: int, task: float, rounds: int, backend: str = "lo
     row = {"lib": lib, "workers": workers, "task_ms": task * 1e3, "start_s": start,
            "efficiency": n * task / workers / elapsed, "parent_us": cpu_p / n * 1e6,
            "unordered_us": cpu_u / n * 1e6,
-           "worker_us": cpu_w / n * 1e6, "threads": threads, "pss_mb": pss}
+           "worker_us": cpu_w / n * 1e6, **size}
     if not local:
         deadline = time.monotonic() + 60   # containers are removed as they stop
         while (left := _containers(os.getpid())) and time.monotonic() < deadline:
@@ -269,10 +312,15 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--libs", nargs="+", default=["fibrl", "mp", "pynng"],
                         choices=["fibrl", "mp", "pynng"])
     parser.add_argument("--plot", help="write a PNG of efficiency and parent CPU per task")
+    parser.add_argument("--footprint", nargs=2, metavar=("LIB", "WORKERS"),
+                        help="print the idle footprint of one fresh pool as JSON, and exit")
     parser.add_argument("--backend", default="local", choices=["local", "docker"],
                         help="fibrl's backend (docker: worker CPU, threads and PSS are not "
                              "measured; containers left after join are counted)")
     opts = parser.parse_args(argv)
+    if opts.footprint:
+        print(json.dumps(footprint_here(opts.footprint[0], int(opts.footprint[1]))))
+        return 0
     if opts.backend != "local":
         fibrl.init(backend=opts.backend)
     print(f"{os.cpu_count()} cores, Python {sys.version.split()[0]}, load "
