@@ -400,10 +400,13 @@ def main(argv: list[str]) -> int:
 
     from multiprocessing import process as mp_process
 
-    from .hosting import runtime
-    from .config import Config
-    from .hosting.hub import Hub
-    from .wire.transport import WORKER_NNG_THREADS, set_nng_threads
+    from .wire.deferred import TRANSPORT_DEFERRABLE, deferring
+
+    with deferring(TRANSPORT_DEFERRABLE):   # (no other thread runs yet)
+        from .hosting import runtime
+        from .config import Config
+        from .hosting.hub import Hub
+        from .wire.transport import WORKER_NNG_THREADS, set_nng_threads
 
     set_nng_threads(WORKER_NNG_THREADS)   # before the first socket: a light worker
     secret = bytes.fromhex(secret_hex)

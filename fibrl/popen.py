@@ -32,6 +32,7 @@ from typing import Any, Optional
 
 from .hosting import runtime
 from .wire import serialization
+from .wire.deferred import TRANSPORT_DEFERRABLE
 from .backends import Job, JobSpec
 from .backends.base import LABEL_ROLE, job_labels, run_id
 from .config import Config
@@ -442,10 +443,9 @@ def _log_missing_guard_once(error: str) -> None:
 # runs as __main__, as with `python -m`.
 WORKER_PRELOAD = ("fibrl.hosting.hub", "fibrl.wire.messages", "fibrl.wire.transport",
                   "fibrl.pool.worker", "fibrl.queues", "multiprocessing.spawn")
-# pynng imports asyncio for its async API, which fibrl does not use; with it come ssl
-# and OpenSSL. A worker forked from the fork server imports asyncio only if its own
-# code does (JobSpec.defer).
-WORKER_DEFER = ("asyncio",)
+# What the transport imports and fibrl does not use (asyncio, and with it ssl and
+# OpenSSL): a worker forked from the fork server imports it only if its own code does.
+WORKER_DEFER = TRANSPORT_DEFERRABLE
 
 def _preparation(process_obj: Any, elsewhere: bool) -> dict:
     """What spawn needs to rebuild this process's state in the worker.

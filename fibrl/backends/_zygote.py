@@ -31,9 +31,6 @@ from __future__ import annotations
 
 import gc
 import importlib
-import importlib.abc
-import importlib.machinery
-import importlib.util
 import json
 import os
 import runpy
@@ -41,92 +38,18 @@ import selectors
 import signal
 import socket
 import sys
-import types
-from typing import Any, Callable, Iterable, Optional
+from typing import Callable
 
-
-class _OnFirstUse(types.ModuleType):
-    """What a preloaded module gets for a deferred one (see the module's docstring).
-
-    It carries the real module's spec and file, so reading them or its repr imports
-    nothing. Any other attribute read (``__path__`` too: an import of a submodule
-    reads it first) imports the real module through the import system, which waits
-    for a thread importing it now, and answers from it. Only the modules imported
-    during the preload hold a stand-in: it leaves ``sys.modules`` when the preload
-    ends, so a later ``import`` finds the real module."""
-
-    def __init__(self, spec: importlib.machinery.ModuleSpec) -> None:
-        super().__init__(spec.name)
-        self.__spec__, self.__loader__ = spec, spec.loader
-        self.__package__ = spec.parent
-        if spec.has_location:
-            self.__file__ = spec.origin
-
-    def __getattr__(self, attr: str):
-        return getattr(_real(self), attr)
-
-
-def _real(stand_in: _OnFirstUse) -> types.ModuleType:
-    """The module ``stand_in`` stands for, imported now if need be (during the preload
-    it replaces the stand-in in ``sys.modules``). A function, not a method: every
-    attribute of a stand-in but its module dunders is the real module's."""
-    name = stand_in.__name__
-    if sys.modules.get(name) is stand_in:
-        del sys.modules[name]
-    return importlib.import_module(name)
-
-
-class _Submodules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """First on ``sys.meta_path`` while the preload runs. ``import name.sub`` of a
-    deferred ``name`` reads the stand-in's ``__path__``, which imports the real
-    module; when that import loaded ``name.sub`` already, the import system would
-    load it a second time (it looked before): this answers with the loaded one."""
-
-    def __init__(self, deferred: Iterable[str]) -> None:
-        self.deferred = frozenset(deferred)
-
-    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
-        top = fullname.partition(".")[0]
-        if top == fullname or top not in self.deferred or fullname not in sys.modules:
-            return None
-        return importlib.util.spec_from_loader(fullname, self)
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
-        return sys.modules[spec.name]
-
-    def exec_module(self, module: types.ModuleType) -> None:
-        pass   # (loaded already)
-
-
-def _stand_in(name: str) -> Optional[_OnFirstUse]:
-    """A stand-in for the top-level module ``name``, or None when it is imported
-    already or not installed (an ``import`` of it then does what it would anyway)."""
-    if name in sys.modules or "." in name:
-        return None
-    spec = importlib.util.find_spec(name)
-    return None if spec is None else _OnFirstUse(spec)
+from fibrl.wire.deferred import deferring
 
 
 def _preload(modules, defer=()) -> None:
-    """Import ``modules`` here, once, so every child forked later has them; the
-    top-level modules of ``defer`` not imported yet stand in as :class:`_OnFirstUse`
-    while they import."""
-    stand_ins = {name: stand_in for name in defer
-                 if (stand_in := _stand_in(name)) is not None}
-    finder = _Submodules(stand_ins)
-    sys.modules.update(stand_ins)
-    if stand_ins:
-        sys.meta_path.insert(0, finder)
-    try:
+    """Import ``modules`` here, once, so every child forked later has them, with the
+    top-level modules of ``defer`` standing in until first used."""
+    with deferring(defer):
         for name in modules:
             if name not in sys.modules:
                 importlib.import_module(name)
-    finally:
-        if stand_ins:
-            sys.meta_path.remove(finder)
-        for name, stand_in in stand_ins.items():
-            if sys.modules.get(name) is stand_in:
-                del sys.modules[name]
 
 
 def _child(request: dict, stdio: list, keep_fds: tuple) -> None:

@@ -1,7 +1,8 @@
-"""The local fork server's deferred modules: pynng imports asyncio (and through it ssl
-and OpenSSL) for an async API fibrl never calls. A worker forked from the fork server
-does not carry asyncio until its own code imports it; then it is the real module, and
-pynng's async API, which holds the stand-in, works through it."""
+"""Deferred imports (fibrl.wire.deferred): pynng imports asyncio (and through it ssl
+and OpenSSL) for an async API fibrl never calls. A worker, forked from the local fork
+server or started on its own, does not carry asyncio until its own code imports it;
+then it is the real module, and pynng's async API, which holds the stand-in, works
+through it."""
 import subprocess
 import sys
 import textwrap
@@ -9,7 +10,6 @@ import textwrap
 import pytest
 
 import fibrl
-from fibrl.backends import _zygote
 
 TIMEOUT = 60
 
@@ -45,14 +45,14 @@ def _pynng_async_round_trip():
     return held, asyncio.run(trip())
 
 
-@pytest.fixture
-def forked_pool(configure):
-    configure(backend="local", local_fork_server=True)
+@pytest.fixture(params=[True, False], ids=["fork server", "own interpreter"])
+def forked_pool(request, configure):
+    configure(backend="local", local_fork_server=request.param)
     with fibrl.Pool(1) as pool:
         yield pool
 
 
-def test_a_forked_worker_does_not_carry_asyncio(forked_pool):
+def test_a_worker_does_not_carry_asyncio(forked_pool):
     got = forked_pool.apply(_loaded, (("pynng", "asyncio", "ssl"),))
     assert got == {"pynng": True, "asyncio": False, "ssl": False}
 
@@ -62,22 +62,22 @@ def test_a_worker_that_imports_asyncio_gets_the_real_module(forked_pool):
 
 
 def test_pynngs_async_api_works_through_the_stand_in(forked_pool):
-    assert forked_pool.apply(_pynng_async_round_trip) == ("_OnFirstUse", b"ping")
+    assert forked_pool.apply(_pynng_async_round_trip) == ("OnFirstUse", b"ping")
 
 
 def _preloaded(tmp_path, modules: dict, preload: list, defer: list, then: str) -> str:
-    """Run, in a fresh interpreter, the fork server's preload of ``preload`` (modules
-    written from ``modules``) with ``defer``, then the code ``then``; its output."""
+    """Run, in a fresh interpreter, an import of ``preload`` (modules written from
+    ``modules``) under ``deferring(defer)``, then the code ``then``; its output."""
     for name, source in modules.items():
         (tmp_path / f"{name}.py").write_text(textwrap.dedent(source))
     script = textwrap.dedent(f"""
-        import importlib.util, sys
+        import importlib, sys
         sys.path.insert(0, {str(tmp_path)!r})
-        spec = importlib.util.spec_from_file_location("zygote", {_zygote.__file__!r})
-        zygote = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(zygote)
-        assert not set({defer!r}) & set(sys.modules), "imported before the preload"
-        zygote._preload({preload!r}, {defer!r})
+        from fibrl.wire.deferred import deferring
+        assert not set({defer!r}) & set(sys.modules), "imported before"
+        with deferring({defer!r}):
+            for name in {preload!r}:
+                importlib.import_module(name)
     """) + textwrap.dedent(then)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           timeout=TIMEOUT)
@@ -96,7 +96,7 @@ def test_a_deferred_module_imports_on_first_use_and_is_then_the_real_one(tmp_pat
         print(holder.held.rgb_to_hsv is colorsys.rgb_to_hsv, type(colorsys).__name__)
     """)
     first, used, same = out.splitlines()
-    assert first.startswith("False _OnFirstUse <module 'colorsys' from ")
+    assert first.startswith("False OnFirstUse <module 'colorsys' from ")
     assert used == "True (0.0, 1.0, 1.0)"
     assert same == "True module"
 
