@@ -34,9 +34,9 @@ class OnFirstUse(types.ModuleType):
     It carries the real module's spec and file, so reading them or its repr imports
     nothing. Any other attribute read (``__path__`` too: an import of a submodule
     reads it first) imports the real module through the import system, which waits
-    for a thread importing it now, and answers from it. Only the modules imported
-    meanwhile hold a stand-in: it leaves ``sys.modules`` when :func:`deferring` ends,
-    so a later ``import`` finds the real module."""
+    for a thread importing it now; from then on every read answers from that module.
+    Only the modules imported meanwhile hold a stand-in: it leaves ``sys.modules`` when
+    :func:`deferring` ends, so a later ``import`` finds the real module."""
 
     def __init__(self, spec: importlib.machinery.ModuleSpec) -> None:
         super().__init__(spec.name)
@@ -45,8 +45,20 @@ class OnFirstUse(types.ModuleType):
         if spec.has_location:
             self.__file__ = spec.origin
 
-    def __getattr__(self, attr: str) -> Any:
-        return getattr(_real(self), attr)
+    def __getattribute__(self, attr: str) -> Any:
+        # (not __getattr__: that one runs after a failed lookup, whose AttributeError
+        # costs microseconds on every read through the stand-in)
+        own = types.ModuleType.__getattribute__(self, "__dict__")
+        real = own.get(_REAL)
+        if real is None:
+            if attr in own or attr in _OWN:
+                return types.ModuleType.__getattribute__(self, attr)
+            real = own[_REAL] = _real(self)
+        return getattr(real, attr)
+
+
+_REAL = "__fibrl_real_module__"   # where a stand-in keeps the module once it found it
+_OWN = frozenset({"__dict__", "__class__"})   # a stand-in's own until then, as its spec
 
 
 def _real(stand_in: OnFirstUse) -> types.ModuleType:
@@ -72,13 +84,17 @@ class _Submodules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         top = fullname.partition(".")[0]
         if top == fullname or top not in self.deferred or fullname not in sys.modules:
             return None
-        return importlib.util.spec_from_loader(fullname, self)
+        spec = importlib.machinery.ModuleSpec(fullname, self)
+        spec.loader_state = sys.modules[fullname].__spec__   # (see exec_module)
+        return spec
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
         return sys.modules[spec.name]
 
     def exec_module(self, module: types.ModuleType) -> None:
-        pass   # (loaded already)
+        # Loaded already; the import system gave it this finder's spec: its own goes back.
+        spec = module.__spec__
+        module.__spec__ = spec.loader_state if spec is not None else None
 
 
 def _stand_in(name: str) -> Optional[OnFirstUse]:

@@ -77,6 +77,10 @@ from dataclasses import dataclass
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
+# pynng's curio support reads concurrent.futures through `import concurrent`, counting
+# on another module to have imported it (asyncio does, and workers defer asyncio:
+# fibrl.wire.deferred).
+import concurrent.futures  # noqa: F401
 import pynng
 from pynng import _nng
 from pynng.exceptions import check_err

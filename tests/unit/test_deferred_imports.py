@@ -34,7 +34,7 @@ def _pynng_async_round_trip():
     import pynng
     import pynng._aio
 
-    held = type(pynng._aio.asyncio).__name__   # what pynng imported in the fork server
+    held = type(pynng._aio.asyncio).__name__   # what pynng imported at the worker's start
 
     async def trip():
         with pynng.Pair0(listen="inproc://fork-server-async") as a, \
@@ -117,9 +117,10 @@ def test_a_submodule_imported_during_the_preload_is_loaded_once(tmp_path):
         import asyncio, asyncio.base_events
         print(type(asyncio).__name__,
               asyncio.base_events.events is asyncio.events is sys.modules["asyncio.events"],
-              isinstance(asyncio.new_event_loop(), asyncio.events.AbstractEventLoop))
+              isinstance(asyncio.new_event_loop(), asyncio.events.AbstractEventLoop),
+              asyncio.events.__spec__.origin == asyncio.events.__file__)
     """)
-    assert out.split() == ["module", "True", "True"]
+    assert out.split() == ["module", "True", "True", "True"]
 
 
 def test_a_deferred_module_that_is_not_installed_is_an_import_error_as_without(tmp_path):
