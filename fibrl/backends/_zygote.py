@@ -46,10 +46,12 @@ from fibrl.wire.deferred import deferring
 def _preload(modules, defer=()) -> None:
     """Import ``modules`` here, once, so every child forked later has them, with the
     top-level modules of ``defer`` standing in until first used."""
+    missing = [name for name in modules if name not in sys.modules]
+    if not missing:
+        return   # (every request after the first: nothing to import, nothing to defer)
     with deferring(defer):
-        for name in modules:
-            if name not in sys.modules:
-                importlib.import_module(name)
+        for name in missing:
+            importlib.import_module(name)
 
 
 def _child(request: dict, stdio: list, keep_fds: tuple) -> None:
