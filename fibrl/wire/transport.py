@@ -212,37 +212,6 @@ def _send_msg(sock: pynng.Socket, parts: Sequence[bytes | memoryview], total: in
         check_err(err)
 
 
-def _recv_msg(handle: Any) -> tuple[Any, int]:   # (nng's message, its length)
-    """Receive one message on the socket whose nng id is ``handle``."""
-    holder = _ffi.new("nng_msg **")
-    check_err(_lib.nng_recvmsg(handle, holder, 0))
-    msg = holder[0]
-    return msg, _lib.nng_msg_len(msg)
-
-
-def _recv_frame(sock: pynng.Socket, handle: Any) -> Frame:
-    """Receive one frame (``handle``: ``sock``'s nng id): ``bytes`` when small, else a
-    writable memoryview (of nng's message itself, or of the one buffer a frame sent in
-    pieces was gathered in)."""
-    holder = _ffi.new("nng_msg **")
-    while True:
-        err = _lib.nng_recvmsg(handle, holder, 0)
-        if err:
-            check_err(err)
-        msg = holder[0]
-        size = _lib.nng_msg_len(msg)
-        if size:
-            break
-        _drop_empty(msg)
-    if size >= ZERO_COPY_MIN or size == _LARGE.size:
-        return _frame_of(sock, msg, size)
-    # the common case, as _frame_of has it, without its call: every step of a vector
-    # env receives one of these per worker
-    data: bytes = _ffi.unpack(_ffi.cast("char *", _lib.nng_msg_body(msg)), size)
-    _lib.nng_msg_free(msg)
-    return data
-
-
 def _drop_empty(msg: Any) -> None:
     """Free ``msg``, an empty message: no fibrl frame is empty, so one carries nothing
     (a peer speaking some other protocol); the receive goes on."""
@@ -250,14 +219,16 @@ def _drop_empty(msg: Any) -> None:
     log.debug("dropped an empty message (no fibrl frame is empty)")
 
 
-def _frame_of(sock: pynng.Socket, msg: Any, size: int) -> Frame:
-    """The frame that starts with the received message ``msg`` (``_recv_frame``)."""
+def _frame_of(conn: "_Reading", msg: Any, size: int) -> Frame:
+    """The frame on ``conn`` that starts with the received message ``msg``: ``bytes``
+    when small, else a writable memoryview (of nng's message itself, or of the one
+    buffer a frame sent in pieces was gathered in)."""
     body = _ffi.cast("char *", _lib.nng_msg_body(msg))
     if size < ZERO_COPY_MIN:
         data: bytes = _ffi.unpack(body, size)
         _lib.nng_msg_free(msg)
         if size == _LARGE.size and data.startswith(_LARGE_TAG):
-            return _gather(sock, _LARGE.unpack(data)[1])
+            return _gather(conn, _LARGE.unpack(data)[1])
         return data
     body = _ffi.gc(body, lambda _body, msg=msg: _lib.nng_msg_free(msg), size)
     return memoryview(_ffi.buffer(body, size))
@@ -271,10 +242,10 @@ _AIO_TIMEOUT = {_lib.NNG_ETIMEDOUT, _lib.NNG_ECANCELED}
 _NULL = _ffi.NULL
 
 
-def _recv_frame_nowait(sock: pynng.Socket) -> Optional[Frame]:
-    """The next frame if one is already here, else None."""
+def _recv_frame_nowait(conn: "_Reading") -> Optional[Frame]:
+    """The next frame on ``conn`` if one is already here, else None."""
     holder = _ffi.new("nng_msg **")
-    err = _lib.nng_recvmsg(sock.socket, holder, _NONBLOCK)
+    err = _lib.nng_recvmsg(conn._handle, holder, _NONBLOCK)
     if err == _lib.NNG_EAGAIN:
         return None
     check_err(err)
@@ -282,8 +253,8 @@ def _recv_frame_nowait(sock: pynng.Socket) -> Optional[Frame]:
     size = _lib.nng_msg_len(msg)
     if not size:
         _drop_empty(msg)
-        return _recv_frame_nowait(sock)   # (what came after it, if anything)
-    return _frame_of(sock, msg, size)
+        return _recv_frame_nowait(conn)   # (what came after it, if anything)
+    return _frame_of(conn, msg, size)
 
 
 class _Aio:
@@ -314,17 +285,35 @@ class _Aio:
         # neither a frame nor an error, is therefore retired (see _retire).
         self.cancelled = False
 
-    def recv(self, sock: pynng.Socket, timeout: Optional[float],
+    def recv(self, conn: "_Reading", timeout: Optional[float],
              ready: Optional[Callable[[], bool]] = None) -> Optional[Frame]:
-        """The next frame, or None when none came within ``timeout`` seconds, or when
-        :meth:`cancel` was called (or ``ready()`` was true once the receive was posted:
-        a ``cancel`` just before it would have been missed)."""
+        """The next frame on ``conn``'s socket, or None when none came within ``timeout``
+        seconds, or when :meth:`cancel` was called (or ``ready()`` was true once the
+        receive was posted: a ``cancel`` just before it would have been missed)."""
+        msg = self.take(conn._handle, timeout, ready)
+        if msg is None:
+            return None
+        size = _lib.nng_msg_len(msg)
+        if size >= ZERO_COPY_MIN or size == _LARGE.size:
+            return _frame_of(conn, msg, size)
+        if not size:
+            _drop_empty(msg)
+            return None   # (the caller asks again unless what it waits for happened)
+        # the common case, as _frame_of has it, without its call
+        data: bytes = _ffi.unpack(_ffi.cast("char *", _lib.nng_msg_body(msg)), size)
+        _lib.nng_msg_free(msg)
+        return data
+
+    def take(self, handle: Any, timeout: Optional[float],
+             ready: Optional[Callable[[], bool]] = None) -> Any:
+        """nng's next message on the socket whose id is ``handle`` (the caller frees it),
+        or None, as :meth:`recv`."""
         if self.busy or self.thread != threading.get_ident():
             # Entered again before the receive in progress took its message: Python
             # code that ran inside it on this thread (a collection's callback, a signal
             # handler) receives too. Posting this aio again would make nng panic, or
             # drop the frame that the receive in progress got; a spare one is used.
-            return _reentered(self, sock, timeout, ready)
+            return _reentered(self, handle, timeout, ready)
         self.busy = True
         aio = self.aio
         try:
@@ -336,7 +325,7 @@ class _Aio:
                                      else max(1, int(timeout * 1000)))
             with self.posting:
                 self.cancelled = False
-                _lib.nng_recv_aio(sock.socket, aio)
+                _lib.nng_recv_aio(handle, aio)
             if ready is not None and ready():
                 self.cancelled = True
                 _lib.nng_aio_cancel(aio)   # (this thread: the receive is posted, or done)
@@ -355,16 +344,7 @@ class _Aio:
                                   # it waits for)
         finally:
             self.busy = False
-        size = _lib.nng_msg_len(msg)
-        if size >= ZERO_COPY_MIN or size == _LARGE.size:
-            return _frame_of(sock, msg, size)
-        if not size:
-            _drop_empty(msg)
-            return None   # (the caller asks again unless what it waits for happened)
-        # the common case, as _frame_of has it, without its call (see _recv_frame)
-        data: bytes = _ffi.unpack(_ffi.cast("char *", _lib.nng_msg_body(msg)), size)
-        _lib.nng_msg_free(msg)
-        return data
+        return msg
 
     def cancel(self) -> None:
         """End the receive this aio waits for now, if any (from any thread)."""
@@ -421,8 +401,8 @@ _aios = threading.local()
 _reentries = 0
 
 
-def _reentered(outer: _Aio, sock: pynng.Socket, timeout: Optional[float],
-               ready: Optional[Callable[[], bool]]) -> Optional[Frame]:
+def _reentered(outer: _Aio, handle: Any, timeout: Optional[float],
+               ready: Optional[Callable[[], bool]]) -> Any:
     """A receive on a thread whose own aio is in use by a receive in progress: on an aio
     of its own (the first such case logs where it came from)."""
     global _reentries
@@ -433,7 +413,7 @@ def _reentered(outer: _Aio, sock: pynng.Socket, timeout: Optional[float],
                     stack_info=True)
     spare = _Aio()
     try:
-        return spare.recv(sock, timeout, ready)
+        return spare.take(handle, timeout, ready)
     finally:
         _lib.nng_aio_free(spare.aio)
         spare.aio = None
@@ -446,34 +426,36 @@ def _thread_aio() -> _Aio:
     return aio
 
 
-def _gather(sock: pynng.Socket, total: int) -> memoryview:
+def _gather(conn: "_Reading", total: int) -> memoryview:
+    """The rest of a frame sent in pieces, ``total`` bytes: the pieces follow each other
+    (no receive timeout splits them), but a sender stopped mid-frame (frozen, cut off)
+    does not hold the receiver past ``PIECE_STALL_S``."""
     frame = memoryview(bytearray(total))
     offset = 0
-    progress = time.monotonic()
-    while offset < total:
-        try:
-            msg, size = _recv_msg(sock.socket)
-        except pynng.Timeout:
-            # the pieces follow each other: a receive timeout must not split them, but a
-            # sender stopped mid-frame (frozen, cut off) must not hold the receiver forever
-            if time.monotonic() - progress >= PIECE_STALL_S:
+    aio = _thread_aio()
+    if not conn._enter(aio):
+        raise pynng.Closed("closed", _lib.NNG_ECLOSED)
+    try:
+        while offset < total:
+            msg = aio.take(conn._handle, PIECE_STALL_S, conn._is_closed)
+            if msg is None:
+                if conn.closed:
+                    raise pynng.Closed("closed", _lib.NNG_ECLOSED)
                 raise FrameStalled(
                     f"the peer sent {offset} of a {total}-byte frame, then nothing for "
                     f"{PIECE_STALL_S:g} s (frozen or cut off); the connection is dropped, "
-                    f"as the rest of that frame cannot be told from what follows") from None
-            continue
-        progress = time.monotonic()
-        if not size:
-            _drop_empty(msg)
-            continue
-        try:
-            if size > total - offset:
-                raise TransportError(f"a frame announced as {total} bytes came with more; "
-                                     f"the peer is broken")
-            frame[offset:offset + size] = _ffi.buffer(_lib.nng_msg_body(msg), size)
-        finally:
-            _lib.nng_msg_free(msg)
-        offset += size
+                    f"as the rest of that frame cannot be told from what follows")
+            size = _lib.nng_msg_len(msg)
+            try:
+                if size > total - offset:
+                    raise TransportError(f"a frame announced as {total} bytes came with "
+                                         f"more; the peer is broken")
+                frame[offset:offset + size] = _ffi.buffer(_lib.nng_msg_body(msg), size)
+            finally:
+                _lib.nng_msg_free(msg)
+            offset += size
+    finally:
+        conn._leave(aio)
     return frame
 
 
@@ -854,6 +836,57 @@ class _Reading:
 
     def _readable_init(self) -> None:
         self.lead = threading.Lock()   # held by the thread that reads the frames now
+        # nng 1.11 can abort the process (its timer thread locks a mutex of the freed
+        # socket) or leave the receive waiting for good when a socket is closed while
+        # another thread receives on it with a timeout, most often just after its
+        # connection went. So every blocking receive on the socket is posted on an aio
+        # listed here (_enter, _leave); close() cancels those, and the nng close is left
+        # to the last receiver out.
+        self._receiving: list[_Aio] = []
+        self._closing = threading.Lock()   # guards closed, _receiving, _shut
+        self._shut = False                 # nng's close is done, or under way
+
+    def _enter(self, aio: _Aio) -> bool:
+        """Register a receive about to be posted on ``aio``; False once closed."""
+        with self._closing:
+            if self.closed:
+                return False
+            self._receiving.append(aio)
+            return True
+
+    def _leave(self, aio: _Aio) -> None:
+        with self._closing:
+            self._receiving.remove(aio)
+            last = self.closed and not self._receiving and not self._shut
+            if last:
+                self._shut = True
+        if last:
+            self._sock.close()
+
+    def _is_closed(self) -> bool:
+        return self.closed
+
+    def _receive(self, timeout: Optional[float]) -> Optional[Frame]:
+        """The next frame, received in this thread; None after ``timeout`` seconds (None:
+        no limit). Raises pynng.Closed once this end is closed, here or elsewhere."""
+        aio = _thread_aio()
+        if not self._enter(aio):
+            raise pynng.Closed("closed", _lib.NNG_ECLOSED)
+        try:
+            deadline = None if timeout is None else time.monotonic() + timeout
+            left = timeout
+            while True:
+                frame = aio.recv(self, left, self._is_closed)
+                if frame is not None:
+                    return frame
+                if self.closed:
+                    raise pynng.Closed("closed", _lib.NNG_ECLOSED)
+                if deadline is not None:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        return None
+        finally:
+            self._leave(aio)
 
     def _watch(self) -> None:
         """Make nng's readable descriptor (two descriptors): raises NNGException (out
@@ -878,18 +911,25 @@ class _Reading:
             return False
         me = threading.get_ident()
         aio = _thread_aio()
+        if not self._enter(aio):
+            self.lead.release()
+            return False
         with _waiting_lock:
             # (a frame handler of an outer read_here of this thread may read here too:
             # the same aio, entered once, left by the outer call)
             nested = me in _waiting
             _waiting[me] = aio
+
+        def done() -> bool:
+            return self.closed or ready()
+
         try:
             deadline = None if timeout is None else time.monotonic() + timeout
-            while not ready():
+            while not done():
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     break
-                data = aio.recv(self._sock, left, ready)
+                data = aio.recv(self, left, done)
                 if data is not None:
                     on_frame(data)
         except (pynng.NNGException, TransportError):
@@ -908,6 +948,7 @@ class _Reading:
                 with _waiting_lock:
                     del _waiting[me]
             self.lead.release()
+            self._leave(aio)
         return True
 
     def send(self, frame: FramePart | list[FramePart]) -> None:
@@ -931,9 +972,18 @@ class _Reading:
         raise NotImplementedError
 
     def close(self) -> None:
-        """Close this end of the connection; the other end sees it as lost."""
-        self.closed = True
-        self._sock.close()   # (closes the descriptor the reader thread polls: it wakes)
+        """Close this end of the connection; the other end sees it as lost. A receive in
+        progress on another thread is ended first (see _readable_init)."""
+        with self._closing:
+            self.closed = True
+            receiving = tuple(self._receiving)
+            now = not receiving and not self._shut
+            if now:
+                self._shut = True
+        for aio in receiving:
+            aio.cancel()
+        if now:
+            self._sock.close()   # (closes the descriptor the reader thread polls: it wakes)
 
 
 class Peer(_Reading):
@@ -1332,8 +1382,7 @@ class Listener:
 
     # -- one authenticated peer ---------------------------------------------------
     def _serve(self, peer: Peer, token: bytes) -> None:
-        sock = peer._sock
-        good = self._check_token(sock, token)
+        good = self._check_token(peer, token)
         if peer.port is not None:
             peer.port.close()   # (closed already once it handed its connection on)
         with self._lock:
@@ -1344,7 +1393,7 @@ class Listener:
         if not keep:
             # (never under the lock: the close waits for nng's reaper thread, which may
             # be running the accept socket's pipe callback, which waits for the lock)
-            sock.close()
+            peer.close()
             return
         log.debug("peer %s authenticated on %s", peer.id, self.address)
         self._read(peer, 0)
@@ -1381,23 +1430,25 @@ class Listener:
         (one wake-up per frame, no readiness descriptor to signal and drain), holding the
         lead until the peer goes or is handed off."""
         aio = _thread_aio()
+        if not peer._enter(aio):
+            return
         peer.lead.acquire()
         try:
             while not peer.closed:
-                data = aio.recv(peer._sock, None)
+                data = aio.recv(peer, None, peer._is_closed)
                 if data is not None and not self._handle(peer, generation, data):
                     return   # handed off: the new reader holds the lead now
         finally:
             if peer._reader == generation:
                 peer.lead.release()
+            peer._leave(aio)
 
     def _run(self, peer: Peer, generation: int) -> bool:
         """Handle every frame already received (lead held); False once handed off to
         another reader (which has the lead then)."""
-        sock = peer._sock
         try:
             while True:
-                data = _recv_frame_nowait(sock)
+                data = _recv_frame_nowait(peer)
                 if data is None:
                     return True
                 if not self._handle(peer, generation, data):
@@ -1425,14 +1476,17 @@ class Listener:
         if self._on_lost is not None and not self._closed:
             self._on_lost(peer)
 
-    def _check_token(self, sock: pynng.Pair1, token: bytes) -> bool:
-        sock.recv_timeout = int(self._auth_timeout * 1000)
+    def _check_token(self, peer: Peer, token: bytes) -> bool:
         try:
-            msg = sock.recv_msg()
-            if not hmac.compare_digest(msg.bytes, token):
-                self._dropped(_remote(msg.pipe), "wrong token on a data socket")
+            frame = peer._receive(self._auth_timeout)
+            if frame is None:
+                raise pynng.Timeout("Timed out", _lib.NNG_ETIMEDOUT)
+            if not hmac.compare_digest(bytes(frame), token):
+                pipes = peer._sock.pipes
+                self._dropped(_remote(pipes[0] if pipes else None),
+                              "wrong token on a data socket")
                 return False
-            sock.send(_OK)
+            peer._sock.send(_OK)
             return True
         except pynng.Closed:
             # Closed here: the listener is closing (its owner's exit), or the peer's one
@@ -1444,8 +1498,6 @@ class Listener:
                           f"socket within auth_timeout ({exc}); it may have exited while "
                           f"it started")
             return False
-        finally:
-            sock.recv_timeout = -1
 
     def close(self, join: float = 0.0) -> None:
         """Stop accepting and drop every peer, waiting up to ``join`` s for their threads."""
@@ -1489,7 +1541,6 @@ class Channel(_Reading):
         self._handle = sock.socket   # (nng's id of it: pynng makes one per attribute read)
         self.address = address
         self.closed = False
-        self._timeout: Optional[float] = None   # the socket's receive timeout now
         self._readable_init()
         self._send_lock = threading.Lock()
         self._lost_cb: Optional[Callable[[], None]] = None
@@ -1511,24 +1562,38 @@ class Channel(_Reading):
         data_address, token = _authenticate_retrying(address, secret, timeout, tls)
         sock = _make(pynng.Pair1, secret, tls, False, recv_max_size=0)
         # A listener that dies mid-handshake closes the pipe, but a Pair1 recv does not
-        # end with it (nng would wait for a redial): close the socket then, so the
-        # handshake fails at once instead of after ``timeout``.
-        _close_on_disconnect(sock)
+        # end with it (nng would wait for a redial): the channel's loss of its pipe
+        # closes it, so the handshake fails at once instead of after ``timeout``.
+        channel = cls(sock, address)
         try:
             _dial(sock, data_address, _left(deadline))
-            _present_token(sock, token, _left(deadline), address)
+            channel._present_token(token, _left(deadline))
         except _DialTimeout as exc:
             raise TransportError(f"cannot connect to {address}'s data socket: {exc} "
                                  f"(the process that owns it is too busy, or the network "
                                  f"between drops packets)") from None
         except pynng.NNGException as exc:
-            sock.close()
+            channel.close()
             raise TransportError(f"cannot connect to {address}'s data socket "
                                  f"{data_address}: {exc}") from exc
         except BaseException:
-            sock.close()
+            channel.close()
             raise
-        return cls(sock, address)
+        return channel
+
+    def _present_token(self, token: bytes, timeout: float) -> None:
+        """Send the data socket's token and wait for the listener's verdict on it."""
+        try:
+            self._sock.send(token)
+            verdict = self._receive(timeout)
+        except pynng.Closed as exc:
+            raise _closed_in_handshake(self.address) from exc
+        if verdict is None:
+            raise TransportError(f"{self.address} did not confirm the connection within "
+                                 f"the {timeout:.3g} s left of the connect's timeout.")
+        if verdict != _OK:
+            raise TransportError(f"{self.address} did not accept the connection "
+                                 f"(answered {bytes(verdict[:16])!r}).")
 
     def on_lost(self, callback: Callable[[], None]) -> None:
         """Run ``callback`` once when the connection drops (now, if it already has)."""
@@ -1539,8 +1604,7 @@ class Channel(_Reading):
     def _lost(self) -> None:
         if not self._lost_once.acquire(blocking=False):
             return
-        self.closed = True
-        self._sock.close()
+        self.close()
         if self._lost_cb is not None:
             self._lost_cb()
         else:
@@ -1553,13 +1617,8 @@ class Channel(_Reading):
     def recv(self, timeout: Optional[float] = None) -> Frame:
         """Receive one frame, waiting at most ``timeout`` seconds (None: forever): ``bytes``,
         or for a large one a writable ``memoryview`` of the message (no copy)."""
-        if timeout != self._timeout:
-            self._sock.recv_timeout = -1 if timeout is None else max(1, int(timeout * 1000))
-            self._timeout = timeout
         try:
-            return _recv_frame(self._sock, self._handle)
-        except pynng.Timeout as exc:
-            raise TimeoutError(f"no message from {self.address} within {timeout} s") from exc
+            frame = self._receive(timeout)
         except FrameStalled as exc:
             self.close()
             raise ChannelClosed(f"connection to {self.address}: {exc}") from exc
@@ -1567,6 +1626,9 @@ class Channel(_Reading):
             raise ChannelClosed(
                 f"connection to {self.address} is closed ({exc}); the process at the "
                 f"other end exited or was killed.") from exc
+        if frame is None:
+            raise TimeoutError(f"no message from {self.address} within {timeout} s")
+        return frame
 
     # -- read by whichever thread waits (see hub.Client and _Reading) ---------------------
     def watch(self) -> None:
@@ -1583,14 +1645,14 @@ class Channel(_Reading):
         """The next frame if one is here already, else None; :class:`ChannelClosed` once
         the connection is gone."""
         try:
-            return _recv_frame_nowait(self._sock)
+            return _recv_frame_nowait(self)
         except pynng.NNGException as exc:
             raise ChannelClosed(f"connection to {self.address} is closed ({exc})") from exc
 
     def recv_here(self, timeout: Optional[float]) -> Optional[Frame]:
         """The next frame, received in this thread, or None after ``timeout`` seconds."""
         try:
-            return _thread_aio().recv(self._sock, timeout)
+            return self._receive(timeout)
         except pynng.NNGException as exc:
             raise ChannelClosed(f"connection to {self.address} is closed ({exc})") from exc
 
@@ -1749,7 +1811,7 @@ def _authenticate(address: str, secret: bytes, timeout: float,
     req = _make(pynng.Req0, secret, tls, False, resend_time=-1,
                 recv_timeout=int(timeout * 1000), send_timeout=int(timeout * 1000),
                 recv_max_size=HANDSHAKE_MAX_SIZE)
-    _close_on_disconnect(req)  # as in Channel.connect
+    _close_on_disconnect(req)  # (its receives poll its descriptor: see _answer_of)
     nonce = os.urandom(_NONCE)
     deadline = time.monotonic() + timeout
     try:
@@ -1908,23 +1970,6 @@ def _closed_in_handshake(address: str) -> TransportError:
 def _left(deadline: float) -> float:
     """Seconds left until ``deadline`` (at least a millisecond: nng reads 0 as no wait)."""
     return max(0.001, deadline - time.monotonic())
-
-
-def _present_token(sock: pynng.Pair1, token: bytes, timeout: float, address: str) -> None:
-    sock.recv_timeout = int(timeout * 1000)
-    try:
-        sock.send(token)
-        verdict = sock.recv()
-    except pynng.Closed as exc:
-        raise _closed_in_handshake(address) from exc
-    except pynng.Timeout as exc:
-        raise TransportError(f"{address} did not confirm the connection within the "
-                             f"{timeout:.3g} s left of the connect's timeout.") from exc
-    finally:
-        sock.recv_timeout = -1
-    if verdict != _OK:
-        raise TransportError(f"{address} did not accept the connection (answered "
-                             f"{verdict[:16]!r}).")
 
 
 @dataclass(frozen=True)
