@@ -262,10 +262,11 @@ class _Aio:
     takes the message before nng marks the socket readable, so a reader thread that
     waits for readability (:class:`Channel`) is not woken for it."""
 
-    __slots__ = ("aio", "busy", "thread", "posting", "cancelled")
+    __slots__ = ("aio", "busy", "thread", "posting", "cancelled", "ms")
 
     def __init__(self) -> None:
         self.aio = _new_aio()
+        self.ms: Optional[int] = None   # the timeout set on the aio now (nng's ms)
         self.busy = False   # a receive is posted on it, or its message not taken yet
         self.thread = threading.get_ident()   # the one thread that receives with it
         # Held while a receive is being posted. nng's cancel of an aio that its protocol
@@ -317,12 +318,10 @@ class _Aio:
         self.busy = True
         aio = self.aio
         try:
-            # The aio keeps pointing at the message it last received, which the caller
-            # has freed since: a receive that ends with no error and no message (nng
-            # ends one so at times when a peer is killed) must not hand that one out.
-            _lib.nng_aio_set_msg(aio, _NULL)
-            _lib.nng_aio_set_timeout(aio, -1 if timeout is None
-                                     else max(1, int(timeout * 1000)))
+            ms = -1 if timeout is None else max(1, int(timeout * 1000))
+            if ms != self.ms:
+                _lib.nng_aio_set_timeout(aio, ms)
+                self.ms = ms
             with self.posting:
                 self.cancelled = False
                 _lib.nng_recv_aio(handle, aio)
@@ -330,18 +329,23 @@ class _Aio:
                 self.cancelled = True
                 _lib.nng_aio_cancel(aio)   # (this thread: the receive is posted, or done)
             _lib.nng_aio_wait(aio)
-            err = _lib.nng_aio_result(aio)
-            if err:
+            # The aio keeps pointing at the message it received until it is cleared, and
+            # the caller frees that message: a receive that ends with no error and no
+            # message (nng ends one so at times when a peer is killed) must not hand it
+            # out again. A new aio, or one whose receive failed, points at none; so a
+            # message there means the receive succeeded.
+            msg = _lib.nng_aio_get_msg(aio)
+            if msg == _NULL:
+                err = _lib.nng_aio_result(aio)
                 if err in _AIO_TIMEOUT:
                     return None   # (ended by its cancel or timeout: nng is done with the aio)
                 check_err(err)
-            msg = _lib.nng_aio_get_msg(aio)
-            _lib.nng_aio_set_msg(aio, _NULL)
-            if self.cancelled or msg == _NULL:
                 self._retire()
-                if msg == _NULL:
-                    return None   # nothing came (the caller asks again unless it has what
-                                  # it waits for)
+                return None   # nothing came (the caller asks again unless it has what it
+                              # waits for)
+            _lib.nng_aio_set_msg(aio, _NULL)
+            if self.cancelled:
+                self._retire()
         finally:
             self.busy = False
         return msg
@@ -360,6 +364,7 @@ class _Aio:
         fresh = _new_aio()
         with self.posting:
             old, self.aio = self.aio, fresh
+            self.ms = None
         _lib.nng_aio_cancel(old)
         _retired_add(old)
 
@@ -376,6 +381,7 @@ def _new_aio() -> Any:
     return holder[0]
 
 
+_ACCEPT_EXIT_S = 2.0   # how long a listener's close waits for its accept thread to stop
 _RETIRED_S = 5.0   # how long a retired aio waits before it is freed (nng needs microseconds)
 _retired: collections.deque[tuple[float, Any]] = collections.deque()   # (when, aio), oldest first
 _retired_lock = threading.Lock()
@@ -420,8 +426,9 @@ def _reentered(outer: _Aio, handle: Any, timeout: Optional[float],
 
 
 def _thread_aio() -> _Aio:
-    aio = getattr(_aios, "aio", None)
-    if aio is None:
+    try:
+        aio: _Aio = _aios.aio
+    except AttributeError:
         aio = _aios.aio = _Aio()
     return aio
 
@@ -840,40 +847,56 @@ class _Reading:
         # socket) or leave the receive waiting for good when a socket is closed while
         # another thread receives on it with a timeout, most often just after its
         # connection went. So every blocking receive on the socket is posted on an aio
-        # listed here (_enter, _leave); close() cancels those, and the nng close is left
-        # to the last receiver out.
+        # listed here while it is in progress (_enter, _leave); close() cancels those,
+        # and the nng close is left to the last receiver out. No lock on this path: a
+        # receiver lists itself, then looks at ``closed``; close() sets ``closed``, then
+        # looks at the list (list.append, list.remove and attribute writes are atomic
+        # under the GIL), so either the receiver backs out or close() sees it.
         self._receiving: list[_Aio] = []
-        self._closing = threading.Lock()   # guards closed, _receiving, _shut
-        self._shut = False                 # nng's close is done, or under way
+        self._shut = threading.Lock()   # taken by whoever closes the socket: once
 
     def _enter(self, aio: _Aio) -> bool:
-        """Register a receive about to be posted on ``aio``; False once closed."""
-        with self._closing:
-            if self.closed:
-                return False
-            self._receiving.append(aio)
-            return True
+        """List a receive about to be posted on ``aio``; False once closed."""
+        self._receiving.append(aio)
+        if self.closed:
+            self._leave(aio)
+            return False
+        return True
 
     def _leave(self, aio: _Aio) -> None:
-        with self._closing:
-            self._receiving.remove(aio)
-            last = self.closed and not self._receiving and not self._shut
-            if last:
-                self._shut = True
-        if last:
-            self._sock.close()
+        self._receiving.remove(aio)
+        if self.closed and not self._receiving:
+            self._shut_socket()
+
+    def _shut_socket(self) -> None:
+        if self._shut.acquire(blocking=False):
+            self._sock.close()   # (closes the descriptor the reader thread polls: it wakes)
 
     def _is_closed(self) -> bool:
         return self.closed
+
+    def _receive_once(self, aio: _Aio, timeout: Optional[float],
+                      ready: Callable[[], bool]) -> Optional[Frame]:
+        """One receive on ``aio``, listed while it is in progress (not while the frame is
+        handled: a handler may send, and a send blocked on a lost connection ends only
+        with the socket's close). Raises pynng.Closed once this end is closed."""
+        if not self._enter(aio):
+            raise pynng.Closed("closed", _lib.NNG_ECLOSED)
+        try:
+            return aio.recv(self, timeout, ready)
+        finally:
+            self._leave(aio)
 
     def _receive(self, timeout: Optional[float]) -> Optional[Frame]:
         """The next frame, received in this thread; None after ``timeout`` seconds (None:
         no limit). Raises pynng.Closed once this end is closed, here or elsewhere."""
         aio = _thread_aio()
-        if not self._enter(aio):
-            raise pynng.Closed("closed", _lib.NNG_ECLOSED)
+        receiving = self._receiving
+        receiving.append(aio)   # (_enter and _leave, inlined: once per frame on this path)
         try:
-            deadline = None if timeout is None else time.monotonic() + timeout
+            if self.closed:
+                raise pynng.Closed("closed", _lib.NNG_ECLOSED)
+            start = time.monotonic()
             left = timeout
             while True:
                 frame = aio.recv(self, left, self._is_closed)
@@ -881,12 +904,14 @@ class _Reading:
                     return frame
                 if self.closed:
                     raise pynng.Closed("closed", _lib.NNG_ECLOSED)
-                if deadline is not None:
-                    left = deadline - time.monotonic()
+                if timeout is not None:   # (else a wake or an empty frame: go on)
+                    left = start + timeout - time.monotonic()
                     if left <= 0:
                         return None
         finally:
-            self._leave(aio)
+            receiving.remove(aio)
+            if self.closed and not receiving:
+                self._shut_socket()
 
     def _watch(self) -> None:
         """Make nng's readable descriptor (two descriptors): raises NNGException (out
@@ -911,9 +936,6 @@ class _Reading:
             return False
         me = threading.get_ident()
         aio = _thread_aio()
-        if not self._enter(aio):
-            self.lead.release()
-            return False
         with _waiting_lock:
             # (a frame handler of an outer read_here of this thread may read here too:
             # the same aio, entered once, left by the outer call)
@@ -929,7 +951,7 @@ class _Reading:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     break
-                data = aio.recv(self, left, done)
+                data = self._receive_once(aio, left, done)
                 if data is not None:
                     on_frame(data)
         except (pynng.NNGException, TransportError):
@@ -948,7 +970,6 @@ class _Reading:
                 with _waiting_lock:
                     del _waiting[me]
             self.lead.release()
-            self._leave(aio)
         return True
 
     def send(self, frame: FramePart | list[FramePart]) -> None:
@@ -974,16 +995,12 @@ class _Reading:
     def close(self) -> None:
         """Close this end of the connection; the other end sees it as lost. A receive in
         progress on another thread is ended first (see _readable_init)."""
-        with self._closing:
-            self.closed = True
-            receiving = tuple(self._receiving)
-            now = not receiving and not self._shut
-            if now:
-                self._shut = True
+        self.closed = True
+        receiving = tuple(self._receiving)
         for aio in receiving:
             aio.cancel()
-        if now:
-            self._sock.close()   # (closes the descriptor the reader thread polls: it wakes)
+        if not self._receiving:
+            self._shut_socket()
 
 
 class Peer(_Reading):
@@ -1117,6 +1134,9 @@ class Listener:
                              recv_max_size=HANDSHAKE_MAX_SIZE)
         # the accept thread's receive: while it is in progress, no request waits for us
         self._receive: Optional[Any] = _new_aio()
+        # held while that receive is posted; close() cancels it under it, so the accept
+        # socket is never closed under a receive (see _Reading._readable_init)
+        self._posting = threading.Lock()
         # Plaintext: a gate owns the TCP ports and hands nng only connections that sent
         # nng's header (nng's TLS transport cannot take a descriptor: it listens itself).
         self._gate: Optional[Gate] = None
@@ -1265,7 +1285,7 @@ class Listener:
                         if reply.startswith(_ADDR):   # authenticated: how slow it was
                             self._silences.append((now, held.silence))
         finally:
-            with self._lock:
+            with self._lock, self._posting:   # (close() may be cancelling it)
                 aio, self._receive = self._receive, None
             if not (_nng_down or sys.is_finalizing()):   # (at exit nng may be down)
                 _lib.nng_aio_free(aio)
@@ -1274,7 +1294,10 @@ class Listener:
         """The next handshake message and the id of the connection it came on."""
         aio = self._receive
         _lib.nng_aio_set_timeout(aio, -1)
-        _lib.nng_recv_aio(self._accept.socket, aio)
+        with self._posting:
+            if self._closed:
+                raise pynng.Closed("closed", _lib.NNG_ECLOSED)
+            _lib.nng_recv_aio(self._accept.socket, aio)
         _lib.nng_aio_wait(aio)
         check_err(_lib.nng_aio_result(aio))
         msg = _lib.nng_aio_get_msg(aio)
@@ -1430,18 +1453,15 @@ class Listener:
         (one wake-up per frame, no readiness descriptor to signal and drain), holding the
         lead until the peer goes or is handed off."""
         aio = _thread_aio()
-        if not peer._enter(aio):
-            return
         peer.lead.acquire()
         try:
             while not peer.closed:
-                data = aio.recv(peer, None, peer._is_closed)
+                data = peer._receive_once(aio, None, peer._is_closed)
                 if data is not None and not self._handle(peer, generation, data):
                     return   # handed off: the new reader holds the lead now
         finally:
             if peer._reader == generation:
                 peer.lead.release()
-            peer._leave(aio)
 
     def _run(self, peer: Peer, generation: int) -> bool:
         """Handle every frame already received (lead held); False once handed off to
@@ -1507,6 +1527,11 @@ class Listener:
         self._stop.set()
         if self._gate is not None:
             self._gate.close()
+        with self._posting:   # (the accept thread posts no receive after this)
+            if self._receive is not None:
+                _lib.nng_aio_cancel(self._receive)
+        if threading.current_thread() is not self._thread:
+            self._thread.join(_ACCEPT_EXIT_S)   # it frees its aio once out of the receive
         self._accept.close()
         for peer in peers:
             peer.close()
