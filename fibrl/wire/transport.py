@@ -145,7 +145,8 @@ ZERO_COPY_MIN = 64 * 1024
 # one piece at a time, the receiver copies each into the frame's one buffer.
 PIECE = 4 << 20
 # A receiver waiting for the next piece of a large frame gives up after this long without
-# one (only when its receive has a timeout: with none, it waits as it was asked to).
+# one (only when its receive has a timeout: with none, it waits as it was asked to; a
+# reader thread has none).
 PIECE_STALL_S = 60.0
 _LARGE = struct.Struct("<8sQ")
 _LARGE_TAG = b"FB\x00LARGE"[:8]
@@ -219,7 +220,7 @@ def _drop_empty(msg: Any) -> None:
     log.debug("dropped an empty message (no fibrl frame is empty)")
 
 
-def _frame_of(conn: "_Reading", msg: Any, size: int) -> Frame:
+def _frame_of(conn: "_Reading", msg: Any, size: int, stall: Optional[float]) -> Frame:
     """The frame on ``conn`` that starts with the received message ``msg``: ``bytes``
     when small, else a writable memoryview (of nng's message itself, or of the one
     buffer a frame sent in pieces was gathered in)."""
@@ -228,7 +229,7 @@ def _frame_of(conn: "_Reading", msg: Any, size: int) -> Frame:
         data: bytes = _ffi.unpack(body, size)
         _lib.nng_msg_free(msg)
         if size == _LARGE.size and data.startswith(_LARGE_TAG):
-            return _gather(conn, _LARGE.unpack(data)[1])
+            return _gather(conn, _LARGE.unpack(data)[1], stall)
         return data
     body = _ffi.gc(body, lambda _body, msg=msg: _lib.nng_msg_free(msg), size)
     return memoryview(_ffi.buffer(body, size))
@@ -254,7 +255,7 @@ def _recv_frame_nowait(conn: "_Reading") -> Optional[Frame]:
     if not size:
         _drop_empty(msg)
         return _recv_frame_nowait(conn)   # (what came after it, if anything)
-    return _frame_of(conn, msg, size)
+    return _frame_of(conn, msg, size, None)   # (a reader thread: no receive timeout)
 
 
 class _Aio:
@@ -296,7 +297,7 @@ class _Aio:
             return None
         size = _lib.nng_msg_len(msg)
         if size >= ZERO_COPY_MIN or size == _LARGE.size:
-            return _frame_of(conn, msg, size)
+            return _frame_of(conn, msg, size, None if timeout is None else PIECE_STALL_S)
         if not size:
             _drop_empty(msg)
             return None   # (the caller asks again unless what it waits for happened)
@@ -337,12 +338,15 @@ class _Aio:
             msg = _lib.nng_aio_get_msg(aio)
             if msg == _NULL:
                 err = _lib.nng_aio_result(aio)
-                if err in _AIO_TIMEOUT:
-                    return None   # (ended by its cancel or timeout: nng is done with the aio)
-                check_err(err)
+                if err in _AIO_TIMEOUT and not self.cancelled:
+                    return None   # (ended by its timeout: nng is done with the aio)
+                if err and err not in _AIO_TIMEOUT:
+                    check_err(err)
+                # Nothing came, or it was cancelled: two cancels landing together can
+                # end the wait before nng's accounting of the first is done, which would
+                # then land on this aio's next receive.
                 self._retire()
-                return None   # nothing came (the caller asks again unless it has what it
-                              # waits for)
+                return None   # (the caller asks again unless it has what it waits for)
             _lib.nng_aio_set_msg(aio, _NULL)
             if self.cancelled:
                 self._retire()
@@ -433,25 +437,32 @@ def _thread_aio() -> _Aio:
     return aio
 
 
-def _gather(conn: "_Reading", total: int) -> memoryview:
+def _gather(conn: "_Reading", total: int, stall: Optional[float]) -> memoryview:
     """The rest of a frame sent in pieces, ``total`` bytes: the pieces follow each other
     (no receive timeout splits them), but a sender stopped mid-frame (frozen, cut off)
-    does not hold the receiver past ``PIECE_STALL_S``."""
+    does not hold the receiver longer than ``stall`` seconds without a piece (None: no
+    limit, for a receive that has none). A wake of this thread meanwhile (a cancel of
+    its aio) is not the end of the frame: the receive goes on."""
     frame = memoryview(bytearray(total))
     offset = 0
     aio = _thread_aio()
     if not conn._enter(aio):
         raise pynng.Closed("closed", _lib.NNG_ECLOSED)
     try:
+        progress = time.monotonic()
         while offset < total:
-            msg = aio.take(conn._handle, PIECE_STALL_S, conn._is_closed)
+            left = None if stall is None else progress + stall - time.monotonic()
+            if left is not None and left <= 0:
+                raise FrameStalled(
+                    f"the peer sent {offset} of a {total}-byte frame, then nothing for "
+                    f"{stall:g} s (frozen or cut off); the connection is dropped, as the "
+                    f"rest of that frame cannot be told from what follows")
+            msg = aio.take(conn._handle, left, conn._is_closed)
             if msg is None:
                 if conn.closed:
                     raise pynng.Closed("closed", _lib.NNG_ECLOSED)
-                raise FrameStalled(
-                    f"the peer sent {offset} of a {total}-byte frame, then nothing for "
-                    f"{PIECE_STALL_S:g} s (frozen or cut off); the connection is dropped, "
-                    f"as the rest of that frame cannot be told from what follows")
+                continue
+            progress = time.monotonic()
             size = _lib.nng_msg_len(msg)
             try:
                 if size > total - offset:
@@ -869,8 +880,18 @@ class _Reading:
             self._shut_socket()
 
     def _shut_socket(self) -> None:
-        if self._shut.acquire(blocking=False):
+        if not self._shut.acquire(blocking=False):
+            return
+        me = threading.current_thread()
+        with _soon_lock:   # (so that exit waits for this close: see _finish_pipe_events)
+            if _nng_down:
+                return     # at exit: nng objects are left to the process's end
+            _soon.add(me)
+        try:
             self._sock.close()   # (closes the descriptor the reader thread polls: it wakes)
+        finally:
+            with _soon_lock:
+                _soon.discard(me)
 
     def _is_closed(self) -> bool:
         return self.closed
@@ -884,6 +905,31 @@ class _Reading:
             raise pynng.Closed("closed", _lib.NNG_ECLOSED)
         try:
             return aio.recv(self, timeout, ready)
+        finally:
+            self._leave(aio)
+
+    def _receive_raw(self, timeout: float) -> Optional[bytes]:
+        """The next message's bytes as they came (at most ``HANDSHAKE_MAX_SIZE`` of
+        them), no frame made of them: nothing an unauthenticated sender says is read as
+        a frame header. None after ``timeout`` seconds; pynng.Closed once closed."""
+        aio = _thread_aio()
+        if not self._enter(aio):
+            raise pynng.Closed("closed", _lib.NNG_ECLOSED)
+        try:
+            deadline = time.monotonic() + timeout
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                msg = aio.take(self._handle, left, self._is_closed)
+                if msg is not None:
+                    size = min(_lib.nng_msg_len(msg), HANDSHAKE_MAX_SIZE)
+                    data: bytes = _ffi.unpack(_ffi.cast("char *", _lib.nng_msg_body(msg)),
+                                              size)
+                    _lib.nng_msg_free(msg)
+                    return data
+                if self.closed:
+                    raise pynng.Closed("closed", _lib.NNG_ECLOSED)
         finally:
             self._leave(aio)
 
@@ -1498,10 +1544,10 @@ class Listener:
 
     def _check_token(self, peer: Peer, token: bytes) -> bool:
         try:
-            frame = peer._receive(self._auth_timeout)
-            if frame is None:
+            data = peer._receive_raw(self._auth_timeout)
+            if data is None:
                 raise pynng.Timeout("Timed out", _lib.NNG_ETIMEDOUT)
-            if not hmac.compare_digest(bytes(frame), token):
+            if not hmac.compare_digest(data, token):
                 pipes = peer._sock.pipes
                 self._dropped(_remote(pipes[0] if pipes else None),
                               "wrong token on a data socket")
@@ -1685,7 +1731,7 @@ class Channel(_Reading):
         return f"<Channel to {self.address}>"
 
 
-_soon: set[threading.Thread] = set()   # the threads _call_soon started that still run
+_soon: set[threading.Thread] = set()   # threads closing sockets now (_call_soon's, _shut_socket)
 _soon_lock = threading.Lock()
 
 
@@ -1716,10 +1762,10 @@ def _finish_pipe_events() -> None:
     aborts the process too: a listener closed by a finalizer at exit frees its accept
     thread's aio then)."""
     global _nng_down
-    _nng_down = True
-    deadline = time.monotonic() + 2.0
     with _soon_lock:
-        threads = list(_soon)
+        _nng_down = True
+        threads = [t for t in _soon if t is not threading.current_thread()]
+    deadline = time.monotonic() + 2.0
     for thread in threads:
         thread.join(max(0.0, deadline - time.monotonic()))
 

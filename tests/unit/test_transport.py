@@ -887,3 +887,69 @@ def test_many_connections_lost_under_a_receive_neither_abort_nor_hang():
     for run in runs:
         out, err = run.communicate(timeout=240)
         assert run.returncode == 0 and out.strip() == "ok", err[-3000:]
+
+
+def test_a_wake_during_a_frame_sent_in_pieces_does_not_cut_the_frame():
+    """A thread reading a peer's frames while it waits (read_here) is woken because what
+    it waited for came elsewhere, while it is inside a frame sent in pieces: the frame
+    is still read whole, and the connection stays."""
+    got, peers, lost = [], [], threading.Event()
+    listener = Listener("127.0.0.1", SECRET, on_frame=lambda p, d: (peers.append(p),
+                                                                    got.append(len(d))),
+                        on_lost=lambda p: lost.set())
+    channel = Channel.connect(listener.address, SECRET, timeout=5)
+    try:
+        channel.send(b"hello")
+        wait_until(lambda: peers, 5)
+        peer, answered, reading = peers[0], threading.Event(), threading.Event()
+        receives = []
+
+        def reader():
+            reading.set()
+            peer.read_here(answered.is_set, 30.0, lambda d: got.append(len(d)))
+
+        take = transport._Aio.take
+
+        def counted_take(aio, *args):
+            receives.append(threading.get_ident())
+            return take(aio, *args)
+
+        transport._Aio.take = counted_take
+        thread = threading.Thread(target=reader)
+        thread.start()
+        try:
+            reading.wait(5)
+            total = transport.PIECE + 1
+            channel._sock.send(transport._LARGE.pack(transport._LARGE_TAG, total))
+            wait_until(lambda: receives.count(thread.ident) >= 2, 5)   # inside the frame
+            answered.set()
+            transport.wake_reader(thread.ident)
+            channel._sock.send(b"x" * transport.PIECE)
+            channel._sock.send(b"y")
+            thread.join(30)
+        finally:
+            transport._Aio.take = take
+        wait_until(lambda: total in got, 10)
+        assert not peer.closed and not lost.is_set()
+    finally:
+        channel.close()
+        listener.close(join=1.0)
+
+
+def test_what_comes_on_a_data_socket_before_its_token_is_not_read_as_a_frame():
+    """A stranger connected to a new peer's data port sends a large frame's header
+    instead of the token: the listener neither allocates what it announces nor keeps
+    waiting for its pieces; the connection is refused as a wrong token."""
+    errors = []
+    hook, threading.excepthook = threading.excepthook, lambda a: errors.append(a.exc_type)
+    listener = Listener("127.0.0.1", SECRET, on_frame=lambda p, d: None)
+    try:
+        data_address, _ = transport._authenticate(listener.address, SECRET, 5, False)
+        with pynng.Pair1() as stranger:
+            stranger.dial(data_address, block=True)
+            stranger.send(transport._LARGE.pack(transport._LARGE_TAG, 1 << 62))
+            wait_until(lambda: not listener._opening, 5)
+        assert errors == []
+    finally:
+        threading.excepthook = hook
+        listener.close(join=1.0)
