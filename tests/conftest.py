@@ -839,7 +839,8 @@ def _held_by_the_process() -> tuple:
     and that stay for the session: this process's hubs (its own, and one per other
     authkey it has talked to a manager with: fibrl.managers.lines), each with its timers'
     thread and its listener (accept and idle-peer threads, its gate's thread, selector,
-    wake pair and listening ports, its handshakes in progress: _add_handshakes), each local
+    wake pair and listening ports, or with TLS the port nng listens on, its handshakes in
+    progress: _add_handshakes), each local
     backend's fork server (its request socket and reply pipe; one backend per config),
     the session's fake API server's hang-up watcher (its thread, selector and wake pipe),
     the docker reaper's pipe (one per process), nng's own threads that ran Python
@@ -863,6 +864,8 @@ def _held_by_the_process() -> tuple:
             threads.add(gate._thread)
             fds.update(_fileno(obj) for obj in (gate._selector, gate._wake_r, gate._wake_w))
             fds.update(_fileno(port.sock) for port in list(gate._ports))
+        else:   # TLS: nng listens on the port itself
+            fds.update(_listening_fds(int(listener.address.rsplit(":", 1)[1])))
         _add_handshakes(listener, fds, threads)
     for backend in list(backends._instances.values()):
         server = getattr(backend, "_server", None)
@@ -879,6 +882,12 @@ def _held_by_the_process() -> tuple:
                    if isinstance(thread, threading._DummyThread) and _in_nng(thread))
     fds.update(_stdlib_heap_fds())
     return fds - {None, -1}, threads - {None}
+
+
+def _listening_fds(port: int) -> set:
+    """This process's descriptors that listen on TCP ``port``."""
+    return {conn.fd for conn in psutil.Process().net_connections(kind="tcp")
+            if conn.status == psutil.CONN_LISTEN and conn.laddr.port == port}
 
 
 def _add_handshakes(listener, fds: set, threads: set) -> None:
