@@ -1756,8 +1756,9 @@ _nng_down = False   # set at exit, before pynng shuts nng down: nng objects are 
 
 @atexit.register   # (after pynng's own: it runs before it)
 def _finish_pipe_events() -> None:
-    """Let sockets that pipe events are closing finish closing before pynng shuts nng
-    down at exit: nng aborts the process when a socket closes during its shutdown.
+    """Let sockets that other threads are closing (on a pipe event; the last receiver of
+    a closed connection) finish closing before pynng shuts nng down at exit: nng aborts
+    the process when a socket closes during its shutdown.
     From here on, aios are left to the process's end (freeing one after nng's shutdown
     aborts the process too: a listener closed by a finalizer at exit frees its accept
     thread's aio then)."""
