@@ -814,17 +814,16 @@ def test_a_lost_connection_is_closed_only_once_its_receives_ended(how):
         channel = Channel.connect(listener.address, SECRET, timeout=5)
         closes = _closes_of(channel)
         channel.send(b"close yourself")
-        started = time.monotonic()
+        # no timeout: only the loss ends these receives
         if how == "recv":
             with pytest.raises(ChannelClosed):
-                channel.recv(30.0)
+                channel.recv(None)
         elif how == "recv_here":
             with pytest.raises(ChannelClosed):
                 while True:
-                    channel.recv_here(30.0)
+                    channel.recv_here(None)
         else:
-            channel.read_here(lambda: False, 30.0, lambda frame: None)
-        assert time.monotonic() - started < 20   # ended by the loss, not its timeout
+            channel.read_here(lambda: False, None, lambda frame: None)
         wait_until(lambda: closes, 5)
         assert closes == [0], closes
     finally:
