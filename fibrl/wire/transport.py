@@ -411,6 +411,19 @@ _aios = threading.local()
 _reentries = 0
 
 
+def _handshake_bytes(aio: _Aio, conn: "_Reading", timeout: Optional[float],
+                     ready: Callable[[], bool]) -> Optional[bytes]:
+    """:meth:`_Aio.recv` for what an unauthenticated sender says: the message's bytes as
+    they came (at most ``HANDSHAKE_MAX_SIZE`` of them), never read as a frame header."""
+    msg = aio.take(conn._handle, timeout, ready)
+    if msg is None:
+        return None
+    size = min(_lib.nng_msg_len(msg), HANDSHAKE_MAX_SIZE)
+    data: bytes = _ffi.unpack(_ffi.cast("char *", _lib.nng_msg_body(msg)), size)
+    _lib.nng_msg_free(msg)
+    return data
+
+
 def _reentered(outer: _Aio, handle: Any, timeout: Optional[float],
                ready: Optional[Callable[[], bool]]) -> Any:
     """A receive on a thread whose own aio is in use by a receive in progress: on an aio
@@ -908,34 +921,11 @@ class _Reading:
         finally:
             self._leave(aio)
 
-    def _receive_raw(self, timeout: float) -> Optional[bytes]:
-        """The next message's bytes as they came (at most ``HANDSHAKE_MAX_SIZE`` of
-        them), no frame made of them: nothing an unauthenticated sender says is read as
-        a frame header. None after ``timeout`` seconds; pynng.Closed once closed."""
-        aio = _thread_aio()
-        if not self._enter(aio):
-            raise pynng.Closed("closed", _lib.NNG_ECLOSED)
-        try:
-            deadline = time.monotonic() + timeout
-            while True:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return None
-                msg = aio.take(self._handle, left, self._is_closed)
-                if msg is not None:
-                    size = min(_lib.nng_msg_len(msg), HANDSHAKE_MAX_SIZE)
-                    data: bytes = _ffi.unpack(_ffi.cast("char *", _lib.nng_msg_body(msg)),
-                                              size)
-                    _lib.nng_msg_free(msg)
-                    return data
-                if self.closed:
-                    raise pynng.Closed("closed", _lib.NNG_ECLOSED)
-        finally:
-            self._leave(aio)
-
-    def _receive(self, timeout: Optional[float]) -> Optional[Frame]:
-        """The next frame, received in this thread; None after ``timeout`` seconds (None:
-        no limit). Raises pynng.Closed once this end is closed, here or elsewhere."""
+    def _receive(self, timeout: Optional[float],
+                 read: Callable[..., Optional[Frame]] = _Aio.recv) -> Optional[Frame]:
+        """The next frame, received in this thread (``read``: how a message is made one);
+        None after ``timeout`` seconds (None: no limit). Raises pynng.Closed once this
+        end is closed, here or elsewhere."""
         aio = _thread_aio()
         receiving = self._receiving
         receiving.append(aio)   # (_enter and _leave, inlined: once per frame on this path)
@@ -945,7 +935,7 @@ class _Reading:
             start = time.monotonic()
             left = timeout
             while True:
-                frame = aio.recv(self, left, self._is_closed)
+                frame = read(aio, self, left, self._is_closed)
                 if frame is not None:
                     return frame
                 if self.closed:
@@ -1544,7 +1534,7 @@ class Listener:
 
     def _check_token(self, peer: Peer, token: bytes) -> bool:
         try:
-            data = peer._receive_raw(self._auth_timeout)
+            data = peer._receive(self._auth_timeout, _handshake_bytes)
             if data is None:
                 raise pynng.Timeout("Timed out", _lib.NNG_ETIMEDOUT)
             if not hmac.compare_digest(data, token):
