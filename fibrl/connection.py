@@ -495,13 +495,17 @@ class _Inbox:
         def ready() -> Any:
             return items or self.eof or self.error is not None or self.rid != rid
 
+        cond = self.cond
+
         def on_frame(frame: Any) -> None:
             if type(frame) is bytes and frame.startswith(head):
+                listeners: tuple = ()
                 with self.lock:
                     current = self.rid == rid and self.client is client
                     if current:
-                        self.items.append(Encoded(frame[size:]))
-                        listeners = self._news()
+                        items.append(Encoded(frame[size:]))
+                        if cond.sleepers or self.listeners:   # (else _news has nothing to do)
+                            listeners = self._news()
                 if current:
                     for poke in listeners:
                         poke()

@@ -241,6 +241,7 @@ _GONE = select.POLLHUP | select.POLLERR | select.POLLNVAL   # a polled descripto
 _POLL_MS = 5000
 _AIO_TIMEOUT = {_lib.NNG_ETIMEDOUT, _lib.NNG_ECANCELED}
 _NULL = _ffi.NULL
+_CHARS = _ffi.typeof("char *")
 
 
 def _recv_frame_nowait(conn: "_Reading") -> Optional[Frame]:
@@ -263,11 +264,19 @@ class _Aio:
     takes the message before nng marks the socket readable, so a reader thread that
     waits for readability (:class:`Channel`) is not woken for it."""
 
-    __slots__ = ("aio", "busy", "thread", "posting", "cancelled", "ms")
+    __slots__ = ("aio", "busy", "thread", "posting", "cancelled", "ms", "stale", "spent")
 
     def __init__(self) -> None:
         self.aio = _new_aio()
         self.ms: Optional[int] = None   # the timeout set on the aio now (nng's ms)
+        # The aio still points at the message its last receive handed out (which the
+        # caller has freed since): cleared before the next receive is posted, not
+        # after this one, so that a frame's way to the code that answers it makes one
+        # nng call fewer. Nothing reads an aio's message between its receives.
+        self.stale = False
+        # The small message whose bytes :meth:`recv` copied out last: freed when the next
+        # receive is posted, for the same reason.
+        self.spent: Any = None
         self.busy = False   # a receive is posted on it, or its message not taken yet
         self.thread = threading.get_ident()   # the one thread that receives with it
         # Held while a receive is being posted. nng's cancel of an aio that its protocol
@@ -302,8 +311,10 @@ class _Aio:
             _drop_empty(msg)
             return None   # (the caller asks again unless what it waits for happened)
         # the common case, as _frame_of has it, without its call
-        data: bytes = _ffi.unpack(_ffi.cast("char *", _lib.nng_msg_body(msg)), size)
-        _lib.nng_msg_free(msg)
+        data: bytes = _ffi.unpack(_ffi.cast(_CHARS, _lib.nng_msg_body(msg)), size)
+        spent, self.spent = self.spent, msg   # (freed by the next take; None here unless
+        if spent is not None:                 # this receive ran inside another one)
+            _lib.nng_msg_free(spent)
         return data
 
     def take(self, handle: Any, timeout: Optional[float],
@@ -319,6 +330,13 @@ class _Aio:
         self.busy = True
         aio = self.aio
         try:
+            if self.stale:
+                _lib.nng_aio_set_msg(aio, _NULL)
+                self.stale = False
+                spent = self.spent
+                if spent is not None:
+                    self.spent = None
+                    _lib.nng_msg_free(spent)
             ms = -1 if timeout is None else max(1, int(timeout * 1000))
             if ms != self.ms:
                 _lib.nng_aio_set_timeout(aio, ms)
@@ -333,8 +351,8 @@ class _Aio:
             # The aio keeps pointing at the message it received until it is cleared, and
             # the caller frees that message: a receive that ends with no error and no
             # message (nng ends one so at times when a peer is killed) must not hand it
-            # out again. A new aio, or one whose receive failed, points at none; so a
-            # message there means the receive succeeded.
+            # out again. It was cleared before this receive was posted (``stale``), and
+            # one that failed points at none; so a message there means it succeeded.
             msg = _lib.nng_aio_get_msg(aio)
             if msg == _NULL:
                 err = _lib.nng_aio_result(aio)
@@ -347,9 +365,11 @@ class _Aio:
                 # then land on this aio's next receive.
                 self._retire()
                 return None   # (the caller asks again unless it has what it waits for)
-            _lib.nng_aio_set_msg(aio, _NULL)
             if self.cancelled:
+                _lib.nng_aio_set_msg(aio, _NULL)   # (a retired aio's message is freed)
                 self._retire()
+            else:
+                self.stale = True
         finally:
             self.busy = False
         return msg
@@ -373,10 +393,13 @@ class _Aio:
         _retired_add(old)
 
     def __del__(self, _free: Callable[[Any], None] = _lib.nng_aio_free,
+                _free_msg: Callable[[Any], None] = _lib.nng_msg_free,
                 _finalizing: Callable[[], bool] = sys.is_finalizing) -> None:
         # (at exit a daemon thread may still wait on it; None: freed already)
         if self.aio is not None and not (_nng_down or _finalizing()):
             _free(self.aio)
+            if self.spent is not None:
+                _free_msg(self.spent)
 
 
 def _new_aio() -> Any:

@@ -952,3 +952,36 @@ def test_what_comes_on_a_data_socket_before_its_token_is_not_read_as_a_frame():
     finally:
         threading.excepthook = hook
         listener.close(join=1.0)
+
+
+def test_a_receive_that_ends_empty_after_a_frame_never_hands_out_that_frame_again():
+    """A thread's aio is cleared of its last message, and that message freed, only when
+    its next receive is posted (off the way from a frame to its answer): receives that
+    end with nothing (cancelled, timed out) return nothing, the frames that follow
+    arrive once each and in order, and one received on a spare aio (a receive inside
+    another) neither loses nor repeats one."""
+    a, b = pynng.Pair1(), pynng.Pair1()
+    try:
+        a.listen("tcp://127.0.0.1:0")
+        b.dial("tcp://" + str(a.listeners[0].local_address), block=True)
+        conn = types.SimpleNamespace(_handle=b.socket, closed=False)
+        aio = transport._Aio()
+        a.send(b"first")
+        assert aio.recv(conn, 5.0) == b"first"
+        assert aio.recv(conn, 5.0, ready=lambda: True) is None   # cancelled once posted
+        assert aio.recv(conn, 0.05) is None                      # nothing came
+        a.send(b"second")
+        assert aio.recv(conn, 5.0) == b"second"
+        aio.busy = True   # as inside a receive in progress: the next one uses a spare aio
+        try:
+            a.send(b"inner")
+            assert aio.recv(conn, 5.0) == b"inner"
+        finally:
+            aio.busy = False
+        for word in (b"third", b"fourth"):
+            a.send(word)
+        assert [aio.recv(conn, 5.0), aio.recv(conn, 5.0)] == [b"third", b"fourth"]
+        assert aio.recv(conn, 0.05) is None
+    finally:
+        b.close()
+        a.close()
