@@ -841,7 +841,14 @@ def _decode(reply: Reply) -> tuple[bool, Any]:
 
 
 class Hub:
-    """This process's host of services and its connections to other hubs."""
+    """This process's host of services and its connections to other hubs.
+
+    Why one class of this size: it is the one place where a process's objects and its
+    connections meet; a frame from a peer is dispatched to a hosted service, a call to
+    an address goes to a local service or a connection, and a lost peer or connection
+    reaches every service, all through the two maps (services, connections) that it
+    changes under one lock. A connection to another hub is a :class:`Client`, a
+    pending result a :class:`Handle`, an answer a :class:`ReplySink`."""
 
     def __init__(self, secret: bytes, host: str = "127.0.0.1", auth_timeout: float = 10.0,
                  connect_timeout: float = 30.0, port: int = 0, *,

@@ -161,6 +161,11 @@ class _Waiting:
 class Gate:
     """Accepts TCP connections for nng sockets and hands on only those that sent a header.
 
+    Why one class of this size: one thread and one selector serve every port of a
+    process, and what it decides for one connection (take it, pause a port, evict an
+    idle one, drop the oldest waiting) depends on how many the others hold and how
+    many descriptors are left; its state is only ever touched from that thread.
+
     Args:
         where: names the owner in log lines and the thread's name.
         refused: ``refused(address, reason)`` for every connection closed unserved.

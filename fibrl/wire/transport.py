@@ -1147,6 +1147,14 @@ class _Pending:
 class Listener:
     """Accepts authenticated peers and hands their frames to ``on_frame``.
 
+    Why one class of this size: a connection's admission is one sequence over one set
+    of counts (accepted on the accept socket, answered a challenge, sent its ticket,
+    given a data socket, checked its token, then a :class:`Peer`), and the limit on
+    connections that have not finished it spans every step, so that a stranger
+    holds at most ``max_pending`` of them whichever step it stalls in. The bytes
+    before nng's header are :class:`~fibrl.wire.gate.Gate`'s, and an admitted
+    connection is its :class:`Peer`'s.
+
     Args:
         host: interface to bind (``127.0.0.1`` unless workers run elsewhere).
         secret: the run's shared secret.

@@ -343,6 +343,11 @@ class ReplayStore:
     """A replay buffer served by ``num_shards`` fibrl processes, shared by every process
     that holds it (it pickles: pass it to Process/Pool workers or through a Queue).
 
+    Why one class of this size: it is the store's whole public API, and each method is
+    its shard routing (inserts rotating over the shards, samples and priority updates
+    split and merged across them); the servers' state is :class:`ReplayTable`'s, the
+    samplers, limiters and n-step assembly their own classes.
+
     Args:
         capacity: items held in total (split evenly over the shards).
         sampler: ``"uniform"``, ``"prioritized"`` / :class:`Prioritized` (alpha, beta,
