@@ -192,3 +192,21 @@ def test_one_conftest_module():
     tests = Path(__file__).resolve().parents[1]
     assert sorted(p.relative_to(tests).as_posix() for p in tests.rglob("conftest.py")) \
         == ["conftest.py"]
+
+
+LARGE_CLASS = 320   # lines: "about 300", with room for a docstring's growth
+
+
+def test_a_large_class_says_why_it_is_one_class():
+    """A class of more than about 300 lines says in its docstring why it is not split
+    ("Why one class of this size: ..."): usually one lock or one thread over state
+    that changes together."""
+    found = []
+    for path in sorted(ROOT.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and node.end_lineno is not None:
+                size = node.end_lineno - node.lineno + 1
+                doc = ast.get_docstring(node) or ""
+                if size > LARGE_CLASS and "Why one class of this size:" not in doc:
+                    found.append(f"{path.relative_to(ROOT.parent)}: {node.name}, {size} lines")
+    assert not found, "large classes that do not say why:\n" + "\n".join(found)
