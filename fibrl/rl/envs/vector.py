@@ -619,12 +619,14 @@ class RemoteVectorEnv(VectorEnv):
             self._refuse_broken(env_ids)
         posts = []
         if env_ids is None:
+            plain = type(actions) is np.ndarray
+            sent = plain and fastpath.send_steps(self, actions)
+            # (after the sends: the first worker's start is on every step's critical path)
             self._tick += 1
             if self.policy_version is not None:
                 self._versions[:] = self.policy_version
             self._pending.update(self._every_env)
-            plain = type(actions) is np.ndarray
-            if plain and fastpath.send_steps(self, actions):
+            if sent:
                 return
             if plain:   # a request may be sent again later: not a view of the caller's array
                 actions = actions.copy()
