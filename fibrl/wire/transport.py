@@ -224,7 +224,7 @@ def _frame_of(conn: "_Reading", msg: Any, size: int, stall: Optional[float]) -> 
     """The frame on ``conn`` that starts with the received message ``msg``: ``bytes``
     when small, else a writable memoryview (of nng's message itself, or of the one
     buffer a frame sent in pieces was gathered in)."""
-    body = _ffi.cast("char *", _lib.nng_msg_body(msg))
+    body = _ffi.cast(_CHARS, _lib.nng_msg_body(msg))
     if size < ZERO_COPY_MIN:
         data: bytes = _ffi.unpack(body, size)
         _lib.nng_msg_free(msg)
@@ -333,10 +333,10 @@ class _Aio:
             if self.stale:
                 _lib.nng_aio_set_msg(aio, _NULL)
                 self.stale = False
-                spent = self.spent
-                if spent is not None:
-                    self.spent = None
-                    _lib.nng_msg_free(spent)
+            spent = self.spent
+            if spent is not None:
+                self.spent = None
+                _lib.nng_msg_free(spent)
             ms = -1 if timeout is None else max(1, int(timeout * 1000))
             if ms != self.ms:
                 _lib.nng_aio_set_timeout(aio, ms)
@@ -442,7 +442,7 @@ def _handshake_bytes(aio: _Aio, conn: "_Reading", timeout: Optional[float],
     if msg is None:
         return None
     size = min(_lib.nng_msg_len(msg), HANDSHAKE_MAX_SIZE)
-    data: bytes = _ffi.unpack(_ffi.cast("char *", _lib.nng_msg_body(msg)), size)
+    data: bytes = _ffi.unpack(_ffi.cast(_CHARS, _lib.nng_msg_body(msg)), size)
     _lib.nng_msg_free(msg)
     return data
 
@@ -957,8 +957,9 @@ class _Reading:
                 raise pynng.Closed("closed", _lib.NNG_ECLOSED)
             start = time.monotonic()
             left = timeout
+            closed = self._is_closed
             while True:
-                frame = read(aio, self, left, self._is_closed)
+                frame = read(aio, self, left, closed)
                 if frame is not None:
                     return frame
                 if self.closed:
@@ -1370,7 +1371,7 @@ class Listener:
         msg = _lib.nng_aio_get_msg(aio)
         try:
             pipe_id = _lib.nng_pipe_id(_lib.nng_msg_get_pipe(msg))
-            data: bytes = _ffi.unpack(_ffi.cast("char *", _lib.nng_msg_body(msg)),
+            data: bytes = _ffi.unpack(_ffi.cast(_CHARS, _lib.nng_msg_body(msg)),
                                       _lib.nng_msg_len(msg))
         finally:
             _lib.nng_msg_free(msg)
